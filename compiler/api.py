@@ -1,0 +1,94 @@
+"""The compiler pipeline in one call: load → schema → model facts → memory plan → rules.
+
+Every command (`validate`, `lint`, `plan`, `compile`) goes through :func:`check`, so a recipe that
+passes one passes them all. Each stage adds diagnostics; later stages run only on input the earlier
+ones accepted (rules never see a recipe that failed the schema), so every message is about a real
+problem, not a consequence of one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlc.compiler.diagnostics import Diagnostic
+
+
+@dataclass
+class CheckResult:
+    """Everything the compiler learned about one recipe."""
+
+    loaded: Any  # rlc.compiler.recipe.LoadedRecipe, or None when loading failed
+    recipe: dict[str, Any] | None  # schema defaults filled; None when the schema rejected it
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    facts: Any = None  # rlc.compiler.model.ModelFacts
+    gpu: Any = None  # rlc.compiler.catalog.GpuSpec
+    plan: Any = None  # rlc.compiler.planner.MemoryPlan
+    decisions: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        """True when the recipe can be compiled (no errors; warnings and infos allowed)."""
+        return self.recipe is not None and not self.errors
+
+
+def _place(diags: Sequence[Diagnostic], loaded: Any) -> list[Diagnostic]:
+    """Give diagnostics that only know their key path the file:line:col that set that key."""
+    placed = []
+    for d in diags:
+        if d.file is None and loaded is not None:
+            origin = loaded.locate(d.path or "")
+            if origin is not None:
+                d.file, d.line, d.col = origin.file, origin.line, origin.col
+        placed.append(d)
+    return placed
+
+
+def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
+    """Run every compiler stage on ``path`` with ``--set`` ``overrides``; never raises for bad input."""
+    from rlc.compiler import recipe as recipe_mod
+    from rlc.compiler import schema
+
+    try:
+        loaded = recipe_mod.load_recipe(path, overrides)
+    except recipe_mod.RecipeLoadError as exc:
+        return CheckResult(loaded=None, recipe=None, diagnostics=list(exc.diagnostics))
+
+    diags = list(schema.validate(loaded))
+    if any(d.severity == "error" for d in diags):
+        return CheckResult(loaded=loaded, recipe=None, diagnostics=diags)
+    recipe = schema.with_defaults(loaded.data)
+    result = CheckResult(loaded=loaded, recipe=recipe, diagnostics=diags)
+
+    from rlc.compiler import catalog
+
+    recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
+    try:
+        result.facts = catalog.model_facts(recipe["model"], recipe_dir)
+    except catalog.CatalogError as exc:
+        result.diagnostics.append(Diagnostic("error", str(exc), path=_catalog_path(recipe), rule="RLC001"))
+    try:
+        result.gpu = catalog.gpu_spec(recipe["cluster"]["gpu"])
+    except catalog.CatalogError as exc:
+        result.diagnostics.append(Diagnostic("error", str(exc), path="cluster.gpu", rule="RLC001"))
+
+    if result.facts is not None and result.gpu is not None:
+        from rlc.compiler.planner import plan_memory
+
+        result.plan = plan_memory(recipe, result.facts, result.gpu)
+
+    from rlc.compiler.rules import run_rules
+
+    rules = run_rules(recipe, result.facts, result.plan)
+    result.diagnostics.extend(rules.diagnostics)
+    result.decisions = dict(rules.decisions)
+    result.diagnostics = _place(result.diagnostics, loaded)
+    return result
+
+
+def _catalog_path(recipe: dict[str, Any]) -> str:
+    return "model.config" if "config" in recipe.get("model", {}) else "model.id"

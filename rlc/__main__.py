@@ -1,0 +1,4 @@
+"""``python -m rlc`` is the ``rlc`` command."""
+from rlc.compiler.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""The resolved runtime config (``bundle/runtime.yaml``): the only contract between compiler and runtime.
+
+The compiler (``rlc.compiler.resolve``) writes every value explicitly: defaults filled, derived
+values (world size, data-parallel sizes) computed, and each ``auto`` refit switch decided, with the
+rule that decided it recorded in ``refit.decisions``. The runtime reads nothing else.
+
+This module is pure Python (no torch, ray, vllm or megatron) so that the compiler, CI and the
+runtime share one definition. ``load_runtime_config`` rejects unknown and missing keys, naming the
+key path, so a stale or hand-edited ``runtime.yaml`` fails loudly instead of running with a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class RuntimeConfigError(ValueError):
+    """A ``runtime.yaml`` that does not match this runtime's contract."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to train. ``checkpoint`` is an HF checkpoint directory (config.json + weights)."""
+
+    name: str  # HF id or catalog name, for logs
+    checkpoint: str  # HF checkpoint directory the workers load (AutoBridge / vLLM)
+    tokenizer: str  # tokenizer directory (defaults to checkpoint in the compiler)
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    trust_remote_code: bool
+    # Architecture facts the runtime needs (from the catalog or config.json, see compiler/model.py)
+    num_layers: int | None  # None where the architecture is not public (planner says so)
+    num_experts: int  # 0 for dense models
+    mtp_num_layers: int
+    mtp_shared_embedding: bool  # HF mtp_use_dedicated_embeddings == False
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """How the runtime reaches Ray. ``address: local`` starts a private cluster (hand runs, tests)."""
+
+    address: str  # "auto" (inside an sbatch job) | "local" | "host:port"
+    namespace: str
+    join_timeout_s: int
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: int
+    gpus_per_node: int
+    world_size: int  # derived: nodes * gpus_per_node
+    gpu_type: str
+    gpu_memory_gib: float
+    log_dir: str
+    ray: RayConfig
+
+
+@dataclass(frozen=True)
+class TrainParallelConfig:
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    cp: int
+    vpp: int  # 1 = no virtual pipeline
+    sequence_parallel: bool
+    num_layers_in_first_pipeline_stage: int | None
+    num_layers_in_last_pipeline_stage: int | None
+    dp: int  # derived: world / (tp * pp * cp)
+    expert_dp: int  # derived: world / (ep * etp * pp)
+
+
+@dataclass(frozen=True)
+class GenerationParallelConfig:
+    tp: int
+    pp: int
+    ep: int  # 1 = no expert parallelism
+    dp: int  # number of vLLM engines (derived when the recipe leaves it out)
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """Every seed fix, switched by a flag. ``decisions`` says which rule turned an ``auto`` on/off."""
+
+    buffer_memory_ratio: float | None  # fraction of free memory at refit for both ping-pong halves
+    buffer_gb: float | None  # or a fixed size (GiB) for both halves together
+    alignment_bytes: int
+    sleep_level: int  # 1 keeps vLLM weights (CPU backup), 2 drops them (seed 000 failure 3)
+    offload_optimizer_for_refit: bool  # optimizer state + grads to CPU during refit (seed 002)
+    sync_params_before_refit: bool  # forced param all-gather before export (seed 001)
+    dedupe_mtp_embedding: bool  # drop MTP-replicated embedding on last PP stage (seed 000 failure 1)
+    per_rank_ipc_metadata: bool  # each producer rank sends its own slicing metadata (seed 003)
+    fp32_params: list[str]  # name patterns (fnmatch) kept fp32 on the wire (seed 003)
+    transport: str  # "cuda_ipc" | "shm"
+    decisions: dict[str, str]  # switch -> why (rule id and reason)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float
+    top_p: float
+    top_k: int  # -1 = off
+    max_tokens: int
+    stop: list[str]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    backend: str  # "vllm"
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    max_model_len: int
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str  # "adam" | "sgd"
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    name: str  # "constant" | "cosine" | "linear"
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    optimizer: OptimizerConfig
+    lr_schedule: LRScheduleConfig
+    grad_clip: float
+    micro_batch_size: int
+    global_batch_size: int
+    use_distributed_optimizer: bool
+    overlap_param_gather: bool
+    overlap_grad_reduce: bool
+    optimizer_cpu_offload: bool
+    optimizer_offload_fraction: float
+    activation_checkpointing: str  # "none" | "selective" | "full"
+    max_sequence_length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    enabled: bool
+    max_gen_batches: int
+    batch_multiplier: float
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    prompts_per_step: int
+    generations_per_prompt: int
+    max_steps: int
+    normalize_advantages: bool  # divide by the group's std
+    leave_one_out: bool  # baseline excludes the sample itself
+    dynamic_sampling: DynamicSamplingConfig
+    max_gen_kl: float  # stop the run when gen-KL exceeds this (0 disables)
+    seed: int
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    ratio_clip_low: float
+    ratio_clip_high: float
+    kl_penalty: float  # 0 = no reference model
+    kl_estimator: str  # "k1" | "k2" | "k3"
+    token_level: bool  # average over all tokens of the batch (True) or per sequence first
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_path: str
+    val_path: str | None
+    prompt_key: str
+    answer_key: str
+    prompt_template: str  # Python str.format template with {prompt}
+    max_prompt_length: int
+    shuffle: bool
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str  # built-in name ("math", "exact_match", "first_char") or "module:function"
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool
+    dir: str
+    every_steps: int
+    keep_last: int
+    resume: bool
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    dir: str
+    jsonl: bool
+    tensorboard: bool
+    progress_bar: bool
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    version: int
+    name: str
+    model: ModelConfig
+    cluster: ClusterConfig
+    train_parallel: TrainParallelConfig
+    generation_parallel: GenerationParallelConfig
+    colocated: bool
+    refit: RefitConfig
+    generation: GenerationConfig
+    training: TrainingConfig
+    grpo: GrpoConfig
+    loss: LossConfig
+    data: DataConfig
+    reward: RewardConfig
+    checkpointing: CheckpointConfig
+    logging: LoggingConfig
+    env: dict[str, str] = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- (de)serialisation
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise RuntimeConfigError(f"{path}: must not be null")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            raise RuntimeConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RuntimeConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise RuntimeConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise RuntimeConfigError(f"{path or '<root>'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise RuntimeConfigError(
+            f"unknown key(s) {', '.join(where + k for k in unknown)}: this runtime does not know them; "
+            "recompile the bundle with the rlc that runs it"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if name not in data:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise RuntimeConfigError(f"{sub}: missing; recompile the bundle (runtime.yaml must be fully resolved)")
+        kwargs[name] = _convert(data[name], hints[name], sub)
+    return cls(**kwargs)
+
+
+def runtime_config_from_dict(data: dict[str, Any]) -> RuntimeConfig:
+    """Build a ``RuntimeConfig`` from a mapping; unknown or missing keys raise ``RuntimeConfigError``."""
+    from rlc import RUNTIME_CONFIG_VERSION
+
+    cfg = _build(RuntimeConfig, data, "")
+    if cfg.version != RUNTIME_CONFIG_VERSION:
+        raise RuntimeConfigError(
+            f"version: runtime.yaml is version {cfg.version}, this runtime reads {RUNTIME_CONFIG_VERSION}; "
+            "recompile the bundle"
+        )
+    return cfg
+
+
+def runtime_config_to_dict(cfg: RuntimeConfig) -> dict[str, Any]:
+    """The plain-data form written to ``runtime.yaml``."""
+    return dataclasses.asdict(cfg)
+
+
+def load_runtime_config(path: str | Path) -> RuntimeConfig:
+    """Read ``runtime.yaml`` (YAML, safe loader) into a ``RuntimeConfig``."""
+    import yaml
+
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    return runtime_config_from_dict(data)
