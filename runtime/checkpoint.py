@@ -1,0 +1,250 @@
+"""Driver-state checkpoints: one folder per step, complete only once its marker is written.
+
+Layout::
+
+    <checkpointing.dir>/
+      step_000010/
+        driver_state.json   # the driver's state (step, data cursor, RNG seeds, ...): JSON
+        model/ optimizer/   # shards written by the training workers (not this module's business)
+        COMPLETE            # written last; a folder without it is an interrupted checkpoint
+
+Order of a save: ``begin(root, step)`` makes the step folder (clearing an interrupted one of the
+same step) and returns it for the workers to write their shards into; then ``save(root, step, state)``
+writes ``driver_state.json`` (tmp file + fsync + rename) and then the ``COMPLETE`` marker the same
+way, and prunes to the last ``checkpointing.keep_last``. ``latest`` / ``load`` / ``list_complete``
+only ever see complete checkpoints, so a crash at any point leaves the previous one as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rlc.runtime.checkpoint")
+
+DRIVER_STATE = "driver_state.json"
+COMPLETE_MARKER = "COMPLETE"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint on disk."""
+
+    step: int
+    path: Path  # the step folder (workers' shards live here too)
+    state: dict[str, Any]
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """``<root>/step_000010`` for step 10."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return Path(root) / f"step_{step:06d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file() and (Path(path) / DRIVER_STATE).is_file()
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def list_complete(root: str | Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    return [step for step, path in _step_folders(Path(root)) if is_complete(path)]
+
+
+def list_incomplete(root: str | Path) -> list[int]:
+    """Steps whose folder lacks the marker (interrupted saves, or one being written now)."""
+    return [step for step, path in _step_folders(Path(root)) if not is_complete(path)]
+
+
+def latest(root: str | Path) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    steps = list_complete(root)
+    return steps[-1] if steps else None
+
+
+def _find_unserialisable(value: Any, path: str) -> str | None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{path}[{k!r}] (key must be a string)"
+            bad = _find_unserialisable(v, f"{path}.{k}" if path else k)
+            if bad:
+                return bad
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            bad = _find_unserialisable(v, f"{path}[{i}]")
+            if bad:
+                return bad
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path or '<state>'} (non-finite float {value!r})"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{path or '<state>'} ({type(value).__name__})"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def begin(root: str | Path, step: int) -> Path:
+    """Create (or clear an interrupted) step folder for the workers' shards; returns it.
+
+    Raises ``CheckpointError`` if a *complete* checkpoint of that step exists (it is never overwritten).
+    """
+    d = step_dir(root, step)
+    if is_complete(d):
+        raise CheckpointError(f"checkpoint {d} is already complete; refusing to overwrite it")
+    if d.exists():
+        log.warning("checkpoint: removing interrupted checkpoint %s before saving step %d again", d, step)
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return d
+
+
+def save(root: str | Path, step: int, state: dict[str, Any], *, keep_last: int = 0) -> Path:
+    """Write ``driver_state.json`` then the ``COMPLETE`` marker into the step folder; prune.
+
+    ``state`` must be JSON-serialisable (the error names the offending key). Workers' shards must
+    already be in the folder (``begin``); the folder is created if ``begin`` was not called.
+    ``keep_last > 0`` keeps that many newest complete checkpoints.
+    """
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    bad = _find_unserialisable(state, "")
+    if bad:
+        raise CheckpointError(f"checkpoint state is not JSON-serialisable at {bad}; store plain data there")
+    d = step_dir(root, step)
+    if is_complete(d):
+        raise CheckpointError(f"checkpoint {d} is already complete; refusing to overwrite it")
+    d.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT_VERSION, "step": step, "saved_at": time.time(), "state": state}
+    _atomic_write(d / DRIVER_STATE, json.dumps(payload, indent=1, allow_nan=False))
+    _atomic_write(d / COMPLETE_MARKER, f"step {step}\n")
+    if keep_last > 0:
+        prune(root, keep_last)
+    return d
+
+
+def load(root: str | Path, step: int | None = None) -> Checkpoint:
+    """Read a complete checkpoint (the latest when ``step`` is None)."""
+    if step is None:
+        step = latest(root)
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {root}")
+    d = step_dir(root, step)
+    if not is_complete(d):
+        raise CheckpointError(f"checkpoint {d} is missing or incomplete (no {COMPLETE_MARKER} marker)")
+    try:
+        payload = json.loads((d / DRIVER_STATE).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{d / DRIVER_STATE}: corrupt JSON ({exc})") from None
+    if payload.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{d / DRIVER_STATE}: format {payload.get('format')!r}, this runtime reads {FORMAT_VERSION}"
+        )
+    if payload.get("step") != step:
+        raise CheckpointError(f"{d / DRIVER_STATE}: records step {payload.get('step')!r} but lives in {d.name}")
+    return Checkpoint(step=step, path=d, state=payload["state"])
+
+
+def _remove(path: Path) -> None:
+    marker = path / COMPLETE_MARKER
+    if marker.exists():
+        marker.unlink()  # first, so a half-deleted folder never counts as complete
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: str | Path, keep_last: int) -> list[int]:
+    """Keep the ``keep_last`` newest complete checkpoints; also drop interrupted folders older than
+    the newest complete one (a newer incomplete one may be in progress and is left alone).
+    Returns the removed steps."""
+    if keep_last <= 0:
+        return []
+    folders = _step_folders(Path(root))
+    complete = [s for s, p in folders if is_complete(p)]
+    if not complete:
+        return []
+    keep = set(complete[-keep_last:])
+    newest = complete[-1]
+    removed = []
+    for step, path in folders:
+        if step in keep:
+            continue
+        if not is_complete(path) and step > newest:
+            continue
+        _remove(path)
+        removed.append(step)
+    return removed
+
+
+def should_save(every_steps: int, step: int, max_steps: int) -> bool:
+    """Save at every ``checkpointing.every_steps``-th step and at the last step."""
+    return (every_steps > 0 and step % every_steps == 0) or step == max_steps
+
+
+def resume_from_latest(cfg: Any, *, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
+    """The checkpoint to resume from for a ``CheckpointConfig``, or None to start fresh.
+
+    None when checkpointing or ``resume`` is off or no complete checkpoint exists. Interrupted
+    folders are reported through ``warn`` (default: the module logger) and ignored.
+    """
+    if not (cfg.enabled and cfg.resume):
+        return None
+    say = warn or log.warning
+    incomplete = list_incomplete(cfg.dir)
+    ckpt_step = latest(cfg.dir)
+    if incomplete:
+        say(
+            f"checkpoint: ignoring incomplete checkpoint(s) {', '.join(step_dir(cfg.dir, s).name for s in incomplete)} "
+            f"in {cfg.dir} (no {COMPLETE_MARKER} marker: the save was interrupted)"
+        )
+    if ckpt_step is None:
+        return None
+    return load(cfg.dir, ckpt_step)

@@ -1,0 +1,224 @@
+"""The clipped GRPO policy loss and the generation/trainer logprob check (gen-KL).
+
+Shapes: per-token tensors are ``[batch, seq]`` over the *generated* tokens (prompt tokens masked
+out); ``advantages`` is ``[batch]`` (one per sequence, broadcast over its tokens) or ``[batch, seq]``;
+``mask`` is 1 for tokens that count.
+
+Policy term, per token, with ``ratio = exp(logprobs - old_logprobs)``::
+
+    pg = -min(ratio * A, clamp(ratio, 1 - ratio_clip_low, 1 + ratio_clip_high) * A)
+
+``loss.ratio_clip_low`` / ``loss.ratio_clip_high`` are the clip *epsilons* (0.2 / 0.28 clip the ratio
+to [0.8, 1.28]; asymmetric "clip-higher"). ``old_logprobs`` are the trainer's logprobs before the
+update (or vLLM's generation logprobs when the step makes a single update).
+
+KL penalty (``loss.kl_penalty > 0``), per token, towards the reference policy, with
+``d = ref_logprobs - logprobs``: k1 = ``-d``, k2 = ``d**2 / 2``, k3 = ``exp(d) - d - 1`` (Schulman's
+estimators of KL(pi || ref) from samples of pi; k3 is unbiased and non-negative).
+
+Reduction: ``loss.token_level`` averages over every token of the batch (sum / token count);
+otherwise each sequence is averaged over its tokens first, then sequences are averaged. Under
+gradient accumulation or data parallelism pass ``normalizer`` (the global token count, or the global
+sequence count for the sequence-level mean) so that summing the micro-batch losses gives the
+global-batch mean instead of a mean of means.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlc.runtime.config import LossConfig
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (see module docstring)."""
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        # clamp the exponent: a huge d only makes the penalty infinite, not more informative
+        return torch.exp(d.clamp(max=20.0)) - d - 1.0
+    raise ValueError(f"loss.kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, token_level: bool, normalizer: float | None) -> torch.Tensor:
+    if token_level:
+        denom = mask.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=per_token.dtype)
+        return _masked_sum(per_token, mask) / denom.clamp(min=1.0)
+    tokens_per_seq = mask.sum(dim=-1)
+    per_seq = (per_token * mask).sum(dim=-1) / tokens_per_seq.clamp(min=1.0)
+    if normalizer is None:
+        nonempty = (tokens_per_seq > 0).to(per_token.dtype)
+        return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+    return per_seq.sum() / max(float(normalizer), 1.0)
+
+
+def _check_shapes(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"grpo_loss: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and mask "
+            f"{tuple(mask.shape)} must have the same [batch, seq] shape"
+        )
+    if advantages.dim() == logprobs.dim() - 1 and advantages.shape == logprobs.shape[:-1]:
+        return advantages.unsqueeze(-1)
+    if advantages.shape == logprobs.shape:
+        return advantages
+    raise ValueError(
+        f"grpo_loss: advantages {tuple(advantages.shape)} must be per sequence {tuple(logprobs.shape[:-1])} "
+        f"or per token {tuple(logprobs.shape)}"
+    )
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped GRPO loss (a scalar to ``backward()``) and its metrics (plain floats).
+
+    Metrics: ``loss/policy``, ``loss/kl_ref`` (when penalised), ``clip_fraction`` (tokens whose
+    gradient the clip removed) with its ``clip_low_fraction`` / ``clip_high_fraction`` split,
+    ``approx_kl`` (k3 estimate of KL(old || new), masked mean), ``ratio_mean`` and ``ratio_max``
+    over the masked tokens, and ``num_tokens``.
+    """
+    adv = _check_shapes(logprobs, old_logprobs, advantages, mask)
+    if cfg.ratio_clip_low < 0 or cfg.ratio_clip_high < 0 or cfg.ratio_clip_low >= 1:
+        raise ValueError(
+            f"loss.ratio_clip_low={cfg.ratio_clip_low} / loss.ratio_clip_high={cfg.ratio_clip_high}: clip epsilons "
+            "must be >= 0 and ratio_clip_low < 1 (0.2 clips the ratio at 0.8)"
+        )
+    if logprobs.dtype in (torch.float16, torch.bfloat16):
+        # exp(new - old) in bf16 rounds ratios near 1 by ~0.4%: comparable to the clip range
+        logprobs = logprobs.float()
+    m = mask.to(logprobs.dtype)
+    old = old_logprobs.detach().to(logprobs.dtype)
+    log_ratio = logprobs - old
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - cfg.ratio_clip_low, 1.0 + cfg.ratio_clip_high)
+    adv = adv.to(logprobs.dtype)
+    surr_unclipped = ratio * adv
+    surr_clipped = clipped * adv
+    per_token = -torch.minimum(surr_unclipped, surr_clipped)
+    policy_loss = _reduce(per_token, m, cfg.token_level, normalizer)
+    loss = policy_loss
+
+    metrics: dict[str, float] = {}
+    if cfg.kl_penalty > 0:
+        if ref_logprobs is None:
+            raise ValueError("grpo_loss: loss.kl_penalty > 0 needs ref_logprobs (the reference model's logprobs)")
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
+        kl_loss = _reduce(kl, m, cfg.token_level, normalizer)
+        loss = loss + cfg.kl_penalty * kl_loss
+        metrics["loss/kl_ref"] = kl_loss.item()
+    elif cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"loss.kl_estimator: {cfg.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+    with torch.no_grad():
+        n = m.sum()
+        n_safe = n.clamp(min=1.0)
+        # the clipped branch is active (and the gradient zero) where it is strictly smaller
+        active = (surr_clipped < surr_unclipped).to(m.dtype) * m
+        low = active * (ratio < 1.0 - cfg.ratio_clip_low).to(m.dtype)
+        high = active * (ratio > 1.0 + cfg.ratio_clip_high).to(m.dtype)
+        # k3 with d = log(new/old): (ratio - 1) - log(ratio), estimates KL(old || new) from old's samples
+        approx_kl = kl_estimate(old, logprobs.detach(), "k3")
+        masked_ratio = torch.where(m > 0, ratio.detach(), torch.full_like(ratio, -torch.inf))
+        metrics.update(
+            {
+                "loss/policy": policy_loss.item(),
+                "loss/total": loss.item(),
+                "clip_fraction": (active.sum() / n_safe).item(),
+                "clip_low_fraction": (low.sum() / n_safe).item(),
+                "clip_high_fraction": (high.sum() / n_safe).item(),
+                "approx_kl": (_masked_sum(approx_kl, m) / n_safe).item(),
+                "ratio_mean": (_masked_sum(ratio.detach(), m) / n_safe).item(),
+                "ratio_max": masked_ratio.max().item() if n > 0 else 0.0,
+                "num_tokens": n.item(),
+            }
+        )
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- gen-KL
+
+
+class GenKLExceeded(RuntimeError):
+    """vLLM's sampling logprobs and the trainer's logprobs disagree beyond ``grpo.max_gen_kl``."""
+
+
+def gen_kl(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean per-token KL(p_gen || p_train) on the generated tokens, with the k3 estimator.
+
+    The tokens were sampled from vLLM's distribution p_gen, so with ``d = log p_train - log p_gen``
+    the k3 estimate ``exp(d) - d - 1`` is unbiased for KL(p_gen || p_train), non-negative per token,
+    and exactly 0 when the two sets of logprobs agree. Both must be logprobs of the *same*
+    distribution: the same temperature scaling on both sides (vLLM returns raw-logit logprobs unless
+    told otherwise). Returns 0.0 for an empty mask.
+    """
+    if gen_logprobs.shape != train_logprobs.shape or gen_logprobs.shape != mask.shape:
+        raise ValueError(
+            f"gen_kl: gen_logprobs {tuple(gen_logprobs.shape)}, train_logprobs {tuple(train_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same shape"
+        )
+    m = mask.to(torch.float64)
+    n = m.sum()
+    if n.item() == 0:
+        return 0.0
+    d = train_logprobs.detach().to(torch.float64) - gen_logprobs.detach().to(torch.float64)
+    k3 = torch.exp(d.clamp(max=50.0)) - d - 1.0
+    return ((k3 * m).sum() / n).item()
+
+
+def gen_kl_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """``gen_kl`` plus the mean and max absolute logprob difference on the masked tokens."""
+    m = mask.to(torch.bool)
+    diff = (train_logprobs.detach().double() - gen_logprobs.detach().double()).abs()[m]
+    return {
+        "gen_kl": gen_kl(gen_logprobs, train_logprobs, mask),
+        "gen_logprob_abs_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+        "gen_logprob_abs_diff_max": diff.max().item() if diff.numel() else 0.0,
+    }
+
+
+def check_gen_kl(value: float, *, step: int, threshold: float, detail: dict[str, float] | None = None) -> None:
+    """Raise ``GenKLExceeded`` when ``value`` > ``threshold`` (``grpo.max_gen_kl``; 0 disables).
+
+    A large gen-KL means vLLM is not sampling from the weights being trained, so the policy gradient is
+    silently off-policy; the report lists the causes seen in practice.
+    """
+    if threshold <= 0:
+        return
+    if value <= threshold:  # False for NaN, which is reported
+        return
+    extra = ""
+    if detail:
+        extra = " (" + ", ".join(f"{k}={v:.4g}" for k, v in sorted(detail.items())) + ")"
+    raise GenKLExceeded(
+        f"gen-KL {value:.4g} at step {step} exceeds grpo.max_gen_kl={threshold:g}{extra}: vLLM's sampling "
+        "logprobs and the trainer's logprobs of the same tokens disagree, so training is off-policy on a "
+        "different model than the one being updated. Likely causes:\n"
+        "  - stale weights in vLLM: the refit read parameters before the distributed optimizer's deferred "
+        "all-gather (overlap_param_gather); enable refit.sync_params_before_refit (seed 001)\n"
+        "  - wrong slicing metadata in the refit: each producer rank's buffer sliced with rank 0's "
+        "names/offsets (EP>16 or PP>2); enable refit.per_rank_ipc_metadata (seed 003)\n"
+        "  - dtype mismatch: a parameter that must stay fp32 (e.g. MoE router bias "
+        "e_score_correction_bias) sent as bf16; add it to refit.fp32_params, and check model.dtype "
+        "matches vLLM's dtype\n"
+        "  - logprobs of different distributions: temperature applied on one side only\n"
+        "At step 0 (before any update) a high value points at model loading/conversion, not the refit. "
+        "Set grpo.max_gen_kl: 0 to disable this check."
+    )

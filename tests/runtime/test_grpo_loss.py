@@ -1,0 +1,224 @@
+"""Clipped GRPO loss, KL estimators and the gen-KL check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from rlc.runtime.config import LossConfig  # noqa: E402
+from rlc.runtime.grpo.loss import (  # noqa: E402
+    GenKLExceeded,
+    check_gen_kl,
+    gen_kl,
+    gen_kl_metrics,
+    grpo_loss,
+    kl_estimate,
+)
+
+
+def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True) -> LossConfig:
+    return LossConfig(
+        ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level
+    )
+
+
+def _grad(new: torch.Tensor, old, adv, mask, c, **kw):
+    new = new.clone().requires_grad_(True)
+    loss, metrics = grpo_loss(new, old, adv, mask, c, **kw)
+    loss.backward()
+    return loss, metrics, new.grad
+
+
+def test_on_policy_loss_is_minus_mean_advantage_and_gradient() -> None:
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.9, 0.3, 0.2]], dtype=torch.float64))
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float64)
+    loss, m, grad = _grad(lp, lp, adv, mask, cfg())
+    n = mask.sum()
+    expected = -(adv[:, None] * mask).sum() / n
+    assert loss.item() == pytest.approx(expected.item())
+    assert torch.allclose(grad, -(adv[:, None] * mask) / n)
+    assert m["ratio_mean"] == pytest.approx(1.0) and m["ratio_max"] == pytest.approx(1.0)
+    assert m["clip_fraction"] == 0.0 and m["approx_kl"] == pytest.approx(0.0, abs=1e-12)
+    assert m["num_tokens"] == 5
+
+
+def test_asymmetric_clip_zeroes_gradient_only_where_it_binds() -> None:
+    old = torch.zeros(1, 6, dtype=torch.float64)
+    # ratios: 1.5 (above 1.28), 1.1 (inside), 0.5 (below 0.8), 1.25 (inside the high eps, outside a symmetric 0.2)
+    ratios = torch.tensor([[1.5, 1.1, 0.5, 1.25, 1.5, 0.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 6, dtype=torch.float64)
+    _, m, grad = _grad(torch.log(ratios), old, adv, mask, cfg(low=0.2, high=0.28))
+    g = grad[0]
+    # A > 0: clipped above 1 + high -> no gradient; below 1 - low -> still pushed up (unclipped branch)
+    assert g[0] == 0 and g[1] != 0 and g[2] != 0 and g[3] != 0
+    # A < 0: above the range keeps the gradient (pessimistic branch); below 1 - low is clipped
+    assert g[4] != 0 and g[5] == 0
+    assert m["clip_fraction"] == pytest.approx(2 / 6)
+    assert m["clip_high_fraction"] == pytest.approx(1 / 6) and m["clip_low_fraction"] == pytest.approx(1 / 6)
+    assert m["ratio_max"] == pytest.approx(1.5)
+    # with a symmetric 0.2 the 1.25 ratio is clipped too
+    _, m_sym, grad_sym = _grad(torch.log(ratios), old, adv, mask, cfg(low=0.2, high=0.2))
+    assert grad_sym[0, 3] == 0 and m_sym["clip_fraction"] == pytest.approx(3 / 6)
+
+
+def test_token_level_vs_sequence_level_mean() -> None:
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    adv = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    tok, _ = grpo_loss(old.clone(), old, adv, mask, cfg(token_level=True))
+    seq, _ = grpo_loss(old.clone(), old, adv, mask, cfg(token_level=False))
+    assert tok.item() == pytest.approx(-(1 * 1 + 3 * 4) / 5)
+    assert seq.item() == pytest.approx(-(1 + 3) / 2)
+
+
+def test_empty_sequences_do_not_count_in_sequence_mean() -> None:
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [0, 0]], dtype=torch.float64)
+    loss, m = grpo_loss(old.clone(), old, torch.tensor([2.0, 5.0], dtype=torch.float64), mask, cfg(token_level=False))
+    assert loss.item() == pytest.approx(-2.0) and m["num_tokens"] == 2
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_normalizer_makes_microbatch_losses_add_up(token_level: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    new = torch.randn(6, 5, generator=gen, dtype=torch.float64) * 0.1
+    old = torch.randn(6, 5, generator=gen, dtype=torch.float64) * 0.1
+    adv = torch.randn(6, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).to(torch.float64)
+    mask[:, 0] = 1
+    c = cfg(token_level=token_level)
+    full, _ = grpo_loss(new, old, adv, mask, c)
+    norm = mask.sum().item() if token_level else 6
+    parts = sum(
+        grpo_loss(new[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], c, normalizer=norm)[0]
+        for i in (0, 2, 4)
+    )
+    assert parts.item() == pytest.approx(full.item())
+
+
+def test_kl_estimators_match_formulas() -> None:
+    lp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+    d = ref - lp
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), lp - ref)
+    assert torch.allclose(kl_estimate(lp, ref, "k2"), 0.5 * d**2)
+    assert torch.allclose(kl_estimate(lp, ref, "k3"), torch.exp(d) - d - 1)
+    with pytest.raises(ValueError, match="loss.kl_estimator"):
+        kl_estimate(lp, ref, "k4")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-8, 0), min_size=1, max_size=8), st.lists(st.floats(-8, 0), min_size=1, max_size=8))
+def test_k3_and_k2_are_non_negative(a, b) -> None:
+    n = min(len(a), len(b))
+    lp, ref = torch.tensor(a[:n], dtype=torch.float64), torch.tensor(b[:n], dtype=torch.float64)
+    assert (kl_estimate(lp, ref, "k3") >= -1e-12).all()
+    assert (kl_estimate(lp, ref, "k2") >= 0).all()
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_penalty_is_added(est: str) -> None:
+    lp = torch.log(torch.tensor([[0.5, 0.4]], dtype=torch.float64))
+    ref = torch.log(torch.tensor([[0.3, 0.6]], dtype=torch.float64))
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    base, _ = grpo_loss(lp, lp, adv, mask, cfg())
+    pen, m = grpo_loss(lp, lp, adv, mask, cfg(kl=0.1, est=est), ref_logprobs=ref)
+    kl = kl_estimate(lp, ref, est).mean().item()
+    assert m["loss/kl_ref"] == pytest.approx(kl)
+    assert pen.item() == pytest.approx(base.item() + 0.1 * kl)
+
+
+def test_bad_inputs_are_reported() -> None:
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(x, x, torch.zeros(2), torch.ones(2, 3), cfg(kl=0.1))
+    with pytest.raises(ValueError, match="same"):
+        grpo_loss(x, torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3), cfg())
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(x, x, torch.zeros(3), torch.ones(2, 3), cfg())
+    with pytest.raises(ValueError, match="ratio_clip_low"):
+        grpo_loss(x, x, torch.zeros(2), torch.ones(2, 3), cfg(low=1.0))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        grpo_loss(x, x, torch.zeros(2), torch.ones(2, 3), cfg(est="kl"))
+
+
+def test_per_token_advantages_accepted() -> None:
+    x = torch.zeros(1, 2, dtype=torch.float64)
+    loss, _ = grpo_loss(
+        x, x, torch.tensor([[1.0, 3.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), cfg()
+    )
+    assert loss.item() == pytest.approx(-2.0)
+
+
+# --------------------------------------------------------------------------- gen-KL
+
+
+def test_gen_kl_zero_when_equal_and_ignores_masked_tokens() -> None:
+    g = torch.log(torch.rand(3, 4) * 0.9 + 0.05)
+    mask = torch.ones(3, 4)
+    assert gen_kl(g, g.clone(), mask) == 0.0
+    t = g.clone()
+    t[:, -1] -= 10.0  # garbage on padding
+    mask[:, -1] = 0
+    assert gen_kl(g, t, mask) == 0.0
+    assert gen_kl(g, t, torch.zeros(3, 4)) == 0.0
+    with pytest.raises(ValueError, match="same shape"):
+        gen_kl(g, t[:, :2], mask)
+
+
+def test_gen_kl_estimates_kl_of_generation_from_its_samples() -> None:
+    gen = torch.Generator().manual_seed(1)
+    p_gen = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    p_train = torch.tensor([0.4, 0.35, 0.2, 0.05], dtype=torch.float64)
+    tokens = torch.multinomial(p_gen, 200_000, replacement=True, generator=gen)
+    est = gen_kl(p_gen.log()[tokens][None], p_train.log()[tokens][None], torch.ones(1, tokens.numel()))
+    exact = (p_gen * (p_gen / p_train).log()).sum().item()  # KL(gen || train)
+    reverse = (p_train * (p_train / p_gen).log()).sum().item()
+    assert est == pytest.approx(exact, rel=0.05)
+    assert abs(est - exact) < abs(est - reverse)
+
+
+def test_gen_kl_metrics_and_check() -> None:
+    g = torch.tensor([[-1.0, -2.0]])
+    t = torch.tensor([[-1.5, -2.0]])
+    m = gen_kl_metrics(g, t, torch.ones(1, 2))
+    d = -0.5
+    assert m["gen_kl"] == pytest.approx((math.exp(d) - d - 1) / 2)
+    assert m["gen_logprob_abs_diff_max"] == pytest.approx(0.5)
+    assert m["gen_logprob_abs_diff_mean"] == pytest.approx(0.25)
+
+    check_gen_kl(0.005, step=3, threshold=0.01)
+    check_gen_kl(5.0, step=3, threshold=0.0)  # disabled
+    with pytest.raises(GenKLExceeded) as err:
+        check_gen_kl(0.5, step=7, threshold=0.01, detail={"gen_logprob_abs_diff_max": 3.2})
+    msg = str(err.value)
+    for needle in (
+        "step 7",
+        "0.5",
+        "grpo.max_gen_kl=0.01",
+        "seed 001",
+        "seed 003",
+        "dtype",
+        "gen_logprob_abs_diff_max=3.2",
+    ):
+        assert needle in msg
+    with pytest.raises(GenKLExceeded):
+        check_gen_kl(float("nan"), step=1, threshold=0.01)
+
+
+def test_bf16_inputs_are_computed_in_fp32_and_grad_flows_back() -> None:
+    new = torch.tensor([[-1.0, -0.5]], dtype=torch.bfloat16, requires_grad=True)
+    old = torch.tensor([[-1.004, -0.5]], dtype=torch.bfloat16)
+    loss, m = grpo_loss(new, old, torch.tensor([1.0]), torch.ones(1, 2), cfg())
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert new.grad is not None and new.grad.dtype == torch.bfloat16
+    expected = math.exp(new[0, 0].float().item() - old[0, 0].float().item())
+    assert m["ratio_max"] == pytest.approx(expected, rel=1e-6)
