@@ -1,0 +1,237 @@
+"""Refit bandwidth: the full refit protocol between two processes on one device vs a plain copy.
+
+    python benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2     # GPU: two processes, one GPU
+    python benchmarks/refit_bandwidth.py --backend shm --mib 64         # CPU: shared memory (CI)
+
+The producer (this process) holds ``--gib`` of bf16 "exported" tensors; the consumer (a spawned
+process on the same device) holds same-shaped destination tensors and its ``load_weights`` copies
+into them, as vLLM's ``load_weights`` does. Each refit is the real ``RefitProducer.send`` /
+``RefitConsumer.receive`` (planning, ping-pong buffers, ZMQ control, manifest check). Next to it,
+in the same run, a single-process copy of the same bytes (device-to-device for cuda_ipc, memcpy
+for shm) gives the reference bandwidth. Prints a table and ``ratio = refit / copy`` (goal >= 0.5).
+
+Note: a refit moves every byte twice (pack into the IPC buffer, then load into the parameter),
+so 0.5 is the two-copy bound unless the two copies overlap on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+try:  # installed (pip install -e .) or bootstrapped from a plain checkout
+    import rlc.runtime.refit  # noqa: F401
+except ImportError:
+    _ROOT = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(_ROOT))
+    import rlc
+
+    rlc.__path__.append(str(_ROOT))  # rlc.runtime -> <repo>/runtime (the package-dir map of setup.py)
+
+import torch
+
+from rlc.runtime.config import RefitConfig
+from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
+from rlc.runtime.refit.consumer import RefitConsumer
+from rlc.runtime.refit.producer import RefitProducer
+from rlc.runtime.refit.specs import TensorSpec, format_bytes
+
+ROW = 4096  # hidden size of the synthetic weights
+
+
+def make_specs(total_bytes: int, tensor_bytes: int) -> list[TensorSpec]:
+    n = max(1, total_bytes // tensor_bytes)
+    rows = max(1, tensor_bytes // (2 * ROW))
+    return [TensorSpec(f"model.layers.{i}.mlp.experts.w", (rows, ROW), "bfloat16") for i in range(n)]
+
+
+def make_backend(kind: str):
+    if kind == "cuda_ipc":
+        torch.cuda.set_device(0)
+        return CudaIpcBackend(0)
+    return ShmBackend("bench-shm")
+
+
+def device_of(kind: str) -> torch.device:
+    return torch.device("cuda", 0) if kind == "cuda_ipc" else torch.device("cpu")
+
+
+def sync(kind: str) -> None:
+    if kind == "cuda_ipc":
+        torch.cuda.synchronize(0)
+
+
+def consumer_proc(args: dict, out: mp.Queue) -> None:
+    """Consumer side: same-shaped destination tensors; load_weights copies into them."""
+    torch.set_num_threads(1)
+    try:
+        kind = args["backend"]
+        backend = make_backend(kind)
+        dev = device_of(kind)
+        dst = {s.name: torch.empty(s.shape, dtype=torch.bfloat16, device=dev) for s in make_specs(args["total"], args["tensor"])}
+        consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120)
+        consumer.prepare()
+
+        def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+            for name, w in weights:
+                dst[name].copy_(w)
+
+        metrics = [consumer.receive(load_weights).to_dict() for _ in range(args["runs"])]
+        sync(kind)
+        checksum = float(sum(t.double().sum().item() for t in dst.values()))
+        consumer.close()
+        out.put({"ok": True, "metrics": metrics, "checksum": checksum})
+    except BaseException as e:  # reported by the parent
+        out.put({"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def copy_baseline(kind: str, src: list[torch.Tensor], runs: int) -> list[float]:
+    """Seconds of one single-process copy pass over the same tensors (same bytes, same count)."""
+    dst = [torch.empty_like(t) for t in src]
+    times = []
+    for _ in range(runs):
+        sync(kind)
+        t0 = time.perf_counter()
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        sync(kind)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU copies: same single thread in both processes (the child's default below)
+    try:
+        return _main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv: list[str] | None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["cuda_ipc", "shm"], default="cuda_ipc")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--gib", type=float, help="weights to refit, GiB (default 2 for cuda_ipc)")
+    size.add_argument("--mib", type=float, help="weights to refit, MiB (default 64 for shm)")
+    ap.add_argument("--tensor-mib", type=float, default=None, help="size of each weight tensor, MiB (default: min(64, total/32))")
+    ap.add_argument("--buffer-gb", type=float, default=None, help="refit.buffer_gb (both halves); default 1/2 of the weights")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    a = ap.parse_args(argv)
+    if a.gib is not None:
+        total = int(a.gib * (1 << 30))
+    elif a.mib is not None:
+        total = int(a.mib * (1 << 20))
+    else:
+        total = 2 << 30 if a.backend == "cuda_ipc" else 64 << 20
+    tensor = int(a.tensor_mib * (1 << 20)) if a.tensor_mib else min(64 << 20, total // 32)
+    tensor = max(2 * ROW, min(tensor, total))
+    specs = make_specs(total, tensor)
+    total = sum(s.nbytes for s in specs)
+    buffer_gb = a.buffer_gb if a.buffer_gb is not None else total / 2 / (1 << 30)
+    runs = a.warmup + a.repeats
+
+    cfg = RefitConfig(
+        buffer_memory_ratio=None,
+        buffer_gb=buffer_gb,
+        alignment_bytes=256,
+        sleep_level=2,
+        offload_optimizer_for_refit=True,
+        sync_params_before_refit=True,
+        dedupe_mtp_embedding=False,
+        per_rank_ipc_metadata=True,
+        fp32_params=[],
+        transport=a.backend,
+        decisions={},
+    )
+    backend = make_backend(a.backend)
+    dev = device_of(a.backend)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    src = [torch.randn(s.shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16) for s in specs]
+    sync(a.backend)
+    checksum = float(sum(t.double().sum().item() for t in src))
+
+    session = "bench" + uuid.uuid4().hex[:8]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=consumer_proc, args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs}, out))
+    child.start()
+    producer = RefitProducer(cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120)
+    try:
+        producer.prepare(specs)
+        refits = [producer.send(zip([s.name for s in specs], src)) for _ in range(runs)]
+    finally:
+        producer.close()
+    result = out.get(timeout=300)
+    child.join(60)
+    if not result["ok"]:
+        raise SystemExit(f"consumer failed: {result['error']}")
+    if abs(result["checksum"] - checksum) > 1e-6 * max(1.0, abs(checksum)):
+        raise SystemExit(f"consumer weights differ from the producer's: checksum {result['checksum']} != {checksum}")
+
+    copy_times = copy_baseline(a.backend, src, runs)[a.warmup :]
+    measured = refits[a.warmup :]
+    refit_s = statistics.median(m.seconds for m in measured)
+    copy_s = statistics.median(copy_times)
+    refit_gbps, copy_gbps = total / refit_s / 1e9, total / copy_s / 1e9
+    ratio = refit_gbps / copy_gbps
+    m0 = measured[0]
+    consumer_load = statistics.median(c["load_seconds"] for c in result["metrics"][a.warmup :])
+    device = torch.cuda.get_device_name(0) if a.backend == "cuda_ipc" else "CPU"
+    copy_label = "device-to-device copy, same bytes" if a.backend == "cuda_ipc" else "memcpy (torch copy_), same bytes"
+    print(
+        f"refit bandwidth on {device}: backend={a.backend}, {format_bytes(total)} in {len(specs)} bf16 tensors of "
+        f"{format_bytes(specs[0].nbytes)}; halves {format_bytes(m0.half_bytes)} ({m0.buffer_source}), "
+        f"{m0.num_buckets} buckets/refit; median of {a.repeats} (+{a.warmup} warmup)"
+    )
+    med = statistics.median
+    cons = result["metrics"][a.warmup :]
+    rows = [
+        (copy_label, copy_s, copy_gbps),
+        ("two-copy bound (copy time x 2: pack + load)", 2 * copy_s, copy_gbps / 2),
+        (f"refit {a.backend} (pack + ZMQ + load + manifest)", refit_s, refit_gbps),
+        ("  producer: pack (copy into buffer + sync)", med(m.pack_seconds for m in measured), None),
+        ("  producer: allocate / free buffers", med(m.alloc_seconds for m in measured), None),
+        ("  producer: blocked on acks", med(m.wait_ack_seconds for m in measured), None),
+        ("  consumer: load_weights (+ sync)", consumer_load, None),
+        ("  consumer: open / close buffers (IPC map)", med(c["open_seconds"] for c in cons), None),
+        ("  consumer: waiting for buckets", med(c["wait_seconds"] for c in cons), None),
+    ]
+    print(f"| {'measurement':<52} | {'seconds':>9} | {'GB/s':>9} |")
+    print(f"|{'-' * 54}|{'-' * 11}|{'-' * 11}|")
+    for label, secs, gbps in rows:
+        rate = f"{gbps:>9.1f}" if gbps is not None else " " * 9
+        print(f"| {label:<52} | {secs:>9.4f} | {rate} |")
+    verdict = "meets" if ratio >= 0.5 else "BELOW"
+    print(
+        f"ratio refit/copy = {ratio:.3f} ({verdict} the goal >= 0.5; a refit copies every byte twice, so 0.5 is "
+        "the bound unless pack and load overlap on the device)"
+    )
+    summary = {
+        "backend": a.backend,
+        "device": device,
+        "bytes": total,
+        "tensors": len(specs),
+        "copy_seconds": copy_s,
+        "copy_gbps": copy_gbps,
+        "refit_seconds": refit_s,
+        "refit_gbps": refit_gbps,
+        "ratio": ratio,
+        "buckets": m0.num_buckets,
+        "half_bytes": m0.half_bytes,
+        "refit_metrics": [m.to_dict() for m in measured],
+    }
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

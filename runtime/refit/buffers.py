@@ -1,0 +1,307 @@
+"""Refit buffer backends: CUDA IPC (production) and CPU shared memory (CI), same interface.
+
+A backend knows its **device key** (the GPU UUID for CUDA IPC; a caller-chosen key for shm), how
+much memory is free, how to allocate a buffer and export an opaque handle for it (producer), and
+how to open such a handle and slice typed views out of it (consumer).
+
+CUDA IPC: the producer allocates ``torch.empty(n, uint8, device)`` and exports it with
+``torch.multiprocessing.reductions.reduce_tensor``; the handle tuple is pickled (this is what
+torch produces; nothing else in the protocol is pickled). The consumer finds the local device
+index whose UUID equals the producer's (CUDA_VISIBLE_DEVICES may differ between the Megatron and
+vLLM processes), patches that index into the rebuild arguments and calls torch's rebuild.
+
+Shared memory: POSIX segments in /dev/shm (registered with the resource tracker so a crashed
+producer does not leak them), mmapped and wrapped with ``torch.frombuffer``.
+Closing a segment while a view is alive raises, which is how CI catches view leaks.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import secrets
+import weakref
+from abc import ABC, abstractmethod
+from multiprocessing import resource_tracker
+from typing import Any, Sequence
+
+import torch
+
+from rlc.runtime.refit.errors import RefitLeakError, RefitProtocolError
+from rlc.runtime.refit.protocol import BufferRef
+
+
+_SHM_DIR = "/dev/shm"  # POSIX shared memory on Linux
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise RefitProtocolError(f"unknown dtype {name!r} on the refit wire")
+    return dt
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def free_device_memory(device: int | str | torch.device | None = None) -> int:
+    """Free bytes on a CUDA device (``torch.cuda.mem_get_info``), the input of the bucket planner."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def free_shm_memory(path: str = "/dev/shm") -> int:
+    """Free bytes of the shared-memory filesystem (the shm backend's 'device memory')."""
+    st = os.statvfs(path)
+    return int(st.f_bavail * st.f_frsize)
+
+
+def cuda_index(device: int | str | torch.device | None = None) -> int:
+    """Local CUDA device index of ``device`` (None / "cuda" -> the current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"refit cuda_ipc backend needs a CUDA device, got {device!r}")
+    return torch.cuda.current_device() if dev.index is None else dev.index
+
+
+def cuda_device_uuid(device: int | str | torch.device | None = None) -> str:
+    """The GPU UUID of ``device`` as a string (stable across processes and CUDA_VISIBLE_DEVICES)."""
+    return str(torch.cuda.get_device_properties(cuda_index(device)).uuid)
+
+
+class Buffer:
+    """A byte buffer (1-D uint8 tensor) with typed, zero-copy views."""
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, label: str) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.nbytes = nbytes
+        self.label = label
+        self._views: list[tuple[str, weakref.ref]] = []
+
+    def view(self, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype, name: str = "") -> torch.Tensor:
+        """A tensor of ``shape``/``dtype`` aliasing ``[offset, offset + nbytes)``; tracked for leaks."""
+        if self.tensor is None:
+            raise RefitProtocolError(f"buffer {self.label} is closed")
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise RefitProtocolError(
+                f"tensor {name!r}: slice [{offset}, {offset + nbytes}) is outside buffer {self.label} "
+                f"({self.nbytes} bytes)"
+            )
+        t = self.tensor[offset : offset + nbytes].view(dtype).view(tuple(shape))
+        self._views.append((name, weakref.ref(t)))
+        return t
+
+    def live_views(self) -> list[str]:
+        """Names of views handed out by ``view`` that are still referenced somewhere."""
+        return [n for n, ref in self._views if ref() is not None]
+
+    def forget_views(self) -> None:
+        self._views = []
+
+    def check_no_live_views(self, who: str) -> None:
+        live = self.live_views()
+        if live:
+            shown = ", ".join(repr(n) for n in live[:8]) + (f" ... ({len(live)} in all)" if len(live) > 8 else "")
+            raise RefitLeakError(
+                f"{who}: views of refit buffer {self.label} are still referenced after use: {shown}. The "
+                "buffer is overwritten by the next bucket and released after the refit, so load_weights must "
+                "copy the data (param.copy_(w)), not keep the tensor"
+            )
+        self._views = []
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class BufferBackend(ABC):
+    """Allocates (producer) / opens (consumer) refit buffers on one device."""
+
+    name: str = ""
+    device_key: str = ""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def free_memory(self) -> int: ...
+
+    @abstractmethod
+    def allocate(self, nbytes: int, label: str) -> tuple[Buffer, bytes]:
+        """A new buffer and its opaque handle payload for the consumer."""
+
+    @abstractmethod
+    def open(self, ref: BufferRef, payload: bytes, label: str) -> Buffer:
+        """Open a producer's buffer from its handle (on this same device)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait until this process's queued copies on the device are complete."""
+
+    def collect(self) -> None:
+        """Release memory freed by closed buffers (producer side, end of refit)."""
+
+    def release_cached(self) -> None:
+        """Return cached free memory to the device (so the generation engine can use it)."""
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+class _ShmBuffer(Buffer):
+    """A shared-memory segment: created (and unlinked) by the producer, mapped by the consumer.
+
+    The mapping is never unmapped explicitly: ``torch.frombuffer`` does not pin the mmap, so an
+    explicit close would leave live views dangling. Dropping the last reference unmaps it; a view
+    that is still alive at ``close`` keeps the mapping valid and is reported as a leak.
+    """
+
+    def __init__(self, mm: mmap.mmap, nbytes: int, label: str, unlink_name: str | None) -> None:
+        tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        super().__init__(tensor, nbytes, label)
+        self.mm: mmap.mmap | None = mm
+        self.unlink_name = unlink_name
+
+    def close(self) -> None:
+        live = self.live_views()
+        self.tensor = None
+        self.mm = None
+        if self.unlink_name is not None:
+            name, self.unlink_name = self.unlink_name, None
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+            resource_tracker.unregister("/" + name, "shared_memory")
+        if live:
+            raise RefitLeakError(
+                f"shared-memory refit buffer {self.label} closed while views are still referenced "
+                f"({', '.join(map(repr, live[:8]))}); load_weights must copy, not keep"
+            )
+
+
+class ShmBackend(BufferBackend):
+    """CPU shared-memory buffers; ``device_key`` pairs a producer with its consumer (like a GPU UUID)."""
+
+    name = "shm"
+
+    def __init__(self, device_key: str, free_bytes: int | None = None) -> None:
+        self.device_key = device_key
+        self._free_bytes = free_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def free_memory(self) -> int:
+        return self._free_bytes if self._free_bytes is not None else free_shm_memory()
+
+    def allocate(self, nbytes: int, label: str) -> tuple[Buffer, bytes]:
+        name = f"rlc-refit-{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mm = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        # The resource tracker unlinks the segment if this process dies before close().
+        resource_tracker.register("/" + name, "shared_memory")
+        return _ShmBuffer(mm, nbytes, label, unlink_name=name), name.encode("utf-8")
+
+    def open(self, ref: BufferRef, payload: bytes, label: str) -> Buffer:
+        if ref.device_key != self.device_key:
+            raise RefitProtocolError(
+                f"buffer {label} belongs to device {ref.device_key!r}, this consumer is on {self.device_key!r}"
+            )
+        # Mapped directly, not through SharedMemory: attaching would register the segment with the
+        # (shared) resource tracker a second time. The producer owns and unlinks it.
+        name = payload.decode("utf-8")
+        fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, max(ref.nbytes, 1))
+        finally:
+            os.close(fd)
+        return _ShmBuffer(mm, ref.nbytes, label, unlink_name=None)
+
+    def synchronize(self) -> None:
+        """CPU copies are synchronous."""
+
+
+# --------------------------------------------------------------------------- CUDA IPC
+
+_REBUILD_DEVICE_ARG = 6  # index of storage_device in reduce_tensor's rebuild_cuda_tensor args
+
+
+class _CudaBuffer(Buffer):
+    def close(self) -> None:
+        self.tensor = None
+
+
+class CudaIpcBackend(BufferBackend):
+    """CUDA IPC buffers on one GPU, keyed by the GPU's UUID."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, device: int | str | torch.device | None = None, free_bytes: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("refit.transport=cuda_ipc needs a CUDA device; use 'shm' on CPU")
+        self.index = cuda_index(device)
+        self.device_key = cuda_device_uuid(self.index)
+        self._free_bytes = free_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def free_memory(self) -> int:
+        return self._free_bytes if self._free_bytes is not None else free_device_memory(self.index)
+
+    def allocate(self, nbytes: int, label: str) -> tuple[Buffer, bytes]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        func, args = reduce_tensor(t)
+        return _CudaBuffer(t, nbytes, label), pickle.dumps((func, args))
+
+    def open(self, ref: BufferRef, payload: bytes, label: str) -> Buffer:
+        if ref.device_key != self.device_key:
+            raise RefitProtocolError(
+                f"buffer {label} was allocated on GPU {ref.device_key}, this consumer is on GPU {self.device_key}; "
+                "producer and consumer must be colocated on the same GPU"
+            )
+        func, args = pickle.loads(payload)  # same-job, same-node peer; torch's own IPC format
+        args = list(args)
+        if getattr(func, "__name__", "") != "rebuild_cuda_tensor" or len(args) <= _REBUILD_DEVICE_ARG:
+            raise RefitProtocolError(
+                f"unexpected CUDA IPC handle layout from reduce_tensor ({getattr(func, '__name__', func)}, "
+                f"{len(args)} args): producer and consumer torch versions differ?"
+            )
+        args[_REBUILD_DEVICE_ARG] = self.index
+        t = func(*args)
+        return _CudaBuffer(t, ref.nbytes, label)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def collect(self) -> None:
+        torch.cuda.ipc_collect()
+
+    def release_cached(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def make_backend(transport: str, *, device_key: str | None = None, device: Any = None, free_bytes: int | None = None) -> BufferBackend:
+    """Backend for ``refit.transport``: ``"cuda_ipc"`` (device = GPU index) or ``"shm"`` (device_key required)."""
+    if transport == "cuda_ipc":
+        return CudaIpcBackend(device, free_bytes=free_bytes)
+    if transport == "shm":
+        if not device_key:
+            raise ValueError("the shm refit backend needs an explicit device_key (pairs producer and consumer)")
+        return ShmBackend(device_key, free_bytes=free_bytes)
+    raise ValueError(f"refit.transport={transport!r}: expected 'cuda_ipc' or 'shm'")

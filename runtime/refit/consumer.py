@@ -1,0 +1,281 @@
+"""Refit consumer: one per generation worker; opens its own GPU's buffers and loads bucket by bucket.
+
+Usage (inside the vLLM worker extension)::
+
+    consumer = RefitConsumer(session=job_id)          # CUDA IPC on the current GPU
+    consumer.prepare()                                # pairs with the producer on the same GPU
+    metrics = consumer.receive(lambda ws: model_runner.model.load_weights(weights=ws))
+
+``receive`` handles one refit: for each bucket it opens new buffers, checks the bucket's metadata
+against the manifest its own producer announced at ``prepare`` (provenance, names, shapes, bytes,
+bounds), calls ``load_weights`` with zero-copy views, waits for the device, verifies that no view
+outlived ``load_weights`` (the half is overwritten two buckets later), and acks. At the end it
+checks that every expected tensor arrived exactly once and releases every buffer mapping.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
+from rlc.runtime.refit.bucket_planner import SLOT_ONEOFF
+from rlc.runtime.refit.channel import Channel, endpoint, new_socket
+from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError
+from rlc.runtime.refit.manifest import ManifestTracker
+from rlc.runtime.refit.metrics import ConsumerMetrics
+from rlc.runtime.refit.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Begin,
+    BucketMeta,
+    BucketMsg,
+    Done,
+    End,
+    Hello,
+    HelloAck,
+    Subscribe,
+)
+from rlc.runtime.refit.specs import TensorSpec, specs_from_json
+
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+EventHook = Callable[[str, int], None]
+
+
+class RefitConsumer:
+    """Receives one producer's weights on the same GPU and hands them to ``load_weights``."""
+
+    def __init__(
+        self,
+        *,
+        session: str,
+        transport: str = "cuda_ipc",
+        backend: BufferBackend | None = None,
+        device: Any = None,
+        device_key: str | None = None,
+        timeout_s: float = 600.0,
+        socket_dir: str = "/tmp",
+        event_hook: EventHook | None = None,
+    ) -> None:
+        """
+        Args:
+            session: same string as the producer's (job id).
+            transport / backend: ``"cuda_ipc"`` (current GPU, or ``device``) or ``"shm"`` (``device_key``).
+            timeout_s: longest wait for the producer at any step.
+            event_hook: ``hook(event, bucket_index)`` for ``recv``, ``load_start``, ``load_end``, ``ack``
+                (emitted just before the ack is sent).
+        """
+        self.backend = backend or make_backend(transport, device=device, device_key=device_key)
+        self.device_key = self.backend.device_key
+        self.session = session
+        self.timeout_s = timeout_s
+        self.socket_dir = socket_dir
+        self.event_hook = event_hook
+        self.name = f"refit consumer (GPU {self.device_key})"
+        self._chan: Channel | None = None
+        self._meta_chan: Channel | None = None
+        self._hello: Hello | None = None
+        self._expected: list[TensorSpec] = []
+        self._last_refit_id = 0
+        self._broken: str | None = None
+
+    @property
+    def expected(self) -> list[TensorSpec]:
+        """The wire export list announced by this GPU's producer."""
+        return list(self._expected)
+
+    @property
+    def producer_rank(self) -> int:
+        if self._hello is None:
+            raise RefitProtocolError(f"{self.name}: prepare() has not run")
+        return self._hello.producer_rank
+
+    def _emit(self, event: str, index: int) -> None:
+        if self.event_hook is not None:
+            self.event_hook(event, index)
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RefitError(
+                f"{self.name} is unusable after an earlier failure ({self._broken[:300]}); create a new "
+                "producer and consumer pair (new session)"
+            )
+
+    def prepare(self) -> list[TensorSpec]:
+        """Pair with the producer on this GPU key and receive its export list (blocks up to ``timeout_s``)."""
+        self._check_usable()
+        if self._chan is None:
+            sock = new_socket(zmq.PAIR)
+            sock.connect(endpoint(self.session, self.device_key, socket_dir=self.socket_dir))
+            self._chan = Channel(sock, self.name, self.timeout_s)
+            self._chan.peer_name = "its producer"
+        try:
+            msg, _ = self._chan.recv("the producer's hello (is the trainer rank on this GPU calling prepare?)")
+            if not isinstance(msg, Hello):
+                raise RefitProtocolError(f"{self.name}: expected hello, got {msg.kind!r}")
+            if msg.protocol_version != PROTOCOL_VERSION or msg.session != self.session:
+                raise RefitProtocolError(
+                    f"{self.name}: producer speaks protocol {msg.protocol_version} for session {msg.session!r}; "
+                    f"this consumer speaks {PROTOCOL_VERSION} for {self.session!r}"
+                )
+            if msg.device_key != self.device_key or msg.backend != self.backend.name:
+                raise RefitProtocolError(
+                    f"{self.name}: producer rank {msg.producer_rank} is on {msg.device_key} ({msg.backend}); "
+                    f"this consumer is on {self.device_key} ({self.backend.name})"
+                )
+            self._chan.peer_pid = msg.producer_pid
+            self._chan.name = f"refit consumer of producer rank {msg.producer_rank} (GPU {self.device_key})"
+            self.name = self._chan.name
+            if msg.metadata_source_rank != msg.producer_rank:
+                self._subscribe(msg)
+            self._chan.send(HelloAck(device_key=self.device_key, consumer_pid=os.getpid()))
+        except BaseException as e:
+            self._broken = f"prepare failed: {e}"
+            raise
+        self._hello = msg
+        self._expected = specs_from_json(msg.specs)
+        return self.expected
+
+    def _subscribe(self, hello: Hello) -> None:
+        """Slice with another rank's metadata (legacy rank-0 mode / fault injection)."""
+        if hello.metadata_endpoint is None:
+            raise RefitProtocolError(f"{self.name}: foreign metadata source without an endpoint")
+        if self._meta_chan is None:
+            sock = new_socket(zmq.DEALER)
+            sock.connect(hello.metadata_endpoint)
+            self._meta_chan = Channel(sock, self.name + " metadata relay", self.timeout_s)
+            self._meta_chan.peer_name = f"producer rank {hello.metadata_source_rank}'s metadata relay"
+        self._meta_chan.send(Subscribe(device_key=self.device_key, consumer_pid=os.getpid()))
+
+    def _foreign_meta(self, refit_id: int, index: int) -> BucketMeta:
+        assert self._meta_chan is not None
+        while True:
+            msg, _ = self._meta_chan.recv(f"metadata of bucket {index} from the metadata source rank")
+            if not isinstance(msg, BucketMsg):
+                raise RefitProtocolError(f"{self.name}: unexpected {msg.kind!r} on the metadata relay")
+            if (msg.meta.refit_id, msg.meta.index) == (refit_id, index):
+                return msg.meta
+            if (msg.meta.refit_id, msg.meta.index) > (refit_id, index):
+                raise RefitProtocolError(
+                    f"{self.name}: metadata source has no bucket {index} in refit {refit_id} (it sent "
+                    f"{msg.meta.refit_id}/{msg.meta.index})"
+                )
+
+    def receive(self, load_weights: LoadWeights) -> ConsumerMetrics:
+        """Receive one refit and load it; returns this side's metrics. Raises on any mismatch."""
+        self._check_usable()
+        if self._chan is None or self._hello is None:
+            raise RefitProtocolError(f"{self.name}: call prepare() before receive()")
+        run = _ConsumerRun(self, load_weights)
+        try:
+            return run.execute()
+        except BaseException as e:
+            self._broken = f"refit failed: {e}"
+            run.release_all(check=False)
+            if not isinstance(e, RefitRemoteError):
+                self._chan.try_send_error(str(e), where=self.name)
+            raise
+
+    def close(self) -> None:
+        for chan in (self._chan, self._meta_chan):
+            if chan is not None:
+                chan.close()
+        self._chan = self._meta_chan = None
+
+
+class _ConsumerRun:
+    """State of one ``receive``: opened buffers, manifest, metrics."""
+
+    def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights) -> None:
+        self.c = consumer
+        self.chan = consumer._chan
+        assert self.chan is not None and consumer._hello is not None
+        self.hello = consumer._hello
+        self.load_weights = load_weights
+        self.buffers: dict[int, Buffer] = {}
+
+    def execute(self) -> ConsumerMetrics:
+        c, hello = self.c, self.hello
+        msg, _ = self.chan.recv("the producer's begin (is the trainer rank on this GPU calling send?)")
+        if not isinstance(msg, Begin) or msg.refit_id <= c._last_refit_id:
+            raise RefitProtocolError(f"{c.name}: expected begin of a new refit, got {msg}")
+        refit_id = msg.refit_id
+        c._last_refit_id = refit_id
+        t_start = time.perf_counter()
+        m = ConsumerMetrics(refit_id=refit_id, producer_rank=hello.producer_rank, device_key=c.device_key)
+        tracker = ManifestTracker(c._expected, hello.producer_rank, hello.device_key, refit_id)
+        foreign = hello.metadata_source_rank != hello.producer_rank
+        while True:
+            t0 = time.perf_counter()
+            msg, payload = self.chan.recv(f"bucket {m.num_buckets} or end of refit {refit_id}")
+            m.wait_seconds += time.perf_counter() - t0
+            if isinstance(msg, End):
+                break
+            if not isinstance(msg, BucketMsg):
+                raise RefitProtocolError(f"{c.name}: expected a bucket, got {msg.kind!r}")
+            own = msg.meta
+            c._emit("recv", own.index)
+            if msg.open is not None:
+                if payload is None:
+                    raise RefitProtocolError(f"{c.name}: bucket {own.index} opens a buffer but carries no handle")
+                t0 = time.perf_counter()
+                old = self.buffers.pop(msg.open.slot, None)
+                if old is not None:
+                    old.check_no_live_views(c.name)
+                    old.close()
+                self.buffers[msg.open.slot] = c.backend.open(msg.open, payload, f"slot{msg.open.slot}/refit{refit_id}")
+                m.open_seconds += time.perf_counter() - t0
+            buf = self.buffers.get(own.slot)
+            if buf is None:
+                raise RefitProtocolError(f"{c.name}: bucket {own.index} uses slot {own.slot}, which was never opened")
+            # The buffer is always this GPU's; the metadata is this GPU's producer's unless the
+            # legacy/fault-injection mode points elsewhere (then the manifest check must catch it).
+            meta = c._foreign_meta(refit_id, own.index) if foreign else own
+            tracker.check_bucket(meta, buf.nbytes)
+            c._emit("load_start", own.index)
+            t1 = time.perf_counter()
+            weights = [(e.name, buf.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
+            loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
+            if loaded != meta.nbytes:
+                raise RefitProtocolError(f"{c.name}: bucket {own.index} sliced {loaded} bytes, metadata says {meta.nbytes}")
+            self.load_weights(weights)
+            del weights
+            c.backend.synchronize()  # loads have read the buffer before the producer may overwrite it
+            m.load_seconds += time.perf_counter() - t1
+            buf.check_no_live_views(c.name)
+            c._emit("load_end", own.index)
+            if own.slot == SLOT_ONEOFF:
+                t0 = time.perf_counter()
+                self.buffers.pop(SLOT_ONEOFF).close()  # before the ack: the producer frees it on ack
+                m.open_seconds += time.perf_counter() - t0
+            c._emit("ack", own.index)  # before sending, so a cross-process event log stays causal
+            self.chan.send(Ack(refit_id=refit_id, index=own.index, loaded_bytes=loaded))
+            m.num_buckets += 1
+            m.num_tensors += len(meta.entries)
+            m.bytes += loaded
+        if msg.refit_id != refit_id:
+            raise RefitProtocolError(f"{c.name}: end of refit {msg.refit_id} during refit {refit_id}")
+        t0 = time.perf_counter()
+        self.release_all(check=True)
+        m.open_seconds += time.perf_counter() - t0
+        tracker.finish(msg.num_buckets, msg.num_tensors, msg.total_bytes)
+        m.seconds = time.perf_counter() - t_start
+        self.chan.send(Done(refit_id=refit_id, consumer_metrics=m.to_dict()))
+        return m
+
+    def release_all(self, check: bool) -> None:
+        """Close every mapping of the producer's buffers; with ``check``, leaked views raise."""
+        buffers, self.buffers = self.buffers, {}
+        errors = []
+        for buf in buffers.values():
+            try:
+                if check:
+                    buf.check_no_live_views(self.c.name)
+                buf.close()
+            except RefitError as e:
+                errors.append(e)
+        if errors and check:
+            raise errors[0]

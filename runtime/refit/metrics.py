@@ -1,0 +1,78 @@
+"""Per-refit metrics (pure Python): one producer-side record per refit, JSONL-ready via ``to_dict``.
+
+``RefitMetrics`` answers the questions the seed reports had to reconstruct from logs by hand: how
+many bytes and buckets, how long, how fast, how much memory was free before/after and at the
+tightest point, how big the halves were and which knob sized them, and which seed fixes were
+active for this refit.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def fixes_active(refit_cfg: Any, metadata_source_rank: int, producer_rank: int) -> dict[str, Any]:
+    """Which seed fixes are on for this refit (from ``RefitConfig``, duck-typed)."""
+    return {
+        "per_rank_ipc_metadata": metadata_source_rank == producer_rank,  # seed 003
+        "metadata_source_rank": metadata_source_rank,
+        "fp32_params": list(refit_cfg.fp32_params),  # seed 003
+        "sleep_level": refit_cfg.sleep_level,  # seed 000 failure 3
+        "offload_optimizer_for_refit": refit_cfg.offload_optimizer_for_refit,  # seed 002
+        "sync_params_before_refit": refit_cfg.sync_params_before_refit,  # seed 001
+        "dedupe_mtp_embedding": refit_cfg.dedupe_mtp_embedding,  # seed 000 failure 1
+    }
+
+
+@dataclass
+class ConsumerMetrics:
+    """What the consumer saw in one refit (sent back to the producer in ``Done``)."""
+
+    refit_id: int
+    producer_rank: int
+    device_key: str
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    load_seconds: float = 0.0  # inside load_weights (+ device sync)
+    wait_seconds: float = 0.0  # waiting for the next bucket
+    open_seconds: float = 0.0  # opening / closing the producer's buffers (CUDA IPC map/unmap)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RefitMetrics:
+    """One refit, seen from the producer (with the consumer's view attached)."""
+
+    refit_id: int
+    producer_rank: int
+    device_key: str
+    transport: str
+    num_tensors: int = 0
+    num_buckets: int = 0
+    num_oneoff_buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    gbps: float = 0.0  # bytes / seconds / 1e9
+    free_before_bytes: int = 0
+    free_after_bytes: int = 0
+    min_free_bytes: int = 0  # tightest free memory observed during the refit
+    half_bytes: int = 0
+    peak_buffer_bytes: int = 0  # refit buffers alive at once (halves in use + largest one-off)
+    buffer_source: str = ""
+    pack_seconds: float = 0.0  # copying exported tensors into the buffers (+ device sync per bucket)
+    alloc_seconds: float = 0.0  # allocating / exporting / freeing the buffers
+    wait_ack_seconds: float = 0.0  # blocked on the consumer (ping-pong stall)
+    export_seconds: float = 0.0  # waiting on the exporter's iterator
+    fp32_tensors: int = 0
+    precision_lost: list[str] = field(default_factory=list)  # fp32 on the wire but exported in 16 bit
+    fixes: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    consumer: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the JSONL logger; keys are stable."""
+        return asdict(self)

@@ -1,0 +1,198 @@
+"""Refit wire protocol: message dataclasses and their JSON framing (pure Python, no torch, no zmq).
+
+One producer (a Megatron rank) talks to one consumer (the vLLM worker on the same GPU) over a
+ZMQ ``PAIR`` socket. Every message is a multipart ZMQ message: frame 0 is a JSON header
+(``{"kind": ..., fields...}``); a message that opens a buffer carries the backend's opaque handle
+as frame 1 (a shared-memory name, or the pickled CUDA IPC handle tuple that
+``torch.multiprocessing.reductions.reduce_tensor`` produces; nothing else is pickled).
+
+Conversation, per producer/consumer pair::
+
+    prepare:  P -> C  Hello(specs, producer rank, GPU key, metadata source)   C -> P  HelloAck
+    refit:    P -> C  Begin
+              P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
+              C -> P  Ack(k)                                                    ...
+              P -> C  End(totals)                  C -> P  Done(ok | error, consumer metrics)
+    failure:  either side may send Error(message) instead; the other side raises it.
+
+Per-bucket metadata (``BucketMeta``) always names the producer rank and GPU key it was made by,
+so a consumer can tell its own producer's metadata from another rank's (seed 003).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from rlc.runtime.refit.errors import RefitProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """Where one tensor sits in its bucket's buffer."""
+
+    name: str
+    offset: int
+    shape: list[int]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """Slicing metadata of one bucket, stamped with the producer that packed it."""
+
+    refit_id: int
+    index: int
+    slot: int  # 0 / 1 ping-pong half, -1 one-off
+    producer_rank: int
+    device_key: str  # GPU UUID (cuda_ipc) or the shm device key of the producer
+    buffer_bytes: int
+    entries: list[EntryMeta]
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BucketMeta":
+        d = dict(d)
+        d["entries"] = [EntryMeta(**e) for e in d["entries"]]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    """A buffer the consumer must open for this bucket; the opaque handle travels as frame 1."""
+
+    slot: int
+    nbytes: int
+    backend: str
+    device_key: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; ``kind`` is the JSON discriminator."""
+
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    kind: ClassVar[str] = "hello"
+    protocol_version: int
+    session: str
+    producer_rank: int
+    device_key: str
+    backend: str
+    producer_pid: int
+    specs: list[dict[str, Any]]  # wire specs, export order as announced
+    metadata_source_rank: int  # whose per-bucket metadata the consumer slices with
+    metadata_endpoint: str | None  # ZMQ endpoint of that rank's metadata relay (None: own producer)
+    export_dtype: str
+    fp32_params: list[str]
+
+
+@dataclass(frozen=True)
+class HelloAck(Message):
+    kind: ClassVar[str] = "hello_ack"
+    device_key: str
+    consumer_pid: int
+
+
+@dataclass(frozen=True)
+class Subscribe(Message):
+    """Consumer -> a foreign producer's metadata relay (only when it is told to slice with its metadata)."""
+
+    kind: ClassVar[str] = "subscribe"
+    device_key: str
+    consumer_pid: int
+
+
+@dataclass(frozen=True)
+class Begin(Message):
+    kind: ClassVar[str] = "begin"
+    refit_id: int
+    plan: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BucketMsg(Message):
+    kind: ClassVar[str] = "bucket"
+    meta: BucketMeta
+    open: BufferRef | None = None
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    kind: ClassVar[str] = "ack"
+    refit_id: int
+    index: int
+    loaded_bytes: int
+
+
+@dataclass(frozen=True)
+class End(Message):
+    kind: ClassVar[str] = "end"
+    refit_id: int
+    num_buckets: int
+    num_tensors: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    kind: ClassVar[str] = "done"
+    refit_id: int
+    consumer_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    kind: ClassVar[str] = "error"
+    message: str
+    where: str
+
+
+_KINDS: dict[str, type[Message]] = {
+    c.kind: c for c in (Hello, HelloAck, Subscribe, Begin, BucketMsg, Ack, End, Done, Error)
+}
+
+
+def encode(msg: Message, payload: bytes | None = None) -> list[bytes]:
+    """Message (+ optional handle payload) -> ZMQ frames."""
+    body = {"kind": msg.kind, **asdict(msg)}
+    frames = [json.dumps(body, separators=(",", ":")).encode("utf-8")]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+def decode(frames: list[bytes]) -> tuple[Message, bytes | None]:
+    """ZMQ frames -> (message, payload or None)."""
+    if not frames:
+        raise RefitProtocolError("empty ZMQ message")
+    try:
+        body = json.loads(frames[0].decode("utf-8"))
+        kind = body.pop("kind")
+        cls = _KINDS[kind]
+    except (ValueError, KeyError) as e:
+        raise RefitProtocolError(f"undecodable refit message header {frames[0][:200]!r}: {e}") from e
+    names = {f.name for f in fields(cls)}
+    unknown = set(body) - names
+    if unknown:
+        raise RefitProtocolError(f"refit message {kind!r} has unknown fields {sorted(unknown)}: version skew?")
+    if cls is BucketMsg:
+        body["meta"] = BucketMeta.from_dict(body["meta"])
+        if body.get("open") is not None:
+            body["open"] = BufferRef(**body["open"])
+    msg = cls(**body)
+    payload = frames[1] if len(frames) > 1 else None
+    return msg, payload

@@ -1,0 +1,21 @@
+"""The refit bandwidth benchmark runs end to end on the shm backend (the GPU run uses cuda_ipc)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_refit_bandwidth_benchmark_shm(capsys):
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))  # the spawned consumer inherits sys.path and imports the module
+    import refit_bandwidth
+    summary = refit_bandwidth.main(["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert "| memcpy (torch copy_), same bytes" in out and "ratio refit/copy = " in out
+    assert summary["bytes"] == 4 << 20 and summary["tensors"] == 32
+    assert summary["refit_gbps"] > 0 and summary["copy_gbps"] > 0
+    assert summary["buckets"] >= 2  # halves are a quarter of the weights each
+    for m in summary["refit_metrics"]:
+        assert m["bytes"] == 4 << 20 and m["consumer"]["bytes"] == 4 << 20

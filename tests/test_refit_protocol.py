@@ -1,0 +1,188 @@
+"""The full refit protocol across real processes: shm buffers, ZMQ ipc:// sockets, spawn.
+
+Two producers with different tensor sets/orders (like PP stages / EP ranks) each stream to the
+consumer "on their GPU"; each consumer checks every tensor bit for bit. Fault cases: swapped
+metadata, the legacy rank-0-metadata mode, a dead consumer, a leaking load_weights, an exporter
+that skips a tensor. Processes come from one spawn pool per module (torch import is the cost).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from rlc.runtime.refit import _harness as H
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return {"seq": CTX.Value("q", 0), "log": CTX.Queue(), "gate": CTX.Event()}
+
+
+@pytest.fixture(scope="module")
+def pool(shared):
+    ex = ProcessPoolExecutor(
+        max_workers=4, mp_context=CTX, initializer=H.init_worker, initargs=(shared["seq"], shared["log"], shared["gate"])
+    )
+    yield ex
+    ex.shutdown(wait=False, cancel_futures=True)  # idle workers exit on their own
+
+
+def _session() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def _run(pool, producers: list[dict], consumers: list[dict], timeout: float = 60) -> tuple[list[dict], list[dict]]:
+    futs_c = [pool.submit(H.consumer_main, c) for c in consumers]
+    futs_p = [pool.submit(H.producer_main, p) for p in producers]
+    return [f.result(timeout) for f in futs_p], [f.result(timeout) for f in futs_c]
+
+
+def _ok(result: dict) -> dict:
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{result.get('traceback', '')}"
+    return result
+
+
+def _drain(log, until: set | None = None, timeout: float = 10.0) -> list[tuple]:
+    """Event-log entries ``(seq, side, rank, event, index)``; waits until the ``until`` keys are in."""
+    out: list[tuple] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            out.append(log.get(timeout=0.05))
+            continue
+        except queue.Empty:
+            pass
+        have = {(side, ev, i) for _n, side, _r, ev, i in out}
+        if not until or until <= have or time.monotonic() > deadline:
+            return sorted(out)
+
+
+def test_two_producers_with_different_layouts_two_refits(pool, shared):
+    s = _session()
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": r, "steps": 2} for r in (0, 1)],
+        [{"session": s, "device": r, "steps": 2} for r in (0, 1)],
+    )
+    _drain(shared["log"])
+    for rank, (p, c) in enumerate(zip(prods, cons)):
+        _ok(p), _ok(c)
+        specs = H.rank_specs(rank)
+        assert c["mismatches"] == []  # every tensor bit-identical to what its own producer exported
+        assert c["loaded"] == [sorted(x.name for x in specs)] * 2  # exactly its rank's tensors, both refits
+        assert c["dtypes"][f"model.layers.{rank}.mlp.gate.e_score_correction_bias"] == "float32"  # seed 003
+        assert c["dtypes"]["model.norm.weight" if rank else "model.embed_tokens.weight"] == "bfloat16"
+        for m, cm in zip(p["metrics"], c["metrics"]):
+            assert m["num_tensors"] == len(specs) == cm["num_tensors"]
+            assert m["bytes"] == cm["bytes"] > 0 and m["num_buckets"] == cm["num_buckets"] >= 3
+            assert m["gbps"] > 0 and m["seconds"] > 0 and m["fp32_tensors"] == 1
+            assert m["fixes"]["per_rank_ipc_metadata"] is True and m["fixes"]["sleep_level"] == 2
+            assert m["consumer"]["bytes"] == m["bytes"] and m["half_bytes"] == 8192
+        assert [m["refit_id"] for m in p["metrics"]] == [1, 2]
+        assert p["held_previous"] == []  # the producer drops each exported tensor before asking for the next
+    # rank 1 exports an 8-KiB-half-busting fused expert tensor -> exactly one one-off bucket
+    assert prods[1]["metrics"][0]["num_oneoff_buckets"] == 1
+    assert prods[1]["metrics"][0]["peak_buffer_bytes"] == 2 * 8192 + 32768
+    assert prods[0]["metrics"][0]["num_oneoff_buckets"] == 0
+    if prods[0]["metrics"][0]["bytes"] == prods[1]["metrics"][0]["bytes"]:
+        pytest.fail("the two synthetic ranks must differ in size for this test to mean anything")
+
+
+def test_swapped_metadata_between_ranks_is_caught_by_the_manifest(pool, shared):
+    s = _session()
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": r, "metadata_source_rank": 1 - r, "metadata_subscribers": 1} for r in (0, 1)],
+        [{"session": s, "device": r} for r in (0, 1)],
+    )
+    _drain(shared["log"])
+    for rank, (p, c) in enumerate(zip(prods, cons)):
+        assert not c["ok"] and c["error_type"] == "RefitManifestError", c
+        assert f"from producer rank {1 - rank}" in c["error"] and "per_rank_ipc_metadata" in c["error"]
+        assert c["loaded"] == []  # caught before a single tensor was loaded under a wrong name
+        assert not p["ok"] and p["error_type"] == "RefitRemoteError" and "RefitManifestError" not in p["error_type"]
+        assert f"from producer rank {1 - rank}" in p["error"]  # the consumer's reason reaches the trainer log
+
+
+def test_legacy_rank0_metadata_mode_is_caught(pool, shared):
+    """``per_rank_ipc_metadata=False`` reproduces seed 003 (rank 0's metadata everywhere)."""
+    s = _session()
+    cfg = {"per_rank_ipc_metadata": False}
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": r, "cfg": cfg} for r in (0, 1)],
+        [{"session": s, "device": r} for r in (0, 1)],
+    )
+    _drain(shared["log"])
+    _ok(prods[0]), _ok(cons[0])  # rank 0 slices its own buffer with its own metadata: fine
+    assert prods[0]["metrics"][0]["fixes"]["per_rank_ipc_metadata"] is True
+    assert not cons[1]["ok"] and cons[1]["error_type"] == "RefitManifestError"
+    assert "from producer rank 0" in cons[1]["error"]
+    assert not prods[1]["ok"] and prods[1]["error_type"] == "RefitRemoteError"
+
+
+def test_ping_pong_packs_next_bucket_before_previous_ack(pool, shared):
+    shared["gate"].clear()
+    _drain(shared["log"])
+    s = _session()
+    prods, cons = _run(pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "gate_first_bucket": True}])
+    _ok(prods[0]), _ok(cons[0])
+    assert cons[0]["gate_opened"] is True  # load of bucket 0 was held until the producer packed bucket 1
+    keys = {("producer", "pack_start", 1), ("producer", "pack_start", 2), ("producer", "ack", 0), ("producer", "send", 0)}
+    keys |= {("consumer", "ack", 0), ("consumer", "recv", 0), ("consumer", "load_end", 0)}
+    events = _drain(shared["log"], until=keys)
+    seq = {(side, ev, i): n for n, side, _rank, ev, i in events}
+    assert seq[("producer", "pack_start", 1)] < seq[("consumer", "ack", 0)] < seq[("producer", "ack", 0)]
+    assert seq[("producer", "send", 0)] < seq[("consumer", "recv", 0)]
+    # half 0 is reused by bucket 2 only after bucket 0's ack arrived
+    assert seq[("producer", "ack", 0)] < seq[("producer", "pack_start", 2)]
+    assert seq[("consumer", "load_end", 0)] < seq[("consumer", "ack", 0)]
+
+
+def test_load_weights_keeping_views_is_a_leak_error(pool, shared):
+    s = _session()
+    prods, cons = _run(pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "keep_views": True}])
+    _drain(shared["log"])
+    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitLeakError"
+    assert "model.embed_tokens.weight" in cons[0]["error"] and "must" in cons[0]["error"]
+    assert not prods[0]["ok"] and "RefitLeakError" not in prods[0]["error_type"]
+
+
+def test_exporter_skipping_a_tensor_fails_on_both_sides(pool, shared):
+    s = _session()
+    prods, cons = _run(pool, [{"session": s, "rank": 1, "world_size": 1, "drop_last": True}], [{"session": s, "device": 1}])
+    _drain(shared["log"])
+    assert not prods[0]["ok"] and "without yielding 1 announced tensor(s): 'lm_head.weight'" in prods[0]["error"]
+    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitRemoteError" and "lm_head.weight" in cons[0]["error"]
+
+
+def test_plan_error_reaches_the_consumer_before_any_transfer(pool, shared):
+    s = _session()
+    prods, cons = _run(pool, [{"session": s, "rank": 1, "world_size": 1, "free_bytes": 40000}], [{"session": s, "device": 1}])
+    _drain(shared["log"])
+    assert not prods[0]["ok"] and prods[0]["error_type"] == "RefitPlanError"
+    assert "model.layers.1.mlp.experts.gate_up_proj" in prods[0]["error"] and "refit.sleep_level" in prods[0]["error"]
+    assert not cons[0]["ok"] and "RefitPlanError" not in cons[0]["error_type"] and cons[0]["loaded"] == []
+    assert "gate_up_proj" in cons[0]["error"]
+
+
+def test_dead_consumer_is_an_error_not_a_hang(pool):
+    s = _session()
+    consumer = CTX.Process(target=H.consumer_main, args=({"session": s, "device": 0, "die_in_load": True},))
+    consumer.start()
+    try:
+        t0 = time.monotonic()
+        result = pool.submit(H.producer_main, {"session": s, "rank": 0, "world_size": 1, "timeout_s": 30}).result(60)
+        elapsed = time.monotonic() - t0
+    finally:
+        consumer.join(10)
+    assert not result["ok"] and result["error_type"] == "RefitTimeoutError"
+    assert "died" in result["error"] and "its consumer" in result["error"]
+    assert elapsed < 25  # noticed through the pid check, well before the 30 s timeout
