@@ -1,0 +1,424 @@
+"""The ``rlc`` command line.
+
+Subcommands: ``validate``, ``lint``, ``show``, ``schema``, ``explain``, ``plan``, ``compile``,
+``submit``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
+error, i.e. a bug in rlc). Bad input never produces a Python traceback; ``--debug`` shows one for
+internal errors.
+
+``validate``/``lint``/``plan``/``compile`` all go through :func:`run_check`
+(``rlc.compiler.api.check``), so a recipe that passes one passes them all. Heavy or optional
+modules (the API pipeline, bundle, submit, rules, jsonschema, jinja2) are imported inside the
+command that needs them: ``rlc validate`` stays fast and never imports torch, ray, vllm or
+megatron.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rlc.compiler.diagnostics import (
+    DEFAULT_ORIGIN,
+    FORMATTERS,
+    Diagnostic,
+    PathPart,
+    exit_code,
+    format_path,
+    format_text,
+    sort_diagnostics,
+    summary,
+)
+
+EXIT_OK, EXIT_RECIPE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """A problem with how rlc was called (exit code 2)."""
+
+
+def _version() -> str:
+    from rlc import __version__
+
+    return __version__
+
+
+# --------------------------------------------------------------------------- the check pipeline
+
+def run_check(path: str, overrides: Sequence[str] = ()) -> Any:
+    """Every compiler stage on one recipe: ``rlc.compiler.api.check`` (a ``CheckResult`` with
+    ``loaded``, ``recipe``, ``diagnostics``, ``plan``, ``decisions``)."""
+    from rlc.compiler import api
+
+    return api.check(path, overrides)
+
+
+def _recipe_arg(text: str) -> str:
+    """A recipe file, or the name of a shipped recipe when no such file exists."""
+    if os.path.exists(text):
+        return text
+    from rlc.compiler.recipe import looks_like_path, shipped_recipe_path
+
+    if not looks_like_path(text):
+        try:
+            return str(shipped_recipe_path(text))
+        except KeyError:
+            pass
+    return text
+
+
+def _print_diags(diags: Sequence[Diagnostic], stream: Any = None) -> None:
+    if diags:
+        (stream or sys.stderr).write(format_text(diags))
+
+
+def _checked(args: argparse.Namespace) -> tuple[Any, list[Diagnostic], int]:
+    from rlc.compiler.lint import apply_ignores
+
+    result = run_check(_recipe_arg(args.file), args.set or ())
+    diags = _ordered(apply_ignores(result.diagnostics, result.recipe), result)
+    return result, diags, exit_code(diags)
+
+
+def _ordered(diags: Sequence[Diagnostic], result: Any) -> list[Diagnostic]:
+    """Reading order, the checked recipe's own file first (parents' after)."""
+    root = getattr(getattr(result, "loaded", None), "root", None)
+    return sort_diagnostics(diags, root.file if root is not None else None)
+
+
+# --------------------------------------------------------------------------- commands
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check one recipe: YAML, extends, --set, schema, model facts, memory plan and rules."""
+    _result, diags, code = _checked(args)
+    _print_diags(diags)
+    if code == EXIT_OK:
+        extra = f" ({summary(diags)})" if diags else ""
+        print(f"{args.file}: ok{extra}")
+    else:
+        print(f"{args.file}: {summary(diags)}", file=sys.stderr)
+    return code
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    """Check every recipe under the given files/folders; print in text, GitHub or JSON format."""
+    from rlc.compiler.lint import apply_ignores, lint
+
+    def check(path: str) -> list[Diagnostic]:
+        result = run_check(path, ())
+        return _ordered(apply_ignores(result.diagnostics, result.recipe), result)
+
+    diags, target = lint(args.paths, check)
+    sys.stdout.write(FORMATTERS[args.format](diags))
+    if args.format == "text" or args.verbose:
+        skipped = f", skipped {len(target.skipped)} other YAML file(s)" if target.skipped else ""
+        print(f"linted {len(target.recipes)} recipe(s){skipped}: {summary(diags)}", file=sys.stderr)
+    return exit_code(diags)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print the resolved recipe (extends merged, --set applied, defaults filled)."""
+    from rlc.compiler import recipe as recipe_mod
+
+    if args.list:
+        for name in recipe_mod.shipped_recipe_names():
+            print(name)
+        return EXIT_OK
+    if not args.file:
+        raise UsageError("show needs a recipe FILE (or --list)")
+    from rlc.compiler import schema
+
+    try:
+        loaded = recipe_mod.load_recipe(_recipe_arg(args.file), args.set or ())
+    except recipe_mod.RecipeLoadError as exc:
+        _print_diags(exc.diagnostics)
+        return exit_code(exc.diagnostics)
+    diags = schema.validate(loaded)
+    resolved = schema.with_defaults(loaded.data)
+    comment = None
+    if args.origin:
+        def comment(path: tuple[PathPart, ...]) -> str:
+            origin = loaded.origins.get(format_path(path))
+            return str(origin) if origin is not None else DEFAULT_ORIGIN
+    sys.stdout.write(dump_yaml(resolved, comment))
+    _print_diags(diags)
+    return exit_code(diags)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Print the recipe JSON Schema, or the Markdown reference rendered from it."""
+    from rlc.compiler import schema
+
+    if args.markdown:
+        from rlc.compiler.docs import render_markdown
+
+        text = render_markdown(schema.load_schema())
+    else:
+        text = schema.schema_text()
+    if args.output:
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_OK
+
+
+def _stage(module: str, name: str | None = None) -> Any:
+    """Import a later compiler stage (``rlc.compiler.<module>``) inside the command that needs it;
+    a stage missing from this build is a usage error, not a crash."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"rlc.compiler.{module}")
+        return getattr(mod, name) if name else mod
+    except ImportError as exc:
+        if not (exc.name or "").startswith("rlc.compiler"):
+            raise
+        raise UsageError(f"rlc.compiler.{module} is not available in this build") from None
+    except AttributeError:
+        raise UsageError(f"rlc.compiler.{module}.{name} is not available in this build") from None
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Explain a rule id (``RLC301``): what it checks, why, and how to fix it."""
+    rules = _stage("rules")
+    if args.list:
+        for r in rules.all_rules():
+            print(f"{r.id}  {'/'.join(r.severities):<15} {r.title}")
+        return EXIT_OK
+    if not args.rule:
+        raise UsageError("explain needs a RULE id (or --list)")
+    try:
+        text = rules.explain(args.rule)
+    except LookupError as exc:  # UnknownRuleError: its message suggests close ids
+        raise UsageError(str(exc) if str(exc) else f"unknown rule {args.rule!r}") from None
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Show the memory plan and the refit decisions for a recipe."""
+    result, diags, code = _checked(args)
+    plan = getattr(result, "plan", None)
+    if args.json:
+        payload = {
+            "diagnostics": [d.__dict__ for d in diags],
+            "decisions": {k: list(v) if isinstance(v, tuple) else v
+                          for k, v in (getattr(result, "decisions", {}) or {}).items()},
+            "plan": _jsonable(plan),
+        }
+        print(json.dumps(payload, indent=2, default=str))
+        return code
+    _print_diags(diags)
+    if plan is not None:
+        render = getattr(plan, "render", None)
+        print(render() if callable(render) else plan)
+    elif code == EXIT_OK:
+        print(f"{args.file}: no memory plan (see the messages above)", file=sys.stderr)
+    return code
+
+
+def _jsonable(obj: Any) -> Any:
+    if obj is None:
+        return None
+    for name in ("to_dict", "as_dict"):
+        method = getattr(obj, name, None)
+        if callable(method):
+            return method()
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Compile a recipe into a launch bundle folder."""
+    result, diags, code = _checked(args)
+    _print_diags(diags)
+    if code != EXIT_OK:
+        return code
+    build_bundle = _stage("bundle", "build_bundle")
+    out = build_bundle(result, Path(args.output), force=args.force)
+    print(f"wrote bundle {out or args.output}")
+    return EXIT_OK
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit a compiled bundle with sbatch (``--test-only`` asks SLURM without queueing)."""
+    submit = _stage("submit", "submit")
+    code = submit(Path(args.bundle), test_only=args.test_only)
+    return int(code or 0)
+
+
+# --------------------------------------------------------------------------- show's YAML output
+
+def _yaml_scalar(value: Any) -> str:
+    """One scalar in YAML that rlc's YAML 1.2 loader reads back as the same value."""
+    import yaml
+
+    from rlc.compiler.yaml_loader import Resolver12
+
+    style = None
+    if isinstance(value, str):
+        tag = Resolver12().resolve(yaml.ScalarNode, value, (True, False))
+        if tag != "tag:yaml.org,2002:str" or not value.isprintable() or value != value.strip():
+            style = '"'  # PyYAML's double quotes escape control and line-break characters
+    if isinstance(value, dict) and not value:
+        return "{}"
+    if isinstance(value, list) and not value:
+        return "[]"
+    text = yaml.safe_dump(value, default_flow_style=True, default_style=style, allow_unicode=True,
+                          width=1 << 30)
+    text = text.rstrip("\n")
+    return text[:-4] if text.endswith("\n...") else text
+
+
+def dump_yaml(data: Any, comment: Callable[[tuple[PathPart, ...]], str | None] | None = None) -> str:
+    """Block-style YAML for ``data``; ``comment(path)`` adds ``  # text`` after each key/item.
+
+    PyYAML cannot write comments, hence this small emitter; scalars still go through PyYAML
+    (double-quoted for strings that YAML 1.2 would read as another type), so quoting and escaping
+    are PyYAML's.
+    """
+    lines: list[str] = []
+
+    def note(path: tuple[PathPart, ...]) -> str:
+        text = comment(path) if comment else None
+        return f"  # {text}" if text else ""
+
+    def nested(value: Any) -> bool:
+        return isinstance(value, (dict, list)) and bool(value)
+
+    def emit(value: Any, path: tuple[PathPart, ...], indent: int) -> None:
+        pad = " " * indent
+        if isinstance(value, dict):
+            for key, child in value.items():
+                head = f"{pad}{_yaml_scalar(key)}:"
+                if nested(child):
+                    lines.append(head + note(path + (key,)))
+                    emit(child, path + (key,), indent + 2)
+                else:
+                    lines.append(f"{head} {_yaml_scalar(child)}{note(path + (key,))}")
+        else:
+            for i, child in enumerate(value):
+                if isinstance(child, dict) and child:
+                    start = len(lines)
+                    emit(child, path + (i,), indent + 2)
+                    lines[start] = f"{pad}- {lines[start][indent + 2:]}"
+                elif nested(child):
+                    lines.append(f"{pad}-{note(path + (i,))}")
+                    emit(child, path + (i,), indent + 2)
+                else:
+                    lines.append(f"{pad}- {_yaml_scalar(child)}{note(path + (i,))}")
+
+    if nested(data):
+        emit(data, (), 0)
+    else:
+        lines.append(_yaml_scalar(data))
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- argument parsing
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlc`` argument parser (exposed for documentation and tests)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show a traceback for internal errors")
+    sets = argparse.ArgumentParser(add_help=False)
+    sets.add_argument("--set", action="append", metavar="KEY=VALUE",
+                      help="override a key after extends (VALUE is YAML); repeatable")
+
+    parser = argparse.ArgumentParser(
+        prog="rlc", parents=[common],
+        description="Declarative recipe compiler for large-scale RL post-training.",
+        epilog="exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors",
+    )
+    parser.add_argument("--version", action="version", version=f"rlc {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str,
+            with_set: bool = False) -> argparse.ArgumentParser:
+        parents = [common, sets] if with_set else [common]
+        p = sub.add_parser(name, parents=parents, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("validate", cmd_validate, "check one recipe", with_set=True)
+    p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
+
+    p = add("lint", cmd_lint, "check recipes in files and folders (for CI and pre-commit)")
+    p.add_argument("paths", metavar="PATH", nargs="+", help="recipe files or folders (recursive)")
+    p.add_argument("--format", choices=sorted(FORMATTERS), default="text", help="output format")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the summary in every format")
+
+    p = add("show", cmd_show, "print the resolved recipe (extends, --set and defaults applied)",
+            with_set=True)
+    p.add_argument("file", metavar="FILE", nargs="?", help="recipe file or shipped recipe name")
+    p.add_argument("--origin", action="store_true", help="annotate each key with the file:line that set it")
+    p.add_argument("--list", action="store_true", help="list the recipes shipped with rlc")
+
+    p = add("schema", cmd_schema, "print the recipe JSON Schema")
+    p.add_argument("--markdown", action="store_true", help="render the Markdown reference instead")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+
+    p = add("explain", cmd_explain, "explain a rule id (e.g. RLC301)")
+    p.add_argument("rule", metavar="RULE", nargs="?")
+    p.add_argument("--list", action="store_true", help="list every rule")
+
+    p = add("plan", cmd_plan, "show the memory plan and refit decisions", with_set=True)
+    p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("compile", cmd_compile, "compile a recipe into a launch bundle", with_set=True)
+    p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
+    p.add_argument("-o", "--output", metavar="DIR", required=True, help="bundle folder to write")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+
+    p = add("submit", cmd_submit, "submit a compiled bundle with sbatch")
+    p.add_argument("bundle", metavar="DIR")
+    p.add_argument("--test-only", action="store_true", help="sbatch --test-only (nothing is queued)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlc`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    debug = getattr(args, "debug", False)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"rlc {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `rlc schema | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as exc:  # a bug in rlc, not bad input
+        if debug:
+            traceback.print_exc()
+        else:
+            print(f"rlc: internal error: {type(exc).__name__}: {exc}\n"
+                  "This is a bug in rlc; rerun with --debug for the traceback and report it.",
+                  file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

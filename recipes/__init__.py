@@ -1,0 +1,1 @@
+"""Data package: recipes shipped with rlc (found with ``importlib.resources``)."""

@@ -1,0 +1,1 @@
+"""Data package: the recipe JSON Schema (found with ``importlib.resources``)."""

@@ -1,0 +1,290 @@
+"""The ``rlc`` command line: exit codes, show, schema, lint, and what it imports."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from compiler_testing import FIXTURES, REPO, run_rlc
+
+from rlc.compiler import cli
+from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.lint import apply_ignores, discover, looks_like_recipe
+from rlc.compiler.recipe import load_recipe, shipped_recipe_names
+from rlc.compiler.schema import load_schema, validate_data, with_defaults
+from rlc.compiler.yaml_loader import parse_text
+
+
+def test_version():
+    from rlc import __version__
+
+    r = run_rlc("--version")
+    assert r.code == 0 and r.out.strip() == f"rlc {__version__}"
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["validate"], ["lint", "--format", "xml", "."],
+                                  ["compile", "x.yaml"]])
+def test_usage_errors_exit_2_without_traceback(argv):
+    r = run_rlc(*argv)
+    assert r.code == 2 and "usage:" in r.err and "Traceback" not in r.both
+
+
+def test_help_exits_0():
+    r = run_rlc("--help")
+    assert r.code == 0 and "validate" in r.out
+
+
+def test_validate_ok(monkeypatch):
+    r = run_rlc("validate", "valid/full.yaml", cwd=FIXTURES)
+    assert r.code == 0, r.both
+    assert r.out.startswith("valid/full.yaml: ok")
+
+
+def test_validate_reports_all_errors_and_exits_1():
+    r = run_rlc("validate", "errors/many.yaml", cwd=FIXTURES)
+    assert r.code == 1
+    lines = [line for line in r.err.splitlines() if re.match(r"errors/many\.yaml:\d+:\d+: ", line)]
+    assert len(lines) == 7
+
+
+def test_validate_a_shipped_recipe_by_name():
+    names = shipped_recipe_names()
+    if not names:
+        pytest.skip("no shipped recipes yet")
+    r = run_rlc("validate", names[0])
+    assert r.code == 0, r.both
+
+
+def test_debug_flag_is_accepted_before_or_after_the_command():
+    assert run_rlc("--debug", "validate", "valid/minimal.yaml", cwd=FIXTURES).code == 0
+    assert run_rlc("validate", "--debug", "valid/minimal.yaml", cwd=FIXTURES).code == 0
+
+
+def test_internal_errors_are_reported_without_traceback_unless_debug(monkeypatch):
+    def boom(args):
+        raise RuntimeError("kaput")
+
+    monkeypatch.setattr(cli, "cmd_validate", boom)
+    r = run_rlc("validate", "x.yaml")
+    assert r.code == 3 and "internal error: RuntimeError: kaput" in r.err and "Traceback" not in r.err
+    r = run_rlc("--debug", "validate", "x.yaml")
+    assert r.code == 3 and "Traceback" in r.err
+
+
+# --------------------------------------------------------------------------- show
+
+def test_show_origin_annotates_every_key():
+    r = run_rlc("show", "extends/child.yaml", "--origin", "--set", "grpo.max_steps=7", cwd=FIXTURES)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert "  nodes: 2  # extends/child.yaml:6:3" in lines
+    assert "    tp: 4  # extends/mid.yaml:10:11" in lines
+    assert "    pp: 2  # extends/base.yaml:16:18" in lines
+    assert "  max_steps: 7  # --set" in lines
+    assert "    ep: 1  # <default>" in lines
+    assert all("  # " in line for line in lines)  # every line says where it came from
+
+
+def test_show_output_is_the_resolved_recipe_and_reads_back(tmp_path):
+    r = run_rlc("show", "valid/full.yaml", "--set", "cluster.env.X=on", cwd=FIXTURES)
+    assert r.code == 0, r.err
+    expected = with_defaults(load_recipe(FIXTURES / "valid/full.yaml", ["cluster.env.X=on"]).data)
+    assert parse_text(r.out, "show").data == expected
+    annotated = run_rlc("show", "valid/full.yaml", "--origin", cwd=FIXTURES).out
+    assert parse_text(annotated, "show").data == with_defaults(load_recipe(FIXTURES / "valid/full.yaml").data)
+    assert validate_data(expected) == []
+
+
+def test_dump_yaml_quotes_what_yaml_12_would_misread():
+    data = {"a": "1e-6", "b": "0o17", "c": "true", "d": "null", "e": "", "f": "x\ny", "g": " pad",
+            "h": [{"i": 1, "j": [1, {"k": "on"}]}, [], {}], "l": {"m.n": "a: b"}, "o": 1.5e-08}
+    assert parse_text(cli.dump_yaml(data), "t").data == data
+
+
+def test_show_list_and_show_by_name():
+    r = run_rlc("show", "--list")
+    assert r.code == 0 and r.out.split() == shipped_recipe_names()
+    if shipped_recipe_names():
+        assert run_rlc("show", shipped_recipe_names()[0]).code == 0
+
+
+def test_show_without_file_is_a_usage_error():
+    r = run_rlc("show")
+    assert r.code == 2 and "needs a recipe FILE" in r.err
+
+
+# --------------------------------------------------------------------------- schema & docs
+
+def test_schema_prints_the_schema():
+    r = run_rlc("schema")
+    assert r.code == 0 and json.loads(r.out) == load_schema()
+
+
+def test_reference_docs_are_up_to_date():
+    r = run_rlc("schema", "--markdown")
+    assert r.code == 0
+    assert (REPO / "docs" / "reference.md").read_text(encoding="utf-8") == r.out, \
+        "docs/reference.md is stale: run `rlc schema --markdown -o docs/reference.md`"
+
+
+def test_markdown_mentions_every_key():
+    text = run_rlc("schema", "--markdown").out
+
+    def walk(node, prefix):
+        for key, sub in node.get("properties", {}).items():
+            assert f"| `{key}` |" in text, prefix + key
+            walk(sub, f"{prefix}{key}.")
+
+    walk(load_schema(), "")
+    assert "## `cluster.slurm`" in text and "## `lint.ignore[]`" in text
+
+
+def test_schema_output_file(tmp_path):
+    out = tmp_path / "s.json"
+    assert run_rlc("schema", "-o", str(out)).code == 0
+    assert json.loads(out.read_text()) == load_schema()
+    assert run_rlc("schema", "-o", str(tmp_path / "no" / "dir" / "s.json")).code == 2
+
+
+# --------------------------------------------------------------------------- lint
+
+def test_lint_discovery_skips_non_recipes_and_hidden_folders():
+    target = discover([FIXTURES / "lintdir"])
+    names = sorted(p.relative_to(FIXTURES / "lintdir").as_posix() for p in target.recipes)
+    assert names == ["bad.yaml", "sub/also_bad.yml", "sub/broken.yaml"]
+    assert sorted(p.name for p in target.skipped) == ["notes.yaml", "workflow.yml"]
+
+
+def test_lint_explicit_non_recipe_files_are_skipped_too():
+    r = run_rlc("lint", "lintdir/workflow.yml", "lintdir/notes.yaml", cwd=FIXTURES)
+    assert r.code == 0 and r.out == "" and "linted 0 recipe(s), skipped 2" in r.err
+
+
+def test_looks_like_recipe(tmp_path):
+    cases = {"a.yaml": "version: 1\n", "b.yaml": "# c\nextends: x\n", "c.yaml": "  version: 1\n",
+             "d.yaml": "# yaml-language-server: $schema=../schemas/recipe.schema.json\nname: x\n",
+             "e.yaml": "name: x\n"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert {n for n in cases if looks_like_recipe(tmp_path / n)} == {"a.yaml", "b.yaml", "d.yaml"}
+
+
+def test_lint_exit_codes():
+    assert run_rlc("lint", "valid", cwd=FIXTURES).code == 0
+    assert run_rlc("lint", "valid", "lintdir", cwd=FIXTURES).code == 1
+    assert run_rlc("lint", "valid", "nope", cwd=FIXTURES).code == 2
+
+
+def test_lint_json_is_parseable_and_complete():
+    r = run_rlc("lint", "--format", "json", "lintdir", cwd=FIXTURES)
+    data = json.loads(r.out)
+    assert {d["file"] for d in data} == {"lintdir/bad.yaml", "lintdir/sub/also_bad.yml", "lintdir/sub/broken.yaml"}
+    assert all(d["line"] and d["col"] for d in data)
+
+
+def test_lint_github_lines_are_workflow_commands():
+    r = run_rlc("lint", "--format", "github", "lintdir", cwd=FIXTURES)
+    lines = r.out.splitlines()
+    assert lines and all(re.match(r"^::error file=[^,]+,line=\d+,col=\d+,title=[^:]*::", line) for line in lines)
+
+
+def test_apply_ignores_only_drops_listed_warnings():
+    recipe = {"lint": {"ignore": [{"rule": "RLC301", "reason": "fine"}]}}
+    diags = [Diagnostic("warning", "w", rule="RLC301"), Diagnostic("warning", "w2", rule="RLC302"),
+             Diagnostic("error", "e", rule="RLC301"), Diagnostic("info", "i", rule="RLC301")]
+    assert [(d.severity, d.rule) for d in apply_ignores(diags, recipe)] == [
+        ("warning", "RLC302"), ("error", "RLC301")]
+    assert apply_ignores(diags, None) == diags
+
+
+# --------------------------------------------------------------------------- packaging metadata
+
+def test_pre_commit_hook_definition():
+    hooks = yaml.safe_load((REPO / ".pre-commit-hooks.yaml").read_text())
+    (hook,) = [h for h in hooks if h["id"] == "rlc-lint"]
+    assert hook["entry"] == "rlc lint" and hook["language"] == "python"
+    pattern = re.compile(hook["files"])
+    assert pattern.search("a/b.yaml") and pattern.search("c.yml") and not pattern.search("d.json")
+
+
+def test_ci_docs_workflow_is_valid_yaml_and_uses_github_format():
+    text = (REPO / "docs" / "ci-lint.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    workflows = [yaml.safe_load(b) for b in blocks if "jobs:" in b]
+    assert workflows
+    steps = workflows[0]["jobs"]["lint"]["steps"]
+    assert any("rlc lint --format github" in s.get("run", "") for s in steps)
+
+
+# --------------------------------------------------------------------------- imports
+
+HEAVY = ("torch", "ray", "vllm", "megatron")
+
+
+def test_cli_never_imports_heavy_frameworks(tmp_path):
+    """validate/lint/show/schema (and ``import rlc.compiler``) in a fresh interpreter."""
+    script = f"""
+import sys
+import rlc.compiler
+from rlc.compiler.cli import main
+codes = [
+    main(["validate", "valid/full.yaml"]),
+    main(["validate", "errors/many.yaml"]),
+    main(["lint", "valid", "lintdir"]),
+    main(["show", "extends/child.yaml", "--origin"]),
+    main(["schema"]),
+    main(["schema", "--markdown"]),
+]
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
+print("CODES", codes)
+print("HEAVY", heavy)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CODES [0, 1, 1, 0, 0, 0]" in proc.stdout, proc.stdout + proc.stderr
+    assert "HEAVY []" in proc.stdout
+
+
+def test_plain_import_is_light():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, rlc.compiler.cli, rlc.compiler.recipe, rlc.compiler.diagnostics;"
+         "print(sorted(m for m in ('jsonschema', 'jinja2', 'torch', 'ray') if m in sys.modules))"],
+        capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- later stages (lazy)
+
+def test_explain_list_and_unknown_rule():
+    listed = run_rlc("explain", "--list")
+    assert listed.code == 0 and re.match(r"RLC\d{3} ", listed.out)
+    first = listed.out.split()[0]
+    shown = run_rlc("explain", first)
+    assert shown.code == 0 and shown.out.startswith(first)
+    unknown = run_rlc("explain", "RLC9999")
+    assert unknown.code == 2 and "unknown rule" in unknown.err and "Traceback" not in unknown.both
+
+
+def test_plan_json_is_machine_readable():
+    r = run_rlc("plan", "valid/minimal.yaml", "--json", cwd=FIXTURES)
+    assert r.code == 0, r.both
+    data = json.loads(r.out)
+    assert set(data) == {"diagnostics", "decisions", "plan"}
+
+
+def test_plan_of_a_broken_recipe_prints_errors_only():
+    r = run_rlc("plan", "errors/enum.yaml", cwd=FIXTURES)
+    assert r.code == 1 and r.out == "" and "model.dtype" in r.err
+
+
+def test_missing_stage_is_a_usage_error(monkeypatch):
+    def missing(name, *a, **k):
+        raise ImportError("gone", name="rlc.compiler.submit")
+
+    monkeypatch.setattr("importlib.import_module", missing)
+    r = run_rlc("submit", "somewhere")
+    assert r.code == 2 and "not available in this build" in r.err
