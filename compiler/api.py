@@ -83,7 +83,7 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
 
     from rlc.compiler.rules import run_rules
 
-    rules = run_rules(recipe, result.facts, result.plan)
+    rules = run_rules(recipe, result.facts, result.plan, raw=loaded.data)
     result.diagnostics.extend(rules.diagnostics)
     result.decisions = dict(rules.decisions)
     result.diagnostics = _place(result.diagnostics, loaded)

@@ -1,0 +1,54 @@
+"""The GPU catalog (``gpus.yaml``): usable memory per ``cluster.gpu`` name, with its source."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from rlc.compiler.catalog.errors import CatalogError
+
+_GPUS_FILE = Path(__file__).with_name("gpus.yaml")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU type. ``memory_gib`` is the capacity torch reports (shared by Megatron and vLLM)."""
+
+    name: str
+    memory_gib: float
+    hbm_gb: int
+    arch: str
+    measured: bool  # True when the figure comes from this project's seed runs
+    source: str
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(round(self.memory_gib * (1 << 30)))
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, GpuSpec]:
+    raw = yaml.safe_load(_GPUS_FILE.read_text(encoding="utf-8"))
+    return {
+        name: GpuSpec(name=name, memory_gib=float(e["memory_gib"]), hbm_gb=int(e["hbm_gb"]), arch=str(e["arch"]),
+                      measured=bool(e["measured"]), source=str(e["source"]))
+        for name, e in raw.items()
+    }
+
+
+def gpu_names() -> list[str]:
+    """Every GPU name the catalog knows."""
+    return sorted(_table())
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The catalog entry for ``name``; unknown names raise :class:`CatalogError` naming close ones."""
+    table = _table()
+    if name in table:
+        return table[name]
+    close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise CatalogError(f"unknown GPU {name!r}{hint} (known: {', '.join(sorted(table))})")

@@ -1,0 +1,109 @@
+"""The model catalog: real HF configs shipped in ``models/`` (copied with their provenance from the
+project's research notes; ``models/SOURCES.md`` says where each came from and how sure it is).
+
+A catalog file is named after the HF id with ``/`` written as ``__``
+(``Qwen__Qwen3.5-397B-A17B.json`` is ``Qwen/Qwen3.5-397B-A17B``). A recipe names a model by that
+id (any case) or by the part after the ``/``; ``model.config`` points at a local ``config.json``
+instead and overrides the catalog.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from rlc.compiler.catalog.errors import CatalogError
+from rlc.compiler.catalog.hf_config import ConfigFormatError, facts_from_config
+from rlc.compiler.model import ModelFacts
+
+MODELS_DIR = Path(__file__).with_name("models")
+
+
+@lru_cache(maxsize=1)
+def _files() -> dict[str, Path]:
+    return {p.stem.replace("__", "/"): p for p in sorted(MODELS_DIR.glob("*.json"))}
+
+
+def model_ids() -> list[str]:
+    """Every HF id in the shipped catalog."""
+    return sorted(_files())
+
+
+def _lookup(model_id: str) -> str | None:
+    files = _files()
+    if model_id in files:
+        return model_id
+    lowered = {k.lower(): k for k in files}
+    if model_id.lower() in lowered:
+        return lowered[model_id.lower()]
+    short = {k.split("/", 1)[-1].lower(): k for k in files}
+    return short.get(model_id.lower())
+
+
+def close_ids(model_id: str, n: int = 3) -> list[str]:
+    """Catalog ids that look like ``model_id`` (compared on the whole id and on the name part)."""
+    by_short = {i.split("/", 1)[-1].lower(): i for i in model_ids()}
+    found = difflib.get_close_matches(model_id.lower(), [i.lower() for i in model_ids()], n=n, cutoff=0.4)
+    found = [next(i for i in model_ids() if i.lower() == f) for f in found]
+    for short in difflib.get_close_matches(model_id.split("/")[-1].lower(), list(by_short), n=n, cutoff=0.4):
+        if by_short[short] not in found:
+            found.append(by_short[short])
+    return found[:n]
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CatalogError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CatalogError(f"{what} {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise CatalogError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def catalog_config(model_id: str) -> dict[str, Any]:
+    """The shipped config (with its ``_provenance``) for a catalog id; :class:`CatalogError` if unknown."""
+    key = _lookup(model_id)
+    if key is None:
+        close = close_ids(model_id)
+        hint = f"; close catalog ids: {', '.join(close)}" if close else ""
+        raise CatalogError(
+            f"model {model_id!r} is not in the shipped catalog{hint}. Set model.config to a local "
+            f"config.json to plan a model outside the catalog ({len(model_ids())} catalog models: "
+            "compiler/catalog/models/SOURCES.md)"
+        )
+    return _read_json(_files()[key], "catalog file")
+
+
+def _provenance(cfg: Mapping[str, Any]) -> str:
+    prov = cfg.get("_provenance")
+    if isinstance(prov, dict) and prov.get("type"):
+        return str(prov["type"])
+    return "no provenance recorded"
+
+
+def model_facts(model_section: Mapping[str, Any], recipe_dir: Path) -> ModelFacts:
+    """Architecture facts for a recipe's ``model`` section.
+
+    ``model.config`` (relative to ``recipe_dir`` or absolute) wins over the catalog; otherwise
+    ``model.id`` must be a catalog id. Raises :class:`CatalogError` with close ids for unknown ones.
+    """
+    model_id = str(model_section.get("id", ""))
+    local = model_section.get("config")
+    try:
+        if local:
+            path = Path(local)
+            if not path.is_absolute():
+                path = Path(recipe_dir) / path
+            cfg = _read_json(path, "model.config")
+            return facts_from_config(cfg, model_id, f"local config {path}")
+        cfg = catalog_config(model_id)
+        key = _lookup(model_id)
+        return facts_from_config(cfg, key or model_id, f"catalog {_files()[key].name} ({_provenance(cfg)})")
+    except ConfigFormatError as exc:
+        where = "model.config" if local else f"catalog entry {model_id}"
+        raise CatalogError(f"{where}: {exc}") from None

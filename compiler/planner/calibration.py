@@ -1,0 +1,162 @@
+"""The planner's calibration table (``calibration.yaml``) and the runtime's calibration records.
+
+The table holds every constant the planner does not derive from parameter bytes, keyed by GPU
+type and library versions, each with the seed line it comes from. :func:`calibration_for` picks
+the entry for a GPU (falling back to the first entry, and saying so).
+
+The runtime logs measured memory per phase as JSON lines of the form documented in
+``docs/planner.md``; :func:`parse_record` validates one such record so both sides agree on the
+format before anyone fits constants from real runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+
+CALIBRATION_FILE = Path(__file__).with_name("calibration.yaml")
+
+#: Phases a runtime calibration record may name (docs/planner.md).
+RECORD_PHASES = (
+    "train_peak",  # max_memory_allocated during the train step, Megatron process
+    "after_offload",  # Megatron allocated after offload_optimizer_for_refit
+    "vllm_sleep",  # vLLM process memory asleep (or at refit, after any wake)
+    "refit_free",  # device free memory when the refit buffer is sized
+    "stack_site",  # device free memory just before the exporter's largest torch.stack
+    "generate",  # device memory in use during generation
+)
+
+
+class CalibrationError(ValueError):
+    """A calibration table or record that does not match the documented format."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One entry of the table, typed. GiB unless named otherwise."""
+
+    id: str
+    gpu: str
+    versions: dict[str, str]
+    source: str
+    megatron_context_gib: float
+    megatron_master_params_stay_at_refit: bool
+    megatron_refit_residual_gib: float
+    megatron_cpu_offload_extra_gib: float
+    vllm_base_gib: float
+    vllm_weights_resident_sleep_level_2: bool
+    vllm_cuda_graph_gib: float
+    vllm_cuda_graph_uncertainty_gib: float
+    export_staging_overhead_gib: float
+    fragmentation_points: tuple[tuple[float, float], ...]  # (headroom fraction, GiB), sorted
+    sources: dict[str, str] = field(default_factory=dict)  # constant -> its source line
+    reference: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
+    fallback_note: Optional[str] = None  # set when this entry was measured on another GPU
+
+    def fragmentation_gib(self, headroom: float) -> float:
+        """Fragmentation for a ping-pong half ``headroom`` (fraction) above the largest tensor."""
+        pts = self.fragmentation_points
+        if headroom <= pts[0][0]:
+            return pts[0][1]
+        if headroom >= pts[-1][0]:
+            return pts[-1][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= headroom <= x1:
+                return y0 + (y1 - y0) * (headroom - x0) / (x1 - x0)
+        return pts[-1][1]
+
+
+def _entry(raw: Mapping[str, Any]) -> Calibration:
+    consts = raw["constants"]
+
+    def value(key: str) -> Any:
+        if key not in consts or "value" not in consts[key]:
+            raise CalibrationError(f"calibration entry {raw.get('id')}: constant {key} missing")
+        return consts[key]["value"]
+
+    points = tuple(sorted((float(p["headroom"]), float(p["gib"])) for p in value("fragmentation_points")))
+    if len(points) < 1:
+        raise CalibrationError("fragmentation_points needs at least one point")
+    return Calibration(
+        id=str(raw["id"]),
+        gpu=str(raw["gpu"]),
+        versions={k: str(v) for k, v in raw.get("versions", {}).items()},
+        source=str(raw.get("source", "")),
+        megatron_context_gib=float(value("megatron_context_gib")),
+        megatron_master_params_stay_at_refit=bool(value("megatron_master_params_stay_at_refit")),
+        megatron_refit_residual_gib=float(value("megatron_refit_residual_gib")),
+        megatron_cpu_offload_extra_gib=float(value("megatron_cpu_offload_extra_gib")),
+        vllm_base_gib=float(value("vllm_base_gib")),
+        vllm_weights_resident_sleep_level_2=bool(value("vllm_weights_resident_sleep_level_2")),
+        vllm_cuda_graph_gib=float(value("vllm_cuda_graph_gib")),
+        vllm_cuda_graph_uncertainty_gib=float(value("vllm_cuda_graph_uncertainty_gib")),
+        export_staging_overhead_gib=float(value("export_staging_overhead_gib")),
+        fragmentation_points=points,
+        sources={k: str(v.get("source", "")) for k, v in consts.items() if isinstance(v, dict)},
+        reference=dict(raw.get("reference", {})),
+        measured=dict(raw.get("measured", {})),
+    )
+
+
+@lru_cache(maxsize=4)
+def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
+    """All entries of the calibration table (``calibration.yaml`` unless ``path`` is given)."""
+    raw = yaml.safe_load(Path(path or CALIBRATION_FILE).read_text(encoding="utf-8"))
+    if not isinstance(raw, dict) or raw.get("format") != 1 or not raw.get("entries"):
+        raise CalibrationError("calibration table must have format: 1 and a non-empty entries list")
+    return tuple(_entry(e) for e in raw["entries"])
+
+
+def calibration_for(gpu: str, versions: Optional[Mapping[str, str]] = None) -> Calibration:
+    """The entry measured on ``gpu`` (matching ``versions`` if given), else the first entry with a note."""
+    table = load_table()
+    same_gpu = [c for c in table if c.gpu == gpu]
+    if versions:
+        exact = [c for c in same_gpu if all(c.versions.get(k) == v for k, v in versions.items())]
+        if exact:
+            return exact[0]
+    if same_gpu:
+        return same_gpu[0]
+    base = table[0]
+    note = (f"no calibration measured on {gpu}; using {base.id} (measured on {base.gpu}) for contexts, "
+            "residues and fragmentation; parameter bytes are exact regardless")
+    return dataclasses.replace(base, fallback_note=note)
+
+
+# --------------------------------------------------------------------------- runtime records
+
+_REQUIRED = {"kind": str, "phase": str, "free_gib": (int, float), "used_gib": (int, float),
+             "sleep_level": int, "enforce_eager": bool, "gpu": str, "versions": dict}
+
+
+def parse_record(line: str | Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one calibration record (a JSON line or a mapping); returns it as a dict.
+
+    Required: ``kind`` ("calibration"), ``phase`` (one of :data:`RECORD_PHASES`), ``free_gib``,
+    ``used_gib``, ``sleep_level`` (1|2), ``enforce_eager``, ``gpu`` (catalog name), ``versions``
+    (library -> version). Optional keys (``process``, ``allocated_gib``, ``reserved_gib``, ``step``,
+    ``rank``, ``layout``, ``model``, ``buffer_memory_ratio``, ``largest_tensor_bytes``) pass through.
+    """
+    record = json.loads(line) if isinstance(line, str) else dict(line)
+    if not isinstance(record, dict):
+        raise CalibrationError("a calibration record is a JSON object")
+    for key, typ in _REQUIRED.items():
+        if key not in record:
+            raise CalibrationError(f"calibration record: missing {key!r}")
+        if not isinstance(record[key], typ) or (typ is int and isinstance(record[key], bool)):
+            raise CalibrationError(f"calibration record: {key!r} has the wrong type ({record[key]!r})")
+    if record["kind"] != "calibration":
+        raise CalibrationError(f"calibration record: kind must be 'calibration', not {record['kind']!r}")
+    if record["phase"] not in RECORD_PHASES:
+        raise CalibrationError(f"calibration record: phase {record['phase']!r} not in {', '.join(RECORD_PHASES)}")
+    if record["sleep_level"] not in (1, 2):
+        raise CalibrationError("calibration record: sleep_level must be 1 or 2")
+    if record["free_gib"] < 0 or record["used_gib"] < 0:
+        raise CalibrationError("calibration record: memory figures must be >= 0")
+    return record

@@ -1,0 +1,53 @@
+"""Derive the calibration constants of an entry from its measurements and the reference layout.
+
+Some constants in ``calibration.yaml`` are a measured figure minus first-principles figures of the
+same configuration (e.g. the Megatron residual = "after offload" measured − bf16 params − fp32
+master shard of the worst stage). :func:`derive_constants` recomputes them with the planner's own
+accounting, so the stored values can be checked (tests/planner/test_calibration.py) and refit
+when the accounting or the measurements change.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from rlc.compiler.model import ModelFacts
+from rlc.compiler.planner.calibration import Calibration
+from rlc.compiler.planner.layout import generation_layout, train_layout
+from rlc.compiler.planner.memory import DTYPE_BYTES, _stage_figures
+from rlc.compiler.planner.plan import GIB
+from rlc.compiler.planner.shards import megatron_stage_shards, vllm_stage_shards
+
+
+def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: ModelFacts, gpu_memory_gib: float,
+                     cal: Calibration) -> dict[str, Any]:
+    """Constants implied by ``measured`` on the reference ``recipe`` (GiB).
+
+    ``measured`` keys (all GiB, seed 000 values in the shipped table): ``after_offload`` (Megatron
+    allocated after the optimizer offload), ``megatron_process``, ``megatron_allocated``,
+    ``megatron_fragmentation`` (the staging-site OOM at ``stack_ratio``), ``vllm_process`` (sleep
+    level 1, graphs on), ``fragmentation`` (ratio -> GiB at the staging site).
+    """
+    tl, gl = train_layout(recipe), generation_layout(recipe)
+    bpp = DTYPE_BYTES[recipe["model"].get("dtype", "bfloat16")]
+    figs = [_stage_figures(s, tl, recipe, bpp) for s in megatron_stage_shards(facts, tl)]
+    worst = max(figs, key=lambda f: f["params_bytes"] + f["master_bytes"])
+    resident_fp = (worst["params_bytes"] + worst["master_bytes"]) / GIB
+    vllm_weights = max(s.params for s in vllm_stage_shards(facts, gl)) * bpp / GIB
+    context = measured["megatron_process"] - measured["megatron_allocated"] - measured["megatron_fragmentation"]
+    residual = measured["after_offload"] - resident_fp
+    graphs = measured["vllm_process"] - cal.vllm_base_gib - vllm_weights
+    free = gpu_memory_gib - measured["after_offload"] - context - measured["vllm_process"]
+    largest = facts.largest_export_tensor(bpp)[1] / GIB
+    ratio = measured["stack_ratio"]
+    overhead = measured["megatron_allocated"] - measured["after_offload"] - ratio * free - largest
+    headroom = {r: (free * r / 2 - largest) / largest for r in measured["fragmentation"]}
+    return {
+        "megatron_context_gib": context,
+        "megatron_refit_residual_gib": residual,
+        "vllm_cuda_graph_gib": graphs,
+        "export_staging_overhead_gib": overhead,
+        "fragmentation_headroom": headroom,
+        "free_at_refit_gib": free,
+        "worst_stage": worst["stage"],
+        "vllm_weights_gib": vllm_weights,
+    }

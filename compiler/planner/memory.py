@@ -1,0 +1,397 @@
+"""The memory planner: per-GPU memory in each phase of a colocated GRPO step, and the refit math.
+
+Phases (worst GPU of each; a GPU hosts one Megatron rank and one vLLM rank):
+
+* ``train``: Megatron params + grads + optimizer state (fp32 master + 2 Adam moments = 12 B/param,
+  sharded over DP × CP for dense and over expert-DP for expert parameters with the distributed
+  optimizer) + its process context; vLLM asleep. Activations are not modelled.
+* ``generate``: vLLM awake at ``gpu_memory_utilization`` (weights + KV cache + activations) plus
+  CUDA-graph buffers; Megatron offloaded (context + residual).
+* ``refit``: Megatron after ``offload_optimizer_for_refit`` + vLLM's sleep residue; the free memory
+  there sizes the IPC buffer: per side = free × ratio / 2 (or ``buffer_gb`` / 2), which must hold the
+  largest exported tensor.
+* ``stack``: the export staging site. After both buffer halves are allocated the exporter holds the
+  gathered pieces of the largest tensor and ``torch.stack`` needs it again:
+  ``free_at_stack = free − 2 × per_side − gathered − staging overhead − fragmentation ≥ largest``.
+
+Parameter bytes are first principles (``rlc.compiler.model``); contexts, residues, the staging
+overhead and fragmentation come from the calibration table (``calibration.yaml``).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from rlc.compiler.model import ModelFacts
+from rlc.compiler.planner.calibration import Calibration, calibration_for
+from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
+from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
+from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
+RATIO_STEP = 0.001
+RATIO_MAX = 0.9
+
+
+def _g(x: float) -> int:
+    return int(round(x * GIB))
+
+
+# --------------------------------------------------------------------------- Megatron per stage
+
+
+def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: dict[str, Any], bpp: int) -> dict[str, Any]:
+    training = recipe.get("training", {})
+    distributed = training.get("use_distributed_optimizer", True)
+    dense_div = layout.dense_optimizer_shards if distributed else 1
+    expert_div = layout.expert_dp if distributed else 1
+    sharded = shard.dense / dense_div + shard.expert / expert_div  # optimizer-state elements on this GPU
+    return {
+        "stage": shard.stage,
+        "layers": shard.layers,
+        "mtp_blocks": shard.mtp_blocks,
+        "vocab_copies": shard.vocab_copies,
+        "params": shard.params,
+        "params_bytes": shard.params * bpp,
+        "grads_bytes": shard.params * bpp,  # grad buffers in the param dtype (grad_reduce_in_fp32 off)
+        "master_bytes": int(sharded * OPTIMIZER_BYTES["master"]),
+        "moments_bytes": int(sharded * OPTIMIZER_BYTES["moments"]),
+    }
+
+
+def _megatron_refit_bytes(fig: dict[str, Any], recipe: dict[str, Any], cal: Calibration) -> dict[str, int]:
+    """Megatron's allocations at refit on one stage, by item."""
+    refit, training = recipe.get("refit", {}), recipe.get("training", {})
+    items = {"params": fig["params_bytes"]}
+    offload = refit.get("offload_optimizer_for_refit", True)
+    if cal.megatron_master_params_stay_at_refit or not offload:
+        items["master"] = fig["master_bytes"]
+    if not offload:
+        items["grads"] = fig["grads_bytes"]
+        items["moments"] = fig["moments_bytes"]
+    items["residual"] = _g(cal.megatron_refit_residual_gib)
+    if training.get("optimizer_cpu_offload", False):
+        items["cpu_offload_extra"] = _g(cal.megatron_cpu_offload_extra_gib)
+    return items
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], cal: Calibration) -> list[Item]:
+    refit, generation = recipe.get("refit", {}), recipe.get("generation", {})
+    level = refit.get("sleep_level", 1)
+    items = []
+    if level == 1 or cal.vllm_weights_resident_sleep_level_2:
+        items.append(Item("vLLM weight shard", gib(weights), "vllm", "params",
+                          f"kept by sleep level {level}"))
+    items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
+    if not generation.get("enforce_eager", False):
+        items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib",
+                          "non-releasable, after step 1 (enforce_eager off)"))
+    return items
+
+
+# --------------------------------------------------------------------------- refit math
+
+
+def _per_side(free: int, recipe: dict[str, Any], ratio: Optional[float] = None) -> tuple[int, Optional[float], str]:
+    refit = recipe.get("refit", {})
+    align = max(1, int(refit.get("alignment_bytes", 256)))
+    if ratio is None and refit.get("buffer_gb") is not None:
+        total = int(float(refit["buffer_gb"]) * GIB)
+        return (total // 2) // align * align, None, f"buffer_gb {refit['buffer_gb']:g} GiB (both halves)"
+    r = float(ratio if ratio is not None else refit.get("buffer_memory_ratio", 0.3))
+    total = int(max(free, 0) * r)
+    return (total // 2) // align * align, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
+
+
+def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> tuple[int, int, float]:
+    headroom = (per_side - largest) / largest if largest else 1.0
+    frag = _g(cal.fragmentation_gib(headroom))
+    return free - 2 * per_side - gathered - _g(cal.export_staging_overhead_gib) - frag, frag, headroom
+
+
+def _passes(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> bool:
+    stack, _, _ = _stack_free(free, per_side, largest, gathered, cal)
+    return per_side >= largest and stack >= largest
+
+
+def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
+                 cal: Calibration) -> Optional[tuple[float, float]]:
+    """The widest contiguous range of ``buffer_memory_ratio`` passing both refit checks at ``free``."""
+    best, start, prev = None, None, None
+    steps = int(RATIO_MAX / RATIO_STEP)
+    for k in range(1, steps + 1):
+        r = round(k * RATIO_STEP, 3)
+        per_side, _, _ = _per_side(free, recipe, r)
+        ok = _passes(free, per_side, largest, gathered, cal)
+        if ok and start is None:
+            start = r
+        if not ok and start is not None:
+            if best is None or prev - start > best[1] - best[0]:
+                best = (start, prev)
+            start = None
+        prev = r
+    if start is not None and (best is None or prev - start > best[1] - best[0]):
+        best = (start, prev)
+    return best
+
+
+def _gathered(name: str, largest: int, tl: TrainLayout) -> int:
+    """Bytes of the largest tensor's gathered pieces alive when it is assembled (0 if one rank owns it)."""
+    ranks = tl.ep * tl.etp if ".experts." in name else tl.tp
+    return largest if ranks > 1 else 0
+
+
+def _refit_math(free: int, recipe: dict[str, Any], largest_name: str, largest: int, tl: TrainLayout,
+                cal: Calibration) -> RefitMath:
+    per_side, ratio, source = _per_side(free, recipe)
+    gathered = _gathered(largest_name, largest, tl)
+    stack, frag, headroom = _stack_free(free, per_side, largest, gathered, cal)
+    window = ratio_window(free, recipe, largest, gathered, cal)
+    tolerance = None
+    margins = []
+    if per_side >= largest and ratio:
+        margins.append((per_side - largest) / GIB / (ratio / 2))
+    if stack >= largest:
+        margins.append((stack - largest) / GIB / ((1 - ratio) if ratio else 1.0))
+    if per_side >= largest and stack >= largest:
+        tolerance = min(margins) if margins else None
+    return RefitMath(free_at_refit=free, buffer_source=source, ratio=ratio, per_side=per_side,
+                     largest_name=largest_name, largest=largest, gathered=gathered,
+                     staging_overhead=_g(cal.export_staging_overhead_gib), fragmentation=frag,
+                     headroom_fraction=headroom, free_at_stack=stack, ratio_window=window, tolerance_gib=tolerance)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _layout_dict(tl: TrainLayout, gl: GenerationLayout) -> dict[str, Any]:
+    return {
+        "world": tl.world,
+        "train": {"tp": tl.tp, "pp": tl.pp, "cp": tl.cp, "ep": tl.ep, "etp": tl.etp, "vpp": tl.vpp,
+                  "dp": tl.dp, "expert_dp": tl.expert_dp, "first": tl.first, "last": tl.last},
+        "generation": {"tp": gl.tp, "pp": gl.pp, "ep": gl.ep, "dp": gl.dp, "expert_shards": gl.expert_shards},
+    }
+
+
+def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
+    tl, gl = train_layout(recipe), generation_layout(recipe)
+    bpp = DTYPE_BYTES.get(recipe.get("model", {}).get("dtype", "bfloat16"), 2)
+    limit = float(gpu.memory_gib)
+    plan = MemoryPlan(model_id=facts.model_id, gpu=gpu.name, gpu_memory_gib=limit, calibration_id=cal.id,
+                      layout=_layout_dict(tl, gl))
+    if cal.fallback_note:
+        plan.notes.append(cal.fallback_note)
+    plan.notes.extend(n for n in facts.notes if "layer order" in n or "evenly mixed" in n)
+
+    mega = megatron_stage_shards(facts, tl)
+    vllm = vllm_stage_shards(facts, gl)
+    if mega is None:
+        plan.unknown.append("Megatron per-GPU shards: needs " + _missing(facts))
+    if vllm is None:
+        plan.unknown.append("vLLM weight shard: needs " + _missing(facts))
+    figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
+    plan.stages = figs
+    v_weights = max(s.params for s in vllm) * bpp if vllm else None
+    plan.vllm_weights_gib = gib(v_weights)
+    ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
+    residue = _vllm_residue(recipe, v_weights, cal)
+    generation, training = recipe.get("generation", {}), recipe.get("training", {})
+
+    # ---- train
+    if figs:
+        off_frac = training.get("optimizer_offload_fraction", 1.0) if training.get("optimizer_cpu_offload") else 0.0
+
+        def train_total(f: dict[str, Any]) -> int:
+            return f["params_bytes"] + f["grads_bytes"] + int((f["master_bytes"] + f["moments_bytes"]) * (1 - off_frac))
+
+        worst = max(figs, key=train_total)
+        items = [
+            Item("Megatron params", gib(worst["params_bytes"]), "megatron", "params"),
+            Item("Megatron grads", gib(worst["grads_bytes"]), "megatron", "params"),
+            Item("optimizer fp32 master", gib(int(worst["master_bytes"] * (1 - off_frac))), "megatron", "params"),
+            Item("optimizer Adam moments", gib(int(worst["moments_bytes"] * (1 - off_frac))), "megatron", "params"),
+        ]
+        if training.get("optimizer_cpu_offload"):
+            items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
+                              "calibration:megatron_cpu_offload_extra_gib"))
+        plan.phases["train"] = Phase("train", "train step (before activations)", tuple(items + [ctx] + residue),
+                                     limit, stage=worst["stage"], note="activations not modelled")
+    # ---- generate
+    util = float(generation.get("gpu_memory_utilization", 0.6))
+    g_items = [Item("vLLM pool (weights + KV cache + activations)", util * limit, "vllm",
+                    "recipe:generation.gpu_memory_utilization")]
+    if not generation.get("enforce_eager", False):
+        g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
+    g_items += [ctx, Item("Megatron residual (offloaded)", cal.megatron_refit_residual_gib, "megatron",
+                          "calibration:megatron_refit_residual_gib")]
+    plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
+    if v_weights is not None:
+        kv = util * limit - v_weights / GIB
+        plan.checks["generate_fit"] = Check(
+            "generate_fit", kv > 0, util * limit, v_weights / GIB,
+            f"vLLM weight shard {v_weights / GIB:.2f} GiB vs. gpu_memory_utilization {util:g} × {limit:.2f} GiB "
+            f"= {util * limit:.2f} GiB (leaves {kv:.2f} GiB for KV cache and activations)")
+    used = plan.phases["generate"].used_gib
+    if used is not None and used > limit:
+        plan.checks["generate_total"] = Check("generate_total", False, limit, used,
+                                              f"generation needs {used:.2f} GiB of {limit:.2f} GiB")
+    if "train" in plan.phases:
+        t_used = plan.phases["train"].used_gib
+        if t_used is not None:
+            plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
+                                             f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
+
+    # ---- refit
+    if not figs:
+        return plan
+    refit_items_by_stage = [(f, _megatron_refit_bytes(f, recipe, cal)) for f in figs]
+    worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
+    labels = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
+              "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
+              "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
+              "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib")}
+    r_items = [Item(labels[k][0], gib(v), "megatron", labels[k][1]) for k, v in worst_items.items()]
+    r_items += [ctx] + residue
+    refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
+    plan.phases["refit"] = refit_phase
+    if refit_phase.free_gib is None:
+        plan.unknown.append("free memory at refit: needs the vLLM weight shard")
+        return plan
+    name, largest = facts.largest_export_tensor(bpp)
+    if largest is None:
+        plan.unknown.append(f"largest exported tensor: {name}")
+        return plan
+    free = int(refit_phase.free_gib * GIB)
+    math = _refit_math(free, recipe, name, largest, tl, cal)
+    plan.refit = math
+    plan.phases["refit"] = Phase("refit", refit_phase.title, refit_phase.items, limit, stage=worst_f["stage"],
+                                 request=Item("IPC buffer (2 halves)", gib(2 * math.per_side), "refit",
+                                              "recipe:refit", math.buffer_source))
+    s_items = list(r_items) + [
+        Item("IPC buffer (2 halves)", gib(2 * math.per_side), "refit", "recipe:refit", math.buffer_source),
+        Item("gathered pieces of the largest tensor", gib(math.gathered), "refit", "params", name),
+        Item("export staging overhead", cal.export_staging_overhead_gib, "refit",
+             "calibration:export_staging_overhead_gib"),
+        Item("allocator fragmentation", gib(math.fragmentation), "refit", "calibration:fragmentation_points",
+             f"half {math.headroom_fraction:+.1%} over the largest tensor"),
+    ]
+    plan.phases["stack"] = Phase("stack", "export staging site (torch.stack of the largest tensor)",
+                                 tuple(s_items), limit, stage=worst_f["stage"],
+                                 request=Item("torch.stack of the largest tensor", gib(largest), "refit", "params",
+                                              name))
+    plan.checks["buffer"] = Check(
+        "buffer", math.per_side >= largest, gib(math.per_side), gib(largest),
+        f"per side = {math.buffer_source} / 2 = {gib(math.per_side):.2f} GiB vs. largest tensor {name} "
+        f"{gib(largest):.2f} GiB ({largest} bytes)")
+    reached = math.per_side >= largest
+    plan.checks["stack"] = Check(
+        "stack", (math.free_at_stack >= largest) if reached else None, gib(math.free_at_stack), gib(largest),
+        ("not reached: the half cannot hold the tensor, the transfer fails before the staging site; " if not reached
+         else "") +
+        f"free at stack = {gib(free):.2f} − 2 × {gib(math.per_side):.2f} − {gib(math.gathered):.2f} (gathered) − "
+        f"{cal.export_staging_overhead_gib:.2f} (staging) − {gib(math.fragmentation):.2f} (fragmentation) = "
+        f"{gib(math.free_at_stack):.2f} GiB vs. {gib(largest):.2f} GiB for torch.stack")
+    return plan
+
+
+def _missing(facts: ModelFacts) -> str:
+    return ", ".join(facts.unknown) or "more architecture facts"
+
+
+# --------------------------------------------------------------------------- fixes
+
+
+def _with(recipe: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(recipe)
+    node = out
+    parts = path.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
+    """Candidate levers: (recipe key, new value, cost, description)."""
+    out = []
+    refit, gen, training = recipe.get("refit", {}), recipe.get("generation", {}), recipe.get("training", {})
+    if refit.get("sleep_level", 1) == 1:
+        out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
+    if not refit.get("offload_optimizer_for_refit", True):
+        out.append(("refit.offload_optimizer_for_refit", True, 1, "offload_optimizer_for_refit: true"))
+    if training.get("optimizer_cpu_offload", False):
+        out.append(("training.optimizer_cpu_offload", False, 1, "optimizer_cpu_offload: false"))
+    gl = generation_layout(recipe)
+    experts = facts.num_experts or 0
+    if experts:
+        new_ep = gl.ep * 2 if gl.ep > 1 else gl.tp * 2
+        if experts % new_ep == 0 and new_ep % gl.tp == 0 and gl.world % (new_ep * gl.pp) == 0:
+            out.append(("parallelism.generation.ep", new_ep, 2,
+                        f"generation EP {new_ep} halves the expert shard"))
+    if not gen.get("enforce_eager", False):
+        out.append(("generation.enforce_eager", True, 3, "enforce_eager: true (costs ~30–40% generation throughput)"))
+    return out
+
+
+def _window_text(window: Optional[tuple[float, float]]) -> str:
+    if window is None:
+        return "not enough alone"
+    return f"then buffer_memory_ratio {window[0]:.3f}–{window[1]:.3f} passes both checks"
+
+
+def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> list[Fix]:
+    math = base.refit
+    if math is None:
+        return []
+    fixes: list[Fix] = []
+    using_gb = recipe.get("refit", {}).get("buffer_gb") is not None
+    if math.ratio_window:
+        lo, hi = math.ratio_window
+        if using_gb:
+            text = (f"use buffer_memory_ratio {lo:.3f}–{hi:.3f} instead of buffer_gb "
+                    f"(or buffer_gb {lo * math.free_at_refit / GIB:.2f}–{hi * math.free_at_refit / GIB:.2f})")
+        elif math.per_side < math.largest:
+            text = f"buffer_memory_ratio ≥ {lo:.3f} (the staging site allows up to {hi:.3f})"
+        else:
+            text = f"buffer_memory_ratio ≤ {hi:.3f} (the half needs ≥ {lo:.3f})"
+        fixes.append(Fix("refit.buffer_memory_ratio", round(lo if math.per_side < math.largest else hi, 3),
+                         text, 0.0, True, 0))
+    cumulative = recipe
+    applied: list[str] = []
+    for key, value, cost, desc in _levers(recipe, facts):
+        alt = _core_plan(_with(recipe, key, value), facts, gpu, cal)
+        if alt.refit is None:
+            continue
+        freed = (alt.refit.free_at_refit - math.free_at_refit) / GIB
+        window = alt.refit.ratio_window
+        fixes.append(Fix(key, value, f"{desc}: frees ≈ {freed:.1f} GiB; {_window_text(window)}", freed,
+                         window is not None, cost))
+        cumulative = _with(cumulative, key, value)
+        applied.append(desc.split(" (")[0])
+    if applied and not any(f.sufficient for f in fixes):
+        alt = _core_plan(cumulative, facts, gpu, cal)
+        if alt.refit is not None:
+            freed = (alt.refit.free_at_refit - math.free_at_refit) / GIB
+            window = alt.refit.ratio_window
+            fixes.append(Fix("+".join(k for k, *_ in _levers(recipe, facts)), None,
+                             f"all of {', '.join(applied)}: frees ≈ {freed:.1f} GiB; {_window_text(window)}",
+                             freed, window is not None, 4))
+    fixes.sort(key=lambda f: (not f.sufficient, f.cost))
+    return fixes
+
+
+def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any) -> MemoryPlan:
+    """The memory plan of ``recipe`` (schema defaults filled) for ``facts`` on ``gpu`` (a GpuSpec)."""
+    cal = calibration_for(gpu.name)
+    plan = _core_plan(recipe, facts, gpu, cal)
+    checks = plan.checks
+    failing = any(checks.get(k) is not None and checks[k].ok is False for k in ("buffer", "stack"))
+    tight = plan.refit is not None and plan.refit.tolerance_gib is not None and \
+        plan.refit.tolerance_gib < cal.vllm_cuda_graph_uncertainty_gib
+    if failing or tight:
+        plan.fixes = _fixes(plan, recipe, facts, gpu, cal)
+    return plan

@@ -1,0 +1,213 @@
+"""The memory plan's data: phases of stacked items per GPU, the refit math, checks, fixes.
+
+Produced by :func:`rlc.compiler.planner.memory.plan_memory`; rendered by ``render_text`` and
+``render_svg``; read by the RLC2xx rules through the properties at the bottom of
+:class:`MemoryPlan`. ``None`` anywhere means "cannot be computed from the known facts".
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+GIB = 1 << 30
+
+
+def gib(nbytes: Optional[int]) -> Optional[float]:
+    return None if nbytes is None else nbytes / GIB
+
+
+@dataclass(frozen=True)
+class Item:
+    """One block of memory on a GPU in a phase."""
+
+    label: str
+    gib: Optional[float]
+    owner: str  # "megatron" | "vllm" | "refit"
+    source: str  # "params" (first principles) | "calibration:<key>" | "recipe:<key>"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Memory of the worst GPU in one phase: stacked items against the GPU limit."""
+
+    name: str  # train | generate | refit | stack
+    title: str
+    items: tuple[Item, ...]
+    limit_gib: float
+    stage: Optional[int] = None  # Megatron pipeline stage of the worst GPU
+    note: str = ""
+    request: Optional[Item] = None  # the allocation this phase is about to make (must fit in free_gib)
+
+    @property
+    def used_gib(self) -> Optional[float]:
+        total = 0.0
+        for item in self.items:
+            if item.gib is None:
+                return None
+            total += item.gib
+        return total
+
+    @property
+    def free_gib(self) -> Optional[float]:
+        used = self.used_gib
+        return None if used is None else self.limit_gib - used
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pass/fail question the plan answers (``ok`` None = unknown)."""
+
+    id: str  # buffer | stack | generate_fit | train_fit
+    ok: Optional[bool]
+    have_gib: Optional[float]
+    need_gib: Optional[float]
+    text: str  # the math, with numbers
+
+    @property
+    def margin_gib(self) -> Optional[float]:
+        if self.have_gib is None or self.need_gib is None:
+            return None
+        return self.have_gib - self.need_gib
+
+
+@dataclass(frozen=True)
+class RefitMath:
+    """The refit buffer and export-staging arithmetic (bytes), see docs/planner.md."""
+
+    free_at_refit: int
+    buffer_source: str  # "buffer_memory_ratio 0.3 of free" | "buffer_gb 20"
+    ratio: Optional[float]
+    per_side: int
+    largest_name: str
+    largest: int
+    gathered: int  # the gathered pieces of the largest tensor still alive when it is stacked
+    staging_overhead: int
+    fragmentation: int
+    headroom_fraction: float  # (per_side - largest) / largest
+    free_at_stack: int
+    ratio_window: Optional[tuple[float, float]]  # ratios that pass both checks at this free memory
+    tolerance_gib: Optional[float]  # how much less free memory would flip a passing check
+
+    @property
+    def buffer_margin(self) -> int:
+        return self.per_side - self.largest
+
+    @property
+    def stack_margin(self) -> int:
+        return self.free_at_stack - self.largest
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A lever that frees memory or resizes the buffer, evaluated by re-planning."""
+
+    key: str  # recipe key path it changes
+    value: Any
+    text: str  # "sleep_level: 2 frees ≈ 12.6 GiB; then buffer_memory_ratio 0.33–0.60 passes"
+    freed_gib: Optional[float]
+    sufficient: bool  # passes both refit checks (with the ratio named in text)
+    cost: int  # 0 free, 1 cheap, 2 layout change, 3 throughput cost
+
+
+@dataclass
+class MemoryPlan:
+    """Memory per GPU per phase, the refit math, checks and the cheapest fixes."""
+
+    model_id: str
+    gpu: str
+    gpu_memory_gib: float
+    calibration_id: str
+    layout: dict[str, Any]
+    phases: dict[str, Phase] = field(default_factory=dict)
+    refit: Optional[RefitMath] = None
+    checks: dict[str, Check] = field(default_factory=dict)
+    fixes: list[Fix] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)  # per Megatron stage figures
+    vllm_weights_gib: Optional[float] = None
+    unknown: list[str] = field(default_factory=list)  # figures not computable, each with why
+    notes: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ figures the rules read
+
+    @property
+    def per_side_bytes(self) -> Optional[int]:
+        return None if self.refit is None else self.refit.per_side
+
+    @property
+    def largest_tensor(self) -> tuple[str, Optional[int]]:
+        if self.refit is None:
+            return ("unknown", None)
+        return (self.refit.largest_name, self.refit.largest)
+
+    @property
+    def free_at_refit_bytes(self) -> Optional[int]:
+        return None if self.refit is None else self.refit.free_at_refit
+
+    @property
+    def free_at_stack_bytes(self) -> Optional[int]:
+        return None if self.refit is None else self.refit.free_at_stack
+
+    @property
+    def buffer_margin_bytes(self) -> Optional[int]:
+        return None if self.refit is None else self.refit.buffer_margin
+
+    @property
+    def stack_margin_bytes(self) -> Optional[int]:
+        return None if self.refit is None else self.refit.stack_margin
+
+    def phase_used_gib(self, name: str) -> Optional[float]:
+        phase = self.phases.get(name)
+        return None if phase is None else phase.used_gib
+
+    def item_gib(self, phase: str, label: str) -> Optional[float]:
+        for item in self.phases[phase].items:
+            if item.label == label:
+                return item.gib
+        raise KeyError(f"{phase} has no item {label!r}")
+
+    # ------------------------------------------------------------------ output
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain-data dict (JSON-serialisable) of everything in the plan."""
+        out = {
+            "model": self.model_id,
+            "gpu": self.gpu,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "calibration": self.calibration_id,
+            "layout": self.layout,
+            "phases": {
+                name: {"title": p.title, "stage": p.stage, "limit_gib": p.limit_gib, "used_gib": p.used_gib,
+                       "free_gib": p.free_gib, "note": p.note, "items": [asdict(i) for i in p.items],
+                       "request": asdict(p.request) if p.request else None}
+                for name, p in self.phases.items()
+            },
+            "refit": None,
+            "checks": {k: {**asdict(c), "margin_gib": c.margin_gib} for k, c in self.checks.items()},
+            "fixes": [asdict(f) for f in self.fixes],
+            "stages": self.stages,
+            "vllm_weights_gib": self.vllm_weights_gib,
+            "unknown": self.unknown,
+            "notes": self.notes,
+        }
+        if self.refit is not None:
+            r = self.refit
+            out["refit"] = {**asdict(r), "buffer_margin": r.buffer_margin, "stack_margin": r.stack_margin,
+                            "ratio_window": list(r.ratio_window) if r.ratio_window else None}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.to_json()
+
+    def to_text(self) -> str:
+        from rlc.compiler.planner.render_text import render_text
+
+        return render_text(self)
+
+    def render(self) -> str:
+        return self.to_text()
+
+    def to_svg(self) -> str:
+        from rlc.compiler.planner.render_svg import render_svg
+
+        return render_svg(self)

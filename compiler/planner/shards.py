@@ -1,0 +1,103 @@
+"""Per-GPU parameter shards: what one GPU of each pipeline stage holds, in Megatron and in vLLM.
+
+Megatron (trainer): dense matrices split by TP, routed experts by EP × ETP, the word embedding on
+the first stage, the output layer and the MTP blocks on the last; with MTP or tied embeddings and
+PP > 1 the last stage also holds a copy of the word embedding (the copy seed 000 failure 1 is
+about). vLLM (generation): dense by TP, routed experts by the expert-sharding degree (EP, or TP
+when EP is off), embedding on the first and ``lm_head`` on the last of its own pipeline stages;
+MTP weights are not loaded (no speculative decoding).
+
+Simplification: when KV heads < TP, both engines replicate KV heads instead of splitting them; the
+few MB this adds per layer are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlc.compiler.model import ModelFacts, ParamSplit, add_splits
+from rlc.compiler.planner.layout import GenerationLayout, TrainLayout
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """Parameters (elements) one GPU of a pipeline stage holds."""
+
+    stage: int
+    layers: int  # decoder layers on this stage
+    dense: int  # non-expert parameters on one GPU (optimizer sharded over DP × CP)
+    expert: int  # routed-expert parameters on one GPU (optimizer sharded over expert DP)
+    vocab_copies: int  # how many vocab × hidden matrices (each / TP) are among ``dense``
+    mtp_blocks: int  # MTP blocks on this stage
+
+    @property
+    def params(self) -> int:
+        return self.dense + self.expert
+
+
+def _layers_split(facts: ModelFacts, indices: list[int]) -> Optional[ParamSplit]:
+    kinds = facts.layer_kinds
+    if kinds is None:
+        return None
+    return add_splits(facts.layer_split(kinds[i]) for i in indices)
+
+
+def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[list[StageShard]]:
+    """One :class:`StageShard` per Megatron pipeline stage, or ``None`` when facts are missing."""
+    if facts.num_layers is None or facts.layer_kinds is None or facts.vocab is None or facts.hidden is None:
+        return None
+    if facts.tied_embeddings is None or facts.mtp_num_layers is None:
+        return None
+    vocab = facts.vocab * facts.hidden // layout.tp
+    mtp = facts.mtp_num_layers
+    mtp_block = facts.mtp_block_split() if mtp else ParamSplit()
+    if mtp_block is None:
+        return None
+    expert_shards = layout.ep * layout.etp
+    stages = layout.stage_layers(facts.num_layers)
+    out = []
+    for s, indices in enumerate(stages):
+        split = _layers_split(facts, indices)
+        if split is None:
+            return None
+        first, last = s == 0, s == len(stages) - 1
+        copies = 0
+        if first:
+            copies += 1  # word embedding
+        if last:
+            if not facts.tied_embeddings:
+                copies += 1  # output layer
+            elif not first:
+                copies += 1  # tied: the last stage holds a copy of the embedding as output weight
+            if mtp:
+                split = split + mtp_block.times(mtp)
+                if facts.mtp_shared_embedding is False:
+                    copies += 1  # dedicated MTP embedding
+                elif not first and not facts.tied_embeddings:
+                    copies += 1  # MTP-replicated word embedding (seed 000 failure 1)
+        expert = split.expert // expert_shards
+        dense = split.tp // layout.tp + split.replicated + copies * vocab
+        out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert, vocab_copies=copies,
+                              mtp_blocks=mtp if last else 0))
+    return out
+
+
+def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[list[StageShard]]:
+    """One :class:`StageShard` per vLLM pipeline stage (weights only), or ``None`` when unknown."""
+    if facts.num_layers is None or facts.layer_kinds is None or facts.vocab is None or facts.hidden is None:
+        return None
+    if facts.tied_embeddings is None:
+        return None
+    vocab = facts.vocab * facts.hidden // layout.tp
+    stages = layout.stage_layers(facts.num_layers)
+    out = []
+    for s, indices in enumerate(stages):
+        split = _layers_split(facts, indices)
+        if split is None:
+            return None
+        first, last = s == 0, s == len(stages) - 1
+        copies = (1 if first else 0) + (1 if last and (not facts.tied_embeddings or not first) else 0)
+        dense = split.tp // layout.tp + split.replicated + copies * vocab
+        out.append(StageShard(stage=s, layers=len(indices), dense=dense,
+                              expert=split.expert // layout.expert_shards, vocab_copies=copies, mtp_blocks=0))
+    return out

@@ -1,0 +1,95 @@
+"""RLC3xx: environment, sampling and algorithm settings that fail or mislead at run time."""
+from __future__ import annotations
+
+import re
+
+from rlc.compiler.rules.engine import Context, rule
+
+_EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
+
+
+@rule("RLC301", "expandable_segments:True is incompatible with colocated vLLM", severities=("error",),
+      rationale="vLLM's sleep mode allocates through CuMemAllocator (a CUDA memory pool); PyTorch's expandable "
+                "segments cannot be combined with memory pools, and vLLM asserts at start-up, minutes into the "
+                "job. Every Ray actor inherits the driver's environment, so there is no per-actor escape.",
+      seed="seed 000 attempt 4: 'AssertionError: Expandable segments are not compatible with memory pool' "
+           "(vllm cumem.py:132; pytorch/pytorch#147851).",
+      fixes="Remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env "
+            "(garbage_collection_threshold:0.6 is fine).")
+def expandable_segments(ctx: Context) -> None:
+    if not ctx.get("colocated", True):
+        return
+    for key, value in (ctx.get("cluster.env", {}) or {}).items():
+        if isinstance(value, str) and _EXPANDABLE.search(value):
+            ctx.error(f"{key}={value} enables expandable segments, which vLLM's CuMemAllocator rejects with "
+                      "colocated generation (pytorch#147851)", f"cluster.env.{key}",
+                      hint="drop expandable_segments:True from it")
+
+
+@rule("RLC302", "batch_multiplier > 1 needs dynamic sampling", severities=("error",),
+      rationale="batch_multiplier over-generates prompts so dynamic sampling can drop groups whose rewards are "
+                "all equal; without dynamic sampling the extra samples have nowhere to go.",
+      seed="seed 000 bonus (dynamic sampling with batch_multiplier 2, max_gen_batches 10).",
+      fixes="Set grpo.dynamic_sampling.enabled: true or batch_multiplier: 1.")
+def multiplier(ctx: Context) -> None:
+    ds = ctx.get("grpo.dynamic_sampling", {}) or {}
+    if ds.get("batch_multiplier", 1) > 1 and not ds.get("enabled", False):
+        ctx.error(f"batch_multiplier {ds['batch_multiplier']} without dynamic sampling",
+                  "grpo.dynamic_sampling.batch_multiplier", hint="enable dynamic_sampling or set batch_multiplier: 1")
+
+
+@rule("RLC303", "truncated sampling makes vLLM's logprobs differ from the trainer's", severities=("warning",),
+      rationale="With top_p < 1 or top_k > 0 vLLM samples from a renormalised, truncated distribution and reports "
+                "its logprobs; the trainer scores the same tokens under the full distribution. The importance "
+                "ratios are then biased and the gen-KL guard (grpo.max_gen_kl) can trip on correct weights.",
+      seed="GRPO/PPO practice; rlc's max_gen_kl guard compares the two logprobs after every refit.",
+      fixes="Use top_p: 1.0 and top_k: -1 for rollouts.")
+def truncation(ctx: Context) -> None:
+    s = ctx.get("generation.sampling", {}) or {}
+    if s.get("top_p", 1.0) < 1.0:
+        ctx.warning(f"top_p {s['top_p']} truncates sampling: vLLM and trainer logprobs will disagree",
+                    "generation.sampling.top_p", hint="top_p: 1.0")
+    if s.get("top_k", -1) > 0:
+        ctx.warning(f"top_k {s['top_k']} truncates sampling: vLLM and trainer logprobs will disagree",
+                    "generation.sampling.top_k", hint="top_k: -1")
+
+
+@rule("RLC304", "low sampling temperature starves GRPO of signal", severities=("warning",),
+      rationale="GRPO learns from reward differences inside a group; at low temperature the samples of a group "
+                "converge to the same answer, the group's rewards are equal and its advantage is zero.",
+      seed="seed 000 bonus: only ~18% of groups had non-zero reward spread at temperature 1 on DAPO math.",
+      fixes="Use temperature ≥ 0.7 (1.0 is the usual choice).")
+def temperature(ctx: Context) -> None:
+    t = ctx.get("generation.sampling.temperature", 1.0)
+    if t < 0.5:
+        ctx.warning(f"temperature {t} makes a group's samples nearly identical (zero advantage)",
+                    "generation.sampling.temperature", hint="temperature: 1.0")
+
+
+@rule("RLC305", "prompt + response must fit vLLM's and the trainer's sequence length", severities=("error", "warning"),
+      rationale="vLLM rejects requests whose prompt + max_tokens exceed max_model_len; a trainer sequence length "
+                "below that truncates responses from the loss.",
+      seed="vLLM engine argument validation.",
+      fixes="Raise generation.max_model_len (and training.max_sequence_length), or lower max_tokens / "
+            "max_prompt_length.")
+def lengths(ctx: Context) -> None:
+    prompt = ctx.get("data.max_prompt_length", 1024)
+    tokens = ctx.get("generation.sampling.max_tokens", 1024)
+    model_len = ctx.get("generation.max_model_len", 4096)
+    if prompt + tokens > model_len:
+        ctx.error(f"max_prompt_length {prompt} + max_tokens {tokens} = {prompt + tokens} exceeds max_model_len "
+                  f"{model_len}", "generation.max_model_len", hint=f"max_model_len: {prompt + tokens}")
+    seq = ctx.get("training.max_sequence_length")
+    if seq is not None and seq < prompt + tokens:
+        ctx.warning(f"training.max_sequence_length {seq} < prompt + response {prompt + tokens}: long responses "
+                    "are truncated in the loss", "training.max_sequence_length")
+
+
+@rule("RLC306", "max_gen_kl 0 disables the stale-weights guard", severities=("info",),
+      rationale="After every refit rlc compares vLLM's sampling logprobs with the trainer's; a large KL means "
+                "vLLM runs wrong or stale weights (the seed 001 and 003 bugs produced no error, only garbage).",
+      seed="seeds 001 and 003 (silent wrong weights after refit).",
+      fixes="Keep grpo.max_gen_kl > 0 (default 0.05).")
+def gen_kl(ctx: Context) -> None:
+    if ctx.get("grpo.max_gen_kl", 0.05) == 0:
+        ctx.info("max_gen_kl: 0 turns off the check that catches wrong weights after refit", "grpo.max_gen_kl")

@@ -1,0 +1,167 @@
+"""RLC21x: memory rules, judged on the memory plan (rlc.compiler.planner).
+
+The numbers in the messages are the planner's; ``rlc plan`` shows the full arithmetic.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rlc.compiler.planner.calibration import calibration_for
+from rlc.compiler.planner.plan import GIB
+from rlc.compiler.rules.engine import Context, rule
+
+
+def _buffer_path(ctx: Context) -> str:
+    return "refit.buffer_gb" if ctx.get("refit.buffer_gb") is not None else "refit.buffer_memory_ratio"
+
+
+def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
+    sufficient = [f.text for f in plan.fixes if f.sufficient]
+    if not sufficient:
+        return plan.fixes[0].text if plan.fixes else None
+    return "; or ".join(sufficient[:limit])
+
+
+@rule("RLC210", "each IPC ping-pong half must hold the largest exported tensor", severities=("error",),
+      needs=("plan",),
+      rationale="The refit buffer is free × buffer_memory_ratio (or buffer_gb), split into two ping-pong halves; "
+                "a tensor must fit one half. Fused expert stacks are the largest tensors of big MoE models "
+                "(Qwen3.5-397B: experts.gate_up_proj = 512 × 2 × 1024 × 4096 × 2 B = 8 GiB) and their size is set "
+                "by the architecture: a larger vLLM EP does not shrink them (the exporter stacks all experts).",
+      seed="seed 000 failure 2: 'AssertionError: Parameter model.language_model.layers.0.mlp.experts.gate_up_proj "
+           "too large for buffer: 8589934592 > 6263046144' (ratio 0.3; the // 2 ping-pong split was missed).",
+      fixes="Raise buffer_memory_ratio within the window the plan names, or free memory first: sleep_level 2, a "
+            "larger generation EP, enforce_eager (see `rlc plan`).")
+def buffer_half(ctx: Context) -> None:
+    plan = ctx.plan
+    check = plan.checks.get("buffer")
+    if check is None or check.ok:
+        return
+    r = plan.refit
+    ctx.error(f"refit buffer: each ping-pong half is {r.per_side / GIB:.2f} GiB ({r.per_side / 1e9:.2f} GB = "
+              f"{r.buffer_source} / 2) but the largest exported tensor {r.largest_name} is "
+              f"{r.largest / GIB:.2f} GiB ({r.largest} bytes); the transfer would assert "
+              f"'{r.largest} > {r.per_side}'", _buffer_path(ctx), hint=_fix_hint(plan))
+
+
+@rule("RLC211", "the export staging site must have room to stack the largest tensor", severities=("error",),
+      needs=("plan",),
+      rationale="After both buffer halves are allocated, the exporter all-gathers the largest tensor's pieces "
+                "(e.g. every expert across EP) and torch.stack()s them: the tensor is needed AGAIN on top of its "
+                "gathered pieces. A larger buffer leaves less room here, and a half that only just exceeds the "
+                "tensor fragments the caching allocator (seed: ratio 0.45 → +5.75 GiB reserved-but-unusable). "
+                "Judged only when the buffer half already holds the tensor (RLC210).",
+      seed="seed 000 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
+           "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
+           "model_bridge.py:815 _accumulate_grouped_export; attempt 5 (ratio 0.45): fragmentation 7.04 GB.",
+      fixes="Use a ratio inside the plan's window, or free memory (sleep_level 2, larger generation EP, "
+            "enforce_eager).")
+def staging_site(ctx: Context) -> None:
+    plan = ctx.plan
+    check, buffer = plan.checks.get("stack"), plan.checks.get("buffer")
+    if check is None or check.ok or (buffer is not None and not buffer.ok):
+        return
+    r = plan.refit
+    ctx.error(f"export staging: after the IPC buffer (2 × {r.per_side / GIB:.2f} GiB) the exporter holds the "
+              f"gathered pieces of {r.largest_name} ({r.gathered / GIB:.2f} GiB) and torch.stack needs "
+              f"{r.largest / GIB:.2f} GiB more, but only {r.free_at_stack / GIB:.2f} GiB would be free "
+              f"({r.free_at_refit / GIB:.2f} free at refit − {2 * r.per_side / GIB:.2f} buffer − "
+              f"{r.gathered / GIB:.2f} gathered − {r.staging_overhead / GIB:.2f} staging − "
+              f"{r.fragmentation / GIB:.2f} fragmentation)", _buffer_path(ctx), hint=_fix_hint(plan))
+
+
+@rule("RLC212", "CUDA-graph residue after step 1 can eat the refit margin", severities=("warning",),
+      needs=("plan",),
+      rationale="With enforce_eager off, vLLM records CUDA graphs as it meets new shapes; their buffers are not "
+                "released by sleep and by step 2 they hold several GiB more than at the first refit. A refit that "
+                "passes with less margin than that variation fails intermittently from step 2 on.",
+      seed="seed 000 failure 3: 'Step 1 refit ran cleaner than Step 2' with EP 128 / ratio 0.4; CUDA graphs add "
+           "'~10–15 GB of non-cumem buffers that CuMemAllocator.sleep() cannot release'.",
+      fixes="enforce_eager: true (costs ~30–40% generation throughput) and/or sleep_level: 2; or widen the margin "
+            "(larger generation EP).")
+def graph_margin(ctx: Context) -> None:
+    plan = ctx.plan
+    r = plan.refit
+    if r is None or ctx.get("generation.enforce_eager", False) or r.tolerance_gib is None:
+        return
+    cal = calibration_for(plan.gpu)
+    if r.tolerance_gib >= cal.vllm_cuda_graph_uncertainty_gib:
+        return
+    levers = [f.text.split(";")[0] for f in plan.fixes if f.key in ("generation.enforce_eager", "refit.sleep_level")]
+    ctx.warning(f"refit passes now (per side {r.buffer_margin / GIB:+.2f} GiB, staging site {r.stack_margin / GIB:+.2f} "
+                f"GiB) but {r.tolerance_gib:.2f} GiB more vLLM residue would break it; with enforce_eager off the "
+                f"CUDA-graph residue after step 1 varies by ~{cal.vllm_cuda_graph_uncertainty_gib:.0f} GiB",
+                "generation.enforce_eager", hint="; or ".join(levers) or "enforce_eager: true")
+
+
+@rule("RLC213", "tight refit with sleep level 1: level 2 frees the weight shard", severities=("warning",),
+      needs=("plan",),
+      rationale="Sleep level 1 backs vLLM's weights up and keeps the shard's allocation; level 2 discards them. "
+                "In colocated RL the next refit re-streams every weight anyway, so the backup is wasted and level "
+                "2 frees the whole shard for the refit buffer and the export staging.",
+      seed="seed 000 failure 3: sleep(level=2) + enforce_eager took vLLM's residue from ~24 GB to ~7 GB.",
+      fixes="refit.sleep_level: 2.")
+def sleep_level(ctx: Context) -> None:
+    plan = ctx.plan
+    r = plan.refit
+    if r is None or ctx.get("refit.sleep_level", 1) != 1 or not ctx.get("generation.enforce_eager", False):
+        return  # with enforce_eager off RLC212 already names sleep_level 2
+    cal = calibration_for(plan.gpu)
+    if r.tolerance_gib is None or r.tolerance_gib >= cal.vllm_cuda_graph_uncertainty_gib:
+        return
+    freed = plan.vllm_weights_gib
+    ctx.warning(f"refit margin is only {r.tolerance_gib:.2f} GiB of free memory with sleep_level 1",
+                "refit.sleep_level", hint=f"sleep_level: 2 frees ≈ {freed:.1f} GiB" if freed else "sleep_level: 2")
+
+
+@rule("RLC214", "vLLM's weights must fit in gpu_memory_utilization", severities=("error",), needs=("plan",),
+      rationale="gpu_memory_utilization caps vLLM's pool (weights + KV cache + activations) while it is awake; "
+                "if the weight shard alone exceeds it there is no KV cache and the engine refuses to start. "
+                "Colocated, the rest of the GPU must also hold what Megatron keeps while offloaded.",
+      seed="vLLM engine start-up ('No available memory for the cache blocks'); seed 000 attempt 2 shows the "
+           "knob only sizes the KV cache.",
+      fixes="Raise gpu_memory_utilization, or shard vLLM further (TP / EP / PP).")
+def generation_fits(ctx: Context) -> None:
+    plan = ctx.plan
+    for key in ("generate_fit", "generate_total"):
+        check = plan.checks.get(key)
+        if check is not None and check.ok is False:
+            ctx.error(check.text, "generation.gpu_memory_utilization",
+                      hint="raise gpu_memory_utilization or a larger vLLM TP / EP" if key == "generate_fit"
+                      else "lower gpu_memory_utilization")
+
+
+@rule("RLC215", "the train step must fit (parameters, grads, optimizer state, vLLM asleep)",
+      severities=("error",), needs=("plan",),
+      rationale="Megatron holds bf16 params and grads and, with the distributed optimizer, 12 bytes per "
+                "parameter of fp32 master + Adam moments sharded over DP (experts over expert-DP) while vLLM "
+                "sleeps on the same GPU. If that alone exceeds the GPU, no activation memory is left.",
+      seed="First principles; residues from the calibration table.",
+      fixes="More pipeline / expert parallelism, more data parallelism for the optimizer shards, or sleep_level 2.")
+def train_fits(ctx: Context) -> None:
+    check = ctx.plan.checks.get("train_fit")
+    if check is not None and check.ok is False:
+        ctx.error(check.text + " (activations not yet counted)", "parallelism.train",
+                  hint="raise PP / EP or DP, or sleep_level: 2")
+
+
+@rule("RLC216", "memory figures that cannot be computed", severities=("info",), needs=("plan",),
+      rationale="Some architecture facts are not public (e.g. Nemotron-3-Ultra's layer count, expert width and "
+                "vocabulary). The planner reports those figures as unknown instead of guessing; the recipe is "
+                "not blocked, but its memory is not checked.",
+      seed="compiler/catalog/models/SOURCES.md.",
+      fixes="Point model.config at the real config.json once available.")
+def unknown_figures(ctx: Context) -> None:
+    for item in ctx.plan.unknown:
+        ctx.info(f"memory plan: {item}", "model.id")
+
+
+@rule("RLC217", "calibration measured on another GPU", severities=("info",), needs=("plan",),
+      rationale="Contexts, residues and fragmentation are calibrated per GPU type and library version; when none "
+                "exists for this GPU the planner uses the nearest entry and says so.",
+      seed="compiler/planner/calibration.yaml.",
+      fixes="Run once with calibration records on (docs/planner.md) and add an entry.")
+def calibration_fallback(ctx: Context) -> None:
+    for note in ctx.plan.notes:
+        if note.startswith("no calibration measured"):
+            ctx.info(note, "cluster.gpu")

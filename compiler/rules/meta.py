@@ -1,0 +1,28 @@
+"""RLC0xx: findings other stages emit, registered here so ``rlc explain`` knows them."""
+from __future__ import annotations
+
+from rlc.compiler.rules.engine import Rule, register
+
+register(Rule(
+    id="RLC001", title="model or GPU not in the catalog", severities=("error",),
+    rationale="The planner and the layout rules need the model's real architecture (layers, heads, experts, "
+              "vocabulary) and the GPU's usable memory. Both come from the shipped catalog, or, for a model "
+              "outside it, from a local config.json named by model.config.",
+    seed="Design: plans are computed from real configs, never guessed (compiler/catalog/models/SOURCES.md).",
+    fixes="Use a catalog id (compiler/catalog/models/SOURCES.md; the error names the closest), or set "
+          "model.config to the model's config.json; "
+          "pick cluster.gpu from the schema's list.",
+))
+register(Rule(
+    id="RLC002", title="lint.ignore cannot silence an error", severities=("error",),
+    rationale="Errors describe recipes that fail at run time (a crash, an OOM, or silently wrong weights). "
+              "Silencing them would only move the failure to the cluster, after the queue wait.",
+    seed="Working agreement of the compiler (issue 5): warnings may be silenced with a reason, errors may not.",
+    fixes="Fix the recipe (`rlc explain <rule>` names the cheapest fix) and remove the lint.ignore entry.",
+))
+register(Rule(
+    id="RLC003", title="lint.ignore names an unknown rule", severities=("warning",),
+    rationale="An ignore entry for a rule id that does not exist silences nothing; it is usually a typo.",
+    seed="Compiler hygiene.",
+    fixes="Correct the id (`rlc explain --list`) or remove the entry.",
+))

@@ -1,0 +1,203 @@
+"""RLC20x: the refit switches (each a fix from a field report) and refit configuration errors.
+
+Each ``auto`` switch is decided here (``ctx.decide``) with the reason written into runtime.yaml;
+an explicit ``off`` where the fix is needed is an error.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from rlc.compiler.planner.layout import train_layout
+from rlc.compiler.rules.engine import Context, rule
+
+R = "refit"
+
+
+@rule("RLC201", "MTP with a shared embedding and PP > 1 needs the MTP-embedding dedupe",
+      severities=("error", "info"),
+      rationale="With multi-token prediction that reuses the word embedding (HF mtp_use_dedicated_embeddings: "
+                "false) and pipeline parallelism, Megatron places the MTP block on the last stage and replicates "
+                "embedding.word_embeddings.weight there. The exporter then finds the same logical parameter on "
+                "PP rank 0 and on the last rank and refit setup fails. The dedupe drops the replica on the last "
+                "stage; PP rank 0 stays its only owner.",
+      seed="seed 000 failure 1: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
+           "(Qwen3.5-397B-A17B, PP 8); Megatron-Bridge build_conversion_tasks does not call "
+           "_should_skip_mtp_duplicate_embedding_export.",
+      fixes="Leave refit.dedupe_mtp_embedding at auto (or on).")
+def mtp_dedupe(ctx: Context) -> None:
+    key, path = "refit.dedupe_mtp_embedding", f"{R}.dedupe_mtp_embedding"
+    value = ctx.get(path, "auto")
+    pp = train_layout(ctx.recipe).pp
+    f = ctx.facts
+    if f is None:
+        needed, why = pp > 1, f"model facts unknown and PP{pp} > 1 (on is harmless without MTP)"
+    elif f.mtp_num_layers == 0:
+        needed, why = False, "the model has no MTP layers"
+    elif f.mtp_shared_embedding is False:
+        needed, why = False, "the MTP block has its own embedding"
+    elif pp == 1:
+        needed, why = False, "PP is 1 (one owner of the embedding)"
+    else:
+        mtp = "an unknown number of" if f.mtp_num_layers is None else str(f.mtp_num_layers)
+        shared = "shares the word embedding" if f.mtp_shared_embedding else \
+            "may share the word embedding (not stated for this model)"
+        needed = True
+        why = (f"MTP ({mtp} layer(s)) {shared} and PP{pp} > 1: the last stage holds a replica of "
+               "embedding.word_embeddings.weight (seed 000 failure 1)")
+    if value == "auto":
+        ctx.decide(key, needed, ("on: " if needed else "off: ") + why)
+        if needed:
+            ctx.info(f"dedupe_mtp_embedding: auto → on: {why}", path)
+    elif value == "off" and needed:
+        ctx.error(f"dedupe_mtp_embedding is off, but {why}; refit setup fails with "
+                  f"'Object present on multiple PP ranks: [0, {pp - 1}]'", path,
+                  hint="set refit.dedupe_mtp_embedding: auto")
+
+
+@rule("RLC202", "distributed optimizer + overlap_param_gather needs a param sync before refit",
+      severities=("error", "info"),
+      rationale="With overlap_param_gather the updated parameter shards are only all-gathered at the next "
+                "forward. Refit runs between the optimizer step and that forward, so every rank would export its "
+                "own fresh shard next to stale copies of the others (wrong weights, no crash). The fix forces a "
+                "synchronous parameter all-gather before the export.",
+      seed="seed 001 (NeMo-RL fix 'synchronize parameters before inference refit': stale shards with "
+           "overlap_param_gather=True; native-planner destinations differ before the gather, equal after).",
+      fixes="Leave refit.sync_params_before_refit at auto (or on), or turn overlap_param_gather off.")
+def sync_params(ctx: Context) -> None:
+    key, path = "refit.sync_params_before_refit", f"{R}.sync_params_before_refit"
+    value = ctx.get(path, "auto")
+    dist = ctx.get("training.use_distributed_optimizer", True)
+    overlap = ctx.get("training.overlap_param_gather", False)
+    needed = bool(dist and overlap)
+    why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
+           "forward (seed 001)") if needed else "overlap_param_gather is off (parameters are current after the step)"
+    if value == "auto":
+        ctx.decide(key, needed, ("on: " if needed else "off: ") + why)
+        if needed:
+            ctx.info(f"sync_params_before_refit: auto → on: {why}", path)
+    elif value == "off" and needed:
+        ctx.error(f"sync_params_before_refit is off with the distributed optimizer and overlap_param_gather: "
+                  "refit would export stale parameter shards (wrong weights, no error)", path,
+                  hint="set refit.sync_params_before_refit: auto, or training.overlap_param_gather: false")
+
+
+@rule("RLC203", "EP > 1 or PP > 1 needs per-rank IPC metadata", severities=("error", "info"),
+      rationale="Each trainer rank packs its own buffer (different tensors and order per rank once EP or PP "
+                "split the model). If only rank 0's slicing metadata is sent, every vLLM worker slices its own "
+                "buffer with rank 0's names and sizes: correct bytes load under wrong names, generation turns to "
+                "coherent-looking garbage and rewards drop to zero, with no crash.",
+      seed="seed 003 (SkyRL, Nemotron-3-Ultra, TP8/PP4/EP16): post-sync logprob diff 2.0 → 0.15 after sending "
+           "per-GPU metadata; worked by luck at PP 2, broke at PP > 2 / EP > 16.",
+      fixes="Leave refit.per_rank_ipc_metadata at auto (or on).")
+def per_rank_metadata(ctx: Context) -> None:
+    key, path = "refit.per_rank_ipc_metadata", f"{R}.per_rank_ipc_metadata"
+    value = ctx.get(path, "auto")
+    tl = train_layout(ctx.recipe)
+    needed = tl.ep > 1 or tl.pp > 1
+    why = (f"EP{tl.ep} / PP{tl.pp}: trainer ranks pack different tensors (seed 003)" if needed
+           else "on by default (needed once EP or PP > 1)")
+    if value == "auto":
+        ctx.decide(key, True, "on: " + why)
+        if needed:
+            ctx.info(f"per_rank_ipc_metadata: auto → on: {why}", path)
+    elif value == "off" and needed:
+        ctx.error(f"per_rank_ipc_metadata is off with EP{tl.ep} / PP{tl.pp}: vLLM workers would slice their "
+                  "buffers with rank 0's metadata and load correct bytes under wrong names", path,
+                  hint="set refit.per_rank_ipc_metadata: auto")
+
+
+@rule("RLC204", "fp32 router / expert bias must stay fp32 on the wire", severities=("error", "info"),
+      rationale="Aux-loss-free MoE routers add a per-expert bias (e_score_correction_bias; Megatron expert_bias) "
+                "of magnitude ~25-57 whose per-expert differences are ~7e-4. Sending it in bf16 rounds those "
+                "differences away and corrupts routing. fp32_params: auto keeps the model's known fp32 "
+                "parameters fp32; an explicit list must cover them.",
+      seed="seed 003: 'fp32 MoE router bias (gate.e_score_correction_bias) preserved through sync — bf16 ULP at "
+           "its ~25–57 magnitude collapses the tiny per-expert offsets (std ~7e-4) and corrupts routing'.",
+      fixes="Use refit.fp32_params: auto, or add the missing pattern (e.g. '*e_score_correction_bias*').")
+def fp32_params(ctx: Context) -> None:
+    key, path = "refit.fp32_params", f"{R}.fp32_params"
+    value = ctx.get(path, "auto")
+    f = ctx.facts
+    known = list(f.fp32_params) if f is not None else []
+    if value == "auto":
+        if f is None:
+            ctx.decide(key, [], "auto: model facts unknown; no fp32 parameters known")
+            return
+        patterns = [p.pattern for p in known]
+        if patterns:
+            ctx.decide(key, patterns, f"auto: {f.model_id} has {', '.join(patterns)} (router bias, seed 003)")
+            ctx.info(f"fp32_params: auto → {patterns}: router bias kept fp32 (seed 003)", path)
+        else:
+            ctx.decide(key, [], f"auto: {f.model_id} has no known fp32 parameters")
+        return
+    if not isinstance(value, list):
+        return
+    missed = [p for p in known if not any(fnmatch.fnmatchcase(p.example, pat) for pat in value)]
+    hf_missed = [p for p in missed if not p.example.startswith("decoder.")]
+    if hf_missed:
+        names = ", ".join(f"{p.example} ({p.pattern})" for p in hf_missed)
+        ctx.error(f"fp32_params {value} misses the model's fp32 parameter(s) {names}: {hf_missed[0].why}", path,
+                  hint=f"use fp32_params: auto, or add {', '.join(repr(p.pattern) for p in hf_missed)}")
+
+
+@rule("RLC205", "optimizer_cpu_offload with colocated vLLM raised GPU residency", severities=("warning",),
+      rationale="Megatron's hybrid CPU optimizer keeps extra GPU staging buffers (fp32 master / grad scaling), "
+                "which the explicit offload before refit would otherwise drop: residency after the offload went "
+                "up, not down, leaving less for the refit buffer.",
+      seed="seed 000 attempt 3: 'Step 2 after-offload GPU residency went 12.72 GB (off) → 15.86 GB (on)'.",
+      fixes="Set training.optimizer_cpu_offload: false and keep refit.offload_optimizer_for_refit: true.")
+def cpu_offload(ctx: Context) -> None:
+    if ctx.get("training.optimizer_cpu_offload", False) and ctx.get("colocated", True):
+        extra = ""
+        if ctx.plan is not None and "refit" in ctx.plan.phases:
+            try:
+                extra = f" (planned: +{ctx.plan.item_gib('refit', 'CPU-offload staging'):.2f} GiB at refit)"
+            except KeyError:
+                extra = ""
+        ctx.warning("optimizer_cpu_offload with colocated vLLM raised post-step GPU residency 12.72 → 15.86 GB in "
+                    f"seed 000{extra}", "training.optimizer_cpu_offload",
+                    hint="optimizer_cpu_offload: false; refit.offload_optimizer_for_refit: true does the offload")
+
+
+@rule("RLC206", "buffer_gb and buffer_memory_ratio are mutually exclusive", severities=("error",),
+      rationale="The IPC buffer is sized either from free memory (ratio) or as a fixed size; with both set it is "
+                "unclear which one the author meant, and the runtime refuses it.",
+      seed="rlc refit contract (runtime/refit/bucket_planner.py: exactly one of the two).",
+      fixes="Remove one of refit.buffer_gb / refit.buffer_memory_ratio.")
+def buffer_exclusive(ctx: Context) -> None:
+    if ctx.get("refit.buffer_gb") is None:
+        return
+    set_ratio = ctx.user_set("refit.buffer_memory_ratio")
+    if set_ratio is None:  # no raw recipe: a non-default ratio can only have come from the recipe
+        set_ratio = ctx.get("refit.buffer_memory_ratio", 0.3) != 0.3
+    if set_ratio:
+        ctx.error(f"both refit.buffer_gb ({ctx.get('refit.buffer_gb')}) and refit.buffer_memory_ratio "
+                  f"({ctx.get('refit.buffer_memory_ratio')}) are set", "refit.buffer_gb",
+                  hint="keep one of them")
+
+
+@rule("RLC207", "refit transport vs. colocation", severities=("error", "warning"),
+      rationale="CUDA IPC shares device memory between processes on the same GPU, so it needs colocated "
+                "generation. The shared-memory transport copies every tensor through host memory and is meant "
+                "for tests.",
+      seed="rlc runtime design (runtime/refit: CUDA IPC or shm buffers per GPU).",
+      fixes="Keep colocated: true with transport cuda_ipc.")
+def transport(ctx: Context) -> None:
+    t = ctx.get("refit.transport", "cuda_ipc")
+    if t == "cuda_ipc" and not ctx.get("colocated", True):
+        ctx.error("refit.transport cuda_ipc needs colocated: true (IPC handles are only valid on the same GPU)",
+                  "refit.transport", hint="set colocated: true")
+    elif t == "shm" and train_layout(ctx.recipe).world > 1:
+        ctx.warning("refit.transport shm copies every weight through host memory (meant for tests)",
+                    "refit.transport", hint="use transport: cuda_ipc")
+
+
+@rule("RLC208", "overlap_param_gather needs the distributed optimizer", severities=("error",),
+      rationale="Overlapping the parameter all-gather only exists for the distributed optimizer, which shards "
+                "parameters over data-parallel ranks; Megatron rejects it otherwise.",
+      seed="Megatron-core DistributedDataParallelConfig (overlap_param_gather requires use_distributed_optimizer).",
+      fixes="Set training.use_distributed_optimizer: true or overlap_param_gather: false.")
+def overlap_needs_dist(ctx: Context) -> None:
+    if ctx.get("training.overlap_param_gather", False) and not ctx.get("training.use_distributed_optimizer", True):
+        ctx.error("overlap_param_gather needs use_distributed_optimizer: true", "training.overlap_param_gather",
+                  hint="set training.overlap_param_gather: false")

@@ -1,0 +1,44 @@
+"""Shared constants and helpers of the planner/rules tests (imported by name; tests/ has no packages)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from rlc.compiler.recipe import load_recipe
+from rlc.compiler.schema import validate, with_defaults
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+SEED000 = {
+    "defaults": RECIPES / "tests" / "qwen35-397b-seed000-1-defaults.yaml",
+    "ratio05": RECIPES / "tests" / "qwen35-397b-seed000-2-ratio05.yaml",
+    "ep128": RECIPES / "tests" / "qwen35-397b-seed000-3-ep128.yaml",
+    "final": RECIPES / "tests" / "qwen35-397b-seed000-4-final.yaml",
+}
+BASE = RECIPES / "qwen35-397b-grpo-32xh100.yaml"
+ULTRA = RECIPES / "nemotron3-ultra-grpo-64xh200.yaml"
+GB = 1e9
+GIB = 1 << 30
+
+
+def load(path: Path, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(recipe with schema defaults filled, raw merged recipe); fails the test on schema errors."""
+    loaded = load_recipe(path, overrides)
+    errors = [d for d in validate(loaded) if d.severity == "error"]
+    assert not errors, [f"{d.path}: {d.message}" for d in errors]
+    return with_defaults(loaded.data), loaded.data
+
+
+def with_changes(recipe: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A copy of ``recipe`` with dotted keys (``__`` for ``.``) set, e.g. ``refit__sleep_level=2``."""
+    out = copy.deepcopy(recipe)
+    for key, value in changes.items():
+        node = out
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+

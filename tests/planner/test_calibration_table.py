@@ -1,0 +1,83 @@
+"""The calibration table: derived constants reproduce from the measurements; the record format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlc.compiler import catalog
+from rlc.compiler.planner.calibration import (RECORD_PHASES, CalibrationError, calibration_for, load_table,
+                                              parse_record)
+from rlc.compiler.planner.derive import derive_constants
+
+from planner_helpers import ROOT, load
+
+
+def test_every_constant_has_a_source():
+    for entry in load_table():
+        assert entry.source and entry.versions and entry.gpu
+        for key in ("megatron_context_gib", "megatron_refit_residual_gib", "vllm_base_gib", "vllm_cuda_graph_gib",
+                    "export_staging_overhead_gib", "fragmentation_points", "vllm_cuda_graph_uncertainty_gib"):
+            assert "seed" in entry.sources[key].lower() or "attempt" in entry.sources[key] \
+                or "failure" in entry.sources[key] or "config" in entry.sources[key], key
+
+
+def test_derived_constants_match_the_stored_values(qwen397, h100):
+    cal = calibration_for("h100-80gb")
+    recipe = load(ROOT / cal.reference["recipe"])[0]
+    derived = derive_constants(cal.measured, recipe, qwen397, h100.memory_gib, cal)
+    assert derived["megatron_context_gib"] == pytest.approx(cal.megatron_context_gib, abs=0.01)
+    assert derived["megatron_refit_residual_gib"] == pytest.approx(cal.megatron_refit_residual_gib, abs=0.01)
+    assert derived["vllm_cuda_graph_gib"] == pytest.approx(cal.vllm_cuda_graph_gib, abs=0.01)
+    assert derived["export_staging_overhead_gib"] == pytest.approx(cal.export_staging_overhead_gib, abs=0.01)
+    points = dict((round(gib, 2), headroom) for headroom, gib in cal.fragmentation_points)
+    for ratio, frag in cal.measured["fragmentation"].items():
+        assert derived["fragmentation_headroom"][ratio] == pytest.approx(points[frag], abs=0.001)
+
+
+def test_fragmentation_interpolates_between_measurements():
+    cal = calibration_for("h100-80gb")
+    (x0, y0), (x1, y1) = cal.fragmentation_points
+    assert cal.fragmentation_gib(-0.5) == y0 and cal.fragmentation_gib(0.9) == y1
+    mid = cal.fragmentation_gib((x0 + x1) / 2)
+    assert mid == pytest.approx((y0 + y1) / 2)
+
+
+def test_other_gpus_fall_back_with_a_note():
+    cal = calibration_for("h200-141gb")
+    assert cal.fallback_note and "h100-80gb" in cal.fallback_note
+    assert calibration_for("h100-80gb").fallback_note is None
+
+
+def record(**kw):
+    base = {"kind": "calibration", "phase": "refit_free", "free_gib": 35.9, "used_gib": 43.2, "sleep_level": 1,
+            "enforce_eager": False, "gpu": "h100-80gb", "versions": {"vllm": "0.17.1"}, "step": 2, "rank": 9}
+    base.update(kw)
+    return base
+
+
+def test_record_format_round_trips_as_json_lines():
+    parsed = parse_record(json.dumps(record()))
+    assert parsed["phase"] == "refit_free" and parsed["rank"] == 9
+    assert set(RECORD_PHASES) >= {"after_offload", "refit_free", "stack_site", "vllm_sleep"}
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(kind="metrics"), "kind"), (dict(phase="warmup"), "phase"), (dict(sleep_level=3), "sleep_level"),
+    (dict(free_gib="35"), "free_gib"), (dict(enforce_eager=1), "enforce_eager"), (dict(free_gib=-1), ">= 0"),
+])
+def test_bad_records_are_rejected(bad, match):
+    with pytest.raises(CalibrationError, match=match):
+        parse_record(record(**bad))
+
+
+def test_missing_key_is_named():
+    rec = record()
+    del rec["gpu"]
+    with pytest.raises(CalibrationError, match="gpu"):
+        parse_record(rec)
+
+
+def test_gpu_of_every_entry_is_in_the_catalog():
+    for entry in load_table():
+        catalog.gpu_spec(entry.gpu)

@@ -1,0 +1,68 @@
+"""The shipped catalog: ids, provenance, local configs, GPUs."""
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import pytest
+
+from rlc.compiler import catalog
+from rlc.compiler.catalog.models import MODELS_DIR
+
+from planner_helpers import RECIPES
+
+SHARED = Path("/work/shared/models")
+
+
+def test_catalog_lists_every_shipped_model():
+    ids = catalog.model_ids()
+    assert len(ids) == len(list(MODELS_DIR.glob("*.json"))) >= 14
+    assert "Qwen/Qwen3.5-397B-A17B" in ids and "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B" in ids
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="research notes not mounted")
+def test_catalog_files_are_verbatim_copies_with_provenance():
+    for src in SHARED.iterdir():
+        assert filecmp.cmp(src, MODELS_DIR / src.name, shallow=False), src.name
+    for path in MODELS_DIR.glob("*.json"):
+        assert "_provenance" in json.loads(path.read_text()), path.name
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen3.5-397B-A17B", "qwen/qwen3.5-397b-a17b", "Qwen3.5-397B-A17B"])
+def test_model_lookup_by_id_case_or_short_name(name):
+    facts = catalog.model_facts({"id": name}, RECIPES)
+    assert facts.model_id == "Qwen/Qwen3.5-397B-A17B"
+    assert "catalog Qwen__Qwen3.5-397B-A17B.json" in facts.source
+
+
+def test_unknown_model_lists_close_ids():
+    with pytest.raises(catalog.CatalogError) as err:
+        catalog.model_facts({"id": "Qwen/Qwen3.5-397B"}, RECIPES)
+    assert "Qwen/Qwen3.5-397B-A17B" in str(err.value) and "model.config" in str(err.value)
+
+
+def test_local_config_overrides_catalog(tmp_path):
+    facts = catalog.model_facts({"id": "rlc/tiny-qwen3", "config": "models/tiny-qwen3/config.json"}, RECIPES)
+    assert (facts.num_layers, facts.hidden, facts.vocab, facts.num_experts) == (2, 128, 64, 0)
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "made_up"}')
+    with pytest.raises(catalog.CatalogError, match="made_up"):
+        catalog.model_facts({"id": "x", "config": str(bad)}, tmp_path)
+    with pytest.raises(catalog.CatalogError, match="cannot read"):
+        catalog.model_facts({"id": "x", "config": "missing.json"}, tmp_path)
+
+
+def test_gpu_specs():
+    h100 = catalog.gpu_spec("h100-80gb")
+    assert h100.memory_gib == pytest.approx(79.11) and h100.measured
+    assert catalog.gpu_spec("h200-141gb").memory_gib > 139
+    assert set(catalog.gpu_names()) >= {"h100-80gb", "h200-141gb", "b200-180gb", "a100-40gb", "l40s-48gb"}
+    with pytest.raises(catalog.CatalogError, match="h100-80gb"):
+        catalog.gpu_spec("h100")
+
+
+def test_gpu_catalog_covers_schema_enum():
+    schema = json.loads((RECIPES.parent / "schemas" / "recipe.schema.json").read_text())
+    enum = schema["properties"]["cluster"]["properties"]["gpu"]["enum"]
+    assert set(enum) <= set(catalog.gpu_names())

@@ -1,0 +1,145 @@
+"""Each rule fires on a recipe that breaks it, with its numbers, and stays quiet on the shipped recipe."""
+from __future__ import annotations
+
+import pytest
+
+from rlc.compiler import catalog
+from rlc.compiler.planner import plan_memory
+from rlc.compiler.rules import run_rules
+
+from planner_helpers import RECIPES, with_changes
+
+
+def run(recipe, facts, gpu="h100-80gb", raw=None):
+    plan = plan_memory(recipe, facts, catalog.gpu_spec(gpu)) if facts is not None else None
+    return run_rules(recipe, facts, plan, raw=raw)
+
+
+def fired(result, rule_id, severity=None):
+    return [d for d in result.diagnostics if d.rule == rule_id and (severity is None or d.severity == severity)]
+
+
+def test_shipped_recipe_has_no_errors_or_warnings(base_recipe, qwen397):
+    result = run(base_recipe, qwen397)
+    assert [d for d in result.diagnostics if d.severity != "info"] == []
+    assert set(result.decisions) == {"refit.sync_params_before_refit", "refit.dedupe_mtp_embedding",
+                                     "refit.per_rank_ipc_metadata", "refit.fp32_params"}
+    for value, reason in result.decisions.values():
+        assert reason.startswith("RLC2")
+
+
+@pytest.mark.parametrize("changes,rule_id,path,words", [
+    (dict(cluster__nodes=25), "RLC101", "parallelism.train.tp", ["64", "200 GPUs"]),
+    (dict(parallelism__train__ep=24), "RLC103", "parallelism.train.ep", ["512 experts", "EP24"]),
+    (dict(parallelism__train__ep=48, cluster__nodes=30), "RLC102", "parallelism.train.ep", ["EP48"]),
+    (dict(parallelism__train__num_layers_in_first_pipeline_stage=5), "RLC104",
+     "parallelism.train.num_layers_in_first_pipeline_stage", ["49 remaining layers"]),
+    (dict(parallelism__train__vpp=4), "RLC104", "parallelism.train.vpp", ["6 layers", "VPP4"]),
+    (dict(parallelism__generation__tp=64, parallelism__generation__ep=64), "RLC105", "parallelism.generation.tp",
+     ["32 attention heads", "TP64"]),
+    (dict(parallelism__train__sequence_parallel=False), "RLC108", "parallelism.train.sequence_parallel", ["TP8"]),
+    (dict(parallelism__generation__dp=8), "RLC109", "parallelism.generation.dp", ["128 GPUs", "256"]),
+    (dict(parallelism__generation__ep=24), "RLC110", "parallelism.generation.ep", ["not a multiple of vLLM TP16"]),
+    (dict(parallelism__generation__ep=48), "RLC110", "parallelism.generation.ep", ["512 experts"]),
+    (dict(refit__dedupe_mtp_embedding="off"), "RLC201", "refit.dedupe_mtp_embedding", ["[0, 7]"]),
+    (dict(training__overlap_param_gather=True, refit__sync_params_before_refit="off"), "RLC202",
+     "refit.sync_params_before_refit", ["stale"]),
+    (dict(refit__per_rank_ipc_metadata="off"), "RLC203", "refit.per_rank_ipc_metadata", ["EP32 / PP8"]),
+    (dict(refit__buffer_gb=20, refit__buffer_memory_ratio=0.45), "RLC206", "refit.buffer_gb", ["20", "0.45"]),
+    (dict(colocated=False), "RLC207", "refit.transport", ["colocated"]),
+    (dict(training__use_distributed_optimizer=False, training__overlap_param_gather=True), "RLC208",
+     "training.overlap_param_gather", []),
+    (dict(cluster__env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}),
+     "RLC301", "cluster.env.PYTORCH_CUDA_ALLOC_CONF", ["pytorch#147851"]),
+    (dict(grpo__dynamic_sampling={"enabled": False, "max_gen_batches": 10, "batch_multiplier": 2}), "RLC302",
+     "grpo.dynamic_sampling.batch_multiplier", ["2"]),
+    (dict(generation__max_model_len=8192), "RLC305", "generation.max_model_len", ["9216", "8192"]),
+    (dict(training__global_batch_size=250), "RLC107", "training.global_batch_size", ["250", "DP 4"]),
+    (dict(generation__gpu_memory_utilization=0.02), "RLC214", "generation.gpu_memory_utilization", ["4.17 GiB"]),
+])
+def test_error_rules(base_recipe, qwen397, changes, rule_id, path, words):
+    result = run(with_changes(base_recipe, **changes), qwen397)
+    hits = fired(result, rule_id, "error")
+    assert hits, [(d.rule, d.message) for d in result.diagnostics]
+    assert hits[0].path == path
+    for w in words:
+        assert w in hits[0].message, hits[0].message
+    assert not fired(run(base_recipe, qwen397), rule_id, "error")
+
+
+@pytest.mark.parametrize("changes,rule_id", [
+    (dict(training__optimizer_cpu_offload=True), "RLC205"),
+    (dict(generation__sampling={"temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_tokens": 8192, "stop": []}), "RLC303"),
+    (dict(generation__sampling={"temperature": 0.2, "top_p": 1.0, "top_k": -1, "max_tokens": 8192, "stop": []}), "RLC304"),
+    (dict(refit__transport="shm"), "RLC207"),
+    (dict(training__max_sequence_length=4096), "RLC305"),
+])
+def test_warning_rules(base_recipe, qwen397, changes, rule_id):
+    assert fired(run(with_changes(base_recipe, **changes), qwen397), rule_id, "warning")
+
+
+def test_cpu_offload_warning_quotes_the_planned_extra(base_recipe, qwen397):
+    hit = fired(run(with_changes(base_recipe, training__optimizer_cpu_offload=True), qwen397), "RLC205")[0]
+    assert "12.72 → 15.86" in hit.message and "+3.14 GiB" in hit.message
+
+
+def test_auto_switches_decide_and_explain(base_recipe, qwen397):
+    result = run(with_changes(base_recipe, training__overlap_param_gather=True), qwen397)
+    assert result.decisions["refit.sync_params_before_refit"][0] is True
+    assert fired(result, "RLC202", "info")
+    single = with_changes(base_recipe, parallelism__train__pp=1, parallelism__train__ep=1,
+                          parallelism__train__num_layers_in_first_pipeline_stage=None,
+                          parallelism__train__num_layers_in_last_pipeline_stage=None)
+    decisions = run_rules(single, qwen397, None).decisions
+    assert decisions["refit.dedupe_mtp_embedding"][0] is False
+    assert decisions["refit.per_rank_ipc_metadata"][0] is True  # auto = on, by contract
+
+
+def test_dedupe_not_needed_without_mtp(base_recipe):
+    dense = catalog.model_facts({"id": "Qwen/Qwen3-8B"}, RECIPES)
+    decisions = run_rules(base_recipe, dense, None).decisions
+    assert decisions["refit.dedupe_mtp_embedding"] == (False, "RLC201: off: the model has no MTP layers")
+
+
+def test_fp32_params_auto_and_explicit_lists():
+    nano = catalog.model_facts({"id": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B"}, RECIPES)
+    recipe = {"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
+              "parallelism": {"train": {"tp": 1, "pp": 1, "ep": 8}, "generation": {"tp": 1}},
+              "refit": {"fp32_params": "auto"}}
+    auto = run_rules(recipe, nano, None)
+    assert auto.decisions["refit.fp32_params"][0] == ["*e_score_correction_bias*", "*expert_bias*"]
+    missing = run_rules(with_changes(recipe, refit__fp32_params=["*expert_bias*"]), nano, None)
+    err = fired(missing, "RLC204", "error")
+    assert err and "e_score_correction_bias" in err[0].message and "bf16" in err[0].message
+    covered = run_rules(with_changes(recipe, refit__fp32_params=["*.gate.e_score_correction_bias"]), nano, None)
+    assert not fired(covered, "RLC204", "error")
+
+
+def test_buffer_exclusivity_uses_the_raw_recipe_when_given(base_recipe, qwen397):
+    both_default = with_changes(base_recipe, refit__buffer_gb=20, refit__buffer_memory_ratio=0.3)
+    assert not fired(run(both_default, qwen397), "RLC206")  # 0.3 may be the schema default
+    raw = {"refit": {"buffer_gb": 20, "buffer_memory_ratio": 0.3}}
+    assert fired(run(both_default, qwen397, raw=raw), "RLC206", "error")
+
+
+def test_kv_heads_replication_is_info_and_uneven_is_error(base_recipe, qwen397):
+    assert fired(run(base_recipe, qwen397), "RLC106", "info")
+    llama = catalog.model_facts({"id": "meta-llama/Llama-3.1-8B"}, RECIPES)  # 8 KV heads
+    recipe = with_changes(base_recipe, parallelism__generation__tp=16, parallelism__generation__ep=1)
+    assert not fired(run_rules(recipe, llama, None), "RLC106", "error")
+    recipe = with_changes(base_recipe, parallelism__train__tp=3, cluster__nodes=3, parallelism__train__pp=1)
+    assert fired(run_rules(recipe, llama, None), "RLC106", "error")
+
+
+def test_pipeline_split_suggests_edge_stages(base_recipe, qwen397):
+    recipe = with_changes(base_recipe, parallelism__train__num_layers_in_first_pipeline_stage=None,
+                          parallelism__train__num_layers_in_last_pipeline_stage=None)
+    hit = fired(run(recipe, qwen397), "RLC104", "error")[0]
+    assert "60 layers" in hit.message and "num_layers_in_first_pipeline_stage: 6" in hit.hint
+
+
+def test_rules_without_facts_or_plan_skip_quietly(base_recipe):
+    result = run_rules(base_recipe, None, None)
+    assert not [d for d in result.diagnostics if d.rule and d.rule.startswith(("RLC21", "RLC10"))
+                and d.rule not in ("RLC101", "RLC102", "RLC107", "RLC108", "RLC109")]
+    assert result.decisions["refit.fp32_params"][0] == []
