@@ -160,7 +160,7 @@ def test_exporter_skipping_a_tensor_fails_on_both_sides(pool, shared):
     prods, cons = _run(pool, [{"session": s, "rank": 1, "world_size": 1, "drop_last": True}], [{"session": s, "device": 1}])
     _drain(shared["log"])
     assert not prods[0]["ok"] and "without yielding 1 announced tensor(s): 'lm_head.weight'" in prods[0]["error"]
-    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitRemoteError" and "lm_head.weight" in cons[0]["error"]
+    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitRemoteError" and "lm_head.weight" in cons[0]["error"], cons[0]
 
 
 def test_plan_error_reaches_the_consumer_before_any_transfer(pool, shared):

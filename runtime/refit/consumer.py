@@ -24,7 +24,7 @@ import zmq
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
 from rlc.runtime.refit.bucket_planner import SLOT_ONEOFF
 from rlc.runtime.refit.channel import Channel, endpoint, new_socket
-from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError
+from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
 from rlc.runtime.refit.manifest import ManifestTracker
 from rlc.runtime.refit.metrics import ConsumerMetrics
 from rlc.runtime.refit.protocol import (
@@ -226,7 +226,7 @@ class _ConsumerRun:
                 if old is not None:
                     old.check_no_live_views(c.name)
                     old.close()
-                self.buffers[msg.open.slot] = c.backend.open(msg.open, payload, f"slot{msg.open.slot}/refit{refit_id}")
+                self.buffers[msg.open.slot] = self._open(msg.open, payload, f"slot{msg.open.slot}/refit{refit_id}")
                 m.open_seconds += time.perf_counter() - t0
             buf = self.buffers.get(own.slot)
             if buf is None:
@@ -265,6 +265,22 @@ class _ConsumerRun:
         m.seconds = time.perf_counter() - t_start
         self.chan.send(Done(refit_id=refit_id, consumer_metrics=m.to_dict()))
         return m
+
+    def _open(self, ref, payload: bytes, label: str) -> Buffer:
+        """Map the producer's buffer; if it is already gone, the producer failed: report its error."""
+        try:
+            return self.c.backend.open(ref, payload, label)
+        except OSError as exc:
+            # The producer frees its buffers when it aborts, which can race with this open. Its
+            # error message is then already on the way: wait briefly so the real cause is raised.
+            # Messages already queued behind it (later buckets) are skipped: this refit is lost anyway.
+            deadline = time.monotonic() + 5.0
+            try:
+                while time.monotonic() < deadline:
+                    self.chan.recv(f"the producer's error after its buffer {label} vanished", timeout_s=1.0)
+            except RefitTimeoutError:
+                pass
+            raise RefitProtocolError(f"{self.c.name}: cannot open the producer's buffer {label}: {exc}") from exc
 
     def release_all(self, check: bool) -> None:
         """Close every mapping of the producer's buffers; with ``check``, leaked views raise."""
