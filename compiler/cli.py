@@ -244,17 +244,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
     _print_diags(diags)
     if code != EXIT_OK:
         return code
-    build_bundle = _stage("bundle", "build_bundle")
-    out = build_bundle(result, Path(args.output), force=args.force)
-    print(f"wrote bundle {out or args.output}")
+    bundle = _stage("bundle")
+    try:
+        built = bundle.build_bundle(result, Path(args.output), force=args.force)
+    except bundle.BundleError as exc:
+        diag = Diagnostic("error", str(exc), path=exc.key or "", rule="io" if exc.kind == "io" else None)
+        origin = result.loaded.locate(exc.key) if exc.key else None
+        if origin is not None:
+            diag.file, diag.line, diag.col = origin.file, origin.line, origin.col
+        _print_diags([diag])
+        return exc.exit_code
+    for warning in built.warnings:
+        sys.stderr.write(f"warning: {warning}\n")
+    print(f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {built.path}")
     return EXIT_OK
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a compiled bundle with sbatch (``--test-only`` asks SLURM without queueing)."""
-    submit = _stage("submit", "submit")
-    code = submit(Path(args.bundle), test_only=args.test_only)
-    return int(code or 0)
+    submit_main = _stage("submit", "main")
+    return submit_main(Path(args.bundle), test_only=args.test_only)
 
 
 # --------------------------------------------------------------------------- show's YAML output

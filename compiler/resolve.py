@@ -6,6 +6,7 @@ that settled it, with the reason kept in ``refit.decisions``.
 """
 from __future__ import annotations
 
+import os
 import posixpath
 from typing import Any
 
@@ -53,7 +54,9 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
     train, gen = par.get("train", {}), par.get("generation", {})
     world = cluster["nodes"] * cluster["gpus_per_node"]
     name = r["name"]
-    log_dir = cluster["log_dir"]
+    # A relative log_dir means "beside where rlc compile ran" (shipped recipes live inside the
+    # installed package, so the recipe's own folder would be the wrong anchor).
+    log_dir = os.path.abspath(cluster["log_dir"])
 
     refit = r["refit"]
     switches = {k: _switch(refit, k, decisions) for k in AUTO_SWITCHES}
@@ -173,13 +176,13 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
         "reward": {"function": r["reward"]["function"], "kwargs": dict(r["reward"]["kwargs"])},
         "checkpointing": {
             "enabled": r["checkpointing"]["enabled"],
-            "dir": r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name)),
+            "dir": os.path.abspath(r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name))),
             "every_steps": r["checkpointing"]["every_steps"],
             "keep_last": r["checkpointing"]["keep_last"],
             "resume": r["checkpointing"]["resume"],
         },
         "logging": {
-            "dir": r["logging"].get("dir", posixpath.join(log_dir, "metrics", name)),
+            "dir": os.path.abspath(r["logging"].get("dir", posixpath.join(log_dir, "metrics", name))),
             "jsonl": r["logging"]["jsonl"],
             "tensorboard": r["logging"]["tensorboard"],
             "progress_bar": r["logging"]["progress_bar"],

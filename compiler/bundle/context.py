@@ -1,0 +1,198 @@
+"""Recipe + runtime config -> the values the bundle templates print, every one already quoted.
+
+The templates receive only :class:`rlc.compiler.shell.Quoted` strings and ints (the renderer
+refuses anything else), so all quoting decisions live here and in ``rlc.compiler.shell``.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlc.compiler.bundle.env import env_lines
+from rlc.compiler.bundle.errors import BundleError
+from rlc.compiler.bundle.mounts import BUNDLE_MOUNT, Mount, check_mounts
+from rlc.compiler.shell import Quoted, UnsafeValue, quote
+
+#: ``#SBATCH`` options the bundle sets from dedicated recipe keys; extra_flags may not repeat them.
+MANAGED_FLAGS = {
+    "job-name": "cluster.slurm.job_name", "nodes": "cluster.nodes", "ntasks": "cluster.nodes",
+    "ntasks-per-node": "(always 1: one Ray node per SLURM node)", "gpus-per-node": "cluster.gpus_per_node",
+    "gpus": "cluster.gpus_per_node", "cpus-per-task": "cluster.cpus_per_node",
+    "mem": "cluster.mem_per_node", "time": "cluster.slurm.time", "partition": "cluster.slurm.partition",
+    "account": "cluster.slurm.account", "qos": "cluster.slurm.qos",
+    "reservation": "cluster.slurm.reservation", "exclusive": "cluster.slurm.exclusive",
+    "requeue": "cluster.slurm.requeue", "no-requeue": "cluster.slurm.requeue",
+    "output": "cluster.log_dir", "error": "cluster.log_dir", "wrap": "(the bundle is the batch script)",
+}
+
+
+@dataclass
+class BundleContext:
+    """Everything the templates need, plus what the writer reports."""
+
+    values: dict[str, Any]
+    mounts: list[Mount]
+    log_dir: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def _q(value: Any, key: str, context: str = "shell") -> Quoted:
+    try:
+        return quote(value, key, context)
+    except UnsafeValue as exc:
+        raise BundleError(str(exc), exc.key) from None
+
+
+def resolve_log_dir(cluster: dict[str, Any], base_dir: Path) -> tuple[str, list[str]]:
+    """``cluster.log_dir`` as an absolute path; a relative one is taken from ``base_dir`` (the
+    folder ``rlc compile`` runs in: logs are outputs, like ``-o``)."""
+    raw = cluster.get("log_dir", "./logs")
+    if not isinstance(raw, str) or not raw:
+        raise BundleError("cluster.log_dir: must be a non-empty path", "cluster.log_dir")
+    if posixpath.isabs(raw):
+        return posixpath.normpath(raw), []
+    absolute = posixpath.normpath(str(base_dir.resolve() / raw))
+    return absolute, [f"cluster.log_dir: relative path {raw!r} resolved against the current folder: "
+                      f"{absolute} (it must be on a filesystem every node sees)"]
+
+
+def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
+    cluster = recipe["cluster"]
+    slurm = cluster.get("slurm", {})
+    lines: list[Quoted] = []
+
+    def opt(flag: str, value: Any, key: str, ctx: str = "sbatch") -> None:
+        lines.append(Quoted(f"--{flag}={_q(value, key, ctx)}"))
+
+    job_key = "cluster.slurm.job_name" if "job_name" in slurm else "name"
+    opt("job-name", slurm.get("job_name", recipe.get("name", "rlc-run")), job_key)
+    opt("nodes", cluster["nodes"], "cluster.nodes")
+    lines.append(Quoted("--ntasks-per-node=1"))
+    gpus = cluster["gpus_per_node"]
+    gtype = cluster.get("gpu_type_gres")
+    opt("gpus-per-node", f"{gtype}:{gpus}" if gtype else gpus,
+        "cluster.gpu_type_gres" if gtype else "cluster.gpus_per_node")
+    if "cpus_per_node" in cluster:
+        opt("cpus-per-task", cluster["cpus_per_node"], "cluster.cpus_per_node")
+    if "mem_per_node" in cluster:
+        opt("mem", cluster["mem_per_node"], "cluster.mem_per_node")
+    opt("time", slurm.get("time", "04:00:00"), "cluster.slurm.time")
+    for name in ("partition", "account", "qos", "reservation"):
+        if name in slurm:
+            opt(name, slurm[name], f"cluster.slurm.{name}")
+    if slurm.get("exclusive", True):
+        lines.append(Quoted("--exclusive"))
+    logs = _q(log_dir, "cluster.log_dir", "sbatch_path")
+    lines.append(Quoted(f"--output={logs}/slurm-%j.out"))
+    lines.append(Quoted(f"--error={logs}/slurm-%j.out"))
+    if slurm.get("requeue", False):  # a requeued job keeps its earlier output
+        lines += [Quoted("--requeue"), Quoted("--open-mode=append")]
+    else:
+        lines.append(Quoted("--no-requeue"))
+    for i, flag in enumerate(slurm.get("extra_flags", [])):
+        key = f"cluster.slurm.extra_flags[{i}]"
+        if not isinstance(flag, str) or not flag.startswith("--") or len(flag) < 3:
+            raise BundleError(f"{key}: expected `--flag` or `--flag=value`, got {flag!r}", key)
+        name, eq, value = flag[2:].partition("=")
+        if name in MANAGED_FLAGS:
+            raise BundleError(f"{key}: --{name} is set by the bundle from {MANAGED_FLAGS[name]}; "
+                              "set it there instead of in extra_flags", key)
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", name):
+            raise BundleError(f"{key}: {flag!r} is not `--flag` or `--flag=value`", key)
+        lines.append(Quoted(f"--{name}={_q(value, key, 'sbatch')}" if eq else f"--{name}"))
+    return lines
+
+
+def _check_ports(ray: dict[str, Any]) -> None:
+    lo, hi = ray["min_worker_port"], ray["max_worker_port"]
+    if lo > hi:
+        raise BundleError("cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port; "
+                          "swap them", "cluster.ray.min_worker_port")
+    fixed = {"port": ray["port"], "node_manager_port": ray["node_manager_port"],
+             "object_manager_port": ray["object_manager_port"]}
+    if ray.get("dashboard_port", 0):
+        fixed["dashboard_port"] = ray["dashboard_port"]
+    seen: dict[int, str] = {}
+    for name, port in fixed.items():
+        key = f"cluster.ray.{name}"
+        if port in seen:
+            raise BundleError(f"{key}: port {port} is also cluster.ray.{seen[port]}; "
+                              "every Ray port must differ", key)
+        if lo <= port <= hi:
+            raise BundleError(f"{key}: port {port} lies inside the worker port range {lo}-{hi}; "
+                              "move it or the range", key)
+        seen[port] = name
+
+
+def build_context(recipe: dict[str, Any], bundle_dir: Path, base_dir: Path,
+                  version: str) -> BundleContext:
+    """Check the recipe's cluster section and quote every value the templates print."""
+    cluster = recipe["cluster"]
+    container = cluster.get("container", {})
+    ray = {"port": 6379, "node_manager_port": 6700, "object_manager_port": 6701, "dashboard_port": 0,
+           "min_worker_port": 20000, "max_worker_port": 29999, "join_timeout_s": 600,
+           **cluster.get("ray", {})}
+    runtime = container.get("runtime", "pyxis")
+    image = container.get("image")
+    warnings: list[str] = []
+    log_dir, w = resolve_log_dir(cluster, base_dir)
+    warnings += w
+    _check_ports(ray)
+    bundle = str(bundle_dir)
+
+    mounts: list[Mount] = []
+    if runtime == "none":
+        mount_text = ""
+        if container.get("mounts"):
+            warnings.append("cluster.container.mounts: ignored with cluster.container.runtime: none")
+        if image:
+            warnings.append("cluster.container.image: ignored with cluster.container.runtime: none")
+    else:
+        if not image:
+            raise BundleError(f"cluster.container.image: required with cluster.container.runtime: "
+                              f"{runtime}; set it or use runtime: none", "cluster.container.image")
+        if any(c in image for c in "\n\r\x00"):
+            raise BundleError("cluster.container.image: contains a line break or NUL byte; "
+                              "write the image reference on one line", "cluster.container.image")
+        if runtime == "pyxis" and "," in image:
+            raise BundleError("cluster.container.image: Pyxis cannot take an image reference with ','",
+                              "cluster.container.image")
+        _q(bundle, "-o/--output (the bundle folder, mounted into the container)", "mount")
+        _q(log_dir, "cluster.log_dir (mounted into the container)", "mount")
+        reserved = {BUNDLE_MOUNT: "the bundle (its own rlc, runtime.yaml, env.sh)",
+                    log_dir: "cluster.log_dir (logs and the job's Ray token)"}
+        mounts, w = check_mounts(list(container.get("mounts", [])),
+                                 list(cluster.get("shared_fs_roots", [])), reserved)
+        warnings += w
+        mounts = mounts + [Mount(bundle, BUNDLE_MOUNT, "ro"), Mount(log_dir, log_dir, None)]
+        mount_text = ",".join(m.spec for m in mounts)
+        _q(container.get("workdir", "/workspace"), "cluster.container.workdir", "mount")
+
+    values: dict[str, Any] = {
+        "version": _q(version, "rlc version"),
+        "name": _q(recipe.get("name", "rlc-run"), "name"),
+        "sbatch_lines": _sbatch_lines(recipe, log_dir),
+        "bundle_dir": _q(bundle, "-o/--output (the bundle folder)"),
+        "log_dir": _q(log_dir, "cluster.log_dir"),
+        "nodes": int(cluster["nodes"]),
+        "gpus_per_node": int(cluster["gpus_per_node"]),
+        "container_runtime": _q(runtime, "cluster.container.runtime", "word"),
+        "image": _q(image or "", "cluster.container.image"),
+        "mounts": _q(mount_text, "cluster.container.mounts"),
+        "workdir": _q(container.get("workdir", "/workspace"), "cluster.container.workdir"),
+        "mount_home": 1 if container.get("mount_home", False) else 0,
+        "python": _q(container.get("python", "python3"), "cluster.container.python", "word"),
+        "bundle_mount": _q(BUNDLE_MOUNT if runtime != "none" else bundle, "bundle mount"),
+        "ray_port": int(ray["port"]),
+        "ray_node_manager_port": int(ray["node_manager_port"]),
+        "ray_object_manager_port": int(ray["object_manager_port"]),
+        "ray_dashboard_port": int(ray["dashboard_port"]),
+        "ray_min_worker_port": int(ray["min_worker_port"]),
+        "ray_max_worker_port": int(ray["max_worker_port"]),
+        "join_timeout_s": int(ray["join_timeout_s"]),
+        "env_lines": env_lines(dict(cluster.get("env", {}))),
+    }
+    return BundleContext(values=values, mounts=mounts, log_dir=log_dir, warnings=warnings)

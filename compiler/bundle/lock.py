@@ -1,0 +1,62 @@
+"""bundle.lock.json: what a bundle was made from and a hash of everything in it.
+
+It also marks a folder as an rlc bundle: ``rlc compile --force`` only replaces folders whose
+lock file carries ``"rlc_bundle": 1``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = "bundle.lock.json"
+LOCK_FORMAT = 1
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: dict[str, Any],
+              recipe_name: str, log_dir: str) -> dict[str, Any]:
+    """The lock mapping for the files now in ``folder`` (the lock file itself excluded)."""
+    from rlc import RECIPE_VERSION, RUNTIME_CONFIG_VERSION, __version__
+
+    files = sorted(p for p in folder.rglob("*")
+                   if p.is_file() and p.relative_to(folder).as_posix() != LOCK_NAME)
+    return {
+        "rlc_bundle": LOCK_FORMAT,
+        "rlc_version": __version__,
+        "recipe_schema_version": RECIPE_VERSION,
+        "runtime_config_version": RUNTIME_CONFIG_VERSION,
+        "recipe": {
+            "name": recipe_name,
+            "files": [{"path": str(Path(f).resolve()), "sha256": sha256_file(Path(f))} for f in recipe_files],
+            "overrides": list(overrides),
+        },
+        "log_dir": log_dir,
+        "container": {"runtime": container.get("runtime", "pyxis"), "image": container.get("image")},
+        "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files},
+    }
+
+
+def write_lock(folder: Path, lock: dict[str, Any]) -> Path:
+    """Write ``lock`` as ``folder/bundle.lock.json`` (sorted keys, stable)."""
+    path = folder / LOCK_NAME
+    path.write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def read_lock(folder: Path) -> dict[str, Any] | None:
+    """The lock of ``folder`` if it is an rlc bundle, else ``None``."""
+    try:
+        data = json.loads((folder / LOCK_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("rlc_bundle") == LOCK_FORMAT else None

@@ -1,0 +1,45 @@
+"""plan.txt / plan.json / plan.svg: the planner's memory plan, or a resource summary without one."""
+from __future__ import annotations
+
+import json
+from typing import Any
+from xml.sax.saxutils import escape
+
+
+def _summary(recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, Any]:
+    cluster = runtime_config.get("cluster", {})
+    return {
+        "model": recipe.get("model", {}).get("id"),
+        "nodes": cluster.get("nodes"),
+        "gpus_per_node": cluster.get("gpus_per_node"),
+        "world_size": cluster.get("world_size"),
+        "gpu": cluster.get("gpu_type"),
+        "gpu_memory_gib": cluster.get("gpu_memory_gib"),
+        "train_parallel": runtime_config.get("train_parallel"),
+        "generation_parallel": runtime_config.get("generation_parallel"),
+    }
+
+
+def _summary_svg(lines: list[str]) -> str:
+    height = 20 * len(lines) + 20
+    rows = "".join(f'<text x="10" y="{20 * (i + 1)}">{escape(line)}</text>' for i, line in enumerate(lines))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="{height}" '
+            f'font-family="monospace" font-size="13">{rows}</svg>\n')
+
+
+def plan_files(plan: Any, recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, str]:
+    """The three plan files' contents, by file name."""
+    if plan is not None:
+        return {
+            "plan.txt": plan.to_text().rstrip("\n") + "\n",
+            "plan.json": json.dumps(plan.to_json(), indent=2, sort_keys=True, default=str) + "\n",
+            "plan.svg": plan.to_svg(),
+        }
+    summary = _summary(recipe, runtime_config)
+    lines = ["No memory plan (the model's architecture facts were not available).", "Resources:"]
+    lines += [f"  {k}: {v}" for k, v in summary.items()]
+    return {
+        "plan.txt": "\n".join(lines) + "\n",
+        "plan.json": json.dumps({"plan": None, "resources": summary}, indent=2, sort_keys=True) + "\n",
+        "plan.svg": _summary_svg(lines),
+    }

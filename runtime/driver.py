@@ -1,0 +1,495 @@
+"""The GRPO driver: ``python -m rlc.runtime runtime.yaml``.
+
+The same code runs a 1-GPU toy and a 32-node job: it joins Ray, reserves one bundle per GPU, puts a
+Megatron policy worker and a vLLM generation worker on every GPU, and loops::
+
+    for step in steps:
+        groups   = rollout(step)            # prompts -> N generations each (vLLM, with logprobs)
+                                            #   -> rewards -> dynamic sampling -> advantages
+        sleep generation                    # vLLM frees its memory (refit.sleep_level)
+        batch    = trainer_logprobs(groups) # old logprobs (+ reference) and the gen-KL check
+        train(batch)                        # clipped GRPO loss, optimizer step(s)
+        refit(step)                         # new weights into vLLM through the refit engine
+        log(step); checkpoint(step)
+
+Failures end the run with a report: a worker that dies names itself, its node and GPU; a gen-KL
+above ``grpo.max_gen_kl`` explains the likely causes; exhausted dynamic sampling says what to change.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlc.runtime.config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
+
+log = logging.getLogger("rlc.runtime.driver")
+
+EXIT_OK, EXIT_WORKER_FAILED, EXIT_GEN_KL, EXIT_CONFIG = 0, 2, 3, 4
+
+
+@dataclass
+class Group:
+    """One prompt and its generations."""
+
+    sample: Any  # rlc.runtime.grpo.data.PromptSample
+    prompt_ids: list[int]
+    generations: list[dict]  # {token_ids, logprobs, text, finish_reason}
+    rewards: list[float]
+
+
+class GrpoRun:
+    """State of one run: config, workers, data cursor, metrics (see the module docstring)."""
+
+    def __init__(self, cfg: RuntimeConfig, cfg_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.cfg_dict = runtime_config_to_dict(cfg)
+        self.cfg_path = cfg_path
+        self.session = f"{cfg.name}-{os.environ.get('SLURM_JOB_ID', os.getpid())}-{uuid.uuid4().hex[:6]}"
+        self.policy = None
+        self.generation = None
+        self.metrics = None
+        self.calibration = None
+        self.versions: dict[str, str] = {}
+        self.step_metrics: dict[str, Any] = {}
+
+    # ================================================================== the algorithm
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.start_workers()
+        start_step = self.resume()
+        self.open_logs(start_step)
+        self.refit(step=start_step)  # vLLM gets the trainer's weights (fresh start or checkpoint)
+        self.log_calibration(start_step, "after_initial_refit")
+        for step in range(start_step + 1, cfg.grpo.max_steps + 1):
+            self.step_metrics = {}
+            t_step = time.perf_counter()
+            groups = self.rollout(step)
+            self.sleep_generation(step)
+            batch = self.trainer_logprobs(step, groups)
+            self.train(step, batch)
+            self.refit(step)
+            self.step_metrics["timing/step_s"] = time.perf_counter() - t_step
+            self.metrics.log(step, self.step_metrics)
+            if self.cfg.checkpointing.enabled and self._should_save(step):
+                self.checkpoint(step)
+        return EXIT_OK
+
+    # ================================================================== phases
+
+    def rollout(self, step: int) -> list[Group]:
+        """Prompts -> generations -> rewards, with dynamic sampling; sets reward metrics."""
+        from rlc.runtime.grpo.advantages import reward_metrics  # noqa: PLC0415
+        from rlc.runtime.grpo.dynamic_sampling import DynamicSampler  # noqa: PLC0415
+
+        sampler = DynamicSampler.from_config(self.cfg.grpo, logger=log.info)
+        t0 = time.perf_counter()
+        gen_tokens = 0
+        gen_seconds = 0.0
+
+        def generate_batch(num_prompts: int):
+            nonlocal gen_tokens, gen_seconds
+            prompts = self.cursor.next_batch(num_prompts)
+            groups, seconds = self.generate(prompts)
+            gen_seconds += seconds
+            gen_tokens += sum(len(g["token_ids"]) for grp in groups for g in grp.generations)
+            return groups, [grp.rewards for grp in groups]
+
+        groups, rewards = sampler.collect(step, generate_batch)
+        self.step_metrics.update(reward_metrics(rewards))
+        self.step_metrics.update(sampler.metrics())
+        self.step_metrics["timing/generate_s"] = time.perf_counter() - t0
+        self.step_metrics["throughput/generated_tokens"] = gen_tokens
+        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(gen_seconds, 1e-9)
+        lengths = [len(g["token_ids"]) for grp in groups for g in grp.generations]
+        self.step_metrics["response_length/mean"] = sum(lengths) / max(len(lengths), 1)
+        self.step_metrics["response_length/max"] = max(lengths) if lengths else 0
+        self.sample_memory("generate")
+        return groups
+
+    def generate(self, prompts: list) -> tuple[list[Group], float]:
+        """Split prompts over the engines; score each generation with the reward function."""
+        from rlc.runtime.grpo.rewards import score  # noqa: PLC0415
+
+        n = self.cfg.grpo.generations_per_prompt
+        ids = [self.encode(p.prompt) for p in prompts]
+        engines = len(self.generation)
+        per = (len(ids) + engines - 1) // engines
+        chunks = [(e, ids[e * per : (e + 1) * per]) for e in range(engines)]
+        chunks = [(e, c) for e, c in chunks if c]
+        t0 = time.perf_counter()
+        refs = [(e, self.generation.actors[e].generate.remote(c, n)) for e, c in chunks]
+        results = self.generation.wait(refs, "generate")
+        seconds = time.perf_counter() - t0
+        samples = [s for r in results for s in r["samples"]]
+        groups = []
+        for prompt, pids, gens in zip(prompts, ids, samples):
+            rewards = score(self.reward_fn, [prompt.prompt] * len(gens), [g["text"] for g in gens],
+                            [prompt.answer] * len(gens))
+            groups.append(Group(prompt, pids, gens, rewards))
+        return groups, seconds
+
+    def sleep_generation(self, step: int) -> None:
+        """vLLM releases its memory for the trainer (refit.sleep_level)."""
+        t0 = time.perf_counter()
+        res = self.generation.call("sleep", self.cfg.refit.sleep_level)
+        self.step_metrics["timing/sleep_s"] = time.perf_counter() - t0
+        self.step_metrics["memory/sleep_freed_gib"] = res[0]["freed_gib"]
+        self.sample_memory("after_sleep", res[0]["memory"])
+        if step <= 2 or step % 50 == 0:
+            self.log_calibration(step, "after_sleep", res[0]["memory"])
+
+    def trainer_logprobs(self, step: int, groups: list[Group]) -> dict:
+        """Advantages, the packed batch, the trainer's logprobs (+ reference); checks gen-KL."""
+        from rlc.runtime.grpo.advantages import group_advantages  # noqa: PLC0415
+        from rlc.runtime.grpo.loss import check_gen_kl, gen_kl_metrics  # noqa: PLC0415
+        from rlc.runtime.policy.batches import pack_rollouts  # noqa: PLC0415
+
+        g = self.cfg.grpo
+        adv = group_advantages([grp.rewards for grp in groups], leave_one_out=g.leave_one_out,
+                               normalize=g.normalize_advantages)
+        prompt_ids, resp_ids, gen_lps, advantages = [], [], [], []
+        for grp, a in zip(groups, adv.tolist()):
+            for gen, ai in zip(grp.generations, a):
+                prompt_ids.append(grp.prompt_ids)
+                resp_ids.append(gen["token_ids"])
+                gen_lps.append(gen["logprobs"])
+                advantages.append(ai)
+        tp = self.cfg.train_parallel
+        batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, advantages, pad_id=self.pad_id,
+                              pad_to_multiple=16 * tp.tp * tp.cp,
+                              max_length=self.cfg.training.max_sequence_length)
+        t0 = time.perf_counter()
+        old = self.gather_output(self.policy.call("compute_logprobs", self._put(batch)))
+        batch["old_logprobs"] = old
+        if self.cfg.loss.kl_penalty > 0:
+            batch["ref_logprobs"] = self.gather_output(self.policy.call("compute_ref_logprobs", self._put(batch)))
+        self.step_metrics["timing/logprobs_s"] = time.perf_counter() - t0
+        kl = gen_kl_metrics(batch["gen_logprobs"], old, batch["mask"])
+        self.step_metrics.update(kl)
+        self.sample_memory("logprobs")
+        try:
+            check_gen_kl(kl["gen_kl"], step=step, threshold=g.max_gen_kl, detail=kl)
+        except Exception:
+            self.metrics.log(step, self.step_metrics)
+            raise
+        self.step_metrics["throughput/train_tokens"] = float(batch["mask"].sum())
+        return batch
+
+    def train(self, step: int, batch: dict) -> None:
+        """Optimizer step(s) on the batch; merges the output ranks' loss metrics."""
+        t0 = time.perf_counter()
+        results = [r for r in self.policy.call("train_step", self._put(batch), step) if r is not None]
+        seconds = time.perf_counter() - t0
+        self.step_metrics["timing/train_s"] = seconds
+        self.step_metrics.update(merge_train_metrics(results))
+        self.step_metrics["throughput/train_tokens_per_s"] = self.step_metrics["throughput/train_tokens"] / max(seconds, 1e-9)
+        self.sample_memory("train")
+
+    def refit(self, step: int) -> None:
+        """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        off = self.policy.call("refit_offload")
+        self.sample_memory("refit_offload", off[0]["memory"])
+        t1 = time.perf_counter()
+        self.generation.call("wake_up", ["weights"])
+        t_wake_w = time.perf_counter() - t1
+        from rlc.runtime.workers import wait_all  # noqa: PLC0415
+
+        t2 = time.perf_counter()
+        pending = [(self.policy, i, r) for i, r in self.policy.submit("refit_send")]
+        pending += [(self.generation, i, r) for i, r in self.generation.submit("refit_receive")]
+        results = wait_all(pending, "refit")
+        t_send = time.perf_counter() - t2
+        sent = results[: len(self.policy)]
+        t3 = time.perf_counter()
+        woke = self.generation.call("wake_up", ["kv_cache"])
+        self.generation.call("reset_prefix_cache")
+        t_wake_kv = time.perf_counter() - t3
+        r0 = sent[0]
+        m = self.step_metrics
+        m["refit/seconds"] = t_send
+        m["refit/bytes"] = r0["bytes"]
+        m["refit/gbps"] = r0["gbps"]
+        m["refit/buckets"] = r0["num_buckets"]
+        m["refit/tensors"] = r0["num_tensors"]
+        m["refit/free_before_gib"] = r0["free_before_bytes"] / (1 << 30)
+        m["refit/min_free_gib"] = r0["min_free_bytes"] / (1 << 30)
+        m["refit/half_gib"] = r0["half_bytes"] / (1 << 30)
+        m["refit/sleep_level"] = cfg.refit.sleep_level
+        m["refit/synced_params"] = float(bool(off[0]["synced_params"]))
+        m["refit/offloaded_optimizer"] = float(bool(off[0]["offloaded"]))
+        m["timing/refit_s"] = time.perf_counter() - t0
+        m["timing/wake_weights_s"] = t_wake_w
+        m["timing/wake_kv_s"] = t_wake_kv
+        self.refits_done += 1
+        self.sample_memory("after_wake", woke[0]["memory"])
+        if step <= 2 or step % 50 == 0:
+            self.log_calibration(step, "refit_free", {
+                "free_gib": r0["free_before_bytes"] / (1 << 30),
+                "used_gib": off[0]["memory"]["total_gib"] - r0["free_before_bytes"] / (1 << 30),
+                "total_gib": off[0]["memory"]["total_gib"],
+            }, extra={"half_gib": r0["half_bytes"] / (1 << 30), "offload_optimizer": cfg.refit.offload_optimizer_for_refit})
+            self.log_calibration(step, "after_wake", woke[0]["memory"])
+        if step == 0 or self.refits_done <= 1:
+            log.info("refit %d: %s", self.refits_done, json.dumps({k: r0[k] for k in ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")}))
+
+    def checkpoint(self, step: int) -> None:
+        """Policy shards (megatron-core dist checkpoint) + driver state (step, data cursor).
+
+        A failed save leaves the previous checkpoint as the latest and training goes on; three
+        failures in a row stop the run (a requeue would otherwise lose ever more work).
+        """
+        from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        root = self.cfg.checkpointing.dir
+        try:
+            folder = ckpt.begin(root, step)
+            self.policy.call("save_checkpoint", str(Path(folder) / "policy"))
+            ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session},
+                      keep_last=self.cfg.checkpointing.keep_last)
+        except Exception as exc:
+            self.checkpoint_failures = getattr(self, "checkpoint_failures", 0) + 1
+            log.error("checkpoint at step %d failed (%d in a row): %s", step, self.checkpoint_failures, exc)
+            if self.checkpoint_failures >= 3:
+                raise
+            return
+        self.checkpoint_failures = 0
+        log.info("checkpoint step %d saved to %s in %.1f s", step, folder, time.perf_counter() - t0)
+
+    def resume(self) -> int:
+        """Latest complete checkpoint -> policy state + cursor; returns the step to continue after."""
+        from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
+
+        found = ckpt.resume_from_latest(self.cfg.checkpointing, warn=log.warning)
+        if found is None:
+            return 0
+        self.policy.call("load_checkpoint", str(Path(found.path) / "policy"))
+        self.cursor.load_state_dict(found.state["cursor"])
+        log.info("resumed from %s (step %d)", found.path, found.step)
+        return int(found.step)
+
+    # ================================================================== setup
+
+    def start_workers(self) -> None:
+        """Ray, placement group, vLLM engines (then asleep), Megatron ranks, refit pairing."""
+        from rlc.runtime import workers as W  # noqa: PLC0415
+        from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
+        from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config  # noqa: PLC0415
+        from rlc.runtime.grpo.rewards import make_reward_fn  # noqa: PLC0415
+        from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
+
+        cfg = self.cfg
+        self.refits_done = 0
+        self.versions = W.library_versions()  # the driver runs in the workers' container
+        self.load_tokenizer()
+        self.reward_fn = make_reward_fn(cfg.reward.function, cfg.reward.kwargs)
+        prompts = load_prompts_from_config(cfg.data, count_tokens=lambda s: len(self.encode(s)), on_filtered=log.warning)
+        self.cursor = PromptCursor(prompts, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+        placement = W.plan_placement(cfg)
+        env = W.worker_env(cfg)
+        log.info("%s", W.connect(cfg.cluster.ray, env))
+        pg, order = W.reserve_gpus(placement)
+        self.pg = pg
+        t0 = time.perf_counter()
+        per_engine = placement.gpus_per_engine
+        gen_actors = []
+        for e, bundles in enumerate(placement.engine_bundles):
+            phys = [order[b] for b in bundles]
+            gen_actors.append(W.spawn(
+                VllmGenerationWorker, pg=pg, bundle=phys[0],
+                num_gpus=placement.gpu_fraction if per_engine == 1 else 0.0,
+                env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
+        self.generation = W.WorkerGroup("generation", gen_actors)
+        self.generation.infos = [W.WorkerInfo(**d) for d in self.generation.call("info")]
+        started = self.generation.call("start")
+        self.eos_token_id = started[0]["eos_token_id"]
+        log.info("vLLM engines up in %.1f s", time.perf_counter() - t0)
+        self.log_memory_line("vllm_started", started[0]["memory"])
+        self.generation.call("sleep", cfg.refit.sleep_level)
+        policy_env = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
+        pol = [W.spawn(MegatronPolicyWorker, pg=pg, bundle=order[b], num_gpus=placement.gpu_fraction, env=policy_env,
+                       name=f"{self.session}-policy{r}", args=(self.cfg_dict, r, placement.world_size, order[b]))
+               for r, b in enumerate(placement.policy_bundles)]
+        self.policy = W.WorkerGroup("policy", pol)
+        self.policy.infos = [W.WorkerInfo(**d) for d in self.policy.call("info")]
+        master = self.policy.call("master_address", ranks=[0])[0]
+        t1 = time.perf_counter()
+        self.coords = self.policy.call("setup", tuple(master), self.total_optimizer_steps())
+        log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", time.perf_counter() - t1, len(pol), self.coords[0]["dp_size"])
+        self.log_memory_line("policy_started", self.coords[0]["memory"])
+        self.prepare_refit(placement)
+
+    def prepare_refit(self, placement: Any) -> None:
+        """Pair every trainer rank with the vLLM worker on its GPU (both sides at once)."""
+        from rlc.runtime.workers import wait_all  # noqa: PLC0415
+
+        gpn = self.cfg.cluster.gpus_per_node
+        node_rank: dict[str, int] = {}
+        local = []
+        for info in self.policy.infos:
+            local.append(node_rank.get(info.node_ip, 0))
+            node_rank[info.node_ip] = local[-1] + 1
+        pending = [(self.policy, r, self.policy.actors[r].refit_prepare.remote(self.session, local[r], gpn))
+                   for r in range(len(self.policy))]
+        pending += [(self.generation, e, ref) for e, ref in self.generation.submit("refit_prepare", self.session)]
+        res = wait_all(pending, "refit prepare")
+        log.info("refit paired: %s", json.dumps(res[0]))
+
+    def load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer,
+                                                       trust_remote_code=self.cfg.model.trust_remote_code)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def total_optimizer_steps(self) -> int:
+        import math  # noqa: PLC0415
+
+        n = self.cfg.grpo.prompts_per_step * self.cfg.grpo.generations_per_prompt
+        return self.cfg.grpo.max_steps * max(1, math.ceil(n / max(1, self.cfg.training.global_batch_size)))
+
+    # ================================================================== logging helpers
+
+    def open_logs(self, start_step: int) -> None:
+        from rlc.runtime.metrics import MetricsLogger  # noqa: PLC0415
+
+        self.metrics = MetricsLogger.from_config(self.cfg.logging, total_steps=self.cfg.grpo.max_steps,
+                                                 start_step=start_step)
+        Path(self.cfg.logging.dir).mkdir(parents=True, exist_ok=True)
+        self.calibration = open(Path(self.cfg.logging.dir) / "calibration.jsonl", "a", encoding="utf-8")
+        for rec in getattr(self, "_early_calibration", []):
+            self.calibration.write(json.dumps(rec) + "\n")
+        self.calibration.flush()
+
+    def log_memory_line(self, phase: str, memory: dict) -> None:
+        from rlc.runtime.workers import calibration_record  # noqa: PLC0415
+
+        log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory["free_gib"], memory["used_gib"])
+        rec = calibration_record(phase, memory, step=0, sleep_level=self.cfg.refit.sleep_level,
+                                 enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
+                                 versions=self.versions, worker="rank0")
+        self.__dict__.setdefault("_early_calibration", []).append(rec)
+
+    def log_calibration(self, step: int, phase: str, memory: dict | None = None, extra: dict | None = None) -> None:
+        from rlc.runtime.workers import calibration_record  # noqa: PLC0415
+
+        if memory is None:
+            memory = self.policy.call("memory", ranks=[0])[0]
+        rec = calibration_record(phase, memory, step=step, sleep_level=self.cfg.refit.sleep_level,
+                                 enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
+                                 versions=self.versions, worker="rank0", extra=extra)
+        self.calibration.write(json.dumps(rec) + "\n")
+        self.calibration.flush()
+
+    def sample_memory(self, phase: str, memory: dict | None = None) -> None:
+        """GPU 0's free/used GiB at the end of a phase, into the step's metrics."""
+        if memory is None:
+            memory = self.policy.call("memory", ranks=[0])[0]
+        self.step_metrics[f"memory/{phase}/free_gib"] = memory["free_gib"]
+        self.step_metrics[f"memory/{phase}/used_gib"] = memory["used_gib"]
+
+    def _should_save(self, step: int) -> bool:
+        from rlc.runtime.checkpoint import should_save  # noqa: PLC0415
+
+        return should_save(self.cfg.checkpointing.every_steps, step, self.cfg.grpo.max_steps)
+
+    def gather_output(self, results: list) -> Any:
+        """Concatenate the output ranks' tensors in data-parallel order."""
+        import torch  # noqa: PLC0415
+
+        parts = sorted(((c["dp_rank"], r) for c, r in zip(self.coords, results) if c["is_output"]), key=lambda x: x[0])
+        return torch.cat([r for _, r in parts], dim=0)
+
+    def _put(self, obj: Any) -> Any:
+        import ray  # noqa: PLC0415
+
+        return ray.put(obj)
+
+    def shutdown(self) -> None:
+        for group in (self.generation, self.policy):
+            if group is None:
+                continue
+            try:
+                group.call("shutdown")
+            except Exception:
+                pass
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.calibration is not None:
+            self.calibration.close()
+        try:
+            import ray  # noqa: PLC0415
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:
+            pass
+
+
+def merge_train_metrics(results: list[dict]) -> dict[str, float]:
+    """Combine the output ranks' ``train_step`` results (pure; CPU-tested).
+
+    ``loss/*`` are shares of the global mean (summed over ranks); other per-token metrics are
+    token-weighted means; ``ratio_max`` is a max; grad norm and lr are the same on every rank.
+    """
+    if not results:
+        return {}
+    out: dict[str, float] = {}
+    tokens = sum(r["num_tokens"] for r in results)
+    for r in results:
+        for k, v in r["loss_sums"].items():
+            out[k] = out.get(k, 0.0) + v
+    keys = {k for r in results for k in r["weighted_sums"]}
+    for k in keys:
+        out[k] = sum(r["weighted_sums"].get(k, 0.0) for r in results) / max(tokens, 1.0)
+    for r in results:
+        for k, v in r["maxes"].items():
+            out[k] = max(out.get(k, float("-inf")), v)
+    out["num_tokens"] = tokens
+    out["grad_norm"] = results[0]["grad_norm"]
+    out["lr"] = results[0]["lr"]
+    out["optimizer_steps"] = results[0]["optimizer_steps"]
+    return out
+
+
+def main(cfg_path: str) -> int:
+    """Run GRPO as ``runtime.yaml`` says; returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from rlc.runtime.config import RuntimeConfigError  # noqa: PLC0415
+
+    try:
+        cfg = load_runtime_config(cfg_path)
+    except (OSError, RuntimeConfigError) as exc:
+        print(f"rlc.runtime: cannot read {cfg_path}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    os.environ.update({str(k): str(v) for k, v in cfg.env.items()})
+    run = GrpoRun(cfg, cfg_path)
+    try:
+        return run.run()
+    except Exception as exc:  # every failure ends with one clear report, then the traceback in the log
+        from rlc.runtime.workers import WorkerFailure  # noqa: PLC0415
+
+        kind = type(exc).__name__
+        log.exception("run failed")
+        print(f"\nrlc.runtime: run stopped ({kind}):\n{exc}\n", file=sys.stderr)
+        if isinstance(exc, WorkerFailure):
+            return EXIT_WORKER_FAILED
+        if kind == "GenKLExceeded":
+            return EXIT_GEN_KL
+        return 1
+    finally:
+        run.shutdown()

@@ -1,0 +1,56 @@
+"""Methods injected into every vLLM worker (``LLM(worker_extension_cls=...)``), called through
+``LLM.collective_rpc``: the refit consumer lives here, next to ``model_runner.model``.
+
+vLLM refuses extension attributes that clash with its worker's, so every name starts with ``rlc_``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class RlcWorkerExtension:
+    """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
+
+    def rlc_device_uuid(self) -> str:
+        import torch  # noqa: PLC0415
+
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently)."""
+        import torch  # noqa: PLC0415
+
+        from rlc.runtime.refit import RefitConsumer  # noqa: PLC0415
+
+        consumer = getattr(self, "_rlc_consumer", None)
+        if consumer is None:
+            consumer = RefitConsumer(session=session, transport=transport, device=torch.cuda.current_device(),
+                                     timeout_s=timeout_s)
+            self._rlc_consumer = consumer
+        specs = consumer.prepare()
+        return {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
+                "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs)}
+
+    def rlc_refit_receive(self) -> dict[str, Any]:
+        """Receive one refit into the live model (``load_weights`` bucket by bucket)."""
+        model = self.model_runner.model
+        consumer = self._rlc_consumer
+
+        def load(weights):
+            model.load_weights(weights=weights)
+
+        return consumer.receive(load).to_dict()
+
+    def rlc_refit_close(self) -> None:
+        consumer = getattr(self, "_rlc_consumer", None)
+        if consumer is not None:
+            consumer.close()
+            self._rlc_consumer = None
+
+    def rlc_named_parameters(self, names: list[str] | None = None) -> dict[str, Any]:
+        """CPU copies of vLLM's parameters (tests: fp32 bias exactness, expert shards)."""
+        out = {}
+        for n, p in self.model_runner.model.named_parameters():
+            if names is None or n in names:
+                out[n] = p.detach().cpu().clone()
+        return out

@@ -1,0 +1,73 @@
+"""vLLM sampling settings and output parsing (pure Python; CPU-tested with stand-in objects).
+
+``sampling_kwargs`` maps ``generation.sampling`` to ``vllm.SamplingParams`` keyword arguments; the
+sampled token's logprob is always requested (``logprobs=0``) because the trainer compares it with its
+own (gen-KL). ``logprobs_mode`` makes vLLM report logprobs of the distribution it actually samples
+from when a temperature is set (the trainer divides its logits by the same temperature).
+``parse_request_output`` turns one ``RequestOutput`` into plain dicts that cross Ray cheaply.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def sampling_kwargs(sampling: Any, n: int, *, eos_token_id: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``SamplingParams`` (``n`` generations per prompt)."""
+    kw: dict[str, Any] = {
+        "n": int(n),
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else -1,
+        "max_tokens": int(sampling.max_tokens),
+        "logprobs": 0,
+    }
+    if sampling.stop:
+        kw["stop"] = list(sampling.stop)
+    if eos_token_id is not None:
+        kw["stop_token_ids"] = [int(eos_token_id)]
+    return kw
+
+
+def logprobs_mode(sampling: Any) -> str:
+    """``raw_logprobs`` at temperature 1 without top-p/top-k, else ``processed_logprobs``."""
+    plain = float(sampling.temperature) == 1.0 and float(sampling.top_p) >= 1.0 and not (sampling.top_k and sampling.top_k > 0)
+    return "raw_logprobs" if plain else "processed_logprobs"
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """The sampled token's logprob at each position (vLLM's ``logprobs`` list of {id: Logprob})."""
+    if logprobs is None:
+        raise ValueError("vLLM returned no logprobs; SamplingParams(logprobs=0) is required")
+    out = []
+    for pos, tid in enumerate(token_ids):
+        entry = logprobs[pos]
+        lp = entry[tid]
+        out.append(float(getattr(lp, "logprob", lp)))
+    return out
+
+
+def parse_request_output(req: Any) -> list[dict[str, Any]]:
+    """One prompt's generations as ``[{token_ids, logprobs, text, finish_reason}]``."""
+    samples = []
+    for comp in req.outputs:
+        ids = list(comp.token_ids)
+        samples.append(
+            {
+                "token_ids": ids,
+                "logprobs": sampled_logprobs(ids, comp.logprobs),
+                "text": comp.text,
+                "finish_reason": comp.finish_reason,
+            }
+        )
+    return samples
+
+
+def prompt_logprobs_of(req: Any) -> list[float]:
+    """Prompt-token logprobs of one request (position 0 has none and is skipped)."""
+    ids = list(req.prompt_token_ids)
+    out = []
+    for pos in range(1, len(ids)):
+        entry = req.prompt_logprobs[pos]
+        lp = entry[ids[pos]]
+        out.append(float(getattr(lp, "logprob", lp)))
+    return out

@@ -1,0 +1,161 @@
+"""The vLLM generation worker: one engine per ``generation_parallel.tp * pp`` GPUs, as a Ray actor.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``enable_sleep_mode=True`` so
+that it can give its GPU memory to the colocated trainer between rollouts:
+
+    generate -> sleep(level=refit.sleep_level) -> ... trainer step ... ->
+    wake_up(["weights"]) -> refit_receive() -> wake_up(["kv_cache"]) -> reset_prefix_cache()
+
+Level 1 backs the weights up to CPU and frees the KV cache; level 2 frees both (the refit rewrites
+every weight anyway; seed 000, failure 3). An engine of more than one GPU uses vLLM's Ray executor
+inside this actor's placement group (``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in
+each of vLLM's workers and pairs with the trainer rank on its GPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from rlc.runtime.config import runtime_config_from_dict
+
+EXTENSION = "rlc.runtime.generation.extension.RlcWorkerExtension"
+
+
+class VllmGenerationWorker:
+    """One vLLM engine (see the module docstring)."""
+
+    def __init__(self, cfg_dict: dict, engine_index: int, bundles: list[int]) -> None:
+        self.cfg = runtime_config_from_dict(cfg_dict)
+        self.engine_index = engine_index
+        self.bundles = list(bundles)
+        self.llm = None
+        self.sleeping = False
+
+    def info(self) -> dict:
+        from rlc.runtime.workers import local_worker_info  # noqa: PLC0415
+
+        return local_worker_info("generation", self.engine_index, self.bundles[0] if self.bundles else -1).to_dict()
+
+    def start(self) -> dict:
+        """Create the engine (loads the HF checkpoint, profiles memory, allocates the KV cache)."""
+        from vllm import LLM  # noqa: PLC0415
+
+        from rlc.runtime.generation.sampling import logprobs_mode  # noqa: PLC0415
+
+        cfg, gp, gen = self.cfg, self.cfg.generation_parallel, self.cfg.generation
+        t0 = time.perf_counter()
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's default top-k/top-p sampler imports flashinfer when it is on by default; without
+            # the package (the GPU host's stack) fall back to the PyTorch sampler instead of failing.
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model.checkpoint,
+            tokenizer=cfg.model.tokenizer,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            tensor_parallel_size=gp.tp,
+            pipeline_parallel_size=gp.pp,
+            enable_expert_parallel=gp.ep > 1,
+            enforce_eager=gen.enforce_eager,
+            gpu_memory_utilization=gen.gpu_memory_utilization,
+            max_model_len=gen.max_model_len,
+            enable_sleep_mode=True,
+            worker_extension_cls=EXTENSION,
+            seed=cfg.grpo.seed + self.engine_index,
+            logprobs_mode=logprobs_mode(gen.sampling),
+        )
+        if gp.tp * gp.pp > 1:
+            # vLLM's workers are Ray actors in this actor's placement group, sharing each GPU with
+            # the trainer rank there.
+            os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in self.bundles)
+            kwargs["distributed_executor_backend"] = "ray"
+        self.llm = LLM(**kwargs)
+        self.eos_token_id = self._eos_token_id()
+        return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id}
+
+    def _eos_token_id(self) -> int | None:
+        try:
+            tok = self.llm.get_tokenizer()
+            return tok.eos_token_id
+        except Exception:
+            return None
+
+    def memory(self) -> dict:
+        from rlc.runtime.workers import gpu_memory_snapshot  # noqa: PLC0415
+
+        return gpu_memory_snapshot()
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(self, *args, **kwargs)`` in this worker (tests and debugging)."""
+        return fn(self, *args, **kwargs)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int) -> dict:
+        """``n`` samples per prompt: ``{"samples": [[{token_ids, logprobs, text, finish_reason}]], ...}``."""
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        from rlc.runtime.generation.sampling import parse_request_output, sampling_kwargs  # noqa: PLC0415
+
+        if self.sleeping:
+            raise RuntimeError(f"generation engine {self.engine_index}: generate() while asleep (driver order bug)")
+        t0 = time.perf_counter()
+        params = SamplingParams(**sampling_kwargs(self.cfg.generation.sampling, n, eos_token_id=self.eos_token_id))
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
+        samples = [parse_request_output(o) for o in outs]
+        return {"samples": samples, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+
+    def prompt_logprobs(self, prompt_token_ids: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each prompt token given its prefix (tests: compare with the trainer)."""
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        from rlc.runtime.generation.sampling import prompt_logprobs_of  # noqa: PLC0415
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
+        return [prompt_logprobs_of(o) for o in outs]
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def sleep(self, level: int) -> dict:
+        t0 = time.perf_counter()
+        before = self.memory()
+        self.llm.sleep(level=level)
+        self.sleeping = True
+        after = self.memory()
+        return {"seconds": time.perf_counter() - t0, "level": level, "memory_before": before, "memory": after,
+                "freed_gib": after["free_gib"] - before["free_gib"]}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        t0 = time.perf_counter()
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.sleeping = False
+        return {"seconds": time.perf_counter() - t0, "tags": tags, "memory": self.memory()}
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    # ------------------------------------------------------------------ refit
+
+    def refit_prepare(self, session: str, timeout_s: float = 600.0) -> list[dict]:
+        return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s))
+
+    def refit_receive(self) -> list[dict]:
+        return self.llm.collective_rpc("rlc_refit_receive")
+
+    def refit_close(self) -> None:
+        self.llm.collective_rpc("rlc_refit_close")
+
+    def named_parameters(self, names: list[str] | None = None) -> list[dict]:
+        return self.llm.collective_rpc("rlc_named_parameters", args=(names,))
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.collective_rpc("rlc_refit_close")
+        except Exception:
+            pass

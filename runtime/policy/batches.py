@@ -1,0 +1,155 @@
+"""Rollout batches for the trainer: pack generations into padded tensors, shard, micro-batch.
+
+A *rollout batch* is a plain dict of CPU tensors (it travels through Ray's object store once and
+every trainer rank takes its data-parallel shard)::
+
+    tokens        int64   [N, L]    prompt + response, right-padded with pad_id
+    mask          float32 [N, L-1]  1 where tokens[:, j+1] is a generated token (the loss counts it)
+    gen_logprobs  float32 [N, L-1]  vLLM's logprob of tokens[:, j+1] (0 elsewhere)
+    advantages    float32 [N]
+    old_logprobs  float32 [N, L-1]  (added after the trainer's logprob pass)
+    ref_logprobs  float32 [N, L-1]  (only with a KL penalty)
+
+Position ``j`` of a ``[N, L-1]`` tensor is the prediction of token ``j+1`` from the logits at ``j``,
+so right padding never changes a real token's logprob under causal attention.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+PER_TOKEN_KEYS = ("mask", "gen_logprobs", "old_logprobs", "ref_logprobs")
+
+
+def padded_length(max_len: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``max_len`` (and >= 2)."""
+    multiple = max(1, int(multiple))
+    return max(2, int(math.ceil(max_len / multiple)) * multiple)
+
+
+def pack_rollouts(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    gen_logprobs: Sequence[Sequence[float]],
+    advantages: Sequence[float],
+    *,
+    pad_id: int,
+    pad_to_multiple: int = 16,
+    max_length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Pack aligned per-sample lists into a rollout batch (see the module docstring).
+
+    ``max_length`` (``training.max_sequence_length``) truncates longer samples' responses and is
+    reported by the caller; here it only bounds the padded length.
+    """
+    n = len(prompt_ids)
+    if not (len(response_ids) == len(gen_logprobs) == len(advantages) == n):
+        raise ValueError(
+            f"pack_rollouts: {n} prompts, {len(response_ids)} responses, {len(gen_logprobs)} logprob lists, "
+            f"{len(advantages)} advantages; they must be aligned"
+        )
+    if n == 0:
+        raise ValueError("pack_rollouts: empty batch")
+    lengths = []
+    for i, (p, r, lp) in enumerate(zip(prompt_ids, response_ids, gen_logprobs)):
+        if len(p) == 0:
+            raise ValueError(f"pack_rollouts: sample {i} has an empty prompt")
+        if len(lp) != len(r):
+            raise ValueError(f"pack_rollouts: sample {i} has {len(r)} response tokens but {len(lp)} logprobs")
+        lengths.append(len(p) + len(r))
+    longest = max(lengths)
+    if max_length is not None and longest > max_length:
+        raise ValueError(
+            f"pack_rollouts: a sample has {longest} tokens (prompt + response) but training.max_sequence_length is "
+            f"{max_length}; lower generation.sampling.max_tokens or data.max_prompt_length"
+        )
+    L = padded_length(longest, pad_to_multiple)
+    tokens = torch.full((n, L), int(pad_id), dtype=torch.int64)
+    mask = torch.zeros((n, L - 1), dtype=torch.float32)
+    glp = torch.zeros((n, L - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompt_ids, response_ids, gen_logprobs)):
+        P, R = len(p), len(r)
+        tokens[i, :P] = torch.as_tensor(list(p), dtype=torch.int64)
+        if R:
+            tokens[i, P : P + R] = torch.as_tensor(list(r), dtype=torch.int64)
+            mask[i, P - 1 : P - 1 + R] = 1.0
+            glp[i, P - 1 : P - 1 + R] = torch.as_tensor(list(lp), dtype=torch.float32)
+    return {
+        "tokens": tokens,
+        "mask": mask,
+        "gen_logprobs": glp,
+        "advantages": torch.as_tensor(list(advantages), dtype=torch.float32),
+    }
+
+
+def batch_size(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["tokens"].shape[0])
+
+
+def take(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Rows ``[start, stop)`` of every tensor of the batch."""
+    return {k: (v[start:stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def dp_shard(batch: dict[str, torch.Tensor], dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
+    """The contiguous shard of data-parallel rank ``dp_rank``; the batch must divide evenly."""
+    n = batch_size(batch)
+    if n % dp_size:
+        raise ValueError(
+            f"the step's batch has {n} samples, which the {dp_size} data-parallel ranks cannot split evenly; "
+            "make grpo.prompts_per_step * grpo.generations_per_prompt a multiple of train_parallel.dp"
+        )
+    per = n // dp_size
+    return take(batch, dp_rank * per, (dp_rank + 1) * per)
+
+
+def microbatches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split into micro-batches of exactly ``micro_batch_size`` rows; the last one is filled with
+    copies of row 0 whose ``mask`` is zero (pipeline schedules need equal shapes; masked rows add
+    nothing to the loss). Each micro-batch records ``num_real`` rows."""
+    n = batch_size(batch)
+    mbs = max(1, int(micro_batch_size))
+    out = []
+    for start in range(0, n, mbs):
+        mb = take(batch, start, min(start + mbs, n))
+        real = batch_size(mb)
+        if real < mbs:
+            fill = mbs - real
+            padded = {}
+            for k, v in mb.items():
+                if not isinstance(v, torch.Tensor):
+                    padded[k] = v
+                    continue
+                extra = v[:1].expand(fill, *v.shape[1:]).clone()
+                if k == "mask" or k == "advantages":
+                    extra = torch.zeros_like(extra)
+                padded[k] = torch.cat([v, extra], dim=0)
+            mb = padded
+        mb["num_real"] = real
+        out.append(mb)
+    return out
+
+
+def optimizer_step_slices(n: int, global_batch_size: int, dp_size: int) -> list[tuple[int, int]]:
+    """Row ranges of the (DP-local) batch for each optimizer step of one GRPO step.
+
+    ``n`` samples of the step are split into ``ceil(n / global_batch_size)`` optimizer steps; each
+    rank takes the same share of every step. Returns ranges into the *DP-local* shard.
+    """
+    if n % dp_size:
+        raise ValueError(f"{n} samples do not split over {dp_size} data-parallel ranks")
+    gbs = max(int(global_batch_size), dp_size)
+    steps = max(1, int(math.ceil(n / gbs)))
+    local = n // dp_size
+    per = int(math.ceil(local / steps))
+    return [(s, min(s + per, local)) for s in range(0, local, per)]
+
+
+def response_values(per_token: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    """Per-sample lists of the masked positions of a ``[N, L-1]`` tensor (e.g. trainer logprobs)."""
+    out = []
+    for row, m in zip(per_token, mask):
+        out.append(row[m > 0].tolist())
+    return out

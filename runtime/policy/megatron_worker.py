@@ -1,0 +1,365 @@
+"""The Megatron policy worker: one per GPU, a Ray actor colocated with a vLLM worker.
+
+Lifecycle (driven by ``rlc.runtime.driver``)::
+
+    w = MegatronPolicyWorker(cfg_dict, rank, world_size, bundle)     # cheap; no GPU work yet
+    addr = w.master_address()                                        # rank 0 only
+    w.setup(addr)               # NCCL, process groups, AutoBridge model, DDP, optimizer
+    w.refit_prepare(session)    # with the vLLM worker on this GPU calling refit_prepare too
+    loop: w.compute_logprobs(batch) -> w.train_step(batch, step) -> w.refit_offload() -> w.refit_send()
+
+Every method returns plain data (lists, dicts, CPU tensors) so the driver never needs megatron.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from rlc.runtime.config import runtime_config_from_dict
+from rlc.runtime.policy import batches as B
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logprob of ``tokens[:, j+1]`` under ``logits[:, j]`` (vocab-parallel over TP): ``[b, L-1]``."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
+
+    lg = logits[:, :-1, :].float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    return -vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
+
+
+class MegatronPolicyWorker:
+    """Megatron-Bridge model + megatron-core optimizer on one GPU (see the module docstring)."""
+
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, bundle: int = -1) -> None:
+        self.cfg = runtime_config_from_dict(cfg_dict)
+        self.rank = rank
+        self.world_size = world_size
+        self.bundle = bundle
+        self.pm = None
+        self.source = None
+        self.offloaded = False
+        self.opt_steps = 0
+        self.total_opt_steps = 1
+
+    # ------------------------------------------------------------------ identity / setup
+
+    def info(self) -> dict:
+        from rlc.runtime.workers import local_worker_info  # noqa: PLC0415
+
+        return local_worker_info("policy", self.rank, self.bundle).to_dict()
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a free port for the NCCL rendezvous (called on rank 0)."""
+        try:
+            import ray  # noqa: PLC0415
+
+            ip = ray.util.get_node_ip_address()
+        except Exception:
+            ip = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ip, port
+
+    def setup(self, master: tuple[str, int], total_opt_steps: int) -> dict:
+        """Process groups, model, optimizer. Returns this rank's parallel coordinates."""
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        from rlc.runtime.policy.megatron_setup import build_policy, init_distributed, init_model_parallel  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        if self.cfg.train_parallel.cp > 1:
+            raise NotImplementedError(
+                "train_parallel.cp > 1: context parallelism is not wired into this runtime's batches yet; use cp: 1"
+            )
+        init_distributed(self.rank, self.world_size, master[0], master[1])
+        init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
+        torch.manual_seed(self.cfg.training.seed)
+        self.pm = build_policy(self.cfg)
+        self.total_opt_steps = max(1, int(total_opt_steps))
+        self.coords = {
+            "rank": self.rank,
+            "dp_rank": ps.get_data_parallel_rank(),
+            "dp_size": ps.get_data_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "is_last_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
+        }
+        self.coords["is_output"] = bool(self.coords["is_last_stage"] and self.coords["tp_rank"] == 0)
+        n_params = sum(p.numel() for m in self.pm.model for p in m.parameters())
+        return {**self.coords, "params_local": int(n_params), "setup_s": time.perf_counter() - t0,
+                "memory": self.memory()}
+
+    def memory(self) -> dict:
+        from rlc.runtime.workers import gpu_memory_snapshot  # noqa: PLC0415
+
+        return gpu_memory_snapshot()
+
+    def versions(self) -> dict:
+        from rlc.runtime.workers import library_versions  # noqa: PLC0415
+
+        return library_versions()
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(self, *args, **kwargs)`` in this worker (tests and debugging)."""
+        return fn(self, *args, **kwargs)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _seq_len(self, batch: dict) -> int:
+        return int(batch["tokens"].shape[1])
+
+    def _run(self, model: list, mbs: list[dict], forward_only: bool, loss_fn: Any) -> list:
+        """One megatron-core forward(-backward) over micro-batches ``mbs``; returns the collected data."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+
+        seq_len = int(mbs[0]["tokens"].shape[1])
+        mb_size = int(mbs[0]["tokens"].shape[0])
+
+        def forward_step(data_iterator, model_chunk):
+            mb = next(data_iterator)
+            tokens = mb["tokens"].cuda(non_blocking=True)
+            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            out = model_chunk(input_ids=tokens, position_ids=pos, attention_mask=None)
+            return out, partial(loss_fn, mb, tokens)
+
+        iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=len(mbs),
+            seq_length=seq_len,
+            micro_batch_size=mb_size,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    @torch.no_grad()
+    def _logprobs(self, model: list, batch: dict) -> torch.Tensor | None:
+        """Trainer logprobs ``[n_local, L-1]`` of this DP shard (on output ranks; None elsewhere)."""
+        shard = B.dp_shard(batch, self.coords["dp_rank"], self.coords["dp_size"])
+        mbs = B.microbatches(shard, self.cfg.training.micro_batch_size)
+        temperature = self.cfg.generation.sampling.temperature
+
+        def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
+            return token_logprobs(output_tensor, tokens, temperature)[: mb["num_real"]].float().cpu()
+
+        for m in model:
+            m.eval()
+        out = self._run(model, mbs, forward_only=True, loss_fn=lp_fn)
+        for m in model:
+            m.train()
+        if not self.coords["is_output"]:
+            return None
+        return torch.cat(list(out), dim=0)
+
+    def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
+        """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs)."""
+        return self._logprobs(self.pm.model, batch)
+
+    def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
+        if self.pm.ref_model is None:
+            raise RuntimeError("compute_ref_logprobs: loss.kl_penalty is 0, there is no reference model")
+        return self._logprobs(self.pm.ref_model, batch)
+
+    # ------------------------------------------------------------------ training
+
+    def onload(self) -> None:
+        """Bring optimizer state and gradient buffers back after a refit (no-op if not offloaded)."""
+        from rlc.runtime.policy.refit_source import onload  # noqa: PLC0415
+
+        if self.offloaded:
+            onload(self.pm.model, self.pm.optimizer)
+            self.offloaded = False
+
+    def train_step(self, batch: dict, step: int) -> dict | None:
+        """One GRPO update: ``ceil(N / global_batch_size)`` optimizer steps over the batch.
+
+        The loss of each micro-batch is the clipped GRPO loss normalised by the *global* token count
+        of its optimizer step, scaled so that megatron-core's division by the number of micro-batches
+        and DDP's averaging over data-parallel ranks give exactly the global token mean.
+        """
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        from rlc.runtime.grpo.loss import grpo_loss  # noqa: PLC0415
+        from rlc.runtime.policy.megatron_setup import lr_at  # noqa: PLC0415
+
+        self.onload()
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        n = B.batch_size(batch)
+        dp, dp_rank = self.coords["dp_size"], self.coords["dp_rank"]
+        shard = B.dp_shard(batch, dp_rank, dp)
+        slices = B.optimizer_step_slices(n, cfg.training.global_batch_size, dp)
+        temperature = cfg.generation.sampling.temperature
+        loss_sums: dict[str, float] = {}
+        weighted: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        tokens_total = 0.0
+        grad_norms, lrs = [], []
+        for lo, hi in slices:
+            local = B.take(shard, lo, hi)
+            # the global normaliser: tokens (or sequences) of this optimizer step over all DP ranks
+            local_count = float(local["mask"].sum()) if cfg.loss.token_level else float((local["mask"].sum(-1) > 0).sum())
+            count = torch.tensor([local_count], device="cuda")
+            torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
+            normalizer = max(float(count.item()), 1.0)
+            mbs = B.microbatches(local, cfg.training.micro_batch_size)
+            scale = len(mbs) * dp
+
+            def loss_fn(mb, tokens, output_tensor):
+                lp = token_logprobs(output_tensor, tokens, temperature)
+                dev = lp.device
+                ref = mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None
+                loss, metrics = grpo_loss(
+                    lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), cfg.loss,
+                    ref_logprobs=ref, normalizer=normalizer,
+                )
+                return loss * scale, metrics
+
+            for m in self.pm.model:
+                m.zero_grad_buffer()
+            self.pm.optimizer.zero_grad()
+            self.opt_steps += 1
+            lr = lr_at(self.opt_steps, cfg, self.total_opt_steps)
+            for g in self.pm.optimizer.param_groups:
+                g["lr"] = lr
+            collected = self._run(self.pm.model, mbs, forward_only=False, loss_fn=loss_fn)
+            ok, grad_norm, _ = self.pm.optimizer.step()
+            if not ok:
+                raise RuntimeError(f"optimizer step {self.opt_steps} (GRPO step {step}) was skipped: inf/nan gradients")
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            lrs.append(lr)
+            for met in collected or []:
+                w = float(met.get("num_tokens", 0.0))
+                tokens_total += w
+                for k, v in met.items():
+                    if k == "num_tokens":
+                        continue
+                    if k.startswith("loss/"):
+                        # already normalised by the global count: sum over micro-batches and DP ranks,
+                        # mean over the optimizer steps of this GRPO step
+                        loss_sums[k] = loss_sums.get(k, 0.0) + float(v) / len(slices)
+                    elif k == "ratio_max":
+                        maxes[k] = max(maxes.get(k, float("-inf")), float(v))
+                    else:
+                        weighted[k] = weighted.get(k, 0.0) + float(v) * w
+        if not self.coords["is_output"]:
+            return None
+        return {
+            "loss_sums": loss_sums,
+            "weighted_sums": weighted,
+            "maxes": maxes,
+            "num_tokens": tokens_total,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lrs[-1],
+            "optimizer_steps": len(slices),
+            "train_s": time.perf_counter() - t0,
+        }
+
+    # ------------------------------------------------------------------ refit
+
+    def refit_prepare(self, session: str, local_rank: int, local_world: int, timeout_s: float = 600.0) -> dict:
+        """Build the export plan and pair with this GPU's consumer (concurrently with it)."""
+        from rlc.runtime.policy.refit_source import RefitSource  # noqa: PLC0415
+
+        if self.source is None:
+            self.source = RefitSource(self.pm.bridge, self.pm.model, self.cfg, session=session,
+                                      local_rank=local_rank, local_world=local_world)
+        return self.source.prepare(timeout_s=timeout_s)
+
+    def refit_offload(self) -> dict:
+        """Before a refit: forced param sync (seed 001) and optimizer offload (seed 002), then memory."""
+        from rlc.runtime.policy.refit_source import offload, sync_params  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        synced = False
+        if self.cfg.refit.sync_params_before_refit:
+            synced = sync_params(self.pm.model, self.pm.ddp_config)
+        if self.cfg.refit.offload_optimizer_for_refit and not self.offloaded:
+            offload(self.pm.model, self.pm.optimizer)
+            self.offloaded = True
+        return {"synced_params": synced, "offloaded": self.offloaded, "seconds": time.perf_counter() - t0,
+                "memory": self.memory()}
+
+    def refit_close(self) -> None:
+        """Drop the producer (a failed refit leaves it unusable; a new session pairs again)."""
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def refit_send(self) -> dict:
+        """Stream the weights to the consumer on this GPU (it must be receiving)."""
+        return self.source.send()
+
+    def export_named(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The exported HF tensors (CPU copies), for tests; ``names`` filters."""
+        from rlc.runtime.policy.refit_source import RefitSource  # noqa: PLC0415
+
+        src = self.source or RefitSource(self.pm.bridge, self.pm.model, self.cfg, session="export",
+                                         local_rank=0, local_world=1)
+        return {n: t.detach().cpu().clone() for n, t in src.export() if names is None or n in names}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        model_sd = {}
+        for i, chunk in enumerate(self.pm.model):
+            model_sd[f"model{i}"] = chunk.module.sharded_state_dict()
+        flat = {}
+        for sd in model_sd.values():
+            flat.update(sd)
+        state = dict(model_sd)
+        state["optimizer"] = self.pm.optimizer.sharded_state_dict(
+            flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        return state
+
+    def save_checkpoint(self, path: str) -> dict:
+        """megatron-core distributed checkpoint of model + optimizer into ``path`` (all ranks)."""
+        from megatron.core import dist_checkpointing  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        self.onload()
+        os.makedirs(path, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), path)
+        torch.distributed.barrier()
+        meta = {"opt_steps": self.opt_steps}
+        if self.rank == 0:
+            import json  # noqa: PLC0415
+
+            with open(os.path.join(path, "rlc_policy.json"), "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+        return {"seconds": time.perf_counter() - t0}
+
+    def load_checkpoint(self, path: str) -> dict:
+        import json  # noqa: PLC0415
+
+        from megatron.core import dist_checkpointing  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        self.onload()
+        state = self._sharded_state(is_loading=True)
+        loaded = dist_checkpointing.load(state, path)
+        for i, chunk in enumerate(self.pm.model):
+            chunk.module.load_state_dict(loaded[f"model{i}"], strict=False)
+        self.pm.optimizer.load_state_dict(loaded["optimizer"])
+        with open(os.path.join(path, "rlc_policy.json"), encoding="utf-8") as f:
+            self.opt_steps = int(json.load(f)["opt_steps"])
+        torch.distributed.barrier()
+        return {"seconds": time.perf_counter() - t0, "opt_steps": self.opt_steps}
+
+    def shutdown(self) -> None:
+        if self.source is not None:
+            self.source.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

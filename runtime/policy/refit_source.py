@@ -1,0 +1,188 @@
+"""The trainer side of a refit: what to export, the seed fixes around the export, and the producer.
+
+- ``conversion_tasks``: Megatron-Bridge's export plan for this rank, with the MTP-replicated
+  ``embedding.word_embeddings.weight`` dropped on the last pipeline stage when
+  ``refit.dedupe_mtp_embedding`` is on (seed 000, failure 1), then checked: every parameter must be
+  owned by exactly one pipeline stage, else the refit stops with "present on multiple PP ranks".
+- ``sync_params``: ``refit.sync_params_before_refit`` forces the distributed optimizer's deferred
+  parameter all-gather (``overlap_param_gather``) before the export reads the weights (seed 001).
+- ``offload`` / ``onload``: ``refit.offload_optimizer_for_refit`` moves optimizer state and gradient
+  buffers to the CPU for the refit and back before the next training step (seed 002).
+- ``RefitSource``: specs (a dry export pass, once), ``prepare`` with the consumer on this GPU,
+  ``send`` every step through ``rlc.runtime.refit.RefitProducer``. fp32 parameters stay fp32 on the
+  wire (``refit.fp32_params``; seed 003) because the producer's wire specs keep them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+MTP_SHARED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class MultipleOwnersError(ValueError):
+    """A parameter is exported by more than one pipeline stage (seed 000, failure 1)."""
+
+
+def dedupe_mtp_embedding(tasks: list, *, pp_size: int, is_first_stage: bool, is_last_stage: bool) -> list[str]:
+    """Drop this rank's copy of the MTP-replicated word embedding on the last PP stage.
+
+    Megatron places the MTP block on the last stage and replicates the word embedding there when the
+    model shares it with MTP; Bridge's conversion tasks then give both stage 0 and the last stage a
+    ``param_weight``. Stage 0 stays the canonical owner. Returns the dropped names.
+    """
+    dropped = []
+    if pp_size <= 1 or not is_last_stage or is_first_stage:
+        return dropped
+    for t in tasks:
+        if t is None or t.param_weight is None:
+            continue
+        if t.global_param_name.endswith(MTP_SHARED_EMBEDDING) or t.param_name.endswith(MTP_SHARED_EMBEDDING):
+            # WeightConversionTask is a frozen dataclass
+            object.__setattr__(t, "param_weight", None)
+            object.__setattr__(t, "megatron_module", None)
+            dropped.append(t.global_param_name)
+    return dropped
+
+
+def owned_names(tasks: Iterable) -> list[str]:
+    return sorted({t.global_param_name for t in tasks if t is not None and t.param_weight is not None})
+
+
+def find_multiple_owners(owned_by_stage: list[list[str]]) -> dict[str, list[int]]:
+    """``{name: [stages]}`` for names owned by more than one pipeline stage (pure; CPU-tested)."""
+    owners: dict[str, list[int]] = {}
+    for stage, names in enumerate(owned_by_stage):
+        for n in names:
+            owners.setdefault(n, []).append(stage)
+    return {n: s for n, s in owners.items() if len(s) > 1}
+
+
+def check_single_owner(tasks: list) -> None:
+    """All-gather the owned names over the PP group; a name owned twice stops the refit."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    if parallel_state.get_pipeline_model_parallel_world_size() <= 1:
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered: list[list[str]] = [None] * torch.distributed.get_world_size(group)  # type: ignore[list-item]
+    torch.distributed.all_gather_object(gathered, owned_names(tasks), group=group)
+    dup = find_multiple_owners(gathered)
+    if dup:
+        text = ", ".join(f"{n} on PP ranks {s}" for n, s in sorted(dup.items())[:4])
+        raise MultipleOwnersError(
+            f"Object present on multiple PP ranks: {text}. The MTP block shares the word embedding "
+            "and Megatron replicates it on the last pipeline stage (seed 000, failure 1); turn on "
+            "refit.dedupe_mtp_embedding so that stage 0 is the only owner"
+        )
+
+
+def sync_params(model: list, ddp_config: Any) -> bool:
+    """Force the deferred parameter all-gather of the distributed optimizer (seed 001).
+
+    With ``overlap_param_gather`` the updated shards are gathered only in the next forward's
+    pre-hooks; a refit between the optimizer step and that forward would read stale weights of the
+    other DP ranks' shards. Returns True when a gather ran (a no-op otherwise).
+    """
+    if not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
+        return False
+    with torch.no_grad():
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+    torch.cuda.synchronize()
+    return True
+
+
+def offload(model: list, optimizer: Any) -> None:
+    """Optimizer state and gradient buffers to the CPU (seed 002), then release the cached blocks."""
+    torch.cuda.synchronize()
+    optimizer.offload_to_cpu()
+    for chunk in model:
+        chunk.offload_grad_buffers(synchronize=True, empty_cache=False)
+    torch.cuda.empty_cache()
+
+
+def onload(model: list, optimizer: Any) -> None:
+    """Inverse of ``offload`` (gradient buffers come back zeroed)."""
+    for chunk in model:
+        chunk.restore_grad_buffers(synchronize=True)
+    optimizer.restore_from_cpu()
+    torch.cuda.synchronize()
+
+
+class RefitSource:
+    """Exports this rank's HF weights and streams them to the generation worker on the same GPU."""
+
+    def __init__(self, bridge: Any, model: list, cfg: Any, *, session: str, local_rank: int, local_world: int) -> None:
+        from megatron.core import parallel_state  # noqa: PLC0415
+
+        self.bridge = bridge
+        self.model = model
+        self.cfg = cfg
+        self.session = session
+        self.local_rank = local_rank
+        self.local_world = local_world
+        self.producer = None
+        self.specs: list = []
+        self.dropped: list[str] = []
+        self.tasks = bridge.get_conversion_tasks(model)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if cfg.refit.dedupe_mtp_embedding:
+            self.dropped = dedupe_mtp_embedding(
+                self.tasks,
+                pp_size=pp,
+                is_first_stage=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            )
+        check_single_owner(self.tasks)
+
+    def export(self):
+        """Bridge's streaming HF export (full tensors on every rank, on the GPU)."""
+        return self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False, conversion_tasks=self.tasks)
+
+    def dry_specs(self) -> list:
+        """The export list (name, shape, dtype in export order), from one export pass."""
+        from rlc.runtime.refit.specs import TensorSpec  # noqa: PLC0415
+
+        specs = []
+        for name, tensor in self.export():
+            specs.append(TensorSpec.from_tensor(name, tensor))
+            del tensor
+        return specs
+
+    def prepare(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Compute the specs and pair with the consumer (which must call prepare at the same time)."""
+        from rlc.runtime.refit import RefitProducer  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        self.specs = self.dry_specs()
+        if self.producer is None:
+            self.producer = RefitProducer(
+                self.cfg.refit,
+                session=self.session,
+                rank=self.local_rank,
+                world_size=self.local_world,
+                export_dtype=self.cfg.model.dtype,
+                device=torch.cuda.current_device(),
+                timeout_s=timeout_s,
+            )
+        self.producer.prepare(self.specs)
+        return {
+            "num_tensors": len(self.specs),
+            "bytes": sum(s.nbytes for s in self.specs),
+            "dropped_mtp_duplicates": self.dropped,
+            "prepare_s": time.perf_counter() - t0,
+            "device_key": self.producer.device_key,
+        }
+
+    def send(self) -> dict[str, Any]:
+        if self.producer is None:
+            raise RuntimeError("RefitSource.send before prepare")
+        return self.producer.send(self.export()).to_dict()
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None

@@ -1,0 +1,411 @@
+"""Ray placement and worker plumbing for the runtime: one bundle per GPU, workers colocated in it.
+
+Pure parts (no ray, no torch; CPU-tested): ``plan_placement`` (which bundle each trainer rank and
+each vLLM engine uses), ``worker_env`` (the environment every worker gets), ``WorkerInfo`` (who a
+worker is: role, rank, node, GPU) and ``calibration_record`` (the memory record the planner is
+calibrated from).
+
+Ray parts (``ray`` imported inside the functions): ``connect``, ``reserve_gpus``, ``spawn`` and
+``WorkerGroup.call`` (run a method on many workers; a worker that dies or raises ends the run with
+a ``WorkerFailure`` naming the worker, its node and its GPU).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+#: Fraction of a GPU each colocated actor asks Ray for (policy + generation share one bundle).
+COLOCATED_GPU_FRACTION = 0.5
+#: CPUs per bundle: one for each of the two actors that live in it.
+CPUS_PER_BUNDLE = 2
+#: Environment every worker needs regardless of the recipe.
+#:  - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs inside the generation actor (engine start
+#:    hangs with a child process inside a Ray actor on the GPU host), so refit RPCs reach the worker
+#:    in-process.
+#:  - NCCL_NVLS_ENABLE=0 etc. (NVLink multicast off) are inherited from the host and kept.
+BASE_WORKER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+#: Host variables forwarded to every worker when set (Ray actors of an ``auto`` cluster do not
+#: inherit the driver's environment).
+FORWARDED_ENV = (
+    "PYTHONPATH",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_DEBUG",
+)
+
+
+class PlacementError(ValueError):
+    """The parallel layout does not fit the cluster (names the config keys to change)."""
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or raised; the message names the worker, its node and its GPU."""
+
+
+# --------------------------------------------------------------------------- placement (pure)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which bundle (one per GPU) each worker lives in."""
+
+    world_size: int
+    bundles: list[dict[str, float]]
+    policy_bundles: list[int]  # trainer rank -> bundle index
+    engine_bundles: list[list[int]]  # vLLM engine -> bundle indices of its GPUs (its TP x PP ranks)
+    gpu_fraction: float  # Ray GPU share of each actor
+    colocated: bool
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engine_bundles)
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return len(self.engine_bundles[0]) if self.engine_bundles else 0
+
+
+def plan_placement(cfg: Any) -> Placement:
+    """One bundle per GPU; trainer rank r in bundle r; engine e on bundles [e*k, (e+1)*k).
+
+    ``k = generation_parallel.tp * generation_parallel.pp`` GPUs per vLLM engine. Colocated only:
+    the trainer and the engines share every GPU (``num_gpus=0.5`` each in the same bundle).
+    """
+    world = cfg.cluster.world_size
+    if world != cfg.cluster.nodes * cfg.cluster.gpus_per_node:
+        raise PlacementError(
+            f"cluster.world_size={world} but cluster.nodes * cluster.gpus_per_node = "
+            f"{cfg.cluster.nodes * cfg.cluster.gpus_per_node}; recompile the bundle"
+        )
+    tp = cfg.train_parallel
+    model_parallel = tp.tp * tp.pp * tp.cp
+    if world % model_parallel:
+        raise PlacementError(
+            f"train_parallel tp*pp*cp = {tp.tp}*{tp.pp}*{tp.cp} = {model_parallel} does not divide the "
+            f"{world} GPUs; change parallelism.train"
+        )
+    if tp.dp != world // model_parallel:
+        raise PlacementError(f"train_parallel.dp={tp.dp} but world / (tp*pp*cp) = {world // model_parallel}; recompile")
+    gp = cfg.generation_parallel
+    per_engine = gp.tp * gp.pp
+    if world % per_engine:
+        raise PlacementError(
+            f"generation tp*pp = {gp.tp}*{gp.pp} = {per_engine} does not divide the {world} GPUs; change "
+            "parallelism.generation"
+        )
+    engines = world // per_engine
+    if gp.dp != engines:
+        raise PlacementError(
+            f"generation_parallel.dp={gp.dp} but the {world} GPUs hold {engines} engines of tp*pp={per_engine}; "
+            "recompile the bundle"
+        )
+    if not cfg.colocated:
+        raise PlacementError(
+            "colocated: false is not supported by this runtime yet (trainer and vLLM must share GPUs); set "
+            "colocated: true"
+        )
+    bundles = [{"GPU": 1.0, "CPU": float(CPUS_PER_BUNDLE)} for _ in range(world)]
+    return Placement(
+        world_size=world,
+        bundles=bundles,
+        policy_bundles=list(range(world)),
+        engine_bundles=[list(range(e * per_engine, (e + 1) * per_engine)) for e in range(engines)],
+        gpu_fraction=COLOCATED_GPU_FRACTION,
+        colocated=True,
+    )
+
+
+def order_bundles_by_node(bundle_nodes: Sequence[str]) -> list[int]:
+    """Bundle indices sorted so that bundles of one node are contiguous (stable within a node).
+
+    Ray does not promise that bundle ``i`` of a PACK group lands on node ``i // gpus_per_node``;
+    ranks are assigned in this order so a trainer's TP group stays inside a node.
+    """
+    first_seen: dict[str, int] = {}
+    for i, node in enumerate(bundle_nodes):
+        first_seen.setdefault(node, i)
+    return sorted(range(len(bundle_nodes)), key=lambda i: (first_seen[bundle_nodes[i]], i))
+
+
+def worker_env(cfg: Any, host_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of every worker: ``BASE_WORKER_ENV``, forwarded host variables, then ``cfg.env``.
+
+    Refuses ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: vLLM's sleep-mode allocator asserts
+    on it (seed 000, attempt 4).
+    """
+    host = os.environ if host_env is None else host_env
+    env = dict(BASE_WORKER_ENV)
+    env.update({k: host[k] for k in FORWARDED_ENV if k in host})
+    env.update({str(k): str(v) for k, v in (cfg.env or {}).items()})
+    alloc = env.get("PYTORCH_CUDA_ALLOC_CONF", host.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if "expandable_segments:true" in alloc.replace(" ", "").lower():
+        raise PlacementError(
+            "PYTORCH_CUDA_ALLOC_CONF contains expandable_segments:True, which vLLM's sleep-mode memory pool "
+            "rejects (AssertionError in cumem.py); remove it from env / the job environment"
+        )
+    return env
+
+
+# --------------------------------------------------------------------------- who a worker is
+
+
+@dataclass
+class WorkerInfo:
+    """Identity of one worker, for logs and failure messages."""
+
+    role: str  # "policy" | "generation"
+    rank: int  # trainer rank, or engine index
+    node_ip: str = "?"
+    hostname: str = "?"
+    pid: int = 0
+    gpu_ids: list[Any] = field(default_factory=list)  # Ray's GPU ids (physical index on the node)
+    gpu_uuid: str = "?"
+    bundle: int = -1
+
+    def describe(self) -> str:
+        gpus = ",".join(str(g) for g in self.gpu_ids) or "?"
+        return (
+            f"{self.role} worker {self.rank} (node {self.node_ip} / {self.hostname}, GPU {gpus}, "
+            f"uuid {self.gpu_uuid}, pid {self.pid}, bundle {self.bundle})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def local_worker_info(role: str, rank: int, bundle: int = -1) -> WorkerInfo:
+    """This process's identity (called inside an actor; uses ray and torch if present)."""
+    info = WorkerInfo(role=role, rank=rank, hostname=socket.gethostname(), pid=os.getpid(), bundle=bundle)
+    try:
+        import ray  # noqa: PLC0415
+
+        info.node_ip = ray.util.get_node_ip_address()
+        info.gpu_ids = list(ray.get_gpu_ids())
+    except Exception:  # not inside ray
+        info.gpu_ids = [os.environ.get("CUDA_VISIBLE_DEVICES", "?")]
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            info.gpu_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except Exception:
+        pass
+    return info
+
+
+# --------------------------------------------------------------------------- memory / calibration
+
+
+GIB = float(1 << 30)
+
+
+def gpu_memory_snapshot() -> dict[str, float]:
+    """GPU memory seen from this process: device free/used/total (all processes) and this process's
+    torch allocated/reserved, in GiB."""
+    import torch  # noqa: PLC0415
+
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "free_gib": free / GIB,
+        "used_gib": (total - free) / GIB,
+        "total_gib": total / GIB,
+        "torch_allocated_gib": torch.cuda.memory_allocated() / GIB,
+        "torch_reserved_gib": torch.cuda.memory_reserved() / GIB,
+    }
+
+
+def calibration_record(
+    phase: str,
+    memory: dict[str, float],
+    *,
+    step: int,
+    sleep_level: int,
+    enforce_eager: bool,
+    gpu_type: str,
+    versions: dict[str, str],
+    worker: str = "",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``calibration`` record: free/used GiB at a phase with the settings that shaped it.
+
+    ``rlc calibrate`` (the planner's calibration table) reads these from ``metrics.jsonl``.
+    """
+    rec = {
+        "kind": "calibration",
+        "step": step,
+        "phase": phase,
+        "free_gib": round(float(memory.get("free_gib", float("nan"))), 4),
+        "used_gib": round(float(memory.get("used_gib", float("nan"))), 4),
+        "total_gib": round(float(memory.get("total_gib", float("nan"))), 4),
+        "sleep_level": sleep_level,
+        "enforce_eager": enforce_eager,
+        "gpu_type": gpu_type,
+        "versions": dict(versions),
+        "worker": worker,
+    }
+    for k in ("torch_allocated_gib", "torch_reserved_gib"):
+        if k in memory:
+            rec[k] = round(float(memory[k]), 4)
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the stack, for calibration records (missing packages are skipped)."""
+    from importlib import metadata  # noqa: PLC0415
+
+    out = {}
+    for dist in ("torch", "vllm", "ray", "megatron-core", "megatron-bridge", "transformer-engine", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+# --------------------------------------------------------------------------- ray plumbing
+
+
+def connect(ray_cfg: Any, env: dict[str, str]) -> str:
+    """Connect to Ray: ``local`` starts a private cluster; ``auto``/``host:port`` joins one.
+
+    Retries joining for ``ray.join_timeout_s`` (the head may still be starting inside sbatch).
+    Returns a description of the cluster for the log.
+    """
+    import ray  # noqa: PLC0415
+
+    runtime_env = {"env_vars": dict(env)}
+    if ray.is_initialized():  # embedded (tests, notebooks): use the caller's cluster
+        pass
+    elif ray_cfg.address == "local":
+        ray.init(namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
+                 log_to_driver=True)
+    else:
+        deadline = time.monotonic() + max(1, ray_cfg.join_timeout_s)
+        while True:
+            try:
+                ray.init(address=ray_cfg.address, namespace=ray_cfg.namespace, runtime_env=runtime_env,
+                         log_to_driver=True)
+                break
+            except (ConnectionError, RuntimeError) as exc:
+                if time.monotonic() > deadline:
+                    raise WorkerFailure(
+                        f"could not join the Ray cluster at {ray_cfg.address!r} within {ray_cfg.join_timeout_s} s "
+                        f"({exc}); is the head running (launch.sbatch starts it) and cluster.ray.address right?"
+                    ) from exc
+                time.sleep(2)
+    res = ray.cluster_resources()
+    return f"ray {ray.__version__}: {int(res.get('GPU', 0))} GPUs, {int(res.get('CPU', 0))} CPUs, {len(ray.nodes())} nodes"
+
+
+def reserve_gpus(placement: Placement, timeout_s: float = 300.0):
+    """Create the placement group (one bundle per GPU) and wait for it; returns ``(pg, bundle_order)``.
+
+    ``bundle_order[i]`` is the bundle that plays logical bundle ``i`` (bundles of a node contiguous).
+    """
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, placement_group_table  # noqa: PLC0415
+
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < placement.world_size:
+        raise PlacementError(
+            f"the Ray cluster has {have:g} GPUs, the bundle needs {placement.world_size} "
+            "(cluster.nodes x cluster.gpus_per_node); are all nodes joined?"
+        )
+    pg = placement_group(placement.bundles, strategy="PACK", name="rlc-gpus")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise PlacementError(
+            f"could not reserve {placement.world_size} bundles {placement.bundles[0]} within {timeout_s:g} s; "
+            f"cluster resources: {ray.available_resources()}"
+        )
+    table = placement_group_table(pg)
+    nodes_by_bundle = table.get("bundles_to_node_id", {})
+    nodes = [str(nodes_by_bundle.get(i, "")) for i in range(placement.world_size)]
+    return pg, order_bundles_by_node(nodes)
+
+
+def spawn(cls: type, *, pg: Any, bundle: int, num_gpus: float, env: dict[str, str], name: str,
+          num_cpus: float = 1.0, args: tuple = (), kwargs: dict | None = None):
+    """Start ``cls`` as a Ray actor in bundle ``bundle`` of ``pg``."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+    actor_cls = ray.remote(cls)
+    return actor_cls.options(
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        name=name,
+        max_concurrency=1,
+        runtime_env={"env_vars": dict(env)},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True
+        ),
+    ).remote(*args, **(kwargs or {}))
+
+
+class WorkerGroup:
+    """Actors of one role with their identities; ``call`` fans out a method and names failures."""
+
+    def __init__(self, role: str, actors: list[Any], infos: list[WorkerInfo] | None = None) -> None:
+        self.role = role
+        self.actors = actors
+        self.infos = infos or [WorkerInfo(role=role, rank=i) for i in range(len(actors))]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def submit(self, method: str, *args: Any, ranks: Sequence[int] | None = None,
+               per_rank: Callable[[int], tuple] | None = None, **kwargs: Any) -> list[tuple[int, Any]]:
+        """Start ``method`` on the workers (all, or ``ranks``); returns ``[(rank, ObjectRef)]``."""
+        idx = list(range(len(self.actors))) if ranks is None else list(ranks)
+        refs = []
+        for i in idx:
+            a = per_rank(i) if per_rank is not None else args
+            refs.append((i, getattr(self.actors[i], method).remote(*a, **kwargs)))
+        return refs
+
+    def wait(self, refs: list[tuple[int, Any]], what: str) -> list[Any]:
+        """Results in order; the first failure raises ``WorkerFailure`` naming that worker."""
+        return wait_all([(self, i, r) for i, r in refs], what)
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+        return self.wait(self.submit(method, *args, ranks=ranks, **kwargs), f"{self.role}.{method}")
+
+
+def wait_all(pending: list[tuple[WorkerGroup, int, Any]], what: str) -> list[Any]:
+    """Wait for refs of possibly several groups; on the first error name the worker and stop."""
+    import ray  # noqa: PLC0415
+    from ray.exceptions import RayActorError, RayError  # noqa: PLC0415
+
+    results: dict[int, Any] = {}
+    index_of = {ref: n for n, (_, _, ref) in enumerate(pending)}
+    remaining = [ref for _, _, ref in pending]
+    while remaining:
+        done, remaining = ray.wait(remaining, num_returns=1)
+        ref = done[0]
+        n = index_of[ref]
+        group, rank, _ = pending[n]
+        try:
+            results[n] = ray.get(ref)
+        except RayError as exc:
+            info = group.infos[rank] if rank < len(group.infos) else WorkerInfo(group.role, rank)
+            died = isinstance(exc, RayActorError)
+            detail = str(exc).strip().splitlines()
+            tail = "\n".join(detail[-25:])
+            raise WorkerFailure(
+                f"{info.describe()} {'died' if died else 'failed'} during {what}:\n{tail}"
+            ) from exc
+    return [results[n] for n in range(len(pending))]

@@ -1,0 +1,171 @@
+"""build_bundle: files, lock, atomic writing, --force, the bundle's own rlc, recipe checks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bundle_helpers import compile_recipe
+from rlc.compiler.bundle import BUNDLE_FILES, BundleError
+from rlc.compiler.bundle.lock import sha256_file
+
+
+def _set(tmp_path, *extra):
+    return [f"cluster.log_dir={tmp_path}/logs", *extra]
+
+
+def test_bundle_files_and_lock(tmp_path, e2e_recipe):
+    out = tmp_path / "b"
+    res = compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=2"))
+    assert res.path == out
+    assert set(BUNDLE_FILES) <= {p.name for p in out.iterdir()}
+    assert (out / "rlc_pkg" / "rlc" / "__init__.py").is_file()
+    assert os.access(out / "launch.sbatch", os.X_OK) and os.access(out / "node.sh", os.X_OK)
+    lock = json.loads((out / "bundle.lock.json").read_text())
+    assert lock["rlc_bundle"] == 1 and lock["recipe"]["overrides"] == _set(tmp_path, "grpo.max_steps=2")
+    assert lock["recipe"]["files"] == [{"path": str(e2e_recipe), "sha256": sha256_file(e2e_recipe)}]
+    assert lock["container"] == {"runtime": "none", "image": None}
+    assert lock["log_dir"] == f"{tmp_path}/logs" and (tmp_path / "logs").is_dir()
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"bundle.lock.json"}
+    assert set(lock["files"]) == on_disk
+    for rel, digest in lock["files"].items():
+        assert sha256_file(out / rel) == digest, rel
+    assert sorted(res.files) == sorted([*on_disk, "bundle.lock.json"])
+    assert (out / "mounts.txt").read_text() == ""  # no container: nothing is mounted
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.")]  # no staging leftovers
+
+
+def test_runtime_yaml_is_the_resolved_config(tmp_path, e2e_recipe):
+    from rlc.runtime.config import load_runtime_config
+
+    compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
+    cfg = load_runtime_config(tmp_path / "b" / "runtime.yaml")
+    assert cfg.cluster.nodes == 2 and cfg.cluster.world_size == 4 and cfg.name == "rlc-e2e-2node"
+
+
+def test_bundled_rlc_is_self_contained(tmp_path, e2e_recipe):
+    compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
+    pkg = tmp_path / "b" / "rlc_pkg"
+    code = ("import rlc, rlc.compiler.api, rlc.compiler.bundle, rlc.runtime.config, rlc.runtime.probe\n"
+            "from importlib import resources\n"
+            "print(rlc.__file__)\n"
+            "print(resources.files('rlc.templates').joinpath('bundle', 'launch.sbatch.j2').is_file())\n"
+            "print(resources.files('rlc.schemas').joinpath('recipe.schema.json').is_file())\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env={**os.environ, "PYTHONPATH": str(pkg)},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(pkg / "rlc" / "__init__.py"), "True", "True"]
+
+
+def test_non_bundle_folder_is_never_overwritten(tmp_path, e2e_recipe):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "data.txt").write_text("keep me")
+    with pytest.raises(BundleError, match="is not an rlc bundle") as err:
+        compile_recipe(e2e_recipe, out, _set(tmp_path), force=True)
+    assert err.value.kind == "io" and err.value.exit_code == 2
+    assert [p.name for p in out.iterdir()] == ["data.txt"]
+    file_target = tmp_path / "afile"
+    file_target.write_text("x")
+    with pytest.raises(BundleError, match="exists and is not a folder"):
+        compile_recipe(e2e_recipe, file_target, _set(tmp_path))
+
+
+def test_existing_bundle_needs_force_and_is_replaced_whole(tmp_path, e2e_recipe):
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path))
+    (out / "stale.txt").write_text("from an older bundle")
+    with pytest.raises(BundleError, match="pass --force") as err:
+        compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=3"))
+    assert err.value.exit_code == 2
+    compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=3"), force=True)
+    assert not (out / "stale.txt").exists()
+    assert "max_steps: 3" in (out / "runtime.yaml").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "logs"]
+
+
+def test_empty_folder_is_filled(tmp_path, e2e_recipe):
+    (tmp_path / "b").mkdir()
+    compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
+    assert (tmp_path / "b" / "launch.sbatch").is_file()
+
+
+def test_recipe_problem_leaves_nothing_behind(tmp_path, e2e_recipe):
+    with pytest.raises(BundleError) as err:
+        compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path, "cluster.container.runtime=pyxis"))
+    assert str(err.value).startswith("cluster.container.image: required with cluster.container.runtime: pyxis")
+    assert err.value.key == "cluster.container.image" and err.value.exit_code == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_pyxis_bundle_mounts_user_paths_bundle_and_logs(tmp_path, e2e_recipe):
+    out = tmp_path / "b"
+    res = compile_recipe(e2e_recipe, out, _set(
+        tmp_path, "cluster.container.runtime=pyxis", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
+        'cluster.container.mounts=["/lustre/data:/data:ro", "/scratch/x:/x"]',
+        'cluster.shared_fs_roots=["/lustre"]'))
+    assert (out / "mounts.txt").read_text().splitlines() == [
+        "/lustre/data:/data:ro", "/scratch/x:/x", f"{out}:/opt/rlc-bundle:ro", f"{tmp_path}/logs:{tmp_path}/logs"]
+    script = (out / "launch.sbatch").read_text()
+    assert f"readonly RLC_MOUNTS=/lustre/data:/data:ro,/scratch/x:/x,{out}:/opt/rlc-bundle:ro," in script
+    assert "readonly RLC_IMAGE=nvcr.io/nvidia/nemo-rl:v0.6.0" in script
+    assert "export RLC_BUNDLE_MNT=/opt/rlc-bundle" in script
+    assert any("cluster.container.mounts[1]: source /scratch/x is outside" in w for w in res.warnings)
+
+
+def test_sbatch_header(tmp_path, e2e_recipe):
+    compile_recipe(e2e_recipe, tmp_path / "b", _set(
+        tmp_path, "cluster.gpu_type_gres=h100", "cluster.mem_per_node=500G", "cluster.slurm.partition=batch",
+        "cluster.slurm.account=proj", "cluster.slurm.qos=high", "cluster.slurm.reservation=res1",
+        "cluster.slurm.exclusive=true", "cluster.slurm.requeue=true", "cluster.slurm.job_name=my job",
+        'cluster.slurm.extra_flags=["--constraint=ib&nvlink", "--comment=two words", "--hint=nomultithread"]'))
+    header = [line for line in (tmp_path / "b" / "launch.sbatch").read_text().splitlines()
+              if line.startswith("#SBATCH")]
+    assert header == [
+        '#SBATCH --job-name="my job"', "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=h100:2", "#SBATCH --cpus-per-task=1", "#SBATCH --mem=500G",
+        "#SBATCH --time=00:10:00", "#SBATCH --partition=batch", "#SBATCH --account=proj", "#SBATCH --qos=high",
+        "#SBATCH --reservation=res1", "#SBATCH --exclusive", f"#SBATCH --output={tmp_path}/logs/slurm-%j.out",
+        f"#SBATCH --error={tmp_path}/logs/slurm-%j.out", "#SBATCH --requeue", "#SBATCH --open-mode=append", '#SBATCH --constraint="ib&nvlink"',
+        '#SBATCH --comment="two words"', "#SBATCH --hint=nomultithread"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ('cluster.slurm.extra_flags=["--nodes=4"]',
+     "cluster.slurm.extra_flags[0]: --nodes is set by the bundle from cluster.nodes"),
+    ('cluster.slurm.extra_flags=["--comment=a\\nb"]',
+     "cluster.slurm.extra_flags[0]: contains a newline, which would end its #SBATCH line"),
+    ('cluster.slurm.job_name="a\\nrm -rf /"', "cluster.slurm.job_name: contains a newline"),
+    ("cluster.ray.node_manager_port=46379", "cluster.ray.node_manager_port: port 46379 is also cluster.ray.port"),
+    ("cluster.ray.port=46600", "cluster.ray.port: port 46600 lies inside the worker port range 46500-46999"),
+    ("cluster.ray.min_worker_port=47000", "cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port"),
+    ('cluster.env={"RAY_AUTH_MODE": "disabled"}', "cluster.env.RAY_AUTH_MODE: RAY_AUTH_MODE cannot be set"),
+    ("cluster.container.python=python3 -u", "cluster.container.python: must be one word"),
+])
+def test_unsafe_or_conflicting_values_are_rejected_naming_the_key(tmp_path, e2e_recipe, override, message):
+    from rlc.compiler.api import check
+
+    result = check(e2e_recipe, _set(tmp_path, override))
+    if not result.ok:  # the schema caught it first: fine, as long as it names the key
+        assert any(message.split(":")[0] in d.path for d in result.errors), result.errors
+        return
+    with pytest.raises(BundleError) as err:
+        from rlc.compiler.bundle import build_bundle
+
+        build_bundle(result, tmp_path / "b")
+    assert str(err.value).startswith(message), str(err.value)
+    assert err.value.exit_code == 1
+    assert not (tmp_path / "b").exists()
+
+
+def test_relative_log_dir_is_taken_from_the_current_folder(tmp_path, e2e_recipe, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = compile_recipe(e2e_recipe, tmp_path / "b", ["cluster.log_dir=out/logs"])
+    assert f"readonly RLC_LOG_ROOT={tmp_path}/out/logs" in (tmp_path / "b" / "launch.sbatch").read_text()
+    assert (tmp_path / "out" / "logs").is_dir()
+    runtime = (tmp_path / "b" / "runtime.yaml").read_text()
+    assert f"log_dir: {tmp_path}/out/logs\n" in runtime
+    assert f"dir: {tmp_path}/out/logs/checkpoints/rlc-e2e-2node\n" in runtime
+    assert any("relative path 'out/logs' resolved against the current folder" in w for w in res.warnings)

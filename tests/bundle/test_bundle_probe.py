@@ -1,0 +1,110 @@
+"""rlc.runtime.probe against a real one-node Ray cluster (token auth, like a job's head node):
+the join wait reports progress and names the missing node at its deadline; the probe passes when
+the cluster matches runtime.yaml and fails, saying why, when it does not."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bundle_helpers import compile_recipe
+
+pytestmark = pytest.mark.slow
+
+PORT = 46479  # away from the SLURM e2e test's Ray ports
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """One Ray node like a job's head: token auth, resource rlc_node_0, 2 GPUs, 1 CPU."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("ray is not installed: pip install 'ray[default]==2.60.0'")
+        pytest.skip("ray is not installed: pip install 'ray[default]==2.60.0'")
+    tmp = tmp_path_factory.mktemp("ray")
+    token = tmp / "auth" / "token"
+    token.parent.mkdir(mode=0o700)
+    token.write_text(os.urandom(32).hex() + "\n")
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLC_"))}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
+               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", HOME=str(tmp))
+    temp_dir = f"/tmp/rlc-probe-{os.getpid()}"
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(PORT),
+           "--node-ip-address=127.0.0.1", "--node-manager-port=46480", "--object-manager-port=46481",
+           "--min-worker-port=46500", "--max-worker-port=46599", "--metrics-export-port=46482",
+           "--dashboard-agent-listen-port=46483", "--dashboard-agent-grpc-port=46484",
+           "--runtime-env-agent-port=46485", "--include-dashboard=false", "--num-cpus=1", "--num-gpus=2",
+           "--object-store-memory=100000000", f"--temp-dir={temp_dir}", '--resources={"rlc_node_0": 1}']
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ready_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{PORT}"}
+    one_node = _runtime_yaml(tmp, nodes=1)
+    ready = subprocess.run([sys.executable, "-m", "rlc.runtime.probe", "--wait", "--deadline", str(time.time() + 120),
+                            str(one_node)], env=ready_env, capture_output=True, text=True, timeout=180, check=False)
+    if ready.returncode != 0:
+        proc.terminate()
+        pytest.fail(f"the test's Ray head did not come up: {ready.stdout}{ready.stderr}")
+    yield {**env, "RAY_ADDRESS": f"127.0.0.1:{PORT}", "RLC_NODES": "node1 node2"}
+    proc.terminate()
+    proc.wait(timeout=60)
+    subprocess.run(["rm", "-rf", temp_dir], check=False)
+
+
+def _runtime_yaml(tmp_path: Path, nodes: int) -> Path:
+    recipe = Path(__file__).resolve().parents[1] / "slurm" / "recipes" / "e2e-2node.yaml"
+    out = compile_recipe(recipe, tmp_path / "b", [f"cluster.log_dir={tmp_path}/logs", f"cluster.nodes={nodes}"])
+    return out.path / "runtime.yaml"
+
+
+def _run(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_wait_names_the_missing_node_at_the_deadline(ray_head, tmp_path):
+    runtime = _runtime_yaml(tmp_path, nodes=2)
+    code = ("import sys, time\n"
+            "from rlc.runtime.probe import expected_from, wait_for_cluster\n"
+            f"exp = expected_from({str(runtime)!r})\n"
+            "sys.exit(wait_for_cluster(exp, time.time() + 8, interval_s=2))\n")
+    out = _run(code, {**ray_head, "RLC_JOB_DIR": "/logs/7"})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "[rlc] waiting for Ray after" in out.stdout and "1/2 nodes, 2/4 GPUs joined" in out.stdout
+    assert ("ERROR: the Ray cluster is incomplete after" in out.stdout
+            and "(cluster.ray.join_timeout_s=120): 1/2 nodes and 2/4 GPUs joined; missing: node2" in out.stdout
+            and "ray-worker-<node>.log files in /logs/7" in out.stdout), out.stdout
+
+
+def test_wait_returns_once_everything_joined(ray_head, tmp_path):
+    runtime = _runtime_yaml(tmp_path, nodes=1)
+    start = time.time()
+    out = _run(f"import sys; from rlc.runtime.probe import _cli; sys.exit(_cli(['--wait', {str(runtime)!r}]))",
+               ray_head)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Ray cluster ready after" in out.stdout and "1/1 nodes, 2/2 GPUs" in out.stdout
+    assert time.time() - start < 60
+
+
+def test_probe_passes_on_a_matching_cluster_and_checks_the_bundles_rlc(ray_head, tmp_path):
+    runtime = _runtime_yaml(tmp_path, nodes=1)
+    bundle = runtime.parent
+    env = {**ray_head, "RLC_BUNDLE_MNT": str(bundle), "PYTHONPATH": str(bundle / "rlc_pkg")}
+    out = subprocess.run([sys.executable, "-m", "rlc.runtime", "--probe", str(runtime)], env=env,
+                         cwd=bundle / "rlc_pkg", capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "probe OK: 1/1 nodes, 2/2 GPUs" in out.stdout
+    assert f"{bundle}/rlc_pkg/rlc/__init__.py" in out.stdout
+
+
+def test_probe_fails_saying_why(ray_head, tmp_path):
+    runtime = _runtime_yaml(tmp_path, nodes=2)
+    out = _run(f"import sys; from rlc.runtime.probe import main; sys.exit(main({str(runtime)!r}))", ray_head)
+    assert out.returncode == 1
+    assert "probe FAILED: 1 alive Ray nodes, runtime.yaml expects cluster.nodes=2" in out.stdout
+    assert "probe FAILED: 2 GPUs in the cluster, runtime.yaml expects world_size=4" in out.stdout

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU-host runner (device tool), from the repo root:
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [grpo] [grpo_smoke] ...
+# STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
+# the last part (carried with this call) has unpack.sh. Unpacks into /tmp/site once per machine,
+# makes `rlc` importable (rlc.runtime -> ./runtime), then runs the named stages, each under a
+# timeout, all output appended to $OUT/log.
+set -uo pipefail
+OUT=${OUT:-/tmp/rlc-out}; mkdir -p "$OUT"
+STAGE=${1:?usage: host_run.sh STAGE_DIR stages...}; shift
+last=$(ls -d .gpu-host/part* 2>/dev/null | tail -1)
+if [[ ! -f /tmp/site/.unpacked ]]; then
+  [[ -n $last ]] || { echo "no .gpu-host part carried and /tmp/site missing"; exit 3; }
+  SITE=/tmp/site bash "$last/unpack.sh" "$STAGE" || exit 3
+fi
+mkdir -p /tmp/rlcpkg/rlc
+cp rlc/__init__.py /tmp/rlcpkg/rlc/__init__.py
+for d in runtime compiler; do ln -sfn "$PWD/$d" "/tmp/rlcpkg/rlc/$d"; done
+REPO=$PWD
+# run from /tmp/rlcpkg: the repo root's own rlc/ (no runtime/ inside) would shadow the package view
+# for `python -c`, `python -m` and Ray workers, which all put the current directory on sys.path
+cd /tmp/rlcpkg
+export PYTHONPATH=/tmp/site:/tmp/rlcpkg PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+export RAY_DEDUP_LOGS=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+log() { echo "[host_run $(date +%T)] $*" | tee -a "$OUT/log"; }
+run_stage() {  # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  log "stage $name: $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$t" "$@" 2>&1 | tee -a "$OUT/log"
+  local rc=${PIPESTATUS[0]}
+  log "stage $name: rc=$rc in $((SECONDS - t0)) s"
+  echo "$name rc=$rc s=$((SECONDS - t0))" >>"$OUT/stages.txt"
+}
+for stage in "$@"; do
+  case $stage in
+    env) run_stage env 120 bash -c 'nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; python3 -c "
+import importlib.metadata as m, torch
+print(\"torch\", torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))
+for d in (\"vllm\",\"ray\",\"megatron-core\",\"megatron-bridge\",\"transformer-engine\",\"transformers\"): print(d, m.version(d))
+import vllm, ray, megatron.core, megatron.bridge, transformer_engine.pytorch; print(\"imports ok\")
+import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
+    refit) run_stage refit 240 python3 "$REPO"/tests/gpu/test_refit_logprobs.py --out "$OUT" ;;
+    bench) run_stage bench 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 ;;
+    grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
+    grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 ;;
+    two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" ;;
+    *) log "unknown stage $stage" ;;
+  esac
+done
+log "done; files: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,113 @@
+"""Real jobs: a 2-node bundle runs under SLURM with a real Ray cluster (host Python, no container).
+
+- probe job: Ray head and worker start on the two fake nodes, the driver runs
+  ``python -m rlc.runtime --probe`` (nodes, GPUs, one task per node importing the bundle's rlc),
+  the job ends COMPLETED 0, logs are where README.txt says, nothing is left running;
+  while it runs, clients without the job's token are refused by its Ray cluster;
+- a failing driver ends the job FAILED with the driver's exit code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurm_jobs import JOB_ENV, compile_e2e, leftovers, wait_for_text
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# A Ray client: prints whether it got into the cluster at argv[1] and what it saw there.
+CLIENT = """
+import json, sys
+import ray
+try:
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    print(json.dumps({"connected": True, "nodes": len(nodes), "gpus": ray.cluster_resources().get("GPU")}))
+except Exception as exc:
+    print(json.dumps({"connected": False, "error": type(exc).__name__ + ": " + str(exc)[:200]}))
+"""
+
+
+def readme_log_paths(bundle: Path, job_id: str) -> list[Path]:
+    """The concrete log files README.txt promises for this job."""
+    paths = []
+    for line in (bundle / "README.txt").read_text().splitlines():
+        m = re.match(r"\s+(/\S+)", line)
+        if m and "<jobid>" in m.group(1) or (m and m.group(1).endswith(".out")):
+            path = m.group(1).replace("<jobid>", job_id)
+            if "<node>" in path:
+                nodes = ["node2"] if "worker" in path else ["node1", "node2"]
+                paths += [Path(path.replace("<node>", n)) for n in nodes]
+            else:
+                paths.append(Path(path))
+    return paths
+
+
+def test_probe_job_end_to_end_with_token_auth(slurm, ray_python, tmp_path):
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    bundle = compile_e2e(tmp_path, ray_python)
+    job_id = slurm.sbatch(bundle / "launch.sbatch",
+                          env={**JOB_ENV, "RLC_DRIVER_MODE": "probe", "RLC_PROBE_HOLD_S": "150"})
+    job_dir = tmp_path / "logs" / job_id
+    wait_for_text(job_dir / "driver.log", "probe: holding the cluster", slurm, job_id)
+
+    # The job's secret: fresh, 0600 in a 0700 folder.
+    token_file = job_dir / "ray-auth" / "token"
+    assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert re.fullmatch(r"[0-9a-f]{64}\n", token_file.read_text())
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text(os.urandom(32).hex() + "\n")
+    address = "127.0.0.1:46379"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLC_", "SLURM_"))}
+    base["HOME"] = str(tmp_path)  # no ~/.ray token from elsewhere
+    clients = {
+        "job token": {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)},
+        "wrong token": {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)},
+        "no token": base,
+    }
+    procs = {name: subprocess.Popen([ray_python, "-c", CLIENT, address], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+             for name, env in clients.items()}
+    said = {name: json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for name, p in procs.items()}
+    (job_dir / "probe.release").touch()
+
+    assert said["job token"] == {"connected": True, "nodes": 2, "gpus": 4.0}
+    assert said["wrong token"]["connected"] is False and said["wrong token"]["error"].startswith("ConnectionError")
+    assert said["no token"]["connected"] is False
+
+    end = slurm.wait(job_id, timeout=120)
+    assert (end.state, end.exit_code) == ("COMPLETED", "0:0"), (job_dir.parent / f"slurm-{job_id}.out").read_text()
+
+    driver = (job_dir / "driver.log").read_text()
+    assert "[rlc] probe OK: 2/2 nodes, 4/4 GPUs" in driver
+    for node in ("node1", "node2"):  # one task per node, each importing the bundle's own rlc
+        assert re.search(rf"^  {node} .* {re.escape(str(bundle))}/rlc_pkg/rlc/__init__\.py$", driver, re.M), driver
+    batch_log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "waiting for 2 node(s) and 4 GPU(s)" in batch_log and "Ray cluster ready" in batch_log
+    for path in readme_log_paths(bundle, job_id):
+        assert path.exists(), f"README.txt promises {path}"
+    assert (job_dir / "ray-logs" / "node2" / "raylet.out").exists()
+    assert not token_file.parent.exists()  # the secret is removed at teardown
+    assert leftovers(job_id) == []
+
+
+def test_failing_driver_fails_the_job_with_its_exit_code(slurm, ray_python, tmp_path):
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    bundle = compile_e2e(tmp_path, ray_python)
+    # The job runs the bundle's own rlc: make its driver fail the way a real one would.
+    (bundle / "rlc_pkg" / "rlc" / "runtime" / "__main__.py").write_text(
+        "import sys\nprint('driver: failing on purpose', flush=True)\nsys.exit(7)\n")
+    job_id = slurm.sbatch(bundle / "launch.sbatch", env=JOB_ENV)
+    end = slurm.wait(job_id, timeout=180)
+    batch_log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
+    assert (end.state, end.exit_code) == ("FAILED", "7:0"), batch_log
+    assert "driver: failing on purpose" in (tmp_path / "logs" / job_id / "driver.log").read_text()
+    assert "driver failed with exit code 7" in batch_log and "Ray cluster ready" in batch_log
+    assert leftovers(job_id) == []
