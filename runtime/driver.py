@@ -56,6 +56,7 @@ class GrpoRun:
         self.generation = None
         self.metrics = None
         self.calibration = None
+        self.ranks_log = None  # refit_ranks.jsonl, opened on the first refit
         self.versions: dict[str, str] = {}
         self.step_metrics: dict[str, Any] = {}
 
@@ -214,15 +215,17 @@ class GrpoRun:
         woke = self.generation.call("wake_up", ["kv_cache"])
         self.generation.call("reset_prefix_cache")
         t_wake_kv = time.perf_counter() - t3
+        self.log_refit_ranks(step, sent)
         r0 = sent[0]
+        worst = min(sent, key=lambda r: r["free_before_bytes"])  # the tightest GPU decides OOM
         m = self.step_metrics
         m["refit/seconds"] = t_send
         m["refit/bytes"] = r0["bytes"]
         m["refit/gbps"] = r0["gbps"]
         m["refit/buckets"] = r0["num_buckets"]
         m["refit/tensors"] = r0["num_tensors"]
-        m["refit/free_before_gib"] = r0["free_before_bytes"] / (1 << 30)
-        m["refit/min_free_gib"] = r0["min_free_bytes"] / (1 << 30)
+        m["refit/free_before_gib"] = worst["free_before_bytes"] / (1 << 30)
+        m["refit/min_free_gib"] = min(r["min_free_bytes"] for r in sent) / (1 << 30)
         m["refit/half_gib"] = r0["half_bytes"] / (1 << 30)
         m["refit/sleep_level"] = cfg.refit.sleep_level
         m["refit/synced_params"] = float(bool(off[0]["synced_params"]))
@@ -241,6 +244,17 @@ class GrpoRun:
             self.log_calibration(step, "after_wake", woke[0]["memory"])
         if step == 0 or self.refits_done <= 1:
             log.info("refit %d: %s", self.refits_done, json.dumps({k: r0[k] for k in ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")}))
+
+    def log_refit_ranks(self, step: int, sent: list[dict]) -> None:
+        """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
+        (tensors, bytes, buckets), free memory and active fixes, so a rank that sent another rank's
+        metadata (seed 003) or ran out of room is visible by rank, not only rank 0."""
+        if self.ranks_log is None:
+            os.makedirs(self.cfg.logging.dir, exist_ok=True)
+            self.ranks_log = open(os.path.join(self.cfg.logging.dir, "refit_ranks.jsonl"), "a", encoding="utf-8")
+        for rank, metrics in enumerate(sent):
+            self.ranks_log.write(json.dumps({"step": step, "rank": rank, **metrics}, default=str) + "\n")
+        self.ranks_log.flush()
 
     def checkpoint(self, step: int) -> None:
         """Policy shards (megatron-core dist checkpoint) + driver state (step, data cursor).
@@ -429,8 +443,9 @@ class GrpoRun:
                 pass
         if self.metrics is not None:
             self.metrics.close()
-        if self.calibration is not None:
-            self.calibration.close()
+        for handle in (self.calibration, self.ranks_log):
+            if handle is not None:
+                handle.close()
         try:
             import ray  # noqa: PLC0415
 

@@ -17,26 +17,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+def _shipped_tiny_config() -> dict[str, Any]:
+    """The dense tiny Qwen3 of ``recipes/models/tiny-qwen3/config.json`` (the recipe plans with it)."""
+    from importlib.resources import files  # noqa: PLC0415
+
+    text = (files("rlc.recipes") / "models" / "tiny-qwen3" / "config.json").read_text(encoding="utf-8")
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_") and k != "torch_dtype"}
+
+
 #: The dense tiny Qwen3 (hidden 128, 2 layers); ``vocab_size`` is replaced by the tokenizer's size.
-DENSE_CONFIG: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.02,
-    "use_cache": True,
-}
+DENSE_CONFIG: dict[str, Any] = _shipped_tiny_config()
 
 #: The tiny Qwen3-MoE for the expert-parallel proofs (4 experts, top-2).
 MOE_CONFIG: dict[str, Any] = {

@@ -287,9 +287,15 @@ def connect(ray_cfg: Any, env: dict[str, str]) -> str:
     import ray  # noqa: PLC0415
 
     runtime_env = {"env_vars": dict(env)}
+    # "auto" inside the sbatch job joins the job's head (launch.sbatch exports RAY_ADDRESS); run by
+    # hand (no RAY_ADDRESS) the same bundle starts a private local cluster instead of waiting.
+    by_hand = ray_cfg.address == "auto" and not os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():  # embedded (tests, notebooks): use the caller's cluster
         pass
-    elif ray_cfg.address == "local":
+    elif ray_cfg.address == "local" or by_hand:
+        if by_hand:
+            print("[rlc] RAY_ADDRESS is not set (not inside an rlc sbatch job): starting a local Ray cluster",
+                  flush=True)
         ray.init(namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=True)
     else:

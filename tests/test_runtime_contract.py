@@ -111,3 +111,34 @@ def test_other_version_is_refused(tiny_config):
     bad = dict(tiny_config, version=RUNTIME_CONFIG_VERSION + 1)
     with pytest.raises(RuntimeConfigError, match="recompile the bundle"):
         runtime_config_from_dict(bad)
+
+
+def _flatten(node, prefix=""):
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return {prefix: node}
+
+
+def test_shipped_tiny_recipe_compiles_to_the_configuration_the_gpu_run_used():
+    """The GPU learning run (docs/gpu-results.md) read tests/gpu/tiny_runtime.yaml, written by hand
+    before the compiler existed. The shipped recipe must compile to the same run: every key equal,
+    except ones that cannot change what the runtime does on this model, each checked here."""
+    compiled = _flatten(resolve.to_runtime_config(api.check(ROOT / "recipes/tiny-qwen3-1gpu.yaml")))
+    ran = _flatten(yaml.safe_load((ROOT / "tests/gpu/tiny_runtime.yaml").read_text()))
+    differing = {k for k in compiled.keys() | ran.keys() if compiled.get(k, "<absent>") != ran.get(k, "<absent>")}
+    inert = {
+        "cluster.gpu_memory_gib",  # informational (the planner's usable capacity); the runtime measures
+        "cluster.ray.address", "cluster.ray.namespace", "cluster.ray.join_timeout_s",  # by hand: local cluster
+        "grpo.dynamic_sampling.max_gen_batches",  # dynamic sampling is off in both
+        "refit.dedupe_mtp_embedding",  # no MTP layer in the model
+        "refit.sync_params_before_refit",  # a no-op unless overlap_param_gather is on
+        "refit.fp32_params",  # Qwen3 has no router bias: no parameter matches either list
+    }
+    assert {k for k in differing if not k.startswith("refit.decisions.")} <= inert
+    assert compiled["model.mtp_num_layers"] == 0
+    assert compiled["training.overlap_param_gather"] is False and ran["training.overlap_param_gather"] is False
+    assert compiled["grpo.dynamic_sampling.enabled"] is False and ran["grpo.dynamic_sampling.enabled"] is False
+    assert compiled["cluster.ray.address"] == "auto"  # joins the job's head under sbatch, local by hand

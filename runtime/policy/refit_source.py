@@ -136,6 +136,12 @@ class RefitSource:
                 is_first_stage=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
                 is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             )
+            for name in self.dropped:  # the line the field report grepped for, one per dropped copy
+                print(
+                    f"[mtp-shared-embed-skip] rank {torch.distributed.get_rank()} pp_rank "
+                    f"{parallel_state.get_pipeline_model_parallel_rank()}/{pp}: dropped {name}",
+                    flush=True,
+                )
         check_single_owner(self.tasks)
 
     def export(self):
