@@ -13,6 +13,24 @@ from rlc.compiler.rules.engine import Context, rule
 R = "refit"
 
 
+def decide_switch(ctx: Context, name: str, *, needed: bool, why: str, off_error: str, hint: str,
+                  on_by_default: bool = False) -> None:
+    """Settle the ``auto|on|off`` refit switch ``refit.<name>``.
+
+    ``auto`` turns it on when ``needed`` (with an info naming why) or when ``on_by_default``;
+    ``off`` where it is needed is an error (``off_error``, fixed by ``hint``); ``on`` is always allowed.
+    """
+    key = f"{R}.{name}"
+    value = ctx.get(key, "auto")
+    if value == "auto":
+        on = needed or on_by_default
+        ctx.decide(key, on, ("on: " if on else "off: ") + why)
+        if needed:
+            ctx.info(f"{name}: auto → on: {why}", key)
+    elif value == "off" and needed:
+        ctx.error(off_error, key, hint=hint)
+
+
 @rule("RLC201", "MTP with a shared embedding and PP > 1 needs the MTP-embedding dedupe",
       severities=("error", "info"),
       rationale="With multi-token prediction that reuses the word embedding (HF mtp_use_dedicated_embeddings: "
@@ -25,8 +43,6 @@ R = "refit"
            "_should_skip_mtp_duplicate_embedding_export.",
       fixes="Leave refit.dedupe_mtp_embedding at auto (or on).")
 def mtp_dedupe(ctx: Context) -> None:
-    key, path = "refit.dedupe_mtp_embedding", f"{R}.dedupe_mtp_embedding"
-    value = ctx.get(path, "auto")
     pp = train_layout(ctx.recipe).pp
     f = ctx.facts
     if f is None:
@@ -44,13 +60,9 @@ def mtp_dedupe(ctx: Context) -> None:
         needed = True
         why = (f"MTP ({mtp} layer(s)) {shared} and PP{pp} > 1: the last stage holds a replica of "
                "embedding.word_embeddings.weight (seed 000 failure 1)")
-    if value == "auto":
-        ctx.decide(key, needed, ("on: " if needed else "off: ") + why)
-        if needed:
-            ctx.info(f"dedupe_mtp_embedding: auto → on: {why}", path)
-    elif value == "off" and needed:
-        ctx.error(f"dedupe_mtp_embedding is off, but {why}; refit setup fails with "
-                  f"'Object present on multiple PP ranks: [0, {pp - 1}]'", path,
+    decide_switch(ctx, "dedupe_mtp_embedding", needed=needed, why=why,
+                  off_error=f"dedupe_mtp_embedding is off, but {why}; refit setup fails with "
+                            f"'Object present on multiple PP ranks: [0, {pp - 1}]'",
                   hint="set refit.dedupe_mtp_embedding: auto")
 
 
@@ -64,20 +76,14 @@ def mtp_dedupe(ctx: Context) -> None:
            "overlap_param_gather=True; native-planner destinations differ before the gather, equal after).",
       fixes="Leave refit.sync_params_before_refit at auto (or on), or turn overlap_param_gather off.")
 def sync_params(ctx: Context) -> None:
-    key, path = "refit.sync_params_before_refit", f"{R}.sync_params_before_refit"
-    value = ctx.get(path, "auto")
     dist = ctx.get("training.use_distributed_optimizer", True)
     overlap = ctx.get("training.overlap_param_gather", False)
     needed = bool(dist and overlap)
     why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
            "forward (seed 001)") if needed else "overlap_param_gather is off (parameters are current after the step)"
-    if value == "auto":
-        ctx.decide(key, needed, ("on: " if needed else "off: ") + why)
-        if needed:
-            ctx.info(f"sync_params_before_refit: auto → on: {why}", path)
-    elif value == "off" and needed:
-        ctx.error(f"sync_params_before_refit is off with the distributed optimizer and overlap_param_gather: "
-                  "refit would export stale parameter shards (wrong weights, no error)", path,
+    decide_switch(ctx, "sync_params_before_refit", needed=needed, why=why,
+                  off_error="sync_params_before_refit is off with the distributed optimizer and "
+                            "overlap_param_gather: refit would export stale parameter shards (wrong weights, no error)",
                   hint="set refit.sync_params_before_refit: auto, or training.overlap_param_gather: false")
 
 
@@ -90,19 +96,13 @@ def sync_params(ctx: Context) -> None:
            "per-GPU metadata; worked by luck at PP 2, broke at PP > 2 / EP > 16.",
       fixes="Leave refit.per_rank_ipc_metadata at auto (or on).")
 def per_rank_metadata(ctx: Context) -> None:
-    key, path = "refit.per_rank_ipc_metadata", f"{R}.per_rank_ipc_metadata"
-    value = ctx.get(path, "auto")
     tl = train_layout(ctx.recipe)
     needed = tl.ep > 1 or tl.pp > 1
     why = (f"EP{tl.ep} / PP{tl.pp}: trainer ranks pack different tensors (seed 003)" if needed
            else "on by default (needed once EP or PP > 1)")
-    if value == "auto":
-        ctx.decide(key, True, "on: " + why)
-        if needed:
-            ctx.info(f"per_rank_ipc_metadata: auto → on: {why}", path)
-    elif value == "off" and needed:
-        ctx.error(f"per_rank_ipc_metadata is off with EP{tl.ep} / PP{tl.pp}: vLLM workers would slice their "
-                  "buffers with rank 0's metadata and load correct bytes under wrong names", path,
+    decide_switch(ctx, "per_rank_ipc_metadata", needed=needed, why=why, on_by_default=True,
+                  off_error=f"per_rank_ipc_metadata is off with EP{tl.ep} / PP{tl.pp}: vLLM workers would slice "
+                            "their buffers with rank 0's metadata and load correct bytes under wrong names",
                   hint="set refit.per_rank_ipc_metadata: auto")
 
 

@@ -44,7 +44,7 @@ def test_unknown_model_lists_close_ids():
 
 def test_local_config_overrides_catalog(tmp_path):
     facts = catalog.model_facts({"id": "rlc/tiny-qwen3", "config": "models/tiny-qwen3/config.json"}, RECIPES)
-    assert (facts.num_layers, facts.hidden, facts.vocab, facts.num_experts) == (2, 128, 64, 0)
+    assert (facts.num_layers, facts.hidden, facts.vocab, facts.num_experts) == (2, 128, 23, 0)
     bad = tmp_path / "config.json"
     bad.write_text('{"model_type": "made_up"}')
     with pytest.raises(catalog.CatalogError, match="made_up"):
