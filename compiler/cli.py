@@ -76,10 +76,8 @@ def _print_diags(diags: Sequence[Diagnostic], stream: Any = None) -> None:
 
 
 def _checked(args: argparse.Namespace) -> tuple[Any, list[Diagnostic], int]:
-    from rlc.compiler.lint import apply_ignores
-
     result = run_check(_recipe_arg(args.file), args.set or ())
-    diags = _ordered(apply_ignores(result.diagnostics, result.recipe), result)
+    diags = _ordered(result.diagnostics, result)
     return result, diags, exit_code(diags)
 
 
@@ -105,11 +103,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     """Check every recipe under the given files/folders; print in text, GitHub or JSON format."""
-    from rlc.compiler.lint import apply_ignores, lint
+    from rlc.compiler.lint import lint
 
     def check(path: str) -> list[Diagnostic]:
         result = run_check(path, ())
-        return _ordered(apply_ignores(result.diagnostics, result.recipe), result)
+        return _ordered(result.diagnostics, result)
 
     diags, target = lint(args.paths, check)
     sys.stdout.write(FORMATTERS[args.format](diags))

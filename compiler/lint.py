@@ -76,13 +76,6 @@ def discover(paths: Iterable[str | os.PathLike[str]]) -> LintTarget:
     return found
 
 
-def apply_ignores(diags: Sequence[Diagnostic], recipe: dict[str, Any] | None) -> list[Diagnostic]:
-    """Drop warnings/infos whose rule is listed in the recipe's ``lint.ignore`` (errors stay)."""
-    ignore = (recipe or {}).get("lint", {}).get("ignore", []) if isinstance(recipe, dict) else []
-    rules = {item.get("rule") for item in ignore if isinstance(item, dict)} if isinstance(ignore, list) else set()
-    return [d for d in diags if d.severity == "error" or d.rule is None or d.rule not in rules]
-
-
 def lint(paths: Sequence[str], check: Callable[[str], Sequence[Diagnostic]]) -> tuple[list[Diagnostic], LintTarget]:
     """Run ``check`` on every recipe under ``paths``; missing paths become usage errors."""
     target = discover(paths)

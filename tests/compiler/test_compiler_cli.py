@@ -11,8 +11,7 @@ import yaml
 from compiler_testing import FIXTURES, REPO, run_rlc
 
 from rlc.compiler import cli
-from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.lint import apply_ignores, discover, looks_like_recipe
+from rlc.compiler.lint import discover, looks_like_recipe
 from rlc.compiler.recipe import load_recipe, shipped_recipe_names
 from rlc.compiler.schema import load_schema, validate_data, with_defaults
 from rlc.compiler.yaml_loader import parse_text
@@ -191,13 +190,16 @@ def test_lint_github_lines_are_workflow_commands():
     assert lines and all(re.match(r"^::error file=[^,]+,line=\d+,col=\d+,title=[^:]*::", line) for line in lines)
 
 
-def test_apply_ignores_only_drops_listed_warnings():
-    recipe = {"lint": {"ignore": [{"rule": "RLC301", "reason": "fine"}]}}
-    diags = [Diagnostic("warning", "w", rule="RLC301"), Diagnostic("warning", "w2", rule="RLC302"),
-             Diagnostic("error", "e", rule="RLC301"), Diagnostic("info", "i", rule="RLC301")]
-    assert [(d.severity, d.rule) for d in apply_ignores(diags, recipe)] == [
-        ("warning", "RLC302"), ("error", "RLC301")]
-    assert apply_ignores(diags, None) == diags
+def test_lint_ignore_drops_listed_warnings_but_never_errors():
+    """lint.ignore is applied once, by the rules engine; validate and lint show its result."""
+    ep128 = str(REPO / "recipes/tests/qwen35-397b-seed000-3-ep128.yaml")
+    plain = run_rlc("validate", ep128)
+    assert plain.code == 0 and "[RLC212]" in plain.err
+    quiet = run_rlc("validate", ep128, "--set", "lint.ignore=[{rule: RLC212, reason: measured margin here}]")
+    assert quiet.code == 0 and "[RLC212]" not in quiet.err and "[RLC203]" in quiet.err
+    defaults = str(REPO / "recipes/tests/qwen35-397b-seed000-1-defaults.yaml")
+    loud = run_rlc("validate", defaults, "--set", "lint.ignore=[{rule: RLC210, reason: trust me please}]")
+    assert loud.code == 1 and "[RLC210]" in loud.err
 
 
 # --------------------------------------------------------------------------- packaging metadata
