@@ -19,10 +19,10 @@ overhead and fragmentation come from the calibration table (``calibration.yaml``
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 from rlc.compiler.model import ModelFacts
+from rlc.compiler.tree import with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
@@ -305,16 +305,6 @@ def _missing(facts: ModelFacts) -> str:
 # --------------------------------------------------------------------------- fixes
 
 
-def _with(recipe: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(recipe)
-    node = out
-    parts = path.split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-    return out
-
-
 def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
     """Candidate levers: (recipe key, new value, cost, description)."""
     out = []
@@ -363,14 +353,14 @@ def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any
     cumulative = recipe
     applied: list[str] = []
     for key, value, cost, desc in _levers(recipe, facts):
-        alt = _core_plan(_with(recipe, key, value), facts, gpu, cal)
+        alt = _core_plan(with_value(recipe, key, value), facts, gpu, cal)
         if alt.refit is None:
             continue
         freed = (alt.refit.free_at_refit - math.free_at_refit) / GIB
         window = alt.refit.ratio_window
         fixes.append(Fix(key, value, f"{desc}: frees ≈ {freed:.1f} GiB; {_window_text(window)}", freed,
                          window is not None, cost))
-        cumulative = _with(cumulative, key, value)
+        cumulative = with_value(cumulative, key, value)
         applied.append(desc.split(" (")[0])
     if applied and not any(f.sufficient for f in fixes):
         alt = _core_plan(cumulative, facts, gpu, cal)

@@ -9,6 +9,7 @@ from compiler_testing import FIXTURES
 from rlc.compiler import schema
 from rlc.compiler.recipe import load_recipe, shipped_recipe_names, shipped_recipe_path
 from rlc.compiler.schema import check_key_path, describe, load_schema, validate, validate_data, with_defaults
+from rlc.compiler.tree import with_value
 
 MINIMAL = {
     "version": 1,
@@ -23,13 +24,7 @@ def messages(data) -> dict[str, str]:
 
 
 def with_change(path: str, value):
-    data = copy.deepcopy(MINIMAL)
-    node = data
-    parts = path.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return data
+    return with_value(MINIMAL, path, value)
 
 
 def test_the_schema_is_a_valid_2020_12_schema():

@@ -1,12 +1,12 @@
 """Shared constants and helpers of the planner/rules tests (imported by name; tests/ has no packages)."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 from rlc.compiler.recipe import load_recipe
 from rlc.compiler.schema import validate, with_defaults
+from rlc.compiler.tree import with_value
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -32,13 +32,8 @@ def load(path: Path, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], d
 
 def with_changes(recipe: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """A copy of ``recipe`` with dotted keys (``__`` for ``.``) set, e.g. ``refit__sleep_level=2``."""
-    out = copy.deepcopy(recipe)
     for key, value in changes.items():
-        node = out
-        parts = key.split("__")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
+        recipe = with_value(recipe, key.replace("__", "."), value)
+    return recipe
 
 
