@@ -35,7 +35,7 @@ except ImportError:
 
 import torch
 
-from rlc.runtime.config import RefitConfig
+from rlc.runtime.refit._harness import refit_config
 from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
 from rlc.runtime.refit.producer import RefitProducer
@@ -138,19 +138,7 @@ def _main(argv: list[str] | None) -> dict:
     buffer_gb = a.buffer_gb if a.buffer_gb is not None else total / 2 / (1 << 30)
     runs = a.warmup + a.repeats
 
-    cfg = RefitConfig(
-        buffer_memory_ratio=None,
-        buffer_gb=buffer_gb,
-        alignment_bytes=256,
-        sleep_level=2,
-        offload_optimizer_for_refit=True,
-        sync_params_before_refit=True,
-        dedupe_mtp_embedding=False,
-        per_rank_ipc_metadata=True,
-        fp32_params=[],
-        transport=a.backend,
-        decisions={},
-    )
+    cfg = refit_config(buffer_gb=buffer_gb, fp32_params=[], transport=a.backend)
     backend = make_backend(a.backend)
     dev = device_of(a.backend)
     gen = torch.Generator(device=dev).manual_seed(0)
