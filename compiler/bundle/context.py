@@ -46,17 +46,14 @@ def _q(value: Any, key: str, context: str = "shell") -> Quoted:
         raise BundleError(str(exc), exc.key) from None
 
 
-def resolve_log_dir(cluster: dict[str, Any], base_dir: Path) -> tuple[str, list[str]]:
-    """``cluster.log_dir`` as an absolute path; a relative one is taken from ``base_dir`` (the
-    folder ``rlc compile`` runs in: logs are outputs, like ``-o``)."""
-    raw = cluster.get("log_dir", "./logs")
-    if not isinstance(raw, str) or not raw:
-        raise BundleError("cluster.log_dir: must be a non-empty path", "cluster.log_dir")
+def log_dir_warnings(cluster: dict[str, Any], log_dir: str) -> list[str]:
+    """A relative ``cluster.log_dir`` was taken from the folder ``rlc compile`` ran in (by
+    ``rlc.compiler.resolve``); say where it went, since every node must see it."""
+    raw = cluster["log_dir"]
     if posixpath.isabs(raw):
-        return posixpath.normpath(raw), []
-    absolute = posixpath.normpath(str(base_dir.resolve() / raw))
-    return absolute, [f"cluster.log_dir: relative path {raw!r} resolved against the current folder: "
-                      f"{absolute} (it must be on a filesystem every node sees)"]
+        return []
+    return [f"cluster.log_dir: relative path {raw!r} resolved against the current folder: "
+            f"{log_dir} (it must be on a filesystem every node sees)"]
 
 
 def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
@@ -127,19 +124,22 @@ def _check_ports(ray: dict[str, Any]) -> None:
         seen[port] = name
 
 
-def build_context(recipe: dict[str, Any], bundle_dir: Path, base_dir: Path,
+def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
                   version: str) -> BundleContext:
-    """Check the recipe's cluster section and quote every value the templates print."""
+    """Check the recipe's cluster section and quote every value the templates print.
+
+    ``recipe`` has the schema's defaults filled; ``log_dir`` is the absolute log folder that
+    ``runtime.yaml`` names (``cluster.log_dir``, made absolute by the resolver).
+    """
     cluster = recipe["cluster"]
-    container = cluster.get("container", {})
-    ray = {"port": 6379, "node_manager_port": 6700, "object_manager_port": 6701, "dashboard_port": 0,
-           "min_worker_port": 20000, "max_worker_port": 29999, "join_timeout_s": 600,
-           **cluster.get("ray", {})}
-    runtime = container.get("runtime", "pyxis")
+    container = cluster["container"]
+    ray = cluster["ray"]
+    runtime = container["runtime"]
     image = container.get("image")
-    warnings: list[str] = []
-    log_dir, w = resolve_log_dir(cluster, base_dir)
-    warnings += w
+    if not posixpath.isabs(log_dir):
+        raise BundleError(f"cluster.log_dir: {log_dir!r} must be absolute by now (a bug in rlc's resolver)",
+                          "cluster.log_dir")
+    warnings: list[str] = log_dir_warnings(cluster, log_dir)
     _check_ports(ray)
     bundle = str(bundle_dir)
 

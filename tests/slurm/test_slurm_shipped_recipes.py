@@ -44,7 +44,7 @@ def _launch_script(recipe_path: Path, out: Path, tmp_path: Path) -> tuple[Path, 
         build_bundle(result, out)
     else:  # a negative fixture: the same renderer, without the parts its errors block
         assert recipe_path.parent.name == "tests", result.errors
-        ctx = build_context(result.recipe, out, tmp_path, __version__)
+        ctx = build_context(result.recipe, out, str(tmp_path / "logs"), __version__)
         out.mkdir()
         (out / "launch.sbatch").write_text(render_script("launch.sbatch.j2", ctx.values))
         (tmp_path / "logs").mkdir()
