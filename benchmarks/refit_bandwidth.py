@@ -24,14 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-try:  # installed (pip install -e .) or bootstrapped from a plain checkout
-    import rlc.runtime.refit  # noqa: F401
-except ImportError:
-    _ROOT = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(_ROOT))
-    import rlc
-
-    rlc.__path__.append(str(_ROOT))  # rlc.runtime -> <repo>/runtime (the package-dir map of setup.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's rlc/, installed or not
 
 import torch
 

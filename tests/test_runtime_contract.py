@@ -17,7 +17,7 @@ from rlc.runtime.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = sorted((ROOT / "recipes").rglob("*.yaml"))
+SHIPPED = sorted((ROOT / "rlc" / "recipes").rglob("*.yaml"))
 
 
 def _compilable():
@@ -57,7 +57,7 @@ def test_resolved_config_round_trips_through_the_runtime_dataclasses(path, resul
 
 
 def test_final_qwen_recipe_turns_on_the_seed_fixes():
-    path = ROOT / "recipes/tests/qwen35-397b-seed000-4-final.yaml"
+    path = ROOT / "rlc/recipes/tests/qwen35-397b-seed000-4-final.yaml"
     cfg = runtime_config_from_dict(resolve.to_runtime_config(api.check(path)))
     assert cfg.refit.dedupe_mtp_embedding is True  # MTP shares the embedding and PP8 (seed 000)
     assert cfg.refit.per_rank_ipc_metadata is True  # EP32 / PP8 (seed 003)
@@ -66,7 +66,7 @@ def test_final_qwen_recipe_turns_on_the_seed_fixes():
 
 
 def test_overlap_param_gather_turns_on_the_pre_refit_sync():
-    path = ROOT / "recipes/tests/qwen35-397b-seed000-4-final.yaml"
+    path = ROOT / "rlc/recipes/tests/qwen35-397b-seed000-4-final.yaml"
     result = api.check(path, ["training.overlap_param_gather=true", "training.use_distributed_optimizer=true"])
     assert result.ok, [d.message for d in result.errors]
     cfg = runtime_config_from_dict(resolve.to_runtime_config(result))
@@ -75,7 +75,7 @@ def test_overlap_param_gather_turns_on_the_pre_refit_sync():
 
 
 def test_resolve_refuses_a_recipe_with_errors():
-    result = api.check(ROOT / "recipes/tests/qwen35-397b-seed000-1-defaults.yaml")
+    result = api.check(ROOT / "rlc/recipes/tests/qwen35-397b-seed000-1-defaults.yaml")
     assert not result.ok
     with pytest.raises(resolve.ResolveError):
         resolve.to_runtime_config(result)
@@ -83,7 +83,7 @@ def test_resolve_refuses_a_recipe_with_errors():
 
 @pytest.fixture()
 def tiny_config():
-    return resolve.to_runtime_config(api.check(ROOT / "recipes/tiny-qwen3-1gpu.yaml"))
+    return resolve.to_runtime_config(api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml"))
 
 
 def test_unknown_key_names_its_path(tiny_config):
@@ -126,7 +126,7 @@ def test_shipped_tiny_recipe_compiles_to_the_configuration_the_gpu_run_used():
     """The GPU learning run (docs/gpu-results.md) read tests/gpu/tiny_runtime.yaml, written by hand
     before the compiler existed. The shipped recipe must compile to the same run: every key equal,
     except ones that cannot change what the runtime does on this model, each checked here."""
-    compiled = _flatten(resolve.to_runtime_config(api.check(ROOT / "recipes/tiny-qwen3-1gpu.yaml")))
+    compiled = _flatten(resolve.to_runtime_config(api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml")))
     ran = _flatten(yaml.safe_load((ROOT / "tests/gpu/tiny_runtime.yaml").read_text()))
     differing = {k for k in compiled.keys() | ran.keys() if compiled.get(k, "<absent>") != ran.get(k, "<absent>")}
     inert = {

@@ -13,8 +13,8 @@ from rlc.runtime import toy
 from rlc.runtime.config import load_runtime_config, runtime_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "tiny-moe-mtp-4gpu.yaml"
-CONFIG = json.loads((ROOT / "recipes" / "models" / "tiny-moe-mtp" / "config.json").read_text(encoding="utf-8"))
+RECIPE = ROOT / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"
+CONFIG = json.loads((ROOT / "rlc" / "recipes" / "models" / "tiny-moe-mtp" / "config.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ GOLDEN = Path(__file__).parent / "golden"
 COMPARED = ("launch.sbatch", "node.sh", "env.sh", "mounts.txt", "README.txt", "runtime.yaml", "bundle.lock.json")
 SCRIPTS = ("launch.sbatch", "node.sh", "env.sh")
 RECIPE_INDEPENDENT = ("node.sh",)
-RECIPES = sorted([*(REPO / "recipes").glob("*.yaml"), *(REPO / "recipes" / "tests").glob("*.yaml")])
+RECIPES = sorted([*(REPO / "rlc" / "recipes").glob("*.yaml"), *(REPO / "rlc" / "recipes" / "tests").glob("*.yaml")])
 
 
 def _id(path: Path) -> str:
-    return path.relative_to(REPO / "recipes").with_suffix("").as_posix().replace("/", "__")
+    return path.relative_to(REPO / "rlc" / "recipes").with_suffix("").as_posix().replace("/", "__")
 
 
 def normalise(name: str, text: str, bundle: Path, cwd: Path) -> str:

@@ -20,9 +20,8 @@ from compiler_testing import FIXTURES, REPO
 
 from rlc.compiler.recipe import shipped_recipe_names
 
-# What setup.py packages (see ROOTS there), plus the build metadata.
-SOURCES = ["setup.py", "pyproject.toml", "README.md", "LICENSE", "rlc", "compiler", "runtime", "templates",
-           "schemas", "recipes"]
+# What the wheel packages (the one folder rlc/), plus the build metadata.
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "rlc"]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@
 #   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [grpo] [grpo_smoke] ...
 # STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
 # the last part (carried with this call) has unpack.sh. Unpacks into /tmp/site once per machine,
-# makes `rlc` importable (rlc.runtime -> ./runtime), then runs the named stages, each under a
+# puts the checkout (its rlc/ package) on PYTHONPATH, then runs the named stages, each under a
 # timeout, all output appended to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/rlc-out}; mkdir -p "$OUT"
@@ -13,14 +13,8 @@ if [[ ! -f /tmp/site/.unpacked ]]; then
   [[ -n $last ]] || { echo "no .gpu-host part carried and /tmp/site missing"; exit 3; }
   SITE=/tmp/site bash "$last/unpack.sh" "$STAGE" || exit 3
 fi
-mkdir -p /tmp/rlcpkg/rlc
-cp rlc/__init__.py /tmp/rlcpkg/rlc/__init__.py
-for d in runtime compiler; do ln -sfn "$PWD/$d" "/tmp/rlcpkg/rlc/$d"; done
 REPO=$PWD
-# run from /tmp/rlcpkg: the repo root's own rlc/ (no runtime/ inside) would shadow the package view
-# for `python -c`, `python -m` and Ray workers, which all put the current directory on sys.path
-cd /tmp/rlcpkg
-export PYTHONPATH=/tmp/site:/tmp/rlcpkg PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 export RAY_DEDUP_LOGS=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 log() { echo "[host_run $(date +%T)] $*" | tee -a "$OUT/log"; }
 run_stage() {  # name timeout cmd...

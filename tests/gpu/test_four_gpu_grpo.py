@@ -1,10 +1,10 @@
 """Issue 8 GPU proof (nvidia-h200-x4): a tiny MoE whose MTP layer shares the word embedding, trained with
 Megatron TP1/PP2/EP2 and vLLM TP2/EP2 colocated on the same 4 GPUs, compiled from the shipped recipe.
 
-1. ``build_workspace``: the tiny DeepSeek-V3 of ``recipes/models/tiny-moe-mtp/config.json`` made by
+1. ``build_workspace``: the tiny DeepSeek-V3 of ``rlc/recipes/models/tiny-moe-mtp/config.json`` made by
    ``rlc.runtime.toy_model.build_toy_model``, then ``add_mtp_layers`` (the MTP layer's weights, which
    transformers does not create, and the router bias in fp32 at a DeepSeek-like magnitude), and the toy data.
-2. ``compile_bundle``: ``python -m rlc compile recipes/tiny-moe-mtp-4gpu.yaml -o ROOT/bundle --force``.
+2. ``compile_bundle``: ``python -m rlc compile rlc/recipes/tiny-moe-mtp-4gpu.yaml -o ROOT/bundle --force``.
 3. A private Ray head with 4 GPUs, then ``python -m rlc.runtime bundle/runtime.yaml`` with the bundle's own
    rlc first on PYTHONPATH, as ``node.sh driver`` runs it.
 4. ``analyze``: >= 30 steps, gen-KL <= 0.01 on every step, reward rising, the MTP-embedding dedupe line from
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, dump, gpu_available  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "tiny-moe-mtp-4gpu.yaml"
-MODEL_CONFIG = REPO / "recipes" / "models" / "tiny-moe-mtp" / "config.json"
+RECIPE = REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"
+MODEL_CONFIG = REPO / "rlc" / "recipes" / "models" / "tiny-moe-mtp" / "config.json"
 DEFAULT_ROOT = "/tmp/rlc-tiny-moe"  # the recipe's paths live here; another root is passed with --set
 GOAL_GEN_KL, MIN_STEPS, WINDOW, REWARD_MARGIN = 0.01, 30, 5, 0.05
 SHARED_EMBEDDING = "embedding.word_embeddings.weight"
@@ -120,17 +120,6 @@ def _overrides(root: str, steps: int | None = None) -> list[str]:
     return [w for s in sets for w in ("--set", s)]
 
 
-def _rlc_shim(root: Path) -> Path:
-    """``root/pkg/rlc``: this checkout as the ``rlc`` package (the GPU host has no ``pip install``)."""
-    pkg = root / "pkg" / "rlc"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for f in ("__init__.py", "__main__.py"):
-        shutil.copy(REPO / "rlc" / f, pkg / f)
-    for d in ("compiler", "runtime", "schemas", "templates", "recipes"):
-        link = pkg / d
-        if not link.is_symlink():
-            link.symlink_to(REPO / d)
-    return pkg.parent
 
 
 def _env(first: Path) -> dict:
@@ -145,7 +134,7 @@ def compile_bundle(root: str, steps: int | None = None) -> Path:
     bundle = Path(root) / "bundle"
     cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPE), "-o", str(bundle), "--force", *_overrides(root, steps)]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=_env(_rlc_shim(Path(root))))
+    subprocess.run(cmd, check=True, env=_env(REPO))
     return bundle
 
 

@@ -9,7 +9,7 @@ from rlc.compiler.schema import validate, with_defaults
 from rlc.compiler.tree import with_value
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "recipes"
+RECIPES = ROOT / "rlc" / "recipes"
 SEED000 = {
     "defaults": RECIPES / "tests" / "qwen35-397b-seed000-1-defaults.yaml",
     "ratio05": RECIPES / "tests" / "qwen35-397b-seed000-2-ratio05.yaml",

@@ -1,7 +1,7 @@
 """Every shipped recipe's launch.sbatch passes ``sbatch --test-only`` on a local cluster shaped like
 the recipe (nodes x GPUs per node, GPU type, CPUs, memory, partition), compiled with
 ``--set cluster.container.runtime=none`` (the harness has no Pyxis). Recipes that are negative
-fixtures (rule errors by design, under recipes/tests/) get their launch.sbatch rendered directly.
+fixtures (rule errors by design, under rlc/recipes/tests/) get their launch.sbatch rendered directly.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = [*(REPO / "recipes").glob("*.yaml"), *(REPO / "recipes" / "tests").glob("*.yaml")]
+RECIPES = [*(REPO / "rlc" / "recipes").glob("*.yaml"), *(REPO / "rlc" / "recipes" / "tests").glob("*.yaml")]
 
 
 def _mem_mb(text: str | None) -> int:
@@ -59,7 +59,7 @@ def _order(path: Path):  # group by cluster shape: fewer restarts
 
 
 @pytest.mark.parametrize("recipe_path", sorted(RECIPES, key=_order),
-                         ids=lambda p: p.relative_to(REPO / "recipes").as_posix())
+                         ids=lambda p: p.relative_to(REPO / "rlc" / "recipes").as_posix())
 def test_launch_sbatch_passes_test_only(slurm, tmp_path, recipe_path):
     script, recipe = _launch_script(recipe_path, tmp_path / "bundle", tmp_path)
     shape = _shape(recipe)

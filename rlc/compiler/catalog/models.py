@@ -74,7 +74,7 @@ def catalog_config(model_id: str) -> dict[str, Any]:
         raise CatalogError(
             f"model {model_id!r} is not in the shipped catalog{hint}. Set model.config to a local "
             f"config.json to plan a model outside the catalog ({len(model_ids())} catalog models: "
-            "compiler/catalog/models/SOURCES.md)"
+            "rlc/compiler/catalog/models/SOURCES.md)"
         )
     return _read_json(_files()[key], "catalog file")
 

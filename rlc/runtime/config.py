@@ -34,7 +34,7 @@ class ModelConfig:
     tokenizer: str  # tokenizer directory (defaults to checkpoint in the compiler)
     dtype: str  # "bfloat16" | "float16" | "float32"
     trust_remote_code: bool
-    # Architecture facts the runtime needs (from the catalog or config.json, see compiler/model.py)
+    # Architecture facts the runtime needs (from the catalog or config.json, see rlc/compiler/model.py)
     num_layers: int | None  # None where the architecture is not public (planner says so)
     num_experts: int  # 0 for dense models
     mtp_num_layers: int

@@ -149,7 +149,7 @@ def train_fits(ctx: Context) -> None:
       rationale="Some architecture facts are not public (e.g. Nemotron-3-Ultra's layer count, expert width and "
                 "vocabulary). The planner reports those figures as unknown instead of guessing; the recipe is "
                 "not blocked, but its memory is not checked.",
-      seed="compiler/catalog/models/SOURCES.md.",
+      seed="rlc/compiler/catalog/models/SOURCES.md.",
       fixes="Point model.config at the real config.json once available.")
 def unknown_figures(ctx: Context) -> None:
     for item in ctx.plan.unknown:
@@ -159,7 +159,7 @@ def unknown_figures(ctx: Context) -> None:
 @rule("RLC217", "calibration measured on another GPU", severities=("info",), needs=("plan",),
       rationale="Contexts, residues and fragmentation are calibrated per GPU type and library version; when none "
                 "exists for this GPU the planner uses the nearest entry and says so.",
-      seed="compiler/planner/calibration.yaml.",
+      seed="rlc/compiler/planner/calibration.yaml.",
       fixes="Run once with calibration records on (docs/planner.md) and add an entry.")
 def calibration_fallback(ctx: Context) -> None:
     for note in ctx.plan.notes:

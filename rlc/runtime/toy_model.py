@@ -8,7 +8,7 @@ samples an id the tokenizer cannot decode.
 
 ``python -m rlc.runtime.toy_model OUT [--config config.json] [--moe] [--seed S]`` writes
 ``OUT/qwen3/`` (checkpoint + tokenizer) and ``OUT/data/{train,val}.jsonl`` (the toy task), the
-layout ``recipes/tiny-qwen3-1gpu.yaml`` expects for ``OUT=/tmp/rlc-tiny``.
+layout ``rlc/recipes/tiny-qwen3-1gpu.yaml`` expects for ``OUT=/tmp/rlc-tiny``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 def _shipped_tiny_config() -> dict[str, Any]:
-    """The dense tiny Qwen3 of ``recipes/models/tiny-qwen3/config.json`` (the recipe plans with it)."""
+    """The dense tiny Qwen3 of ``rlc/recipes/models/tiny-qwen3/config.json`` (the recipe plans with it)."""
     from importlib.resources import files  # noqa: PLC0415
 
     text = (files("rlc.recipes") / "models" / "tiny-qwen3" / "config.json").read_text(encoding="utf-8")

@@ -8,8 +8,8 @@ register(Rule(
     rationale="The planner and the layout rules need the model's real architecture (layers, heads, experts, "
               "vocabulary) and the GPU's usable memory. Both come from the shipped catalog, or, for a model "
               "outside it, from a local config.json named by model.config.",
-    seed="Design: plans are computed from real configs, never guessed (compiler/catalog/models/SOURCES.md).",
-    fixes="Use a catalog id (compiler/catalog/models/SOURCES.md; the error names the closest), or set "
+    seed="Design: plans are computed from real configs, never guessed (rlc/compiler/catalog/models/SOURCES.md).",
+    fixes="Use a catalog id (rlc/compiler/catalog/models/SOURCES.md; the error names the closest), or set "
           "model.config to the model's config.json; "
           "pick cluster.gpu from the schema's list.",
 ))

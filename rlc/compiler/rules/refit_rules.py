@@ -162,7 +162,7 @@ def cpu_offload(ctx: Context) -> None:
 @rule("RLC206", "buffer_gb and buffer_memory_ratio are mutually exclusive", severities=("error",),
       rationale="The IPC buffer is sized either from free memory (ratio) or as a fixed size; with both set it is "
                 "unclear which one the author meant, and the runtime refuses it.",
-      seed="rlc refit contract (runtime/refit/bucket_planner.py: exactly one of the two).",
+      seed="rlc refit contract (rlc/runtime/refit/bucket_planner.py: exactly one of the two).",
       fixes="Remove one of refit.buffer_gb / refit.buffer_memory_ratio.")
 def buffer_exclusive(ctx: Context) -> None:
     if ctx.get("refit.buffer_gb") is None:
@@ -180,7 +180,7 @@ def buffer_exclusive(ctx: Context) -> None:
       rationale="CUDA IPC shares device memory between processes on the same GPU, so it needs colocated "
                 "generation. The shared-memory transport copies every tensor through host memory and is meant "
                 "for tests.",
-      seed="rlc runtime design (runtime/refit: CUDA IPC or shm buffers per GPU).",
+      seed="rlc runtime design (rlc/runtime/refit: CUDA IPC or shm buffers per GPU).",
       fixes="Keep colocated: true with transport cuda_ipc.")
 def transport(ctx: Context) -> None:
     t = ctx.get("refit.transport", "cuda_ipc")

@@ -1,6 +1,6 @@
 """The recipe JSON Schema: loading it, validating against it, filling its defaults.
 
-``schemas/recipe.schema.json`` (package ``rlc.schemas``) is the single source of truth for
+``rlc/schemas/recipe.schema.json`` (package ``rlc.schemas``) is the single source of truth for
 recipe keys. Validation uses :class:`jsonschema.Draft202012Validator` and its ``iter_errors``, so
 every problem is reported at once; each ``jsonschema`` error is rewritten into a
 :class:`~rlc.compiler.diagnostics.Diagnostic` that a person can act on:
