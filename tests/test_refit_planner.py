@@ -202,6 +202,7 @@ def test_plan_from_runtime_config():
         dedupe_mtp_embedding=True,
         per_rank_ipc_metadata=True,
         fp32_params=["*e_score_correction_bias"],
+        verify_every=0,
         transport="cuda_ipc",
         decisions={},
     )

@@ -126,6 +126,7 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
             "dedupe_mtp_embedding": switches["dedupe_mtp_embedding"][0],
             "per_rank_ipc_metadata": switches["per_rank_ipc_metadata"][0],
             "fp32_params": fp32,
+            "verify_every": refit["verify_every"],
             "transport": refit["transport"],
             "decisions": refit_decisions,
         },

@@ -12,6 +12,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlc.runtime", description=__doc__.split("\n")[0])
     parser.add_argument("runtime_yaml", help="the bundle's resolved runtime.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides of runtime.yaml for this start only, e.g. grpo.max_steps=10")
     parser.add_argument("--probe", action="store_true", help="check the environment instead of training")
     args = parser.parse_args(argv)
     if args.probe:
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(probe_main(args.runtime_yaml) or 0)
     from rlc.runtime.driver import main as driver_main  # noqa: PLC0415
 
-    return int(driver_main(args.runtime_yaml))
+    return int(driver_main(args.runtime_yaml, args.overrides))
 
 
 if __name__ == "__main__":

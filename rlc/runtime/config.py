@@ -97,6 +97,7 @@ class RefitConfig:
     dedupe_mtp_embedding: bool  # drop MTP-replicated embedding on last PP stage (seed 000 failure 1)
     per_rank_ipc_metadata: bool  # each producer rank sends its own slicing metadata (seed 003)
     fp32_params: list[str]  # name patterns (fnmatch) kept fp32 on the wire (seed 003)
+    verify_every: int  # bit-for-bit refit check every N refits (0 = off); rlc.runtime.refit.verify
     transport: str  # "cuda_ipc" | "shm"
     decisions: dict[str, str]  # switch -> why (rule id and reason)
 

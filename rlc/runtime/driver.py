@@ -57,6 +57,7 @@ class GrpoRun:
         self.metrics = None
         self.calibration = None
         self.ranks_log = None  # refit_ranks.jsonl, opened on the first refit
+        self.verify_log = None  # refit_verify.jsonl, opened on the first verified refit
         self.versions: dict[str, str] = {}
         self.step_metrics: dict[str, Any] = {}
 
@@ -233,6 +234,8 @@ class GrpoRun:
         m["timing/refit_s"] = time.perf_counter() - t0
         m["timing/wake_weights_s"] = t_wake_w
         m["timing/wake_kv_s"] = t_wake_kv
+        if cfg.refit.verify_every and self.refits_done % cfg.refit.verify_every == 0:
+            self.verify_refit(step)
         self.refits_done += 1
         self.sample_memory("after_wake", woke[0]["memory"])
         if step <= 2 or step % 50 == 0:
@@ -244,6 +247,32 @@ class GrpoRun:
             self.log_calibration(step, "after_wake", woke[0]["memory"])
         if step == 0 or self.refits_done <= 1:
             log.info("refit %d: %s", self.refits_done, json.dumps({k: r0[k] for k in ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")}))
+
+    def verify_refit(self, step: int) -> None:
+        """``refit.verify_every``: every vLLM worker checks its parameters bit for bit against vLLM's own
+        load of the trainer's export (``rlc.runtime.refit.verify``); a difference stops the run."""
+        import tempfile  # noqa: PLC0415
+
+        from rlc.runtime.refit.verify import RefitVerifyError, verify_error_text  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
+        self.policy.call("refit_dump_export", export_dir)  # collective: every trainer rank exports
+        reports = [r for engine in self.generation.call("refit_verify", export_dir) for r in engine]
+        if self.verify_log is None:
+            os.makedirs(self.cfg.logging.dir, exist_ok=True)
+            self.verify_log = open(os.path.join(self.cfg.logging.dir, "refit_verify.jsonl"), "a", encoding="utf-8")
+        for worker, report in enumerate(reports):
+            self.verify_log.write(json.dumps({"step": step, "worker": worker, **report}) + "\n")
+        self.verify_log.flush()
+        mismatches = sum(len(r["mismatches"]) for r in reports)
+        self.step_metrics["refit/verify_mismatches"] = mismatches
+        self.step_metrics["refit/verify_params"] = sum(r["params_compared"] for r in reports)
+        self.step_metrics["timing/refit_verify_s"] = time.perf_counter() - t0
+        if mismatches or not all(r["params_compared"] for r in reports):
+            raise RefitVerifyError(verify_error_text(step, reports))
+        log.info("refit %d verified bit-exact: %d parameters on %d vLLM workers", step,
+                 sum(r["params_compared"] for r in reports), len(reports))
 
     def log_refit_ranks(self, step: int, sent: list[dict]) -> None:
         """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
@@ -443,7 +472,7 @@ class GrpoRun:
                 pass
         if self.metrics is not None:
             self.metrics.close()
-        for handle in (self.calibration, self.ranks_log):
+        for handle in (self.calibration, self.ranks_log, self.verify_log):
             if handle is not None:
                 handle.close()
         try:
@@ -481,16 +510,20 @@ def merge_train_metrics(results: list[dict]) -> dict[str, float]:
     return out
 
 
-def main(cfg_path: str) -> int:
-    """Run GRPO as ``runtime.yaml`` says; returns the process exit code."""
+def main(cfg_path: str, overrides: list[str] | None = None) -> int:
+    """Run GRPO as ``runtime.yaml`` says (``overrides``: dotted ``key=value`` applied on top of it);
+    returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     from rlc.runtime.config import RuntimeConfigError  # noqa: PLC0415
+    from rlc.runtime.overrides import load_with_overrides  # noqa: PLC0415
 
     try:
-        cfg = load_runtime_config(cfg_path)
+        cfg, changed = load_with_overrides(cfg_path, overrides or [])
     except (OSError, RuntimeConfigError) as exc:
         print(f"rlc.runtime: cannot read {cfg_path}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    for line in changed:
+        log.warning("runtime.yaml overridden at start: %s", line)
     os.environ.update({str(k): str(v) for k, v in cfg.env.items()})
     run = GrpoRun(cfg, cfg_path)
     try:

@@ -41,6 +41,31 @@ class RlcWorkerExtension:
 
         return consumer.receive(load).to_dict()
 
+    def rlc_refit_verify(self, export_dir: str) -> dict[str, Any]:
+        """``refit.verify_every``: compare every parameter, bit for bit, with vLLM's own load of the
+        export the paired trainer rank wrote to ``export_dir`` (see ``rlc.runtime.refit.verify``)."""
+        import os  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415
+
+        from rlc.runtime.refit.verify import compare_parameters  # noqa: PLC0415
+
+        model = self.model_runner.model
+        rank = self._rlc_consumer.producer_rank
+        path = os.path.join(export_dir, f"export-rank{rank}.pt")
+        exported = torch.load(path, map_location="cpu", weights_only=True)
+        refitted = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        loaded = model.load_weights(weights=iter(exported.items()))
+        torch.cuda.synchronize()
+        reference = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        report = compare_parameters(refitted, reference, loaded=set(loaded) if isinstance(loaded, set) else None)
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # another worker of a TP group paired with the same rank removed it
+            pass
+        return {"producer_rank": rank, "device_key": self._rlc_consumer.device_key,
+                "exported_tensors": len(exported), **report.to_dict()}
+
     def rlc_refit_close(self) -> None:
         consumer = getattr(self, "_rlc_consumer", None)
         if consumer is not None:

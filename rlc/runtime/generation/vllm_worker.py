@@ -148,6 +148,10 @@ class VllmGenerationWorker:
     def refit_receive(self) -> list[dict]:
         return self.llm.collective_rpc("rlc_refit_receive")
 
+    def refit_verify(self, export_dir: str) -> list[dict]:
+        """One ``rlc.runtime.refit.verify`` report per vLLM worker of this engine."""
+        return self.llm.collective_rpc("rlc_refit_verify", args=(export_dir,))
+
     def refit_close(self) -> None:
         self.llm.collective_rpc("rlc_refit_close")
 

@@ -301,6 +301,21 @@ class MegatronPolicyWorker:
         """Stream the weights to the consumer on this GPU (it must be receiving)."""
         return self.source.send()
 
+    def refit_dump_export(self, export_dir: str) -> dict:
+        """``refit.verify_every``: write this rank's export (what the refit just sent) to
+        ``export_dir/export-rank{local rank}.pt`` for the vLLM worker on this GPU to check against.
+        Collective: every trainer rank calls it at once (the export gathers across ranks)."""
+        import os  # noqa: PLC0415
+
+        if self.source is None:
+            raise RuntimeError("refit_dump_export before refit_prepare")
+        tensors = {n: t.detach().cpu().clone() for n, t in self.source.export()}
+        os.makedirs(export_dir, exist_ok=True)
+        path = os.path.join(export_dir, f"export-rank{self.source.local_rank}.pt")
+        torch.save(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return {"path": path, "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
     def export_named(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The exported HF tensors (CPU copies), for tests; ``names`` filters."""
         from rlc.runtime.policy.refit_source import RefitSource  # noqa: PLC0415

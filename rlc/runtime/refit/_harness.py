@@ -46,6 +46,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         dedupe_mtp_embedding=False,
         per_rank_ipc_metadata=True,
         fp32_params=list(FP32_PATTERNS),
+        verify_every=0,
         transport="shm",
         decisions={},
     )

@@ -1,0 +1,124 @@
+"""Bit-for-bit check of a refit (``refit.verify_every``): did vLLM get exactly the trainer's weights?
+
+The reference is independent of the refit engine: the trainer rank writes its export (the same
+``export_hf_weights`` stream a refit packs) to a local file with ``torch.save``, which keeps every
+dtype and bit. The vLLM worker on the same GPU snapshots all of its parameters, loads that file
+through vLLM's own ``load_weights`` (the path a checkpoint load takes: same fusing, same tensor-parallel
+slicing) and compares each parameter with its snapshot. Equal everywhere means the engine delivered
+every tensor, under the right name, with the right slicing metadata and dtype; anything else is named
+with how far it is off, and a value that equals the reference rounded to bf16 is called out as such
+(an fp32 parameter sent in bf16: ``refit.fp32_params``).
+
+Pure comparison logic here (torch only, CPU-tested); the worker side is in
+``rlc.runtime.generation.extension`` and ``rlc.runtime.policy.megatron_worker``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from rlc.runtime.refit.errors import RefitError
+
+#: Mantissa bits of each floating dtype (what a cast to bf16 keeps of an fp32 value: 7 of 23).
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
+
+
+class RefitVerifyError(RefitError):
+    """After a refit, vLLM's parameters differ from vLLM's own load of the trainer's export."""
+
+
+@dataclass(frozen=True)
+class ParamMismatch:
+    """One vLLM parameter that the refit left different from the reference load."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    elements_differing: int
+    max_abs_diff: float
+    #: The refitted value equals the reference rounded to bf16 (an fp32 tensor sent as bf16).
+    rounded_to_bf16: bool
+    #: Mantissa bits the refitted value lost against the reference (23 - 7 = 16 for fp32 -> bf16).
+    mantissa_bits_lost: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """One vLLM worker's verdict for one refit."""
+
+    params_compared: int
+    bytes_compared: int
+    fp32_params: list[str]
+    mismatches: list[ParamMismatch] = field(default_factory=list)
+    #: Names the reference load did not touch (no exported tensor maps to them): not verifiable.
+    not_loaded: list[str] = field(default_factory=list)
+
+    @property
+    def bit_exact(self) -> bool:
+        return not self.mismatches and self.params_compared > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bit_exact"] = self.bit_exact
+        return d
+
+
+def _bits_lost(refitted: torch.Tensor, reference: torch.Tensor) -> tuple[bool, int]:
+    if reference.dtype != torch.float32:
+        return False, 0
+    as_bf16 = reference.to(torch.bfloat16).to(torch.float32)
+    if torch.equal(refitted, as_bf16):
+        return True, MANTISSA_BITS[torch.float32] - MANTISSA_BITS[torch.bfloat16]
+    return False, 0
+
+
+def compare_parameters(refitted: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                       *, loaded: set[str] | None = None) -> VerifyReport:
+    """Compare every parameter of ``refitted`` (the snapshot after the refit) with ``reference``
+    (after vLLM loaded the trainer's export directly). ``loaded``: the names the reference load wrote,
+    when known; a parameter outside it is listed as not verifiable instead of being compared."""
+    mismatches: list[ParamMismatch] = []
+    not_loaded: list[str] = []
+    compared = nbytes = 0
+    fp32 = []
+    for name in sorted(reference):
+        ref = reference[name]
+        if loaded is not None and name not in loaded:
+            not_loaded.append(name)
+            continue
+        got = refitted.get(name)
+        compared += 1
+        nbytes += ref.numel() * ref.element_size()
+        if ref.dtype == torch.float32:
+            fp32.append(name)
+        if got is not None and got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(got, ref):
+            continue
+        if got is None or got.shape != ref.shape:
+            mismatches.append(ParamMismatch(name, str(ref.dtype).removeprefix("torch."), list(ref.shape),
+                                            ref.numel(), float("inf"), False, 0))
+            continue
+        diff = got.to(torch.float64) - ref.to(torch.float64)
+        rounded, lost = _bits_lost(got.to(ref.dtype), ref)
+        mismatches.append(ParamMismatch(
+            name, str(ref.dtype).removeprefix("torch."), list(ref.shape), int((diff != 0).sum()),
+            float(diff.abs().max()), rounded, lost))
+    return VerifyReport(compared, nbytes, fp32, mismatches, not_loaded)
+
+
+def verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
+    """The message that stops a run whose refit was not bit-exact (``reports``: ``to_dict()`` per worker)."""
+    lines = [f"refit {step} is not bit-exact: vLLM's parameters differ from vLLM's own load of the trainer's export"]
+    for i, r in enumerate(reports):
+        for m in r["mismatches"][:6]:
+            how = (f"rounded to bf16, {m['mantissa_bits_lost']} mantissa bits lost" if m["rounded_to_bf16"]
+                   else f"max |diff| {m['max_abs_diff']:.3g}")
+            lines.append(f"  worker {i}: {m['name']} ({m['dtype']}, {m['elements_differing']} elements): {how}")
+    if any(m["rounded_to_bf16"] for r in reports for m in r["mismatches"]):
+        lines.append("fix: an fp32 parameter crossed the refit in bf16; list it in refit.fp32_params "
+                     "(auto does so for router biases the model keeps in fp32)")
+    else:
+        lines.append("fix: check refit.per_rank_ipc_metadata and refit.dedupe_mtp_embedding (auto decides "
+                     "both from the layout); report the parameters above if they are on")
+    return "\n".join(lines)
