@@ -142,3 +142,41 @@ def test_shipped_tiny_recipe_compiles_to_the_configuration_the_gpu_run_used():
     assert compiled["training.overlap_param_gather"] is False and ran["training.overlap_param_gather"] is False
     assert compiled["grpo.dynamic_sampling.enabled"] is False and ran["grpo.dynamic_sampling.enabled"] is False
     assert compiled["cluster.ray.address"] == "auto"  # joins the job's head under sbatch, local by hand
+
+
+def test_every_builtin_reward_name_is_accepted_by_the_schema():
+    from rlc.runtime.grpo.rewards import BUILTIN_REWARDS
+
+    assert "gsm8k" in BUILTIN_REWARDS
+    for name in sorted(BUILTIN_REWARDS):
+        result = api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml", [f"reward.function={name}"])
+        assert result.ok, (name, [d.message for d in result.errors])
+        assert runtime_config_from_dict(resolve.to_runtime_config(result)).reward.function == name
+
+
+def _schema_default(*path):
+    from rlc.compiler.schema import load_schema
+
+    node = load_schema()
+    for key in path:
+        node = node["properties"][key]
+    return node["default"]
+
+
+def test_loss_and_reward_failure_defaults_are_recorded_in_runtime_yaml(tiny_config):
+    cfg = runtime_config_from_dict(tiny_config)
+    assert cfg.loss.clip_ratio_c is None and _schema_default("loss", "clip_ratio_c") is None  # dual-clip off
+    assert cfg.loss.max_log_ratio == _schema_default("loss", "max_log_ratio") == 20.0
+    assert cfg.reward.failure_reward == _schema_default("reward", "failure_reward") == 0.0
+    for key in ("clip_ratio_c", "max_log_ratio"):
+        assert key in tiny_config["loss"]  # written explicitly: the runtime reads no default of its own
+
+
+def test_loss_options_reach_the_runtime():
+    result = api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml",
+                       ["loss.clip_ratio_c=3.0", "loss.max_log_ratio=10", "reward.failure_reward=-1"])
+    assert result.ok, [d.message for d in result.errors]
+    cfg = runtime_config_from_dict(resolve.to_runtime_config(result))
+    assert (cfg.loss.clip_ratio_c, cfg.loss.max_log_ratio, cfg.reward.failure_reward) == (3.0, 10.0, -1.0)
+    bad = api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml", ["loss.clip_ratio_c=1.0"])
+    assert not bad.ok and [d.path for d in bad.errors] == ["loss.clip_ratio_c"]

@@ -174,7 +174,11 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
             "max_prompt_length": data["max_prompt_length"],
             "shuffle": data["shuffle"],
         },
-        "reward": {"function": r["reward"]["function"], "kwargs": dict(r["reward"]["kwargs"])},
+        "reward": {
+            "function": r["reward"]["function"],
+            "kwargs": dict(r["reward"]["kwargs"]),
+            "failure_reward": r["reward"]["failure_reward"],
+        },
         "checkpointing": {
             "enabled": r["checkpointing"]["enabled"],
             "dir": os.path.abspath(r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name))),

@@ -180,6 +180,8 @@ class LossConfig:
     kl_penalty: float  # 0 = no reference model
     kl_estimator: str  # "k1" | "k2" | "k3"
     token_level: bool  # average over all tokens of the batch (True) or per sequence first
+    clip_ratio_c: float | None  # dual-clip constant (> 1) for negative advantages; None = off
+    max_log_ratio: float  # |log(new / old)| is clamped to this before exp
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,7 @@ class DataConfig:
 class RewardConfig:
     function: str  # built-in name ("math", "exact_match", "first_char") or "module:function"
     kwargs: dict[str, Any]
+    failure_reward: float  # reward of a sample on which the function raises or returns a non-number
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ class GrpoRun:
 
         groups, rewards = sampler.collect(step, generate_batch)
         self.step_metrics.update(reward_metrics(rewards))
+        self.step_metrics.update(self.scorer.take_metrics())
         self.step_metrics.update(sampler.metrics())
         self.step_metrics["timing/generate_s"] = time.perf_counter() - t0
         self.step_metrics["throughput/generated_tokens"] = gen_tokens
@@ -118,8 +119,6 @@ class GrpoRun:
 
     def generate(self, prompts: list) -> tuple[list[Group], float]:
         """Split prompts over the engines; score each generation with the reward function."""
-        from rlc.runtime.grpo.rewards import score  # noqa: PLC0415
-
         n = self.cfg.grpo.generations_per_prompt
         ids = [self.encode(p.prompt) for p in prompts]
         engines = len(self.generation)
@@ -133,8 +132,8 @@ class GrpoRun:
         samples = [s for r in results for s in r["samples"]]
         groups = []
         for prompt, pids, gens in zip(prompts, ids, samples):
-            rewards = score(self.reward_fn, [prompt.prompt] * len(gens), [g["text"] for g in gens],
-                            [prompt.answer] * len(gens))
+            rewards = self.scorer.score([prompt.prompt] * len(gens), [g["text"] for g in gens],
+                                        [prompt.answer] * len(gens))
             groups.append(Group(prompt, pids, gens, rewards))
         return groups, seconds
 
@@ -328,14 +327,15 @@ class GrpoRun:
         from rlc.runtime import workers as W  # noqa: PLC0415
         from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
         from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config  # noqa: PLC0415
-        from rlc.runtime.grpo.rewards import make_reward_fn  # noqa: PLC0415
+        from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn  # noqa: PLC0415
         from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
 
         cfg = self.cfg
         self.refits_done = 0
         self.versions = W.library_versions()  # the driver runs in the workers' container
         self.load_tokenizer()
-        self.reward_fn = make_reward_fn(cfg.reward.function, cfg.reward.kwargs)
+        self.scorer = RewardScorer(make_reward_fn(cfg.reward.function, cfg.reward.kwargs),
+                                   failure_reward=cfg.reward.failure_reward, warn=log.warning)
         prompts = load_prompts_from_config(cfg.data, count_tokens=lambda s: len(self.encode(s)), on_filtered=log.warning)
         self.cursor = PromptCursor(prompts, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
         placement = W.plan_placement(cfg)

@@ -66,6 +66,35 @@ def test_normalised_values_match_hand_computation() -> None:
     assert loo[0].tolist() == pytest.approx([4 / 3 * 0.5, -4 / 3 * 0.5, -4 / 3 * 0.5, 4 / 3 * 0.5])
 
 
+def test_each_group_is_normalised_by_its_own_std() -> None:
+    # Two groups with different spreads, worked by hand. Group 1: mean 1, unbiased std 1 (r - mean =
+    # -1, 0, 1). Group 2: mean 5, unbiased std 3 (r - mean = -3, 0, 3). Per-group normalisation gives
+    # both groups -1, 0, 1; one std over the whole batch (about 2.8) would not.
+    rows = [[0.0, 1.0, 2.0], [2.0, 5.0, 8.0]]
+    adv = group_advantages(rows, leave_one_out=False, normalize=True, eps=0.0)
+    assert adv.tolist() == [[-1.0, 0.0, 1.0], [-1.0, 0.0, 1.0]]
+    loo = group_advantages(rows, leave_one_out=True, normalize=True, eps=0.0)
+    assert loo.flatten().tolist() == pytest.approx([-1.5, 0.0, 1.5, -1.5, 0.0, 1.5])  # G/(G-1) = 3/2
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups)
+def test_leave_one_out_normalised_is_mean_baseline_scaled_by_g_over_g_minus_1(rows) -> None:
+    # the documented equivalence (docs/reference.md, grpo.normalize_advantages): not RLOO
+    g = len(rows[0])
+    loo = group_advantages(rows, leave_one_out=True, normalize=True).double()
+    grpo = group_advantages(rows, leave_one_out=False, normalize=True).double()
+    assert torch.allclose(loo, grpo * g / (g - 1), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_states_the_leave_one_out_equivalence_and_names_approx_kl() -> None:
+    from pathlib import Path
+
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
+    assert "mean-baseline GRPO scaled by G/(G−1)" in reference and "not RLOO" in reference
+    assert "`approx_kl` is the k3 estimate of KL(old ‖ new)" in reference
+
+
 def test_mean_baseline_single_generation_is_zero_and_loo_needs_two() -> None:
     assert torch.equal(group_advantages([[1.0], [0.0]], leave_one_out=False, normalize=True), torch.zeros(2, 1))
     with pytest.raises(ValueError, match="generations_per_prompt >= 2"):

@@ -20,9 +20,10 @@ from rlc.runtime.grpo.loss import (  # noqa: E402
 )
 
 
-def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True) -> LossConfig:
+def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True, clip_c=None, max_log_ratio=20.0) -> LossConfig:
     return LossConfig(
-        ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level
+        ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level,
+        clip_ratio_c=clip_c, max_log_ratio=max_log_ratio,
     )
 
 
@@ -155,6 +156,66 @@ def test_per_token_advantages_accepted() -> None:
         x, x, torch.tensor([[1.0, 3.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), cfg()
     )
     assert loss.item() == pytest.approx(-2.0)
+
+
+# --------------------------------------------------------------------------- loss options
+
+
+def test_dual_clip_caps_negative_advantage_tokens_and_is_off_by_default() -> None:
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    ratios = torch.tensor([[10.0, 2.0, 10.0, 0.5]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, -1.0, 2.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    off, m_off, g_off = _grad(torch.log(ratios), old, adv, mask, cfg())
+    on, m_on, g_on = _grad(torch.log(ratios), old, adv, mask, cfg(clip_c=3.0))
+    # off: A<0 with ratio 10 costs 10 and keeps its gradient
+    assert off.item() == pytest.approx((10.0 + 2.0 - 2.0 * 1.28 + 0.8) / 4)
+    assert g_off[0, 0] != 0 and m_off["dual_clip_fraction"] == 0.0
+    # on: capped at -c * A = 3, no gradient there; ratio 2 (< c) and positive advantages are untouched
+    assert on.item() == pytest.approx((3.0 + 2.0 - 2.0 * 1.28 + 0.8) / 4)
+    assert g_on[0, 0] == 0 and g_on[0, 1] == g_off[0, 1] and g_on[0, 2] == g_off[0, 2]
+    assert m_on["dual_clip_fraction"] == pytest.approx(1 / 4)
+    with pytest.raises(ValueError, match="loss.clip_ratio_c"):
+        grpo_loss(old, old, adv, mask, cfg(clip_c=1.0))
+
+
+def test_log_ratio_is_bounded_before_exp() -> None:
+    # a token whose new logprob is 100 nats above the old one: exp overflows float32 to inf
+    new = torch.tensor([[0.0, -1.0]], dtype=torch.float32)
+    old = torch.tensor([[-100.0, -1.0]], dtype=torch.float32)
+    adv = torch.tensor([-1.0])
+    mask = torch.ones(1, 2)
+    loss, m = grpo_loss(new, old, adv, mask, cfg(max_log_ratio=20.0))
+    assert math.isfinite(loss.item()) and math.isfinite(m["approx_kl"])
+    assert loss.item() == pytest.approx((math.exp(20.0) + 1.0) / 2, rel=1e-5)
+    assert m["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    small, _ = grpo_loss(new, old, adv, mask, cfg(max_log_ratio=5.0))
+    assert small.item() == pytest.approx((math.exp(5.0) + 1.0) / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="loss.max_log_ratio"):
+        grpo_loss(new, old, adv, mask, cfg(max_log_ratio=0.0))
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf")])
+def test_garbage_at_masked_positions_changes_neither_loss_nor_gradient(token_level: bool, garbage: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    new = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.2 - 1.0
+    old = new + torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.2
+    ref = new + torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.2
+    adv = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.ones(3, 5, dtype=torch.float64)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    c = cfg(kl=0.1, token_level=token_level, clip_c=3.0)
+    clean_loss, clean_m, clean_grad = _grad(new, old, adv, mask, c, ref_logprobs=ref)
+    pad = mask == 0
+    dirty = [t.masked_fill(pad, garbage) for t in (new, old, adv, ref)]
+    loss, m, grad = _grad(dirty[0], dirty[1], dirty[2], mask, c, ref_logprobs=dirty[3])
+    assert loss.item() == clean_loss.item()
+    assert torch.equal(grad, clean_grad) and torch.equal(grad[pad], torch.zeros(int(pad.sum()), dtype=grad.dtype))
+    for key, value in clean_m.items():
+        assert m[key] == value, key
+    assert gen_kl(dirty[1], dirty[0], mask) == gen_kl(old, new, mask)
 
 
 # --------------------------------------------------------------------------- gen-KL

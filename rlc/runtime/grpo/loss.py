@@ -4,13 +4,16 @@ Shapes: per-token tensors are ``[batch, seq]`` over the *generated* tokens (prom
 out); ``advantages`` is ``[batch]`` (one per sequence, broadcast over its tokens) or ``[batch, seq]``;
 ``mask`` is 1 for tokens that count.
 
-Policy term, per token, with ``ratio = exp(logprobs - old_logprobs)``::
+Policy term, per token, with ``ratio = exp(clamp(logprobs - old_logprobs, ±max_log_ratio))``::
 
-    pg = -min(ratio * A, clamp(ratio, 1 - ratio_clip_low, 1 + ratio_clip_high) * A)
+    pg = max(-ratio * A, -clamp(ratio, 1 - ratio_clip_low, 1 + ratio_clip_high) * A)
+    pg = min(pg, -clip_ratio_c * A)   where A < 0, with dual-clip (loss.clip_ratio_c set)
 
 ``loss.ratio_clip_low`` / ``loss.ratio_clip_high`` are the clip *epsilons* (0.2 / 0.28 clip the ratio
 to [0.8, 1.28]; asymmetric "clip-higher"). ``old_logprobs`` are the trainer's logprobs before the
-update (or vLLM's generation logprobs when the step makes a single update).
+update (or vLLM's generation logprobs when the step makes a single update). Dual-clip (Ye et al.
+2020, "Mastering Complex Control in MOBA Games with Deep RL"; verl's ``clip_ratio_c``) bounds the
+loss of a token with a negative advantage whose ratio ran far above 1.
 
 KL penalty (``loss.kl_penalty > 0``), per token, towards the reference policy, with
 ``d = ref_logprobs - logprobs``: k1 = ``-d``, k2 = ``d**2 / 2``, k3 = ``exp(d) - d - 1`` (Schulman's
@@ -45,7 +48,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
+    # where, not multiply: a NaN or inf at a masked position must not reach the sum (NaN * 0 is NaN)
+    return torch.where(mask > 0, x, torch.zeros_like(x)).sum()
 
 
 def _reduce(per_token: torch.Tensor, mask: torch.Tensor, token_level: bool, normalizer: float | None) -> torch.Tensor:
@@ -53,7 +57,7 @@ def _reduce(per_token: torch.Tensor, mask: torch.Tensor, token_level: bool, norm
         denom = mask.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=per_token.dtype)
         return _masked_sum(per_token, mask) / denom.clamp(min=1.0)
     tokens_per_seq = mask.sum(dim=-1)
-    per_seq = (per_token * mask).sum(dim=-1) / tokens_per_seq.clamp(min=1.0)
+    per_seq = torch.where(mask > 0, per_token, torch.zeros_like(per_token)).sum(dim=-1) / tokens_per_seq.clamp(min=1.0)
     if normalizer is None:
         nonempty = (tokens_per_seq > 0).to(per_token.dtype)
         return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1.0)
@@ -78,6 +82,46 @@ def _check_shapes(
     )
 
 
+def _check_config(cfg: LossConfig) -> None:
+    if cfg.ratio_clip_low < 0 or cfg.ratio_clip_high < 0 or cfg.ratio_clip_low >= 1:
+        raise ValueError(
+            f"loss.ratio_clip_low={cfg.ratio_clip_low} / loss.ratio_clip_high={cfg.ratio_clip_high}: clip epsilons "
+            "must be >= 0 and ratio_clip_low < 1 (0.2 clips the ratio at 0.8)"
+        )
+    if cfg.clip_ratio_c is not None and not cfg.clip_ratio_c > 1.0:
+        raise ValueError(
+            f"loss.clip_ratio_c={cfg.clip_ratio_c}: the dual-clip constant must be > 1 (3.0 is usual); "
+            "set it to null to turn dual-clip off"
+        )
+    if not cfg.max_log_ratio > 0:
+        raise ValueError(f"loss.max_log_ratio={cfg.max_log_ratio}: must be > 0 (20 is usual)")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"loss.kl_estimator: {cfg.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def policy_loss_per_token(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped policy loss, and where the clip and the dual clip bind (bool tensors).
+
+    ``log_ratio`` is clamped to ``±loss.max_log_ratio`` before ``exp``; with ``loss.clip_ratio_c``
+    the loss of a token with a negative advantage is at most ``-clip_ratio_c * A`` (dual-clip).
+    """
+    ratio = torch.exp(log_ratio.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+    clipped = ratio.clamp(1.0 - cfg.ratio_clip_low, 1.0 + cfg.ratio_clip_high)
+    loss_unclipped = -ratio * advantages
+    loss_clipped = -clipped * advantages
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    # the clipped branch is active (and the gradient zero) where it is strictly larger
+    clip_active = loss_clipped > loss_unclipped
+    dual_active = torch.zeros_like(clip_active)
+    if cfg.clip_ratio_c is not None:
+        loss_dual = -cfg.clip_ratio_c * advantages
+        dual_active = (advantages < 0) & (per_token > loss_dual)
+        per_token = torch.where(dual_active, loss_dual, per_token)
+    return per_token, clip_active, dual_active
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -90,29 +134,30 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss (a scalar to ``backward()``) and its metrics (plain floats).
 
+    Masked positions are excluded with ``where`` before any arithmetic, so padding holding NaN or inf
+    (in logprobs, old or reference logprobs, or per-token advantages) changes neither the loss nor
+    the gradient.
+
     Metrics: ``loss/policy``, ``loss/kl_ref`` (when penalised), ``clip_fraction`` (tokens whose
     gradient the clip removed) with its ``clip_low_fraction`` / ``clip_high_fraction`` split,
-    ``approx_kl`` (k3 estimate of KL(old || new), masked mean), ``ratio_mean`` and ``ratio_max``
-    over the masked tokens, and ``num_tokens``.
+    ``dual_clip_fraction`` (tokens capped by ``loss.clip_ratio_c``), ``approx_kl`` (k3 estimate of
+    KL(old || new), masked mean), ``ratio_mean`` and ``ratio_max`` over the masked tokens, and
+    ``num_tokens``.
     """
     adv = _check_shapes(logprobs, old_logprobs, advantages, mask)
-    if cfg.ratio_clip_low < 0 or cfg.ratio_clip_high < 0 or cfg.ratio_clip_low >= 1:
-        raise ValueError(
-            f"loss.ratio_clip_low={cfg.ratio_clip_low} / loss.ratio_clip_high={cfg.ratio_clip_high}: clip epsilons "
-            "must be >= 0 and ratio_clip_low < 1 (0.2 clips the ratio at 0.8)"
-        )
+    _check_config(cfg)
     if logprobs.dtype in (torch.float16, torch.bfloat16):
         # exp(new - old) in bf16 rounds ratios near 1 by ~0.4%: comparable to the clip range
         logprobs = logprobs.float()
-    m = mask.to(logprobs.dtype)
-    old = old_logprobs.detach().to(logprobs.dtype)
-    log_ratio = logprobs - old
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - cfg.ratio_clip_low, 1.0 + cfg.ratio_clip_high)
-    adv = adv.to(logprobs.dtype)
-    surr_unclipped = ratio * adv
-    surr_clipped = clipped * adv
-    per_token = -torch.minimum(surr_unclipped, surr_clipped)
+    dtype = logprobs.dtype
+    keep = mask > 0
+    m = keep.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    new = torch.where(keep, logprobs, zero)
+    old = torch.where(keep, old_logprobs.detach().to(dtype), zero)
+    adv = torch.where(keep, adv.detach().to(dtype), zero)
+    log_ratio = new - old
+    per_token, clip_active, dual_active = policy_loss_per_token(log_ratio, adv, cfg)
     policy_loss = _reduce(per_token, m, cfg.token_level, normalizer)
     loss = policy_loss
 
@@ -120,23 +165,22 @@ def grpo_loss(
     if cfg.kl_penalty > 0:
         if ref_logprobs is None:
             raise ValueError("grpo_loss: loss.kl_penalty > 0 needs ref_logprobs (the reference model's logprobs)")
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
+        ref = torch.where(keep, ref_logprobs.detach().to(dtype), zero)
+        kl = kl_estimate(new, ref, cfg.kl_estimator)
         kl_loss = _reduce(kl, m, cfg.token_level, normalizer)
         loss = loss + cfg.kl_penalty * kl_loss
         metrics["loss/kl_ref"] = kl_loss.item()
-    elif cfg.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"loss.kl_estimator: {cfg.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
     with torch.no_grad():
         n = m.sum()
         n_safe = n.clamp(min=1.0)
-        # the clipped branch is active (and the gradient zero) where it is strictly smaller
-        active = (surr_clipped < surr_unclipped).to(m.dtype) * m
-        low = active * (ratio < 1.0 - cfg.ratio_clip_low).to(m.dtype)
-        high = active * (ratio > 1.0 + cfg.ratio_clip_high).to(m.dtype)
+        ratio = torch.exp(log_ratio.detach().clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+        active = clip_active & keep
+        low = active & (ratio < 1.0 - cfg.ratio_clip_low)
+        high = active & (ratio > 1.0 + cfg.ratio_clip_high)
         # k3 with d = log(new/old): (ratio - 1) - log(ratio), estimates KL(old || new) from old's samples
-        approx_kl = kl_estimate(old, logprobs.detach(), "k3")
-        masked_ratio = torch.where(m > 0, ratio.detach(), torch.full_like(ratio, -torch.inf))
+        approx_kl = kl_estimate(old, new.detach(), "k3")
+        masked_ratio = torch.where(keep, ratio, torch.full_like(ratio, -torch.inf))
         metrics.update(
             {
                 "loss/policy": policy_loss.item(),
@@ -144,8 +188,9 @@ def grpo_loss(
                 "clip_fraction": (active.sum() / n_safe).item(),
                 "clip_low_fraction": (low.sum() / n_safe).item(),
                 "clip_high_fraction": (high.sum() / n_safe).item(),
+                "dual_clip_fraction": ((dual_active & keep).sum() / n_safe).item(),
                 "approx_kl": (_masked_sum(approx_kl, m) / n_safe).item(),
-                "ratio_mean": (_masked_sum(ratio.detach(), m) / n_safe).item(),
+                "ratio_mean": (_masked_sum(ratio, m) / n_safe).item(),
                 "ratio_max": masked_ratio.max().item() if n > 0 else 0.0,
                 "num_tokens": n.item(),
             }
@@ -174,13 +219,14 @@ def gen_kl(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch
             f"gen_kl: gen_logprobs {tuple(gen_logprobs.shape)}, train_logprobs {tuple(train_logprobs.shape)} "
             f"and mask {tuple(mask.shape)} must have the same shape"
         )
-    m = mask.to(torch.float64)
-    n = m.sum()
+    keep = mask > 0
+    n = keep.sum()
     if n.item() == 0:
         return 0.0
     d = train_logprobs.detach().to(torch.float64) - gen_logprobs.detach().to(torch.float64)
+    d = torch.where(keep, d, torch.zeros_like(d))  # padding may hold anything, NaN included
     k3 = torch.exp(d.clamp(max=50.0)) - d - 1.0
-    return ((k3 * m).sum() / n).item()
+    return (k3.sum() / n).item()
 
 
 def gen_kl_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

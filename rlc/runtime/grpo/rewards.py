@@ -12,8 +12,9 @@ be importable where the driver runs (on its ``PYTHONPATH``). ``reward.kwargs`` a
 Built-ins:
 
 - ``math`` (alias ``gsm8k``): reasoning-aware numeric answer check. ``<think>…</think>`` is removed
-  first, then the answer is the strict ``#### n`` form if present, else the last number in the text.
-  Both sides are normalised (``,`` and ``$`` removed, trailing ``.`` dropped, ``72.0`` → ``72``).
+  first; then the answer is, in this order, the last ``\\boxed{...}``, the last ``#### n``, the
+  last number in the text. Both sides are normalised (``,`` and ``$`` removed, trailing ``.``
+  dropped, ``72.0`` → ``72``), exactly for any number of digits.
 - ``exact_match``: the stripped completion equals the stripped answer.
 - ``prefix_match``: the stripped completion starts with the stripped answer (the toy task's reward).
 - ``first_char``: the first non-blank character of the completion equals the answer's.
@@ -27,7 +28,7 @@ import inspect
 import math as _math
 import re
 from collections.abc import Callable, Sequence
-from decimal import Decimal, InvalidOperation
+from dataclasses import dataclass
 from typing import Any
 
 RewardFn = Callable[..., float]
@@ -55,9 +56,8 @@ def register_reward(*names: str) -> Callable[[RewardFn], RewardFn]:
 
 # --------------------------------------------------------------------------- math / gsm8k
 
-_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
-_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
-_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
+# One reasoning tag, opening or closing, in any case.
+_THINK_TAG = re.compile(r"<(/?)think>", re.IGNORECASE)
 # One number: an optional sign (not when it follows a word character or ")", so "3-2" is 3 and 2),
 # an optional "$" on either side of the sign, then thousands-grouped digits ("1,234,567") or a plain
 # digit run, and an optional decimal part ("1,2,3" is three numbers, not 123; ".5" is a number).
@@ -65,55 +65,116 @@ _SIGN = r"(?:(?<![\w)])[-−])?"
 _NUMBER = _SIGN + r"\$?" + _SIGN + r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 _NUMBER_RE = re.compile(_NUMBER)
 _STRICT_RE = re.compile(r"####\s*(" + _NUMBER + r")")
+# A plain decimal after normalize_number's clean-up: sign, integer digits, fraction digits.
+_PLAIN_DECIMAL = re.compile(r"(-?)(\d*)(?:\.(\d*))?")
+# What a \boxed{...} answer is parsed from: the command's opening and every brace.
+_BOX_TOKEN = re.compile(r"\\boxed\s*\{|[{}]")
+# LaTeX that wraps a number inside a box without changing it: \text{...} units, spacing, $ and \$.
+_BOX_TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{[^{}]*\}")
+_BOX_NOISE = re.compile(r"\\[,;:! ]|\\?[$%]|\\left|\\right")
 
 
 def strip_thinking(text: str) -> str:
     """Remove reasoning: closed ``<think>…</think>`` blocks, then an unbalanced tag.
 
+    - A closed block runs from an opening tag to the nearest closing tag after it (opening tags
+      inside it are part of the reasoning) and is replaced by one blank.
     - A stray ``</think>`` (the opening tag was in the prompt, as chat templates that pre-fill
-      ``<think>`` do) keeps only the text after the last ``</think>``.
+      ``<think>`` do) keeps only the text after the last stray ``</think>``.
     - A stray ``<think>`` (generation stopped while still thinking) drops everything from it on.
+
+    One pass over the tags: linear in the length of the text however many tags are unclosed.
     """
-    text = _THINK_BLOCK.sub(" ", text)
-    closes = list(_THINK_CLOSE.finditer(text))
-    if closes:
-        text = text[closes[-1].end() :]
-    opened = _THINK_OPEN.search(text)
-    if opened:
-        text = text[: opened.start()]
-    return text
+    kept: list[str] = []  # pieces of answer text after the last stray </think>
+    piece_start = 0  # where the current piece of answer text starts
+    open_at = -1  # position of the opening tag of the block being read, -1 outside reasoning
+    for tag in _THINK_TAG.finditer(text):
+        closing = tag.group(1) == "/"
+        if open_at < 0 and not closing:
+            kept.append(text[piece_start : tag.start()])
+            open_at = tag.start()
+        elif open_at >= 0 and closing:
+            kept.append(" ")
+            open_at = -1
+            piece_start = tag.end()
+        elif closing:  # a stray </think>: what came before it was reasoning
+            kept.clear()
+            piece_start = tag.end()
+        # an opening tag inside a block is part of the reasoning
+    if open_at < 0:
+        kept.append(text[piece_start:])
+    return "".join(kept)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the ``\\boxed{...}`` that closes last in ``text`` (braces balanced), or ``None``.
+
+    One pass over the braces: an unclosed ``\\boxed{`` is ignored, nested braces (``\\frac{1}{2}``)
+    stay in the content.
+    """
+    open_boxes: list[tuple[bool, int]] = []  # (is a \boxed, where its content starts) per open brace
+    found: tuple[int, int] | None = None
+    for token in _BOX_TOKEN.finditer(text):
+        if token.group() == "}":
+            if open_boxes:
+                is_box, start = open_boxes.pop()
+                if is_box:
+                    found = (start, token.start())
+            continue
+        open_boxes.append((token.group() != "{", token.end()))
+    return None if found is None else text[found[0] : found[1]]
+
+
+def boxed_answer(content: str) -> str:
+    """The answer a box holds: its number, normalised, when it holds exactly one; else its text.
+
+    ``\\text{...}`` units, LaTeX spacing and dollar signs are ignored (``72\\text{ apples}`` → ``72``);
+    anything else (``\\frac{1}{2}``, ``x = 3, y = 4``) is returned as its whitespace-collapsed text.
+    """
+    bare = _BOX_NOISE.sub("", _BOX_TEXT.sub("", content)).strip()
+    numbers = _NUMBER_RE.findall(bare)
+    if len(numbers) == 1 and _NUMBER_RE.sub("", bare).strip() in ("", "=", "."):
+        value = normalize_number(numbers[0])
+        if value is not None:
+            return value
+    return " ".join(content.split())
 
 
 def normalize_number(text: str) -> str | None:
     """Canonical form of one number: ``"$1,234.00"`` → ``"1234"``, ``"-3.50"`` → ``"-3.5"``.
 
-    Returns ``None`` when ``text`` is not a number after removing ``$``, ``,``, blanks and a
-    trailing ``.``.
+    Returns ``None`` when ``text`` is not a plain decimal number after removing ``$``, ``,``, blanks
+    and a trailing ``.``. Exact for any number of digits (string arithmetic, no float or int round trip).
     """
     s = text.strip().replace("−", "-").replace("$", "").replace(",", "").replace(" ", "")
     s = s.rstrip(".")
-    if s.count("-") > 1:
+    plain = _PLAIN_DECIMAL.fullmatch(s)
+    if plain is None:
         return None
-    if "-" in s and not s.startswith("-"):
+    sign, whole, fraction = plain.group(1), plain.group(2), plain.group(3) or ""
+    if not whole and not fraction:
         return None
-    try:
-        value = Decimal(s)
-    except InvalidOperation:
-        return None
-    if not value.is_finite():
-        return None
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
+    whole = whole.lstrip("0") or "0"
+    fraction = fraction.rstrip("0")
+    if whole == "0" and not fraction:
+        sign = ""  # -0 is 0
+    return sign + whole + ("." + fraction if fraction else "")
 
 
 def extract_answer(text: str, *, strict: bool = False) -> str | None:
     """The normalised final answer of ``text``, or ``None`` when it holds none.
 
-    Reasoning is stripped (``strip_thinking``); the answer is the last ``#### n``; without one it is
-    the last number in the text unless ``strict`` is set.
+    Reasoning is stripped first (``strip_thinking``), so only what follows the thinking counts. Then,
+    in this order of priority:
+
+    1. the last ``\\boxed{...}`` (see ``boxed_answer``),
+    2. the last ``#### n``,
+    3. the last number in the text, unless ``strict`` is set.
     """
     text = strip_thinking(text)
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed_answer(boxed)
     marked = _STRICT_RE.findall(text)
     if marked:
         return normalize_number(marked[-1])
@@ -236,30 +297,86 @@ def make_reward_fn(function: str, kwargs: dict[str, Any] | None = None) -> Calla
     return bound
 
 
-def score(
-    reward_fn: Callable[[str, str, str], float],
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    answers: Sequence[str],
-    *,
-    name: str = "reward.function",
-) -> list[float]:
-    """Score aligned lists; each reward must be a finite real number."""
-    if not (len(prompts) == len(completions) == len(answers)):
-        raise ValueError(
-            f"score: prompts ({len(prompts)}), completions ({len(completions)}) and answers "
-            f"({len(answers)}) must have the same length"
+@dataclass(frozen=True)
+class RewardFailure:
+    """One sample the reward function could not score: where, why, and the start of its completion."""
+
+    sample: int
+    error: str
+    completion_head: str
+
+    def describe(self, name: str) -> str:
+        return (
+            f"{name} failed on sample {self.sample} of this step: {self.error}; the sample is scored "
+            f"reward.failure_reward. Completion starts: {self.completion_head!r}"
         )
-    out: list[float] = []
-    for i, (p, c, a) in enumerate(zip(prompts, completions, answers, strict=True)):
-        value = reward_fn(p, c, a)
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise RewardFunctionError(
-                f"{name} returned {value!r} ({type(value).__name__}) for sample {i}; it must return a float"
-            ) from None
-        if not _math.isfinite(as_float):
-            raise RewardFunctionError(f"{name} returned {value!r} for sample {i}; rewards must be finite numbers")
-        out.append(as_float)
-    return out
+
+
+def _safe_reward(fn: Callable[[str, str, str], float], prompt: str, completion: str, answer: str) -> float | str:
+    """The reward as a finite float, or a one-line description of why there is none."""
+    try:
+        value = fn(prompt, completion, answer)
+    except Exception as exc:  # noqa: BLE001 - any failure of user code on one sample is that sample's
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {text[:300]}"
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return f"returned {str(value)[:80]!r} ({type(value).__name__}); a reward must be a float"
+    if not _math.isfinite(as_float):
+        return f"returned {as_float!r}; a reward must be a finite number"
+    return as_float
+
+
+@dataclass
+class RewardScorer:
+    """Scores completions with a reward function; one sample's failure never ends the run.
+
+    A sample whose reward function raises, or returns something that is not a finite number, is
+    scored ``failure_reward`` (``reward.failure_reward``, 0 by default). ``take_metrics()`` reports
+    ``reward/failures`` and ``reward/failure_fraction`` since the last call (once per step) and
+    ``warn`` receives one example per step: the first failure, with its error and completion start.
+    """
+
+    fn: Callable[[str, str, str], float]
+    failure_reward: float = 0.0
+    name: str = "reward.function"
+    warn: Callable[[str], None] | None = None
+    _failures: int = 0
+    _samples: int = 0
+    _example: RewardFailure | None = None
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+        """Rewards for aligned lists (one per completion)."""
+        if not (len(prompts) == len(completions) == len(answers)):
+            raise ValueError(
+                f"score: prompts ({len(prompts)}), completions ({len(completions)}) and answers "
+                f"({len(answers)}) must have the same length"
+            )
+        out: list[float] = []
+        for p, c, a in zip(prompts, completions, answers, strict=True):
+            reward = _safe_reward(self.fn, p, c, a)
+            if isinstance(reward, str):
+                if self._example is None:
+                    self._example = RewardFailure(self._samples, reward, str(c)[:200])
+                    if self.warn is not None:
+                        self.warn(self._example.describe(self.name))
+                self._failures += 1
+                reward = self.failure_reward
+            self._samples += 1
+            out.append(reward)
+        return out
+
+    @property
+    def first_failure(self) -> RewardFailure | None:
+        """The first failure since the last ``take_metrics`` (the example that was logged)."""
+        return self._example
+
+    def take_metrics(self) -> dict[str, float]:
+        """Failures since the last call (``reward/failures``, ``reward/failure_fraction``); then reset."""
+        metrics = {
+            "reward/failures": float(self._failures),
+            "reward/failure_fraction": self._failures / self._samples if self._samples else 0.0,
+        }
+        self._failures, self._samples, self._example = 0, 0, None
+        return metrics
