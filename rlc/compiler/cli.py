@@ -1,7 +1,7 @@
 """The ``rlc`` command line.
 
 Subcommands: ``validate``, ``lint``, ``show``, ``schema``, ``explain``, ``plan``, ``compile``,
-``submit``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
+``submit``, ``import nemo-rl``, ``doctor``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
 error, i.e. a bug in rlc). Bad input never produces a Python traceback; ``--debug`` shows one for
 internal errors.
 
@@ -264,6 +264,33 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return submit_main(Path(args.bundle), test_only=args.test_only)
 
 
+def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
+    """Turn a NeMo-RL config into a commented rlc recipe, write it, and validate it."""
+    from rlc.compiler.importers import nemo_rl
+    from rlc.compiler.importers.nemo_rl.cli_output import import_report, write_atomically
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    try:
+        imported = nemo_rl.import_nemo_rl(args.config, args.overrides, args.set or ())
+    except nemo_rl.NemoRlConfigError as exc:
+        raise UsageError(f"cannot read the NeMo-RL config: {exc}") from None
+    except nemo_rl.SetError as exc:
+        _print_diags(exc.diagnostics)
+        return exit_code(exc.diagnostics)
+    try:
+        write_atomically(out, imported.text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
+    result, diags, code = _checked(argparse.Namespace(file=str(out), set=()))
+    sys.stdout.write(import_report(imported, out))
+    _print_diags(diags)
+    print(f"{out}: {'ok' if code == EXIT_OK else summary(diags)}" + (f" ({summary(diags)})" if code == EXIT_OK and diags else ""),
+          file=sys.stderr if code else sys.stdout)
+    return code
+
+
 # --------------------------------------------------------------------------- show's YAML output
 
 def _yaml_scalar(value: Any) -> str:
@@ -390,6 +417,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="DIR", required=True, help="bundle folder to write")
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
 
+    p = sub.add_parser("import", parents=[common], help="turn another tool's config into an rlc recipe",
+                       description="turn another tool's config into an rlc recipe")
+    importers = p.add_subparsers(dest="source", metavar="SOURCE")
+    importers.required = True
+    p = importers.add_parser(
+        "nemo-rl", parents=[common, sets], help="a NeMo-RL GRPO config (defaults chain, ${...}, overrides)",
+        description="Read a NeMo-RL config as NeMo-RL does (defaults chain, interpolations, Hydra-style "
+                    "overrides), write a commented rlc recipe, and validate it. Keys rlc cannot map are listed.",
+        epilog="example: rlc import nemo-rl grpo-qwen3-30ba3b-8n8g-megatron.yaml -o recipe.yaml "
+               "--set cluster.gpu=h100-80gb policy.megatron_cfg.tensor_model_parallel_size=2")
+    p.set_defaults(func=cmd_import_nemo_rl)
+    p.add_argument("config", metavar="CONFIG", help="the NeMo-RL YAML config")
+    p.add_argument("overrides", metavar="OVERRIDE", nargs="*",
+                   help="Hydra-style override of the NeMo-RL config (key=value, +key=value, ++key=value, ~key)")
+    p.add_argument("-o", "--output", metavar="RECIPE", required=True, help="recipe file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing recipe file")
+
     p = add("submit", cmd_submit, "submit a compiled bundle with sbatch")
     p.add_argument("bundle", metavar="DIR")
     p.add_argument("--test-only", action="store_true", help="sbatch --test-only (nothing is queued)")
@@ -400,7 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rlc`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # `rlc import nemo-rl CONFIG --set k=v a.b=1`: NeMo-RL overrides may follow options
+        if extra and getattr(args, "source", None) == "nemo-rl" and not any(e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     debug = getattr(args, "debug", False)

@@ -316,6 +316,14 @@ def _apply_overrides(data: dict, origins: dict[Key, Origin], overrides: Sequence
     return diags
 
 
+def apply_set_overrides(data: dict, overrides: Sequence[str]) -> tuple[list[Diagnostic], list[str]]:
+    """Apply ``--set KEY=VALUE`` strings to a recipe tree in place (as ``load_recipe`` does after
+    ``extends``); returns the problems and the dotted keys that were set (for ``rlc import``)."""
+    origins: dict[Key, Origin] = {}
+    diags = _apply_overrides(data, origins, overrides)
+    return diags, [format_path(k) for k in origins]
+
+
 # --------------------------------------------------------------------------- entry point
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:

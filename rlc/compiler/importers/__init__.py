@@ -1,0 +1,1 @@
+"""Importers: turn another framework's configuration into an rlc recipe (``rlc import``)."""

@@ -1,0 +1,71 @@
+"""``rlc import nemo-rl``: a NeMo-RL GRPO config (defaults chain, interpolations, Hydra-style
+overrides) becomes a commented rlc recipe.
+
+``import_nemo_rl`` loads the config (:mod:`.config_loader`), maps its keys (:mod:`.mapping`), applies
+the ``--set`` rlc overrides, and renders the file text (:mod:`.recipe_writer`); the CLI writes it and
+validates it with the normal pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig, NemoRlConfigError, load_nemo_rl_config
+from rlc.compiler.importers.nemo_rl.mapping import Mapping, MissingKey, Unmapped, map_config
+from rlc.compiler.importers.nemo_rl.recipe_writer import build_tree, comment_for, render_recipe
+
+__all__ = ["ImportedRecipe", "NemoRlConfigError", "import_nemo_rl", "load_nemo_rl_config", "map_config"]
+
+
+@dataclass(frozen=True)
+class ImportedRecipe:
+    """The recipe text and what went into it."""
+
+    text: str
+    data: dict[str, Any]
+    config: NemoRlConfig
+    mapping: Mapping
+    still_missing: tuple[MissingKey, ...]  # rlc keys neither NeMo-RL nor --set gave
+
+    @property
+    def unmapped(self) -> list[Unmapped]:
+        return self.mapping.unmapped
+
+
+class SetError(Exception):
+    """A ``--set`` override is malformed or names no recipe key."""
+
+    def __init__(self, diagnostics: list[Diagnostic]) -> None:
+        super().__init__("; ".join(d.message for d in diagnostics))
+        self.diagnostics = diagnostics
+
+
+def _has(tree: dict[str, Any], key: str) -> bool:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequence[str] = ()) -> ImportedRecipe:
+    """Load, map and render; raises ``NemoRlConfigError`` (config) or ``SetError`` (``--set``)."""
+    from rlc.compiler.recipe import apply_set_overrides
+
+    cfg = load_nemo_rl_config(config_path, overrides)
+    mapping = map_config(cfg)
+    tree, _ = build_tree(mapping, config_path)
+    comments = comment_for(mapping, cfg)
+    set_diags, set_keys = apply_set_overrides(tree, sets)
+    if set_diags:
+        raise SetError(set_diags)
+    for key in set_keys:
+        comments[key] = "from --set"
+    runtime_none = tree.get("cluster", {}).get("container", {}).get("runtime") == "none"
+    missing = tuple(m for m in mapping.missing if not _has(tree, m.key)
+                    and not (m.key == "cluster.container.image" and runtime_none))
+    text = render_recipe(tree, comments, cfg=cfg, config_path=config_path, overrides=overrides, sets=sets,
+                         mapping=mapping, still_missing=missing)
+    return ImportedRecipe(text, tree, cfg, mapping, missing)

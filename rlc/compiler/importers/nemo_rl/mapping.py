@@ -1,0 +1,513 @@
+"""What each NeMo-RL key becomes in an rlc recipe.
+
+The one-to-one keys are a table (:data:`DIRECT`, :data:`MEGATRON`, :data:`DTENSOR`): NeMo-RL key ->
+rlc key, with a converter that either returns the rlc value or raises :class:`Unmappable` with the
+reason. Keys whose meaning spans several NeMo-RL keys (sequence lengths, refit buffer, environment
+variables, data files, reward) have one function each below. Every NeMo-RL leaf that no rule takes
+ends up in :attr:`Mapping.unmapped` with a reason, so nothing is dropped silently. A NeMo-RL ``null``
+means "unset" and leaves the rlc default in place.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+
+
+class Unmappable(ValueError):
+    """A NeMo-RL value rlc cannot express; the message says why."""
+
+
+@dataclass(frozen=True)
+class MappedValue:
+    """One rlc key, its value, the NeMo-RL keys it came from and a note on the translation."""
+
+    target: str
+    value: Any
+    sources: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A NeMo-RL key left out of the recipe, with its value and why."""
+
+    key: str
+    value: Any
+    reason: str
+    inactive: bool = False  # part of a NeMo-RL component this config turns off
+
+
+@dataclass(frozen=True)
+class MissingKey:
+    """An rlc key NeMo-RL configs do not carry: the user sets it with ``--set``."""
+
+    key: str
+    why: str
+    example: str
+
+
+@dataclass
+class Mapping:
+    values: list[MappedValue] = field(default_factory=list)
+    unmapped: list[Unmapped] = field(default_factory=list)
+    missing: list[MissingKey] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # translation choices worth reading
+    # NeMo-RL keys read but not written as a value of their own, and why (null = rlc default, a flag
+    # implied by another key, a value equal to the one already written)
+    implied: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- converters
+
+def same(v: Any) -> Any:
+    return v
+
+
+def positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise Unmappable(f"expected a positive integer, got {v!r}")
+    return v
+
+
+def non_negative_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise Unmappable(f"expected an integer >= 0, got {v!r}")
+    return v
+
+
+def boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise Unmappable(f"expected true or false, got {v!r}")
+    return v
+
+
+def number(v: Any) -> float | int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, str):
+            try:
+                return float(v)  # YAML 1.1 reads 1e-8 (no dot) as a string
+            except ValueError:
+                pass
+        raise Unmappable(f"expected a number, got {v!r}")
+    return v
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def dtype(v: Any) -> str:
+    try:
+        return _DTYPES[str(v).lower()]
+    except KeyError:
+        raise Unmappable(f"precision {v!r} is not one of bfloat16, float16, float32") from None
+
+
+def optimizer_name(v: Any) -> str:
+    if str(v).lower() in ("adam", "adamw"):
+        return "adam"
+    if str(v).lower() == "sgd":
+        return "sgd"
+    raise Unmappable(f"optimizer {v!r}: rlc runs adam or sgd")
+
+
+def lr_style(v: Any) -> str:
+    if v in ("constant", "cosine", "linear"):
+        return str(v)
+    raise Unmappable(f"lr_decay_style {v!r}: rlc schedules are constant, cosine or linear")
+
+
+def recompute(v: Any) -> str:
+    return "full" if boolean(v) else "none"
+
+
+def top_k(v: Any) -> int:
+    k = int(v)
+    return -1 if k <= 0 else k
+
+
+def string_list(v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise Unmappable(f"expected a list of strings, got {v!r}")
+    return v
+
+
+def vllm_only(v: Any) -> str:
+    if v != "vllm":
+        raise Unmappable(f"generation backend {v!r}: rlc generates with vLLM")
+    return "vllm"
+
+
+Rule = tuple[str, str, Callable[[Any], Any], str]  # source, target, convert, note
+
+DIRECT: tuple[Rule, ...] = (
+    ("cluster.num_nodes", "cluster.nodes", positive_int, ""),
+    ("cluster.gpus_per_node", "cluster.gpus_per_node", positive_int, ""),
+    ("policy.model_name", "model.id", str, ""),
+    ("policy.precision", "model.dtype", dtype, ""),
+    ("policy.train_global_batch_size", "training.global_batch_size", positive_int, ""),
+    ("policy.train_micro_batch_size", "training.micro_batch_size", positive_int, ""),
+    ("policy.max_total_sequence_length", "training.max_sequence_length", positive_int, ""),
+    ("policy.refit_buffer_size_gb", "refit.buffer_gb", number, "both ping-pong halves together"),
+    ("policy.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
+    ("policy.generation.backend", "generation.backend", vllm_only, ""),
+    ("policy.generation.temperature", "generation.sampling.temperature", number, ""),
+    ("policy.generation.top_p", "generation.sampling.top_p", number, ""),
+    ("policy.generation.top_k", "generation.sampling.top_k", top_k, ""),
+    ("policy.generation.stop_strings", "generation.sampling.stop", string_list, ""),
+    ("policy.generation.vllm_cfg.tensor_parallel_size", "parallelism.generation.tp", positive_int, ""),
+    ("policy.generation.vllm_cfg.pipeline_parallel_size", "parallelism.generation.pp", positive_int, ""),
+    ("policy.generation.vllm_cfg.expert_parallel_size", "parallelism.generation.ep", positive_int, ""),
+    ("policy.generation.vllm_cfg.gpu_memory_utilization", "generation.gpu_memory_utilization", number, ""),
+    ("policy.generation.vllm_cfg.enforce_eager", "generation.enforce_eager", boolean, ""),
+    ("policy.generation.vllm_cfg.sleep_level", "refit.sleep_level", positive_int, ""),
+    ("policy.generation.colocated.enabled", "colocated", boolean, ""),
+    ("grpo.num_prompts_per_step", "grpo.prompts_per_step", positive_int, ""),
+    ("grpo.num_generations_per_prompt", "grpo.generations_per_prompt", positive_int, ""),
+    ("grpo.max_num_steps", "grpo.max_steps", positive_int, ""),
+    ("grpo.normalize_rewards", "grpo.normalize_advantages", boolean,
+     "NeMo-RL divides advantages by the group's reward std"),
+    ("grpo.use_leave_one_out_baseline", "grpo.leave_one_out", boolean, ""),
+    ("grpo.use_dynamic_sampling", "grpo.dynamic_sampling.enabled", boolean, ""),
+    ("grpo.dynamic_sampling_max_gen_batches", "grpo.dynamic_sampling.max_gen_batches", positive_int, ""),
+    ("grpo.seed", "grpo.seed", non_negative_int, ""),
+    ("loss_fn.reference_policy_kl_penalty", "loss.kl_penalty", number, ""),
+    ("loss_fn.ratio_clip_min", "loss.ratio_clip_low", number, ""),
+    ("loss_fn.ratio_clip_max", "loss.ratio_clip_high", number, ""),
+    ("loss_fn.token_level_loss", "loss.token_level", boolean, ""),
+    ("checkpointing.enabled", "checkpointing.enabled", boolean, ""),
+    ("checkpointing.checkpoint_dir", "checkpointing.dir", str, ""),
+    ("checkpointing.save_period", "checkpointing.every_steps", positive_int, ""),
+    ("checkpointing.keep_top_k", "checkpointing.keep_last", positive_int,
+     "NeMo-RL keeps the best k by checkpointing.metric_name; rlc keeps the last k"),
+    ("logger.log_dir", "logging.dir", str, ""),
+    ("logger.tensorboard_enabled", "logging.tensorboard", boolean, ""),
+    ("data.shuffle", "data.shuffle", boolean, ""),
+    ("data.train_data_path", "data.train", str, ""),
+    ("data.val_data_path", "data.val", str, ""),
+    ("data.train.data_path", "data.train", str, ""),
+    ("data.validation.data_path", "data.val", str, ""),
+    ("data.input_key", "data.prompt_key", str, ""),
+    ("data.output_key", "data.answer_key", str, ""),
+    ("data.train.input_key", "data.prompt_key", str, ""),
+    ("data.train.output_key", "data.answer_key", str, ""),
+)
+
+M = "policy.megatron_cfg"
+MEGATRON: tuple[Rule, ...] = (
+    (f"{M}.tensor_model_parallel_size", "parallelism.train.tp", positive_int, ""),
+    (f"{M}.pipeline_model_parallel_size", "parallelism.train.pp", positive_int, ""),
+    (f"{M}.context_parallel_size", "parallelism.train.cp", positive_int, ""),
+    (f"{M}.expert_model_parallel_size", "parallelism.train.ep", positive_int, ""),
+    (f"{M}.expert_tensor_parallel_size", "parallelism.train.etp", positive_int, ""),
+    (f"{M}.virtual_pipeline_model_parallel_size", "parallelism.train.vpp", positive_int, ""),
+    (f"{M}.sequence_parallel", "parallelism.train.sequence_parallel", boolean, ""),
+    (f"{M}.num_layers_in_first_pipeline_stage", "parallelism.train.num_layers_in_first_pipeline_stage",
+     non_negative_int, ""),
+    (f"{M}.num_layers_in_last_pipeline_stage", "parallelism.train.num_layers_in_last_pipeline_stage",
+     non_negative_int, ""),
+    (f"{M}.activation_checkpointing", "training.activation_checkpointing", recompute,
+     "NeMo-RL recomputes full layers"),
+    (f"{M}.optimizer.optimizer", "training.optimizer.name", optimizer_name, ""),
+    (f"{M}.optimizer.lr", "training.optimizer.lr", number, ""),
+    (f"{M}.optimizer.min_lr", "training.optimizer.min_lr", number, ""),
+    (f"{M}.optimizer.weight_decay", "training.optimizer.weight_decay", number, ""),
+    (f"{M}.optimizer.adam_beta1", "training.optimizer.adam_beta1", number, ""),
+    (f"{M}.optimizer.adam_beta2", "training.optimizer.adam_beta2", number, ""),
+    (f"{M}.optimizer.adam_eps", "training.optimizer.adam_eps", number, ""),
+    (f"{M}.optimizer.use_distributed_optimizer", "training.use_distributed_optimizer", boolean, ""),
+    (f"{M}.optimizer.clip_grad", "training.grad_clip", number, ""),
+    (f"{M}.optimizer.optimizer_cpu_offload", "training.optimizer_cpu_offload", boolean, ""),
+    (f"{M}.optimizer.optimizer_offload_fraction", "training.optimizer_offload_fraction", number, ""),
+    (f"{M}.scheduler.lr_warmup_iters", "training.lr_schedule.warmup_steps", non_negative_int, ""),
+    (f"{M}.scheduler.lr_decay_style", "training.lr_schedule.name", lr_style, ""),
+    (f"{M}.distributed_data_parallel_config.overlap_param_gather", "training.overlap_param_gather", boolean, ""),
+    (f"{M}.distributed_data_parallel_config.overlap_grad_reduce", "training.overlap_grad_reduce", boolean, ""),
+    (f"{M}.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
+    ("policy.max_grad_norm", "training.grad_clip", number, ""),
+)
+
+D = "policy.dtensor_cfg"
+DTENSOR: tuple[Rule, ...] = (
+    (f"{D}.tensor_parallel_size", "parallelism.train.tp", positive_int,
+     "from the DTensor trainer; its FSDP shards become Megatron data parallelism"),
+    (f"{D}.context_parallel_size", "parallelism.train.cp", positive_int, ""),
+    (f"{D}.sequence_parallel", "parallelism.train.sequence_parallel", boolean, ""),
+    (f"{D}.activation_checkpointing", "training.activation_checkpointing", recompute, ""),
+    ("policy.optimizer.kwargs.lr", "training.optimizer.lr", number, ""),
+    ("policy.optimizer.kwargs.weight_decay", "training.optimizer.weight_decay", number, ""),
+    ("policy.optimizer.kwargs.eps", "training.optimizer.adam_eps", number, ""),
+    ("policy.max_grad_norm", "training.grad_clip", number, ""),
+)
+
+# NeMo-RL env vars with an rlc key of their own (NeMo-RL reads them in its refit code).
+ENV_KEYS = {"NRL_REFIT_BUFFER_MEMORY_RATIO": ("refit.buffer_memory_ratio", number)}
+
+
+# --------------------------------------------------------------------------- the mapper
+
+class _Mapper:
+    def __init__(self, cfg: NemoRlConfig) -> None:
+        self.cfg = cfg
+        self.leaves = cfg.leaves()
+        self.consumed: set[str] = set()
+        self.out = Mapping()
+        self._by_target: dict[str, int] = {}
+
+    def put(self, target: str, value: Any, sources: tuple[str, ...], note: str = "") -> None:
+        """Set ``target``; a second source for the same target and value joins the first."""
+        if target in self._by_target:
+            i = self._by_target[target]
+            prev = self.out.values[i]
+            if prev.value == value:
+                self.out.values[i] = MappedValue(target, value, prev.sources + sources, prev.note or note)
+                return
+            for s in sources:
+                self.out.unmapped.append(Unmapped(s, self.leaves.get(s), f"{target} already comes from "
+                                                  f"{prev.sources[0]} ({prev.value!r})"))
+            return
+        self._by_target[target] = len(self.out.values)
+        self.out.values.append(MappedValue(target, value, sources, note))
+
+    def take(self, source: str, target: str, convert: Callable[[Any], Any] = same, note: str = "") -> None:
+        if source not in self.leaves:
+            return
+        self.consumed.add(source)
+        value = self.leaves[source]
+        if value is None:
+            self.out.implied[source] = f"null: the default of {target} applies"
+            return
+        try:
+            converted = convert(value)
+        except (Unmappable, TypeError, ValueError) as exc:
+            self.out.unmapped.append(Unmapped(source, value, str(exc)))
+            return
+        self.put(target, converted, (source,), note)
+
+    def consume(self, *sources: str, why: str) -> None:
+        """Mark ``sources`` as read; unless they end up mapped or listed, ``why`` says what they became."""
+        for s in sources:
+            if s in self.leaves:
+                self.consumed.add(s)
+                self.out.implied.setdefault(s, why)
+
+    def inactive(self, prefix: str, reason: str) -> None:
+        for key in self.leaves:
+            if key not in self.consumed and (key == prefix or key.startswith(prefix + ".")):
+                self.consumed.add(key)
+                self.out.unmapped.append(Unmapped(key, self.leaves[key], reason, inactive=True))
+
+
+def map_config(cfg: NemoRlConfig) -> Mapping:
+    """Translate ``cfg`` into rlc keys; see the module docstring."""
+    m = _Mapper(cfg)
+    megatron = cfg.get(f"{M}.enabled") is True
+    m.consume(f"{M}.enabled", f"{D}.enabled", why="selects the trainer (rlc always trains with Megatron-core)")
+    for rule in DIRECT:
+        m.take(*rule)
+    if megatron:
+        for rule in MEGATRON:
+            m.take(*rule)
+        m.inactive(D, "the DTensor trainer is off (policy.megatron_cfg.enabled: true)")
+        m.inactive("policy.optimizer", "the DTensor trainer's optimizer (Megatron's is policy.megatron_cfg.optimizer)")
+        m.inactive("policy.scheduler", "the DTensor trainer's scheduler (Megatron's is policy.megatron_cfg.scheduler)")
+    else:
+        for rule in DTENSOR:
+            m.take(*rule)
+        betas = cfg.get("policy.optimizer.kwargs.betas")
+        if isinstance(betas, list) and len(betas) == 2:
+            m.consume("policy.optimizer.kwargs.betas", why="adam_beta1 / adam_beta2")
+            m.put("training.optimizer.adam_beta1", betas[0], ("policy.optimizer.kwargs.betas",))
+            m.put("training.optimizer.adam_beta2", betas[1], ("policy.optimizer.kwargs.betas",))
+        m.inactive(M, "the Megatron trainer is off (policy.megatron_cfg.enabled is not true)")
+        m.out.notes.append("this NeMo-RL config trains with DTensor (FSDP2); rlc trains with Megatron-core: the "
+                           "trainer's TP/CP come from policy.dtensor_cfg and its FSDP shards become data "
+                           "parallelism (distributed optimizer)")
+    _tokenizer(m)
+    _expert_parallel_flag(m)
+    _vllm_precision(m)
+    _batch_multiplier(m)
+    _lengths(m)
+    _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
+    _reward(m)
+    _data(m)
+    _buffer_exclusive(m)
+    if cfg.get("policy.generation.colocated.enabled", True) is not False:
+        m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
+    for key, value in m.leaves.items():
+        if key not in m.consumed:
+            m.out.unmapped.append(Unmapped(key, value, "no rlc equivalent"))
+    written = {s for v in m.out.values for s in v.sources} | {u.key for u in m.out.unmapped}
+    m.out.implied = {k: why for k, why in m.out.implied.items() if k not in written}
+    order = {key: i for i, key in enumerate(m.leaves)}
+    m.out.unmapped.sort(key=lambda u: order.get(u.key, len(order)))
+    m.out.missing.extend(_missing(m))
+    return m.out
+
+
+def _tokenizer(m: _Mapper) -> None:
+    key = "policy.tokenizer.name"
+    if key not in m.leaves:
+        return
+    m.consume(key, why="the model's own tokenizer (model.tokenizer defaults to the checkpoint)")
+    name = m.leaves[key]
+    if name is not None and name != m.cfg.get("policy.model_name"):
+        m.put("model.tokenizer", str(name), (key,))
+
+
+def _expert_parallel_flag(m: _Mapper) -> None:
+    key = "policy.generation.vllm_cfg.enable_expert_parallel"
+    if key not in m.leaves:
+        return
+    m.consume(key, why="implied by parallelism.generation.ep > 1")
+    ep = m.cfg.get("policy.generation.vllm_cfg.expert_parallel_size") or 1
+    if bool(m.leaves[key]) != (ep > 1):
+        m.out.unmapped.append(Unmapped(key, m.leaves[key], f"rlc turns vLLM expert parallelism on exactly when "
+                                       f"parallelism.generation.ep > 1 (here {ep})"))
+
+
+def _vllm_precision(m: _Mapper) -> None:
+    key = "policy.generation.vllm_cfg.precision"
+    if key not in m.leaves:
+        return
+    m.consume(key, why="equal to policy.precision (model.dtype)")
+    try:
+        same_dtype = dtype(m.leaves[key]) == dtype(m.cfg.get("policy.precision", "bfloat16"))
+    except Unmappable:
+        same_dtype = False
+    if not same_dtype:
+        m.out.unmapped.append(Unmapped(key, m.leaves[key], "rlc generates in model.dtype (the trainer's "
+                                       "precision); a different vLLM precision is not supported"))
+
+
+def _batch_multiplier(m: _Mapper) -> None:
+    key = "grpo.batch_multiplier"
+    if key not in m.leaves:
+        return
+    m.consume(key, why="null: the default of grpo.dynamic_sampling.batch_multiplier applies")
+    value = m.leaves[key]
+    if value is None:
+        return
+    if m.cfg.get("grpo.use_dynamic_sampling") is True:
+        try:
+            m.put("grpo.dynamic_sampling.batch_multiplier", number(value), (key,))
+        except Unmappable as exc:
+            m.out.unmapped.append(Unmapped(key, value, str(exc)))
+    else:
+        m.out.unmapped.append(Unmapped(key, value, "only used with grpo.use_dynamic_sampling: true"))
+
+
+def _lengths(m: _Mapper) -> None:
+    """NeMo-RL bounds prompt and response each by the model length (vLLM stops a response at
+    max_model_len − prompt); rlc needs max_prompt_length + max_tokens ≤ max_model_len."""
+    k_len, k_new, k_in = ("policy.generation.vllm_cfg.max_model_len", "policy.generation.max_new_tokens",
+                          "data.max_input_seq_length")
+    m.consume(k_len, k_new, k_in, why="sizes generation.max_model_len, sampling.max_tokens and "
+              "data.max_prompt_length together")
+    model_len = m.cfg.get(k_len) or m.cfg.get("policy.max_total_sequence_length")
+    if not isinstance(model_len, int) or isinstance(model_len, bool) or model_len < 1:
+        for k in (k_len, k_new, k_in):
+            if k in m.leaves:
+                m.out.unmapped.append(Unmapped(k, m.leaves[k], "no usable max_model_len to size lengths against"))
+        return
+    src_len = (k_len,) if m.cfg.get(k_len) else ("policy.max_total_sequence_length",)
+    m.put("generation.max_model_len", model_len, src_len)
+    new = m.cfg.get(k_new)
+    prompt = m.cfg.get(k_in)
+    new = new if isinstance(new, int) and new > 0 else None
+    prompt = min(prompt, model_len) if isinstance(prompt, int) and prompt > 0 else None
+    if new is None and prompt is None:
+        return
+    if prompt is None:
+        prompt = max(1, model_len - new) if new < model_len else model_len // 2
+    if new is None:
+        new = model_len - prompt
+    note_tokens = ""
+    if prompt + new > model_len:
+        if prompt < model_len:
+            note_tokens = (f"max_new_tokens {new} capped to max_model_len {model_len} − max_prompt_length "
+                           f"{prompt}, the most vLLM generates after the longest prompt")
+            new = model_len - prompt
+        else:
+            prompt = model_len // 2
+            new = min(new, model_len - prompt)
+            note_tokens = (f"prompt and response each allowed {model_len} tokens; rlc splits max_model_len: "
+                           f"{prompt} for the prompt, {new} for the response")
+            m.out.notes.append(f"data.max_input_seq_length and max_new_tokens both reach max_model_len {model_len}; "
+                               f"the recipe gives {prompt} tokens to the prompt and {new} to the response "
+                               "(change with --set data.max_prompt_length=N --set generation.sampling.max_tokens=M)")
+    m.put("data.max_prompt_length", prompt, (k_in,) if k_in in m.leaves else src_len,
+          note_tokens if note_tokens and prompt != m.cfg.get(k_in) else "")
+    m.put("generation.sampling.max_tokens", new, (k_new,) if k_new in m.leaves else src_len, note_tokens)
+
+
+def _env_vars(m: _Mapper, prefix: str) -> None:
+    env = m.cfg.get(prefix)
+    if not isinstance(env, dict):
+        return
+    for name, value in env.items():
+        key = f"{prefix}.{name}"
+        m.consume(key, why="null: not set")
+        if value is None:
+            continue
+        if name in ENV_KEYS:
+            target, convert = ENV_KEYS[name]
+            try:
+                m.put(target, convert(value), (key,), f"NeMo-RL reads {name} from the environment")
+            except Unmappable as exc:
+                m.out.unmapped.append(Unmapped(key, value, str(exc)))
+            continue
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            m.out.unmapped.append(Unmapped(key, value, "not a valid environment variable name"))
+            continue
+        text = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
+                                                      else str(value))
+        m.put(f"cluster.env.{name}", text, (key,), "NeMo-RL sets it for the trainer; rlc for every task")
+
+
+def _reward(m: _Mapper) -> None:
+    math = m.cfg.get("env.math")
+    if not isinstance(math, dict):
+        return
+    env_name = m.cfg.get("data.default.env_name", m.cfg.get("data.env_name", "math"))
+    if env_name not in (None, "math"):
+        return
+    impl = math.get("math_verify_impl")
+    m.consume("env.math.math_verify_impl", "data.default.env_name", "data.env_name",
+              why="selects the math reward (reward.function)")
+    m.put("reward.function", "math", ("env.math.math_verify_impl",) if impl is not None else ("env.math",),
+          f"NeMo-RL's math environment{f' ({impl})' if impl else ''} -> rlc's built-in math reward "
+          "(final numeric answer)")
+
+
+def _data(m: _Mapper) -> None:
+    for key in ("data.dataset_name", "data.train.dataset_name"):
+        name = m.cfg.get(key)
+        if isinstance(name, str) and key in m.leaves and not any(v.target == "data.train" for v in m.out.values):
+            m.consume(key, why="listed as not mapped")
+            m.out.unmapped.append(Unmapped(key, name, "rlc reads prompts from a JSONL file, not a named dataset: "
+                                           "convert it and pass --set data.train=/path/train.jsonl"))
+
+
+def _buffer_exclusive(m: _Mapper) -> None:
+    targets = {v.target: i for i, v in enumerate(m.out.values)}
+    if "refit.buffer_gb" in targets and "refit.buffer_memory_ratio" in targets:
+        ratio = m.out.values.pop(targets["refit.buffer_memory_ratio"])
+        for s in ratio.sources:
+            m.out.unmapped.append(Unmapped(s, ratio.value, "refit.buffer_gb (policy.refit_buffer_size_gb) wins; "
+                                           "rlc takes one of buffer_gb and buffer_memory_ratio"))
+
+
+def _missing(m: _Mapper) -> list[MissingKey]:
+    have = {v.target for v in m.out.values}
+    out = [MissingKey("cluster.gpu", "NeMo-RL configs do not name the GPU type (it sets the memory the plan uses)",
+                      "cluster.gpu=h100-80gb"),
+           MissingKey("cluster.container.image", "NeMo-RL configs do not name the container image",
+                      "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0")]
+    if "data.train" not in have:
+        out.append(MissingKey("data.train", "rlc needs a JSONL prompt file (NeMo-RL names a dataset)",
+                              "data.train=/data/train.jsonl"))
+    return out

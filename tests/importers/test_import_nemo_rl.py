@@ -1,0 +1,221 @@
+"""``rlc import nemo-rl``: NeMo-RL configs the project writes itself (base + parents + child with
+interpolations, ``_override_``, Hydra-style overrides) become recipes that validate; nothing is
+dropped silently."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlc.compiler import api
+from rlc.compiler.cli import main
+from rlc.compiler.importers.nemo_rl import NemoRlConfigError, import_nemo_rl, load_nemo_rl_config
+
+CONFIGS = Path(__file__).resolve().parent / "nemo_rl_configs"
+LLM = CONFIGS / "recipes" / "llm"
+CHILD = LLM / "grpo-qwen3-30ba3b-2n8g-megatron.yaml"
+TWO_PARENTS = LLM / "grpo-two-parents.yaml"
+PUBLIC_30B = LLM / "grpo-qwen3-30ba3b-8n8g-megatron.yaml"
+PUBLIC_397B = LLM / "grpo-qwen3.5-397ba17b-32n8g-megatron.yaml"
+GPU = "cluster.gpu=h100-80gb"
+IMAGE = "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0"
+
+
+def rlc(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def mapped(imported) -> dict[str, object]:
+    return {v.target: v.value for v in imported.mapping.values}
+
+
+# --------------------------------------------------------------------------- loading like NeMo-RL
+
+def test_child_inherits_through_two_levels_and_interpolations_follow_the_child():
+    cfg = load_nemo_rl_config(CHILD)
+    assert [Path(f).name for f in cfg.files] == ["grpo_base.yaml", "megatron_moe.yaml", CHILD.name]
+    # the base's ${policy.max_total_sequence_length} picks up the child's 4096
+    assert cfg.get("policy.generation.vllm_cfg.max_model_len") == 4096
+    assert cfg.get("policy.generation.max_new_tokens") == 4096
+    # ${mul:..} resolver, as NeMo-RL registers it
+    assert cfg.get("policy.sequence_packing.train_mb_tokens") == 4096 * 1
+    assert cfg.get("checkpointing.checkpoint_dir") == "results/Qwen/Qwen3-30B-A3B"
+    # the middle parent switched the trainer and nulled the DTensor optimizer
+    assert cfg.get("policy.megatron_cfg.enabled") is True and cfg.get("policy.optimizer") is None
+    assert cfg.origins["policy.megatron_cfg.tensor_model_parallel_size"].endswith(f"{CHILD.name}:14")
+    assert cfg.origins["policy.megatron_cfg.optimizer.adam_beta2"].endswith("grpo_base.yaml:77")
+
+
+def test_several_parents_merge_left_to_right_and_override_replaces_a_section():
+    cfg = load_nemo_rl_config(TWO_PARENTS)
+    assert cfg.get("policy.megatron_cfg.enabled") is True  # megatron_moe.yaml after grpo_base.yaml
+    assert cfg.get("policy.max_total_sequence_length") == 8192  # long_context.yaml, the last parent
+    assert cfg.get("policy.generation.vllm_cfg.max_model_len") == 8192  # interpolation sees it
+    assert cfg.get("policy.megatron_cfg.tensor_model_parallel_size") == 4  # the child wins
+    # `_override_: true` replaced logger whole: the base's wandb keys are gone, the marker too
+    assert cfg.get("logger") == {"log_dir": "logs/long", "tensorboard_enabled": True}
+
+
+def test_hydra_overrides_apply_before_interpolation():
+    cfg = load_nemo_rl_config(CHILD, ["policy.max_total_sequence_length=2048", "+grpo.new_knob=3",
+                                      "~logger.wandb", "++policy.megatron_cfg.tensor_model_parallel_size=8"])
+    assert cfg.get("policy.generation.vllm_cfg.max_model_len") == 2048
+    assert cfg.get("grpo.new_knob") == 3
+    assert cfg.get("logger.wandb") is None
+    assert cfg.get("policy.megatron_cfg.tensor_model_parallel_size") == 8
+    assert cfg.origins["policy.max_total_sequence_length"] == "command line"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("policy.megatron_cfg.tensor_model_paralel_size=4", "did you mean policy.megatron_cfg.tensor_model_parallel_size"),
+    ("grpo.brand_new=1", "+grpo.brand_new=..."),
+    ("+grpo.seed=1", "grpo.seed already exists"),
+    ("~grpo.nothing_here", "grpo.nothing_here is not in the NeMo-RL config"),
+    ("policy.model_name", "expected KEY=VALUE"),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(NemoRlConfigError) as info:
+        load_nemo_rl_config(CHILD, [override])
+    assert needle in str(info.value)
+
+
+def test_broken_configs_are_clear_errors(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\nx: 1\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\ny: 2\n")
+    with pytest.raises(NemoRlConfigError, match="defaults cycle"):
+        load_nemo_rl_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("defaults: missing.yaml\n")
+    with pytest.raises(NemoRlConfigError, match=r"missing.yaml: no such file \(named in defaults of"):
+        load_nemo_rl_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("x: ${nope.not_there}\n")
+    with pytest.raises(NemoRlConfigError, match="cannot resolve the interpolation of x"):
+        load_nemo_rl_config(tmp_path / "d.yaml")
+    code, _, err = rlc("import", "nemo-rl", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "r.yaml"))
+    assert code == 2 and "no such file" in err and "Traceback" not in err
+    assert not (tmp_path / "r.yaml").exists()
+
+
+# --------------------------------------------------------------------------- mapping
+
+def test_megatron_child_maps_layout_optimizer_refit_and_lengths():
+    got = mapped(import_nemo_rl(str(CHILD)))
+    assert got["cluster.nodes"] == 2 and got["cluster.gpus_per_node"] == 8
+    assert (got["parallelism.train.tp"], got["parallelism.train.pp"], got["parallelism.train.ep"]) == (4, 2, 8)
+    assert got["parallelism.train.sequence_parallel"] is True
+    assert got["parallelism.generation.tp"] == 2 and got["generation.gpu_memory_utilization"] == 0.7
+    assert got["training.optimizer.lr"] == 3.0e-7 and got["training.optimizer.adam_eps"] == 1e-8
+    assert got["training.overlap_param_gather"] is True and got["training.grad_clip"] == 1.0
+    assert got["refit.buffer_memory_ratio"] == 0.35  # NRL_REFIT_BUFFER_MEMORY_RATIO in env_vars
+    assert got["cluster.env.PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert got["grpo.prompts_per_step"] == 32 and got["grpo.leave_one_out"] is True
+    assert got["loss.kl_penalty"] == 0.01 and got["reward.function"] == "math"
+    # NeMo-RL bounds prompt and response each by 4096; rlc needs their sum within max_model_len
+    assert (got["generation.max_model_len"], got["data.max_prompt_length"],
+            got["generation.sampling.max_tokens"]) == (4096, 1024, 3072)
+
+
+def test_every_nemo_rl_key_is_mapped_listed_or_explained():
+    for path in (CHILD, TWO_PARENTS, PUBLIC_30B, PUBLIC_397B):
+        imported = import_nemo_rl(str(path))
+        leaves = set(imported.config.leaves())
+        sources = {s for v in imported.mapping.values for s in v.sources}
+        unmapped = {u.key for u in imported.unmapped}
+        implied = set(imported.mapping.implied)
+        assert leaves == sources | unmapped | implied, path.name
+        assert not (sources & unmapped), path.name
+        for key, why in imported.mapping.implied.items():
+            assert why, key
+
+
+def test_unmapped_keys_are_on_screen_and_in_the_recipe(tmp_path):
+    out = tmp_path / "r.yaml"
+    code, stdout, _ = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--set", GPU)
+    text = out.read_text()
+    imported = import_nemo_rl(str(PUBLIC_397B))
+    assert imported.unmapped
+    for u in imported.unmapped:
+        assert f"{u.key}: " in stdout and f"#   {u.key}: " in text, u.key
+    assert "grpo.reward_shaping.max_response_length: 8192" in text
+
+
+def test_written_recipe_validates_and_compiles_with_the_sets(tmp_path):
+    out = tmp_path / "recipe.yaml"
+    code, stdout, err = rlc("import", "nemo-rl", str(PUBLIC_30B), "-o", str(out), "--set", GPU, "--set", IMAGE,
+                            "--set", "data.train=/data/math/train.jsonl")
+    assert code == 0, err
+    result = api.check(str(out))
+    assert result.errors == [], [d.message for d in result.errors]
+    assert "# from --set" in out.read_text()
+    code, _, err = rlc("compile", str(out), "-o", str(tmp_path / "bundle"))
+    assert code == 0, err
+    runtime = yaml.safe_load((tmp_path / "bundle" / "runtime.yaml").read_text())
+    assert runtime["train_parallel"]["tp"] == 4 and runtime["train_parallel"]["ep"] == 4
+
+
+def test_comments_name_the_nemo_rl_key_file_line_and_interpolation(tmp_path):
+    out = tmp_path / "r.yaml"
+    rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU)
+    lines = out.read_text().splitlines()
+    (tp,) = [ln for ln in lines if ln.strip().startswith("tp: 4")]
+    assert f"policy.megatron_cfg.tensor_model_parallel_size ({os.path.normpath(CHILD)}:14)" in tp
+    (ckpt,) = [ln for ln in lines if ln.strip().startswith("dir: results/")]
+    assert "checkpointing.checkpoint_dir = results/${policy.model_name}" in ckpt
+
+
+def test_missing_gpu_fails_validation_naming_the_key_to_set(tmp_path):
+    out = tmp_path / "r.yaml"
+    code, stdout, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out))
+    assert code == 1
+    assert "set cluster.gpu:" in stdout and "--set cluster.gpu=h100-80gb" in stdout
+    assert "cluster.gpu: missing required key 'gpu'" in err
+    assert "#   cluster.gpu:" in out.read_text()  # the recipe says it too
+
+
+def test_overrides_after_options_and_existing_output(tmp_path):
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU,
+                       "policy.megatron_cfg.expert_model_parallel_size=16")
+    assert code == 1 and "[RLC102]" in err  # EP16 x PP2 does not tile 16 GPUs: the override reached the recipe
+    assert "ep: 16" in out.read_text()
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU)
+    assert code == 2 and "pass --force" in err
+
+
+def test_bad_set_is_reported_and_writes_nothing(tmp_path):
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", "cluster.gpuu=h100-80gb")
+    assert code == 1 and "cluster.gpuu" in err and not out.exists()
+
+
+def test_public_397b_recipe_imports_and_rlc_catches_its_refit_failure(tmp_path):
+    """The field report's first refit failure (8 GiB fused experts vs a 0.3 ratio buffer) is caught
+    by `rlc import` before anything is submitted."""
+    out = tmp_path / "r.yaml"
+    code, stdout, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--set", GPU,
+                            "--set", "data.train=/data/dapo.jsonl")
+    assert code == 1 and "[RLC210]" in err and "8589934592" in err
+    got = mapped(import_nemo_rl(str(PUBLIC_397B)))
+    assert got["parallelism.train.num_layers_in_first_pipeline_stage"] == 6
+    assert got["parallelism.generation.ep"] == 64 and got["grpo.dynamic_sampling.batch_multiplier"] == 2
+    assert got["loss.ratio_clip_high"] == 0.28 and got["training.activation_checkpointing"] == "full"
+    # fixing it the way the report did makes the same import validate
+    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--set", GPU,
+                       "--set", "data.train=/data/dapo.jsonl", "--set", "refit.sleep_level=2",
+                       "--set", "refit.buffer_memory_ratio=0.39", "--set", "generation.enforce_eager=true",
+                       "policy.generation.vllm_cfg.expert_parallel_size=256")
+    assert code == 0, err
+
+
+def test_dtensor_config_maps_its_trainer_layout_with_a_note():
+    imported = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"))
+    got = mapped(imported)
+    assert got["parallelism.train.tp"] == 1 and got["training.optimizer.adam_beta2"] == 0.999
+    assert any("DTensor" in n for n in imported.mapping.notes)
+    assert all(u.inactive for u in imported.unmapped if u.key.startswith("policy.megatron_cfg."))
