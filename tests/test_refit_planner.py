@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlc.runtime.config import RefitConfig
+from rlc.contract.refit_buffer import align_down
+from rlc.contract.runtime_config import RefitConfig
 from rlc.runtime.refit.bucket_planner import (
     SLOT_ONEOFF,
     BucketPacker,
-    align_down,
     effective_alignment,
     plan_from_config,
     plan_refit,

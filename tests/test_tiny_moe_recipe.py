@@ -10,7 +10,7 @@ import yaml
 
 from rlc.compiler import api, cli, resolve
 from rlc.runtime import toy
-from rlc.runtime.config import load_runtime_config, runtime_config_from_dict
+from rlc.contract.runtime_config import load_runtime_config, runtime_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"

@@ -1,6 +1,6 @@
 """Recipe (schema defaults filled) + rule decisions → the resolved ``runtime.yaml`` contents.
 
-The runtime reads only this mapping (see ``rlc.runtime.config``), so every default is explicit,
+The runtime reads only this mapping (see ``rlc.contract.runtime_config``), so every default is explicit,
 derived sizes are computed here, and each ``auto`` refit switch is replaced by the rule decision
 that settled it, with the reason kept in ``refit.decisions``.
 """

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlc.runtime.config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
+from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
+from rlc.contract.runtime_config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
 
 log = logging.getLogger("rlc.runtime.driver")
 
@@ -415,35 +416,31 @@ class GrpoRun:
         Path(self.cfg.logging.dir).mkdir(parents=True, exist_ok=True)
         self.calibration = open(Path(self.cfg.logging.dir) / "calibration.jsonl", "a", encoding="utf-8")
         for rec in getattr(self, "_early_calibration", []):
-            self.calibration.write(json.dumps(rec) + "\n")
+            self.calibration.write(rec.to_json() + "\n")
         self.calibration.flush()
 
     def log_memory_line(self, phase: str, memory: dict) -> None:
-        from rlc.runtime.workers import calibration_record  # noqa: PLC0415
-
         log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory["free_gib"], memory["used_gib"])
-        rec = calibration_record(phase, memory, step=0, sleep_level=self.cfg.refit.sleep_level,
+        rec = CalibrationRecord.from_memory(phase, memory, step=0, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0")
         self.__dict__.setdefault("_early_calibration", []).append(rec)
 
     def log_calibration(self, step: int, phase: str, memory: dict | None = None, extra: dict | None = None) -> None:
-        from rlc.runtime.workers import calibration_record  # noqa: PLC0415
-
         if memory is None:
             memory = self.policy.call("memory", ranks=[0])[0]
-        rec = calibration_record(phase, memory, step=step, sleep_level=self.cfg.refit.sleep_level,
+        rec = CalibrationRecord.from_memory(phase, memory, step=step, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0", extra=extra)
-        self.calibration.write(json.dumps(rec) + "\n")
+        self.calibration.write(rec.to_json() + "\n")
         self.calibration.flush()
 
     def sample_memory(self, phase: str, memory: dict | None = None) -> None:
         """GPU 0's free/used GiB at the end of a phase, into the step's metrics."""
         if memory is None:
             memory = self.policy.call("memory", ranks=[0])[0]
-        self.step_metrics[f"memory/{phase}/free_gib"] = memory["free_gib"]
-        self.step_metrics[f"memory/{phase}/used_gib"] = memory["used_gib"]
+        for figure in ("free_gib", "used_gib"):
+            self.step_metrics[memory_metric_key(phase, figure)] = memory[figure]
 
     def _should_save(self, step: int) -> bool:
         from rlc.runtime.checkpoint import should_save  # noqa: PLC0415
@@ -514,7 +511,7 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
     """Run GRPO as ``runtime.yaml`` says (``overrides``: dotted ``key=value`` applied on top of it);
     returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    from rlc.runtime.config import RuntimeConfigError  # noqa: PLC0415
+    from rlc.contract.runtime_config import RuntimeConfigError  # noqa: PLC0415
     from rlc.runtime.overrides import load_with_overrides  # noqa: PLC0415
 
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlc.runtime.config import RuntimeConfig, RuntimeConfigError, runtime_config_from_dict
+from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runtime_config_from_dict
 
 
 def _lookup(data: Any, dotted: str) -> Any:

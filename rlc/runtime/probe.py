@@ -52,7 +52,7 @@ class NodeView:
 
 def expected_from(runtime_yaml: str | Path) -> Expected:
     """Read the expected shape from ``runtime.yaml``."""
-    from rlc.runtime.config import load_runtime_config
+    from rlc.contract.runtime_config import load_runtime_config
 
     cfg = load_runtime_config(runtime_yaml)
     c = cfg.cluster

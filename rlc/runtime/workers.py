@@ -2,8 +2,8 @@
 
 Pure parts (no ray, no torch; CPU-tested): ``plan_placement`` (which bundle each trainer rank and
 each vLLM engine uses), ``worker_env`` (the environment every worker gets), ``WorkerInfo`` (who a
-worker is: role, rank, node, GPU) and ``calibration_record`` (the memory record the planner is
-calibrated from).
+worker is: role, rank, node, GPU). ``gpu_memory_snapshot`` (torch) is the memory a calibration
+record (``rlc.contract.calibration_record``) holds.
 
 Ray parts (``ray`` imported inside the functions): ``connect``, ``reserve_gpus``, ``spawn`` and
 ``WorkerGroup.call`` (run a method on many workers; a worker that dies or raises ends the run with
@@ -223,43 +223,6 @@ def gpu_memory_snapshot() -> dict[str, float]:
         "torch_allocated_gib": torch.cuda.memory_allocated() / GIB,
         "torch_reserved_gib": torch.cuda.memory_reserved() / GIB,
     }
-
-
-def calibration_record(
-    phase: str,
-    memory: dict[str, float],
-    *,
-    step: int,
-    sleep_level: int,
-    enforce_eager: bool,
-    gpu_type: str,
-    versions: dict[str, str],
-    worker: str = "",
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One ``calibration`` record: free/used GiB at a phase with the settings that shaped it.
-
-    ``rlc calibrate`` (the planner's calibration table) reads these from ``metrics.jsonl``.
-    """
-    rec = {
-        "kind": "calibration",
-        "step": step,
-        "phase": phase,
-        "free_gib": round(float(memory.get("free_gib", float("nan"))), 4),
-        "used_gib": round(float(memory.get("used_gib", float("nan"))), 4),
-        "total_gib": round(float(memory.get("total_gib", float("nan"))), 4),
-        "sleep_level": sleep_level,
-        "enforce_eager": enforce_eager,
-        "gpu_type": gpu_type,
-        "versions": dict(versions),
-        "worker": worker,
-    }
-    for k in ("torch_allocated_gib", "torch_reserved_gib"):
-        if k in memory:
-            rec[k] = round(float(memory[k]), 4)
-    if extra:
-        rec.update(extra)
-    return rec
 
 
 def library_versions() -> dict[str, str]:

@@ -39,7 +39,7 @@ def test_bundle_files_and_lock(tmp_path, e2e_recipe):
 
 
 def test_runtime_yaml_is_the_resolved_config(tmp_path, e2e_recipe):
-    from rlc.runtime.config import load_runtime_config
+    from rlc.contract.runtime_config import load_runtime_config
 
     compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
     cfg = load_runtime_config(tmp_path / "b" / "runtime.yaml")
@@ -49,7 +49,7 @@ def test_runtime_yaml_is_the_resolved_config(tmp_path, e2e_recipe):
 def test_bundled_rlc_is_self_contained(tmp_path, e2e_recipe):
     compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
     pkg = tmp_path / "b" / "rlc_pkg"
-    code = ("import rlc, rlc.compiler.api, rlc.compiler.bundle, rlc.runtime.config, rlc.runtime.probe\n"
+    code = ("import rlc, rlc.compiler.api, rlc.compiler.bundle, rlc.contract.runtime_config, rlc.runtime.probe\n"
             "from importlib import resources\n"
             "print(rlc.__file__)\n"
             "print(resources.files('rlc.templates').joinpath('bundle', 'launch.sbatch.j2').is_file())\n"

@@ -253,7 +253,7 @@ def analyze(metrics: list[dict], log_text: str, rank_records: list[dict], *, wor
 
 def run(root: str = DEFAULT_ROOT, out: str | None = None, timeout_s: int = 540, bias_base: float = 30.0,
         steps: int | None = None) -> dict:
-    from rlc.runtime.config import load_runtime_config  # noqa: PLC0415
+    from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
     from rlc.runtime.metrics import read_metrics  # noqa: PLC0415
 
     clock, rootp, res = Timer(), Path(root), {}

@@ -108,7 +108,7 @@ class Lab:
 
     def start_driver(self, bundle: Path, overrides: list[str], log_name: str, timeout_s: int) -> dict:
         """``python -m rlc.runtime bundle/runtime.yaml KEY=VALUE...`` as ``node.sh driver`` runs it."""
-        from rlc.runtime.config import load_runtime_config  # noqa: PLC0415
+        from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
         self.start()
         env = _env(bundle / "rlc_pkg")
@@ -216,7 +216,7 @@ def verdict_resume(run: dict, before_last10: float, from_step: int) -> dict:
 # ------------------------------------------------------------------ proofs
 
 def _switches(bundle: Path) -> dict:
-    from rlc.runtime.config import load_runtime_config  # noqa: PLC0415
+    from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
     r = load_runtime_config(bundle / "runtime.yaml").refit
     return {"dedupe_mtp_embedding": r.dedupe_mtp_embedding, "per_rank_ipc_metadata": r.per_rank_ipc_metadata,
@@ -260,7 +260,7 @@ def dense_exact(lab: Lab) -> dict:
 
 
 def _learn(lab: Lab, recipe: str, run_name: str, verify_every: int, timeout_s: int) -> dict:
-    from rlc.runtime.config import load_runtime_config  # noqa: PLC0415
+    from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
     bundle = lab.compile(recipe, run_name)
     steps = load_runtime_config(bundle / "runtime.yaml").grpo.max_steps
@@ -277,7 +277,7 @@ def _learn(lab: Lab, recipe: str, run_name: str, verify_every: int, timeout_s: i
 
 
 def _resume(lab: Lab, run_name: str, learned: dict | None, extra_steps: int = 5) -> dict:
-    from rlc.runtime.config import load_runtime_config  # noqa: PLC0415
+    from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
     bundle = lab.root / "runs" / run_name / "bundle"
     if not (bundle / "runtime.yaml").exists():

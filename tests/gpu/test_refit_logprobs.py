@@ -110,7 +110,7 @@ def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
-    from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
     from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_model, build_toy_workspace  # noqa: PLC0415

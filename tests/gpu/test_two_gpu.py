@@ -106,7 +106,7 @@ def param_sync(root: str) -> dict:
     """Seed 001 on DP=2 with the distributed optimizer and overlapped param all-gather."""
     import ray  # noqa: PLC0415
 
-    from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_workspace  # noqa: PLC0415
     from rlc.runtime.workers import worker_env  # noqa: PLC0415
 
@@ -173,7 +173,7 @@ def ep2_metadata(root: str) -> dict:
     """Seed 003: EP=2 Qwen3-MoE, rank-0 metadata for both GPUs vs per-rank metadata."""
     import ray  # noqa: PLC0415
 
-    from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
     from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
     from rlc.runtime.policy.batches import response_values  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_workspace  # noqa: PLC0415
@@ -256,10 +256,11 @@ def calibration(root: str) -> dict:
     """Free memory after sleep(1)/sleep(2), enforce_eager on/off, ~0.2B model, calibration format."""
     import ray  # noqa: PLC0415
 
-    from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
     from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
-    from rlc.runtime.workers import calibration_record, spawn, worker_env  # noqa: PLC0415
+    from rlc.contract.calibration_record import CalibrationRecord  # noqa: PLC0415
+    from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
     from test_refit_logprobs import MEDIUM  # noqa: PLC0415
 
     build_toy_model(f"{root}/qwen3", config=MEDIUM)
@@ -274,11 +275,13 @@ def calibration(root: str) -> dict:
         versions = ray.get(g.call.remote(lambda w: __import__("rlc.runtime.workers", fromlist=["x"]).library_versions()))
         ray.get(g.generate.remote([[1, 5, 13, 6, 20]] * 64, 4))  # runs the (graph-captured) decode path once
         common = dict(enforce_eager=eager, gpu_type="h200-141gb", versions=versions, worker="vllm-medium")
-        records.append(calibration_record("after_start", st["memory"], step=0, sleep_level=0, **common))
+        records.append(CalibrationRecord.from_memory("vllm_started", st["memory"], step=0, sleep_level=0,
+                                                     **common).to_dict())
         for level in (1, 2):
             s = ray.get(g.sleep.remote(level))
-            records.append(calibration_record("refit_free", s["memory"], step=0, sleep_level=level,
-                                              extra={"freed_gib": round(s["freed_gib"], 3)}, **common))
+            records.append(CalibrationRecord.from_memory("refit_free", s["memory"], step=0, sleep_level=level,
+                                                         extra={"freed_gib": round(s["freed_gib"], 3)},
+                                                         **common).to_dict())
             ray.get(g.wake_up.remote(None))
         ray.kill(g)
         ray.util.remove_placement_group(pg)

@@ -1,4 +1,4 @@
-"""The calibration table: derived constants reproduce from the measurements; the record format."""
+"""The calibration table: derived constants reproduce from the measurements (record format: tests/contract)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,7 @@ import json
 import pytest
 
 from rlc.compiler import catalog
-from rlc.compiler.planner.calibration import (RECORD_PHASES, CalibrationError, calibration_for, load_table,
-                                              parse_record)
+from rlc.compiler.planner.calibration import calibration_for, load_table
 from rlc.compiler.planner.derive import derive_constants
 
 from planner_helpers import ROOT, load
@@ -47,35 +46,6 @@ def test_other_gpus_fall_back_with_a_note():
     cal = calibration_for("h200-141gb")
     assert cal.fallback_note and "h100-80gb" in cal.fallback_note
     assert calibration_for("h100-80gb").fallback_note is None
-
-
-def record(**kw):
-    base = {"kind": "calibration", "phase": "refit_free", "free_gib": 35.9, "used_gib": 43.2, "sleep_level": 1,
-            "enforce_eager": False, "gpu": "h100-80gb", "versions": {"vllm": "0.17.1"}, "step": 2, "rank": 9}
-    base.update(kw)
-    return base
-
-
-def test_record_format_round_trips_as_json_lines():
-    parsed = parse_record(json.dumps(record()))
-    assert parsed["phase"] == "refit_free" and parsed["rank"] == 9
-    assert set(RECORD_PHASES) >= {"after_offload", "refit_free", "stack_site", "vllm_sleep"}
-
-
-@pytest.mark.parametrize("bad,match", [
-    (dict(kind="metrics"), "kind"), (dict(phase="warmup"), "phase"), (dict(sleep_level=3), "sleep_level"),
-    (dict(free_gib="35"), "free_gib"), (dict(enforce_eager=1), "enforce_eager"), (dict(free_gib=-1), ">= 0"),
-])
-def test_bad_records_are_rejected(bad, match):
-    with pytest.raises(CalibrationError, match=match):
-        parse_record(record(**bad))
-
-
-def test_missing_key_is_named():
-    rec = record()
-    del rec["gpu"]
-    with pytest.raises(CalibrationError, match="gpu"):
-        parse_record(rec)
 
 
 def test_gpu_of_every_entry_is_in_the_catalog():

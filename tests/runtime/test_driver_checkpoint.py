@@ -6,7 +6,7 @@ import json
 
 import pytest
 from rlc.runtime import checkpoint as C
-from rlc.runtime.config import CheckpointConfig
+from rlc.contract.runtime_config import CheckpointConfig
 
 
 def _cfg(root, enabled=True, resume=True) -> CheckpointConfig:

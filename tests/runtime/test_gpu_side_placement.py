@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlc.runtime.config import load_runtime_config, runtime_config_from_dict, runtime_config_to_dict
+from rlc.contract.runtime_config import load_runtime_config, runtime_config_from_dict, runtime_config_to_dict
 from rlc.runtime import workers as W
 
 TINY = Path(__file__).resolve().parents[1] / "gpu" / "tiny_runtime.yaml"
@@ -33,7 +33,7 @@ def test_import_is_light():
     import subprocess  # noqa: PLC0415
 
     code = (
-        "import sys, rlc.runtime, rlc.runtime.config, rlc.runtime.workers, rlc.runtime.driver, "
+        "import sys, rlc.runtime, rlc.contract.runtime_config, rlc.runtime.workers, rlc.runtime.driver, "
         "rlc.runtime.policy, rlc.runtime.generation, rlc.runtime.generation.sampling, rlc.runtime.__main__; "
         "bad = [m for m in ('torch', 'ray', 'vllm', 'megatron') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
@@ -93,12 +93,3 @@ def test_worker_info_describes_node_and_gpu():
     for part in ("policy worker 3", "10.0.0.7", "gpu17", "GPU 3", "GPU-abc"):
         assert part in text
     assert W.WorkerInfo(**info.to_dict()) == info
-
-
-def test_calibration_record_fields():
-    rec = W.calibration_record("refit_free", {"free_gib": 40.5, "used_gib": 100.1, "total_gib": 140.6},
-                               step=3, sleep_level=2, enforce_eager=True, gpu_type="h200-141gb",
-                               versions={"vllm": "0.22.0"}, extra={"half_gib": 1.0})
-    assert rec["kind"] == "calibration" and rec["phase"] == "refit_free" and rec["sleep_level"] == 2
-    assert rec["free_gib"] == 40.5 and rec["enforce_eager"] is True and rec["versions"]["vllm"] == "0.22.0"
-    assert rec["half_gib"] == 1.0 and rec["gpu_type"] == "h200-141gb"

@@ -123,7 +123,7 @@ def test_reward_metrics() -> None:
 
 
 def test_advantages_from_config() -> None:
-    from rlc.runtime.config import DynamicSamplingConfig, GrpoConfig
+    from rlc.contract.runtime_config import DynamicSamplingConfig, GrpoConfig
 
     grpo = GrpoConfig(
         prompts_per_step=1,

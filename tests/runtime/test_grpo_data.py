@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rlc.runtime.config import DataConfig
+from rlc.contract.runtime_config import DataConfig
 from rlc.runtime.grpo.data import (
     PromptCursor,
     PromptDataError,

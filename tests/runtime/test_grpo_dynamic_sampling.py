@@ -6,7 +6,7 @@ import math
 import re
 
 import pytest
-from rlc.runtime.config import DynamicSamplingConfig, GrpoConfig
+from rlc.contract.runtime_config import DynamicSamplingConfig, GrpoConfig
 from rlc.runtime.grpo.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
 
 

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from rlc.runtime.config import LossConfig  # noqa: E402
+from rlc.contract.runtime_config import LossConfig  # noqa: E402
 from rlc.runtime.grpo.loss import (  # noqa: E402
     GenKLExceeded,
     check_gen_kl,

@@ -9,7 +9,7 @@ import time
 import warnings
 
 import pytest
-from rlc.runtime.config import LoggingConfig
+from rlc.contract.runtime_config import LoggingConfig
 from rlc.runtime.metrics import MetricsLogger, PhaseTimer, flatten_metrics, format_duration, read_metrics
 
 

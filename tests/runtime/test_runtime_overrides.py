@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlc.compiler import api, resolve
-from rlc.runtime.config import RuntimeConfigError, runtime_config_to_dict
+from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_to_dict
 from rlc.runtime.overrides import load_with_overrides
 
 pytest.importorskip("omegaconf")

@@ -34,7 +34,7 @@ class BundleResult:
 
 def runtime_yaml(runtime_config: dict[str, Any]) -> str:
     """``runtime.yaml``: checked against the runtime's contract, written sorted and stable."""
-    from rlc.runtime.config import RuntimeConfigError, runtime_config_from_dict
+    from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_from_dict
 
     try:
         runtime_config_from_dict(runtime_config)

@@ -4,14 +4,13 @@ The table holds every constant the planner does not derive from parameter bytes,
 type and library versions, each with the seed line it comes from. :func:`calibration_for` picks
 the entry for a GPU (falling back to the first entry, and saying so).
 
-The runtime logs measured memory per phase as JSON lines of the form documented in
-``docs/planner.md``; :func:`parse_record` validates one such record so both sides agree on the
-format before anyone fits constants from real runs.
+The runtime logs measured memory per phase as JSON lines (``calibration.jsonl``) in the format of
+:mod:`rlc.contract.calibration_record`; :func:`parse_record` reads one with the same class the
+runtime writes it with.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,17 +18,9 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-CALIBRATION_FILE = Path(__file__).with_name("calibration.yaml")
+from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
-#: Phases a runtime calibration record may name (docs/planner.md).
-RECORD_PHASES = (
-    "train_peak",  # max_memory_allocated during the train step, Megatron process
-    "after_offload",  # Megatron allocated after offload_optimizer_for_refit
-    "vllm_sleep",  # vLLM process memory asleep (or at refit, after any wake)
-    "refit_free",  # device free memory when the refit buffer is sized
-    "stack_site",  # device free memory just before the exporter's largest torch.stack
-    "generate",  # device memory in use during generation
-)
+CALIBRATION_FILE = Path(__file__).with_name("calibration.yaml")
 
 
 class CalibrationError(ValueError):
@@ -131,32 +122,17 @@ def calibration_for(gpu: str, versions: Optional[Mapping[str, str]] = None) -> C
 
 # --------------------------------------------------------------------------- runtime records
 
-_REQUIRED = {"kind": str, "phase": str, "free_gib": (int, float), "used_gib": (int, float),
-             "sleep_level": int, "enforce_eager": bool, "gpu": str, "versions": dict}
 
+def parse_record(line: str | Mapping[str, Any]) -> CalibrationRecord:
+    """One runtime calibration record (a line of ``calibration.jsonl`` or a mapping), typed.
 
-def parse_record(line: str | Mapping[str, Any]) -> dict[str, Any]:
-    """Validate one calibration record (a JSON line or a mapping); returns it as a dict.
-
-    Required: ``kind`` ("calibration"), ``phase`` (one of :data:`RECORD_PHASES`), ``free_gib``,
-    ``used_gib``, ``sleep_level`` (1|2), ``enforce_eager``, ``gpu`` (catalog name), ``versions``
-    (library -> version). Optional keys (``process``, ``allocated_gib``, ``reserved_gib``, ``step``,
-    ``rank``, ``layout``, ``model``, ``buffer_memory_ratio``, ``largest_tensor_bytes``) pass through.
+    The format is the contract's :class:`~rlc.contract.calibration_record.CalibrationRecord`, the
+    same class the runtime writes with; a record that does not match raises ``CalibrationError``
+    naming the key.
     """
-    record = json.loads(line) if isinstance(line, str) else dict(line)
-    if not isinstance(record, dict):
-        raise CalibrationError("a calibration record is a JSON object")
-    for key, typ in _REQUIRED.items():
-        if key not in record:
-            raise CalibrationError(f"calibration record: missing {key!r}")
-        if not isinstance(record[key], typ) or (typ is int and isinstance(record[key], bool)):
-            raise CalibrationError(f"calibration record: {key!r} has the wrong type ({record[key]!r})")
-    if record["kind"] != "calibration":
-        raise CalibrationError(f"calibration record: kind must be 'calibration', not {record['kind']!r}")
-    if record["phase"] not in RECORD_PHASES:
-        raise CalibrationError(f"calibration record: phase {record['phase']!r} not in {', '.join(RECORD_PHASES)}")
-    if record["sleep_level"] not in (1, 2):
-        raise CalibrationError("calibration record: sleep_level must be 1 or 2")
-    if record["free_gib"] < 0 or record["used_gib"] < 0:
-        raise CalibrationError("calibration record: memory figures must be >= 0")
-    return record
+    try:
+        if isinstance(line, str):
+            return CalibrationRecord.from_json(line)
+        return CalibrationRecord.from_dict(line)
+    except CalibrationRecordError as exc:
+        raise CalibrationError(str(exc)) from None

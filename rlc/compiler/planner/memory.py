@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rlc.contract import refit_buffer
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.tree import with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
@@ -100,11 +101,12 @@ def _per_side(free: int, recipe: dict[str, Any], ratio: Optional[float] = None) 
     refit = recipe.get("refit", {})
     align = max(1, int(refit.get("alignment_bytes", 256)))
     if ratio is None and refit.get("buffer_gb") is not None:
-        total = int(float(refit["buffer_gb"]) * GIB)
-        return (total // 2) // align * align, None, f"buffer_gb {refit['buffer_gb']:g} GiB (both halves)"
+        gb = float(refit["buffer_gb"])
+        half = refit_buffer.half_bytes(free, buffer_memory_ratio=None, buffer_gb=gb, alignment=align)
+        return half, None, f"buffer_gb {gb:g} GiB (both halves)"
     r = float(ratio if ratio is not None else refit.get("buffer_memory_ratio", 0.3))
-    total = int(max(free, 0) * r)
-    return (total // 2) // align * align, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
+    half = refit_buffer.half_bytes(free, buffer_memory_ratio=r, buffer_gb=None, alignment=align)
+    return half, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
 
 
 def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> tuple[int, int, float]:

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from rlc.runtime.config import runtime_config_from_dict
+from rlc.contract.runtime_config import runtime_config_from_dict
 
 EXTENSION = "rlc.runtime.generation.extension.RlcWorkerExtension"
 

@@ -29,7 +29,7 @@ global-batch mean instead of a mean of means.
 from __future__ import annotations
 
 import torch
-from rlc.runtime.config import LossConfig
+from rlc.contract.runtime_config import LossConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rlc.runtime.config import runtime_config_from_dict
+from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlc.runtime.config import RefitConfig
+from rlc.contract.runtime_config import RefitConfig
 from rlc.runtime.refit.specs import TensorSpec
 
 # Shared with pool workers through the pool initializer (multiprocessing primitives can only be

@@ -17,27 +17,20 @@ Rules (issue 3; seed 000 failure 2 is the reason they are explicit):
 
 ``BucketPacker`` is the incremental packer the producer drives as tensors arrive; ``plan_refit``
 runs the same packer over the whole spec list to check feasibility up front and to predict the
-buckets. Both use the same code, so the prediction and the transfer cannot drift apart.
+buckets. Both use the same code, so the prediction and the transfer cannot drift apart. The half
+size comes from ``rlc.contract.refit_buffer``, the formula the compiler's memory planner uses too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from rlc.contract.refit_buffer import GIB, align_up, buffer_total_bytes, half_bytes
 from rlc.runtime.refit.errors import RefitPlanError
 from rlc.runtime.refit.specs import TensorSpec, format_bytes
 
 #: ``Bucket.slot`` of a bucket that lives in its own one-off buffer.
 SLOT_ONEOFF = -1
-GIB = 1 << 30
-
-
-def align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
-
-
-def align_down(n: int, alignment: int) -> int:
-    return (n // alignment) * alignment
 
 
 def effective_alignment(alignment_bytes: int, specs: Sequence[TensorSpec] = ()) -> int:
@@ -85,7 +78,7 @@ def size_buffers(
     if buffer_gb is not None:
         if buffer_gb <= 0:
             raise RefitPlanError(f"refit.buffer_gb={buffer_gb} must be > 0")
-        total = int(buffer_gb * GIB)
+        total = buffer_total_bytes(free_bytes, buffer_memory_ratio=None, buffer_gb=buffer_gb)
         source = f"refit.buffer_gb={buffer_gb:g}"
         if total + reserve_bytes > free_bytes:
             raise RefitPlanError(
@@ -98,9 +91,9 @@ def size_buffers(
         assert buffer_memory_ratio is not None
         if not 0 < buffer_memory_ratio < 1:
             raise RefitPlanError(f"refit.buffer_memory_ratio={buffer_memory_ratio} must be in (0, 1)")
-        total = int(free_bytes * buffer_memory_ratio)
         source = f"refit.buffer_memory_ratio={buffer_memory_ratio:g} of {format_bytes(free_bytes)} free"
-    configured_half = align_down(total // 2, alignment)
+    configured_half = half_bytes(free_bytes, buffer_memory_ratio=buffer_memory_ratio, buffer_gb=buffer_gb,
+                                 alignment=alignment)
     half = configured_half
     if total_export_bytes is not None:
         half = min(half, align_up(max(total_export_bytes, 1), alignment))

@@ -9,14 +9,15 @@ import yaml
 
 from rlc import RUNTIME_CONFIG_VERSION
 from rlc.compiler import api, resolve
-from rlc.runtime.config import (
+from rlc.compiler.bundle.build import runtime_yaml
+from rlc.contract.runtime_config import (
     RuntimeConfigError,
     load_runtime_config,
     runtime_config_from_dict,
     runtime_config_to_dict,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "rlc" / "recipes").rglob("*.yaml"))
 
 
@@ -42,8 +43,8 @@ def test_most_shipped_recipes_compile():
 def test_resolved_config_round_trips_through_the_runtime_dataclasses(path, result, tmp_path):
     data = resolve.to_runtime_config(result)
     target = tmp_path / "runtime.yaml"
-    target.write_text(yaml.safe_dump(data, sort_keys=True))
-    cfg = load_runtime_config(target)
+    target.write_text(runtime_yaml(data))  # the text the compiler writes into a bundle
+    cfg = load_runtime_config(target)  # the runtime's reader
     assert runtime_config_to_dict(cfg) == data
     # Derived sizes are consistent with the layout.
     tp = cfg.train_parallel

@@ -1,0 +1,10 @@
+"""What the compiler and the runtime agree on, in one pure-Python package (no torch, ray, vllm or megatron).
+
+* :mod:`rlc.contract.runtime_config` — the resolved ``runtime.yaml`` as typed, frozen dataclasses.
+* :mod:`rlc.contract.calibration_record` — the memory record the runtime writes per phase and the
+  compiler's ``rlc calibrate`` reads.
+* :mod:`rlc.contract.refit_buffer` — how the refit ping-pong buffer is sized from free memory; the
+  planner predicts with it and the runtime allocates with it.
+
+Both sides import these modules; neither keeps a copy.
+"""

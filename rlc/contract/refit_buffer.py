@@ -1,0 +1,35 @@
+"""The refit buffer sizing formula, used by the planner (prediction) and the runtime (allocation).
+
+The buffer is ``free × refit.buffer_memory_ratio`` (or ``refit.buffer_gb`` GiB) and is split into
+two ping-pong halves, each aligned down to the alignment. A tensor must fit one half, not the
+whole buffer: ``free × ratio / 2 >= tensor``.
+"""
+from __future__ import annotations
+
+GIB = 1 << 30
+
+
+def align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return -(-n // alignment) * alignment
+
+
+def align_down(n: int, alignment: int) -> int:
+    """``n`` rounded down to a multiple of ``alignment``."""
+    return (n // alignment) * alignment
+
+
+def buffer_total_bytes(free_bytes: int, *, buffer_memory_ratio: float | None, buffer_gb: float | None) -> int:
+    """Both halves together: ``buffer_gb`` GiB when set, else ``free × buffer_memory_ratio``."""
+    if buffer_gb is not None:
+        return int(buffer_gb * GIB)
+    if buffer_memory_ratio is None:
+        raise ValueError("refit buffer: one of buffer_memory_ratio and buffer_gb must be set")
+    return int(max(free_bytes, 0) * buffer_memory_ratio)
+
+
+def half_bytes(free_bytes: int, *, buffer_memory_ratio: float | None, buffer_gb: float | None,
+               alignment: int) -> int:
+    """One ping-pong half: half of :func:`buffer_total_bytes`, aligned down to ``alignment``."""
+    total = buffer_total_bytes(free_bytes, buffer_memory_ratio=buffer_memory_ratio, buffer_gb=buffer_gb)
+    return align_down(total // 2, max(1, alignment))
