@@ -24,6 +24,7 @@ class CheckResult:
     facts: Any = None  # rlc.compiler.model.ModelFacts
     gpu: Any = None  # rlc.compiler.catalog.GpuSpec
     plan: Any = None  # rlc.compiler.planner.MemoryPlan
+    calibration: tuple[Any, ...] = ()  # entries of cluster.calibration (rlc.compiler.planner.Calibration); () = shipped
     decisions: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     @property
@@ -76,10 +77,13 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     except catalog.CatalogError as exc:
         result.diagnostics.append(Diagnostic("error", str(exc), path="cluster.gpu", rule="RLC001"))
 
-    if result.facts is not None and result.gpu is not None:
+    table = _calibration_table(recipe, loaded, result.diagnostics)
+    if table is not False:
+        result.calibration = table
+    if result.facts is not None and result.gpu is not None and table is not False:
         from rlc.compiler.planner import plan_memory
 
-        result.plan = plan_memory(recipe, result.facts, result.gpu)
+        result.plan = plan_memory(recipe, result.facts, result.gpu, calibration=table or None)
 
     from rlc.compiler.rules import run_rules
 
@@ -88,6 +92,24 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     result.decisions = dict(rules.decisions)
     result.diagnostics = _place(result.diagnostics, loaded)
     return result
+
+
+def _calibration_table(recipe: dict[str, Any], loaded: Any, diags: list[Diagnostic]) -> Any:
+    """The entries of ``cluster.calibration`` (relative to the file that set it), () when unset,
+    False after adding the error when the file cannot be used."""
+    ref = recipe["cluster"].get("calibration")
+    if ref is None:
+        return ()
+    from rlc.compiler.planner.calibration import CalibrationError, calibration_path, load_table
+
+    origin = loaded.locate("cluster.calibration")
+    base = Path(origin.file).parent if origin is not None and Path(origin.file).is_file() else Path.cwd()
+    try:
+        return load_table(str(calibration_path(ref, base)))
+    except CalibrationError as exc:
+        diags.append(Diagnostic("error", str(exc), path="cluster.calibration", rule="RLC004",
+                                hint="write one with `rlc calibrate RUN_DIR... --recipe RECIPE -o FILE`"))
+        return False
 
 
 def _catalog_path(recipe: dict[str, Any]) -> str:

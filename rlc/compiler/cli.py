@@ -1,7 +1,7 @@
 """The ``rlc`` command line.
 
 Subcommands: ``validate``, ``lint``, ``show``, ``schema``, ``explain``, ``plan``, ``compile``,
-``submit``, ``import nemo-rl``, ``doctor``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
+``calibrate``, ``submit``, ``import nemo-rl``, ``doctor``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
 error, i.e. a bug in rlc). Bad input never produces a Python traceback; ``--debug`` shows one for
 internal errors.
 
@@ -75,8 +75,20 @@ def _print_diags(diags: Sequence[Diagnostic], stream: Any = None) -> None:
         (stream or sys.stderr).write(format_text(diags))
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` values, then ``--calibration FILE`` as the ``cluster.calibration`` override."""
+    sets = list(getattr(args, "set", None) or ())
+    calibration = getattr(args, "calibration", None)
+    if calibration:
+        from rlc.compiler.planner.calibration import shipped_calibrations
+
+        ref = calibration if calibration in shipped_calibrations() else os.path.abspath(calibration)
+        sets.append(f"cluster.calibration={json.dumps(ref)}")
+    return sets
+
+
 def _checked(args: argparse.Namespace) -> tuple[Any, list[Diagnostic], int]:
-    result = run_check(_recipe_arg(args.file), args.set or ())
+    result = run_check(_recipe_arg(args.file), _overrides(args))
     diags = _ordered(result.diagnostics, result)
     return result, diags, exit_code(diags)
 
@@ -236,6 +248,29 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the planner's constants for a GPU and software stack from runs' memory records."""
+    from rlc.compiler.calibrate import calibrate
+    from rlc.compiler.planner.calibration import CalibrationError
+
+    result = run_check(_recipe_arg(args.recipe), args.set or ())
+    fatal = [d for d in result.diagnostics if d.severity == "error" and d.rule not in _PLAN_RULES]
+    if result.recipe is None or result.facts is None or result.gpu is None or fatal:
+        diags = _ordered(result.diagnostics, result)
+        _print_diags(diags)
+        return exit_code(diags) or EXIT_RECIPE
+    try:
+        text = calibrate(args.runs, result, Path(args.output), entry_id=args.id)
+    except CalibrationError as exc:
+        raise UsageError(str(exc)) from None
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+#: Rule ids about the plan's verdict: a recipe whose refit fails still has measurable runs to fit from.
+_PLAN_RULES = frozenset({"RLC210", "RLC211"})
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a recipe into a launch bundle folder."""
     result, diags, code = _checked(args)
@@ -386,8 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    def calibration_flag(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--calibration", metavar="FILE",
+                       help="planner constants written by `rlc calibrate` (or a shipped calibration name); "
+                            "same as --set cluster.calibration=FILE")
+
     p = add("validate", cmd_validate, "check one recipe", with_set=True)
     p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
+    calibration_flag(p)
 
     p = add("lint", cmd_lint, "check recipes in files and folders (for CI and pre-commit)")
     p.add_argument("paths", metavar="PATH", nargs="+", help="recipe files or folders (recursive)")
@@ -411,11 +452,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plan", cmd_plan, "show the memory plan and refit decisions", with_set=True)
     p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    calibration_flag(p)
 
     p = add("compile", cmd_compile, "compile a recipe into a launch bundle", with_set=True)
     p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
+    calibration_flag(p)
     p.add_argument("-o", "--output", metavar="DIR", required=True, help="bundle folder to write")
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+
+    p = add("calibrate", cmd_calibrate, "fit the planner's constants for a GPU and software stack from runs",
+            with_set=True)
+    p.add_argument("runs", metavar="RUN_DIR", nargs="+",
+                   help="a run's log folder (logging.dir: calibration.jsonl and metrics.jsonl)")
+    p.add_argument("--recipe", metavar="RECIPE", required=True,
+                   help="the recipe the runs were compiled from (model, layout, generation budget)")
+    p.add_argument("-o", "--output", metavar="FILE", required=True, help="calibration file to write")
+    p.add_argument("--id", metavar="ID", help="entry id (default: GPU and vLLM version, e.g. h200-141gb-vllm-0.22.0)")
 
     p = sub.add_parser("import", parents=[common], help="turn another tool's config into an rlc recipe",
                        description="turn another tool's config into an rlc recipe")

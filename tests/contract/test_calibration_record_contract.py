@@ -14,7 +14,7 @@ from rlc.contract.runtime_config import load_runtime_config
 from rlc.runtime.driver import GrpoRun
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_RUN_RECORDS = ROOT / "docs/results/issue6_grpo_calibration.jsonl"
+TINY_RUN_RECORDS = ROOT / "docs/results/tiny-qwen3-h200-grpo/calibration.jsonl"
 TINY_RUNTIME_YAML = ROOT / "tests/gpu/tiny_runtime.yaml"
 MEMORY = {"free_gib": 123.7662, "used_gib": 16.0345, "total_gib": 139.8007,
           "torch_allocated_gib": 13.7223, "torch_reserved_gib": 13.7344}

@@ -117,7 +117,7 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
         except Exception as exc:
             res["plot_error"] = repr(exc)[:300]
     res["elapsed_s"] = clock()
-    dump(res, out, "issue6_grpo_learning")
+    dump(res, out, "grpo_learning")
     return res
 
 

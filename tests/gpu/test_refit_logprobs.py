@@ -182,7 +182,7 @@ def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
     except Exception as exc:  # the refit proof above stands on its own
         res["sleep_levels_medium"] = {"error": repr(exc)[:500]}
     res["elapsed_total_s"] = clock()
-    dump(res, out, "issue3_refit_logprobs")
+    dump(res, out, "refit_logprobs")
     return res
 
 

@@ -302,9 +302,9 @@ def run(only: list[str], root: str = "/tmp/rlc-2gpu", out: str | None = None) ->
             res[name] = {"passed": False, "error": repr(exc)[:2000], "traceback": traceback.format_exc()[-3000:]}
         res[name]["elapsed_s"] = t()
         print(f"== {name}: passed={res[name].get('passed')} in {res[name]['elapsed_s']} s", flush=True)
-        dump(res, out, "issue7_two_gpu")  # after every proof: a later timeout keeps what finished
+        dump(res, out, "two_gpu")  # after every proof: a later timeout keeps what finished
     res["elapsed_s"] = clock()
-    dump(res, out, "issue7_two_gpu")
+    dump(res, out, "two_gpu")
     return res
 
 

@@ -14,13 +14,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
 from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.yaml")
+#: Calibration files written by ``rlc calibrate`` and shipped with rlc (``cluster.calibration: NAME``).
+SHIPPED_DIR = Path(__file__).with_name("calibrations")
 
 
 class CalibrationError(ValueError):
@@ -40,12 +42,14 @@ class Calibration:
     megatron_refit_residual_gib: float
     megatron_cpu_offload_extra_gib: float
     vllm_base_gib: float
+    vllm_awake_extra_gib: float
     vllm_weights_resident_sleep_level_2: bool
     vllm_cuda_graph_gib: float
     vllm_cuda_graph_uncertainty_gib: float
     export_staging_overhead_gib: float
     fragmentation_points: tuple[tuple[float, float], ...]  # (headroom fraction, GiB), sorted
     sources: dict[str, str] = field(default_factory=dict)  # constant -> its source line
+    meanings: dict[str, str] = field(default_factory=dict)  # constant -> what it is (``what:``)
     reference: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
     fallback_note: Optional[str] = None  # set when this entry was measured on another GPU
@@ -84,29 +88,77 @@ def _entry(raw: Mapping[str, Any]) -> Calibration:
         megatron_refit_residual_gib=float(value("megatron_refit_residual_gib")),
         megatron_cpu_offload_extra_gib=float(value("megatron_cpu_offload_extra_gib")),
         vllm_base_gib=float(value("vllm_base_gib")),
+        vllm_awake_extra_gib=float(value("vllm_awake_extra_gib")),
         vllm_weights_resident_sleep_level_2=bool(value("vllm_weights_resident_sleep_level_2")),
         vllm_cuda_graph_gib=float(value("vllm_cuda_graph_gib")),
         vllm_cuda_graph_uncertainty_gib=float(value("vllm_cuda_graph_uncertainty_gib")),
         export_staging_overhead_gib=float(value("export_staging_overhead_gib")),
         fragmentation_points=points,
         sources={k: str(v.get("source", "")) for k, v in consts.items() if isinstance(v, dict)},
+        meanings={k: str(v.get("what", "")) for k, v in consts.items() if isinstance(v, dict)},
         reference=dict(raw.get("reference", {})),
         measured=dict(raw.get("measured", {})),
     )
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=8)
 def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
-    """All entries of the calibration table (``calibration.yaml`` unless ``path`` is given)."""
-    raw = yaml.safe_load(Path(path or CALIBRATION_FILE).read_text(encoding="utf-8"))
-    if not isinstance(raw, dict) or raw.get("format") != 1 or not raw.get("entries"):
-        raise CalibrationError("calibration table must have format: 1 and a non-empty entries list")
-    return tuple(_entry(e) for e in raw["entries"])
+    """All entries of a calibration table (the shipped ``calibration.yaml`` unless ``path`` is given).
+
+    A file that is not a table (YAML error, wrong format, a constant missing or of the wrong type)
+    raises ``CalibrationError`` naming the file and the entry.
+    """
+    where = str(path or CALIBRATION_FILE)
+    try:
+        raw = yaml.safe_load(Path(where).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CalibrationError(f"{where}: cannot read the calibration file ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise CalibrationError(f"{where}: not YAML ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != 1 or not isinstance(raw.get("entries"), list) \
+            or not raw["entries"]:
+        raise CalibrationError(f"{where}: a calibration table has 'format: 1' and a non-empty 'entries' list "
+                               "(write one with `rlc calibrate`)")
+    entries = []
+    for i, entry in enumerate(raw["entries"]):
+        try:
+            entries.append(_entry(entry))
+        except CalibrationError as exc:
+            raise CalibrationError(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            name = entry.get("id", f"#{i + 1}") if isinstance(entry, dict) else f"#{i + 1}"
+            raise CalibrationError(f"{where}: calibration entry {name}: malformed ({type(exc).__name__}: {exc})") \
+                from None
+    return tuple(entries)
 
 
-def calibration_for(gpu: str, versions: Optional[Mapping[str, str]] = None) -> Calibration:
-    """The entry measured on ``gpu`` (matching ``versions`` if given), else the first entry with a note."""
-    table = load_table()
+def shipped_calibrations() -> dict[str, Path]:
+    """Calibration files shipped with rlc, by name (``rlc/compiler/planner/calibrations/NAME.yaml``)."""
+    return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+
+
+def calibration_path(ref: str, base_dir: Path) -> Path:
+    """The file a ``cluster.calibration`` value names: a shipped name, or a path relative to ``base_dir``."""
+    shipped = shipped_calibrations()
+    if ref in shipped:
+        return shipped[ref]
+    path = Path(ref).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.is_file():
+        names = ", ".join(shipped) or "none"
+        raise CalibrationError(f"calibration file {ref!r} not found (looked for {path}); give a file written by "
+                               f"`rlc calibrate` or a shipped calibration name ({names})")
+    return path
+
+
+def calibration_for(gpu: str, versions: Optional[Mapping[str, str]] = None,
+                    table: Optional[Sequence[Calibration]] = None) -> Calibration:
+    """The entry measured on ``gpu`` (matching ``versions`` if given), else the first entry with a note.
+
+    ``table`` is the entries to choose from (a file given with ``--calibration`` or
+    ``cluster.calibration``); the shipped table by default.
+    """
+    table = tuple(table) if table else load_table()
     same_gpu = [c for c in table if c.gpu == gpu]
     if versions:
         exact = [c for c in same_gpu if all(c.versions.get(k) == v for k, v in versions.items())]

@@ -19,7 +19,8 @@ overhead and fragmentation come from the calibration table (``calibration.yaml``
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Sequence
 
 from rlc.contract import refit_buffer
 from rlc.compiler.model import ModelFacts
@@ -184,6 +185,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     bpp = DTYPE_BYTES.get(recipe.get("model", {}).get("dtype", "bfloat16"), 2)
     limit = float(gpu.memory_gib)
     plan = MemoryPlan(model_id=facts.model_id, gpu=gpu.name, gpu_memory_gib=limit, calibration_id=cal.id,
+                      graph_uncertainty_gib=cal.vllm_cuda_graph_uncertainty_gib,
                       layout=_layout_dict(tl, gl))
     if cal.fallback_note:
         plan.notes.append(cal.fallback_note)
@@ -200,6 +202,8 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     v_weights = max(s.params for s in vllm) * bpp if vllm else None
     plan.vllm_weights_gib = gib(v_weights)
     ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
+    residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
+                    "calibration:megatron_refit_residual_gib")
     residue = _vllm_residue(recipe, v_weights, cal)
     generation, training = recipe.get("generation", {}), recipe.get("training", {})
 
@@ -220,16 +224,19 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         if training.get("optimizer_cpu_offload"):
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
-        plan.phases["train"] = Phase("train", "train step (before activations)", tuple(items + [ctx] + residue),
+        plan.phases["train"] = Phase("train", "train step (before activations)",
+                                     tuple(items + [residual, ctx] + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
     # ---- generate
     util = float(generation.get("gpu_memory_utilization", 0.6))
     g_items = [Item("vLLM pool (weights + KV cache + activations)", util * limit, "vllm",
                     "recipe:generation.gpu_memory_utilization")]
+    if cal.vllm_awake_extra_gib:
+        g_items.append(Item("vLLM outside its budget", cal.vllm_awake_extra_gib, "vllm",
+                            "calibration:vllm_awake_extra_gib"))
     if not generation.get("enforce_eager", False):
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
-    g_items += [ctx, Item("Megatron residual (offloaded)", cal.megatron_refit_residual_gib, "megatron",
-                          "calibration:megatron_refit_residual_gib")]
+    g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
     if v_weights is not None:
         kv = util * limit - v_weights / GIB
@@ -376,9 +383,14 @@ def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any
     return fixes
 
 
-def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any) -> MemoryPlan:
-    """The memory plan of ``recipe`` (schema defaults filled) for ``facts`` on ``gpu`` (a GpuSpec)."""
-    cal = calibration_for(gpu.name)
+def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any,
+                calibration: Optional[Sequence[Calibration]] = None) -> MemoryPlan:
+    """The memory plan of ``recipe`` (schema defaults filled) for ``facts`` on ``gpu`` (a GpuSpec).
+
+    ``calibration`` is the table to take the constants from (a ``--calibration`` or
+    ``cluster.calibration`` file); the shipped table when None.
+    """
+    cal = calibration_for(gpu.name, table=calibration)
     plan = _core_plan(recipe, facts, gpu, cal)
     checks = plan.checks
     failing = any(checks.get(k) is not None and checks[k].ok is False for k in ("buffer", "stack"))

@@ -119,6 +119,7 @@ class MemoryPlan:
     gpu_memory_gib: float
     calibration_id: str
     layout: dict[str, Any]
+    graph_uncertainty_gib: float  # how much the CUDA-graph residue varies (calibration), for the margin rules
     phases: dict[str, Phase] = field(default_factory=dict)
     refit: Optional[RefitMath] = None
     checks: dict[str, Check] = field(default_factory=dict)

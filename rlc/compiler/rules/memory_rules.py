@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlc.compiler.planner.calibration import calibration_for
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
 
@@ -84,13 +83,12 @@ def graph_margin(ctx: Context) -> None:
     r = plan.refit
     if r is None or ctx.get("generation.enforce_eager", False) or r.tolerance_gib is None:
         return
-    cal = calibration_for(plan.gpu)
-    if r.tolerance_gib >= cal.vllm_cuda_graph_uncertainty_gib:
+    if r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
     levers = [f.text.split(";")[0] for f in plan.fixes if f.key in ("generation.enforce_eager", "refit.sleep_level")]
     ctx.warning(f"refit passes now (per side {r.buffer_margin / GIB:+.2f} GiB, staging site {r.stack_margin / GIB:+.2f} "
                 f"GiB) but {r.tolerance_gib:.2f} GiB more vLLM residue would break it; with enforce_eager off the "
-                f"CUDA-graph residue after step 1 varies by ~{cal.vllm_cuda_graph_uncertainty_gib:.0f} GiB",
+                f"CUDA-graph residue after step 1 varies by ~{plan.graph_uncertainty_gib:.0f} GiB",
                 "generation.enforce_eager", hint="; or ".join(levers) or "enforce_eager: true")
 
 
@@ -106,8 +104,7 @@ def sleep_level(ctx: Context) -> None:
     r = plan.refit
     if r is None or ctx.get("refit.sleep_level", 1) != 1 or not ctx.get("generation.enforce_eager", False):
         return  # with enforce_eager off RLC212 already names sleep_level 2
-    cal = calibration_for(plan.gpu)
-    if r.tolerance_gib is None or r.tolerance_gib >= cal.vllm_cuda_graph_uncertainty_gib:
+    if r.tolerance_gib is None or r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
     freed = plan.vllm_weights_gib
     ctx.warning(f"refit margin is only {r.tolerance_gib:.2f} GiB of free memory with sleep_level 1",

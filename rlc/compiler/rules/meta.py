@@ -26,3 +26,12 @@ register(Rule(
     seed="Compiler hygiene.",
     fixes="Correct the id (`rlc explain --list`) or remove the entry.",
 ))
+register(Rule(
+    id="RLC004", title="calibration file cannot be used", severities=("error",),
+    rationale="cluster.calibration (or --calibration) names the planner's constants for a GPU and software "
+              "stack. A file that is missing or malformed would silently fall back to other constants and "
+              "plan with numbers measured elsewhere.",
+    seed="Design: every planner constant comes from a measurement that can be named.",
+    fixes="Point cluster.calibration at a file written by `rlc calibrate` (path relative to the recipe) or at a "
+          "shipped calibration name, or remove the key to use the shipped table.",
+))
