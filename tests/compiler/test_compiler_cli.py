@@ -251,6 +251,23 @@ print("HEAVY", heavy)
     assert "HEAVY []" in proc.stdout
 
 
+def test_compile_path_does_not_import_network_modules(tmp_path):
+    """Writing a bundle (plan.svg included) needs no http/ssl: escaping SVG text once pulled them in
+    through xml.sax.saxutils -> urllib.request."""
+    script = f"""
+import sys
+from rlc.compiler.cli import main
+code = main(["compile", "valid/full.yaml", "-o", {str(tmp_path / "bundle")!r}, "--set", "cluster.log_dir={tmp_path}"])
+print("CODE", code)
+print("NET", sorted(m for m in sys.modules if m.split(".")[0] in ("ssl", "http", "email", "xml")
+                   or m == "urllib.request"))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True, timeout=120)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "bundle" / "plan.svg").exists()
+    assert "NET []" in proc.stdout, proc.stdout
+
+
 def test_plain_import_is_light():
     proc = subprocess.run(
         [sys.executable, "-c", "import sys, rlc.compiler.cli, rlc.compiler.recipe, rlc.compiler.diagnostics;"

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from xml.sax.saxutils import escape
+
+from rlc.compiler.planner.render_svg import escape_text
 
 
 def _summary(recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, Any]:
@@ -22,7 +23,7 @@ def _summary(recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str
 
 def _summary_svg(lines: list[str]) -> str:
     height = 20 * len(lines) + 20
-    rows = "".join(f'<text x="10" y="{20 * (i + 1)}">{escape(line)}</text>' for i, line in enumerate(lines))
+    rows = "".join(f'<text x="10" y="{20 * (i + 1)}">{escape_text(line)}</text>' for i, line in enumerate(lines))
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="720" height="{height}" '
             f'font-family="monospace" font-size="13">{rows}</svg>\n')
 

@@ -29,6 +29,7 @@ from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
+from rlc.compiler.planner.window import first_true, passing_runs, widest
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
@@ -110,36 +111,42 @@ def _per_side(free: int, recipe: dict[str, Any], ratio: Optional[float] = None) 
     return half, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
 
 
+def _headroom(per_side: int, largest: int) -> float:
+    """How far a buffer half exceeds the largest tensor, as a fraction of the tensor."""
+    return (per_side - largest) / largest if largest else 1.0
+
+
 def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> tuple[int, int, float]:
-    headroom = (per_side - largest) / largest if largest else 1.0
+    headroom = _headroom(per_side, largest)
     frag = _g(cal.fragmentation_gib(headroom))
     return free - 2 * per_side - gathered - _g(cal.export_staging_overhead_gib) - frag, frag, headroom
 
 
-def _passes(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> bool:
-    stack, _, _ = _stack_free(free, per_side, largest, gathered, cal)
-    return per_side >= largest and stack >= largest
+def _ratio_at(k: int) -> float:
+    return round(k * RATIO_STEP, 3)
 
 
 def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
                  cal: Calibration) -> Optional[tuple[float, float]]:
-    """The widest contiguous range of ``buffer_memory_ratio`` passing both refit checks at ``free``."""
-    best, start, prev = None, None, None
+    """The widest contiguous range of ``buffer_memory_ratio`` (grid ``RATIO_STEP`` up to ``RATIO_MAX``)
+    passing both refit checks at ``free``.
+
+    Solved rather than stepped (``window.py``): the half grows with the ratio, so the grid splits
+    where the half reaches the largest tensor and where its headroom crosses a fragmentation point;
+    within each piece the staging-site check is monotone and its boundary is found by bisection.
+    """
     steps = int(RATIO_MAX / RATIO_STEP)
-    for k in range(1, steps + 1):
-        r = round(k * RATIO_STEP, 3)
-        per_side, _, _ = _per_side(free, recipe, r)
-        ok = _passes(free, per_side, largest, gathered, cal)
-        if ok and start is None:
-            start = r
-        if not ok and start is not None:
-            if best is None or prev - start > best[1] - best[0]:
-                best = (start, prev)
-            start = None
-        prev = r
-    if start is not None and (best is None or prev - start > best[1] - best[0]):
-        best = (start, prev)
-    return best
+
+    def per_side(k: int) -> int:
+        return _per_side(free, recipe, _ratio_at(k))[0]
+
+    def stack_ok(k: int) -> bool:
+        return _stack_free(free, per_side(k), largest, gathered, cal)[0] >= largest
+
+    holds = first_true(1, steps, lambda k: per_side(k) >= largest)
+    starts = [holds] + [max(holds, first_true(1, steps, lambda k, x=x: _headroom(per_side(k), largest) >= x))
+                        for x, _ in cal.fragmentation_points]
+    return widest(passing_runs(steps, starts, stack_ok), _ratio_at)
 
 
 def _gathered(name: str, largest: int, tl: TrainLayout) -> int:

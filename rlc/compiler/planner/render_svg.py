@@ -7,9 +7,16 @@ when it crosses the GPU limit; unknown items are a hatched "?" cap.
 """
 from __future__ import annotations
 
-from xml.sax.saxutils import escape
+from html import escape as _escape_markup
 
 from rlc.compiler.planner.plan import MemoryPlan
+
+
+def escape_text(text: str) -> str:
+    """Text for an SVG text node: ``&``, ``<`` and ``>`` escaped (``html``, not ``xml.sax.saxutils``,
+    which imports urllib and with it http and ssl on the compile path)."""
+    return _escape_markup(text, quote=False)
+
 
 _W, _H = 900, 470
 _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 300, 40, 90
@@ -48,7 +55,7 @@ def render_svg(plan: MemoryPlan) -> str:
            '</pattern></defs>',
            f'<rect width="{_W}" height="{_H}" fill="white"/>',
            f'<text x="{_LEFT}" y="20" font-size="13" font-weight="bold">'
-           f'{escape(plan.model_id)}: memory per GPU ({escape(plan.gpu)}, {limit:.2f} GiB)</text>']
+           f'{escape_text(plan.model_id)}: memory per GPU ({escape_text(plan.gpu)}, {limit:.2f} GiB)</text>']
     step = 10 if top_value <= 100 else 20
     v = 0
     while v <= top_value:
@@ -72,7 +79,7 @@ def render_svg(plan: MemoryPlan) -> str:
             y0, y1 = y(base + item.gib), y(base)
             title = f"{item.label}: {item.gib:.2f} GiB ({item.source})"
             out.append(f'<rect x="{x:.1f}" y="{y0:.1f}" width="{bar_w:.1f}" height="{max(0.0, y1 - y0):.1f}" '
-                       f'fill="{color}" stroke="white" stroke-width="0.5"><title>{escape(title)}</title></rect>')
+                       f'fill="{color}" stroke="white" stroke-width="0.5"><title>{escape_text(title)}</title></rect>')
             base += item.gib
         top = base
         if unknown:
@@ -85,7 +92,7 @@ def render_svg(plan: MemoryPlan) -> str:
             stroke = "#c00" if over else "#333"
             out.append(f'<rect x="{x:.1f}" y="{y(base + req.gib):.1f}" width="{bar_w:.1f}" '
                        f'height="{y(base) - y(base + req.gib):.1f}" fill="none" stroke="{stroke}" stroke-width="1.5" '
-                       f'stroke-dasharray="4,3"><title>{escape(f"next: {req.label}: {req.gib:.2f} GiB")}</title></rect>')
+                       f'stroke-dasharray="4,3"><title>{escape_text(f"next: {req.label}: {req.gib:.2f} GiB")}</title></rect>')
             short = "stack" if "stack" in req.label else "buffer"
             out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(base + req.gib / 2) + 4:.1f}" fill="{stroke}" '
                        f'text-anchor="middle" font-size="10">{short} {req.gib:.1f}</text>')
@@ -94,7 +101,7 @@ def render_svg(plan: MemoryPlan) -> str:
         out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(top) - (28 if unknown else 4):.1f}" '
                    f'text-anchor="middle">{label}</text>')
         out.append(f'<text x="{x + bar_w / 2:.1f}" y="{_TOP + plot_h + 16:.1f}" text-anchor="middle" '
-                   f'font-weight="bold">{escape(phase.name)}</text>')
+                   f'font-weight="bold">{escape_text(phase.name)}</text>')
         if phase.stage is not None:
             out.append(f'<text x="{x + bar_w / 2:.1f}" y="{_TOP + plot_h + 30:.1f}" text-anchor="middle" '
                        f'fill="#555">PP stage {phase.stage}</text>')
@@ -116,6 +123,6 @@ def render_svg(plan: MemoryPlan) -> str:
     for n, (label, color) in enumerate(legend.items()):
         yy = ly + 16 * n
         out.append(f'<rect x="{lx}" y="{yy}" width="10" height="10" fill="{color}"/>')
-        out.append(f'<text x="{lx + 14}" y="{yy + 9}">{escape(label)}</text>')
+        out.append(f'<text x="{lx + 14}" y="{yy + 9}">{escape_text(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

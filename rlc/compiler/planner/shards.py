@@ -12,7 +12,9 @@ few MB this adds per layer are not counted.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from rlc.compiler.model import ModelFacts, ParamSplit, add_splits
@@ -36,13 +38,27 @@ class StageShard:
 
 
 def _layers_split(facts: ModelFacts, indices: list[int]) -> Optional[ParamSplit]:
+    """Parameters of the decoder layers at ``indices``: each distinct layer kind counted once, times
+    how often it occurs (a stage has a few kinds and dozens of layers)."""
     kinds = facts.layer_kinds
     if kinds is None:
         return None
-    return add_splits(facts.layer_split(kinds[i]) for i in indices)
+    total = ParamSplit()
+    for kind, n in Counter(kinds[i] for i in indices).items():
+        split = facts.layer_split(kind)
+        if split is None:
+            return None
+        total = total + split.times(n)
+    return total
 
 
-def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[list[StageShard]]:
+#: Plans of many recipes (``rlc lint``) and the planner's what-if fixes share models and layouts;
+#: facts and layouts are frozen values, so their shards are computed once per process.
+_SHARD_CACHE = 256
+
+
+@lru_cache(maxsize=_SHARD_CACHE)
+def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[tuple[StageShard, ...]]:
     """One :class:`StageShard` per Megatron pipeline stage, or ``None`` when facts are missing."""
     if facts.num_layers is None or facts.layer_kinds is None or facts.vocab is None or facts.hidden is None:
         return None
@@ -79,10 +95,11 @@ def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[li
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert, vocab_copies=copies,
                               mtp_blocks=mtp if last else 0))
-    return out
+    return tuple(out)
 
 
-def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[list[StageShard]]:
+@lru_cache(maxsize=_SHARD_CACHE)
+def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[tuple[StageShard, ...]]:
     """One :class:`StageShard` per vLLM pipeline stage (weights only), or ``None`` when unknown."""
     if facts.num_layers is None or facts.layer_kinds is None or facts.vocab is None or facts.hidden is None:
         return None
@@ -100,4 +117,4 @@ def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[l
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense,
                               expert=split.expert // layout.expert_shards, vocab_copies=copies, mtp_blocks=0))
-    return out
+    return tuple(out)
