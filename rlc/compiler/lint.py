@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.recipe import shared_parents
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 _MARKER = re.compile(
@@ -80,6 +81,7 @@ def lint(paths: Sequence[str], check: Callable[[str], Sequence[Diagnostic]]) -> 
     """Run ``check`` on every recipe under ``paths``; missing paths become usage errors."""
     target = discover(paths)
     diags = [Diagnostic("error", "no such file or folder", "", p, rule="io") for p in target.missing]
-    for recipe in target.recipes:
-        diags.extend(check(str(recipe)))
+    with shared_parents():  # a base recipe extended by many is parsed once
+        for recipe in target.recipes:
+            diags.extend(check(str(recipe)))
     return diags, target

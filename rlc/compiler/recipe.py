@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import copy
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from rlc.compiler.diagnostics import SET_ORIGIN, Diagnostic, PathPart, format_path, parse_path
 from rlc.compiler.suggest import did_you_mean
@@ -121,26 +122,33 @@ def _prune(origins: dict[Key, Origin], prefix: Key) -> None:
         del origins[key]
 
 
-def _graft(dst: dict[Key, Origin], src: dict[Key, Origin], prefix: Key) -> None:
-    n = len(prefix)
-    for key, origin in src.items():
-        if key[:n] == prefix:
+def _graft(dst: dict[Key, Origin], src: dict[Key, Origin], prefix: Key, value: Any) -> None:
+    """Copy the origins of ``prefix`` and of every key path inside ``value`` (the value at
+    ``prefix``) from ``src`` to ``dst``."""
+    for key in (prefix, *_subpaths(value, prefix)):
+        origin = src.get(key)
+        if origin is not None:
             dst[key] = origin
 
 
 def _merge(dst: dict, dst_origins: dict[Key, Origin], src: dict, src_origins: dict[Key, Origin],
            prefix: Key = ()) -> None:
-    """Merge ``src`` (the child) over ``dst`` in place: mappings key by key, others replace."""
+    """Merge ``src`` (the child) over ``dst`` in place: mappings key by key, others replace.
+    ``src`` and ``src_origins`` are only read (a parent may be shared by many recipes in a lint
+    run); the top-level ``extends`` key is not merged."""
     for key, value in src.items():
         path = prefix + (key,)
+        if not prefix and key == "extends":
+            continue
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
             if path in src_origins:
                 dst_origins[path] = src_origins[path]
             _merge(dst[key], dst_origins, value, src_origins, path)
         else:
-            _prune(dst_origins, path)
+            if key in dst:
+                _prune(dst_origins, path)
             dst[key] = copy.deepcopy(value)
-            _graft(dst_origins, src_origins, path)
+            _graft(dst_origins, src_origins, path, value)
 
 
 # --------------------------------------------------------------------------- the extends chain
@@ -153,9 +161,34 @@ class _Link:
     origins: dict[Key, Origin]
 
 
+#: Parents parsed once per ``rlc lint`` run (see :func:`shared_parents`); ``None`` outside one.
+_PARENTS: dict[tuple[str, str], _Link] | None = None
+
+
+@contextmanager
+def shared_parents() -> Iterator[None]:
+    """Within the block, a recipe named by ``extends:`` is read and parsed once and shared (read
+    only) by every recipe that extends it: ``rlc lint`` over a folder of children of one base."""
+    global _PARENTS
+    outer, _PARENTS = _PARENTS, {} if _PARENTS is None else _PARENTS
+    try:
+        yield
+    finally:
+        _PARENTS = outer
+
+
 def _read(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
     """Load one file of the chain. ``via`` is a template diagnostic at the ``extends:`` that led
     here (``None`` for the recipe named on the command line)."""
+    if via is None or _PARENTS is None:
+        return _parse(path, display, via=via)
+    key = (os.path.realpath(path), display)
+    if key not in _PARENTS:
+        _PARENTS[key] = _parse(path, display, via=via)
+    return _PARENTS[key]
+
+
+def _parse(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
     try:
         doc = load_yaml(path, display)
     except YamlLoadError as exc:
@@ -337,8 +370,6 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     data: dict[str, Any] = {}
     origins: dict[Key, Origin] = {}
     for link in reversed(chain):  # root ancestor first, the named recipe last
-        link.data.pop("extends", None)
-        _prune(link.origins, ("extends",))
         _merge(data, origins, link.data, link.origins)
     diags = _apply_overrides(data, origins, overrides)
     if diags:
