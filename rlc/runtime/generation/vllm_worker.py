@@ -37,8 +37,12 @@ class VllmGenerationWorker:
 
         return local_worker_info("generation", self.engine_index, self.bundles[0] if self.bundles else -1).to_dict()
 
-    def start(self) -> dict:
-        """Create the engine (loads the HF checkpoint, profiles memory, allocates the KV cache)."""
+    def start(self, engine_overrides: dict[str, Any] | None = None) -> dict:
+        """Create the engine (loads the HF checkpoint, profiles memory, allocates the KV cache).
+
+        ``engine_overrides``: extra ``vllm.LLM`` arguments applied last (benchmarks start the engine
+        with ``load_format="dummy"`` and ``skip_tokenizer_init=True`` from a bare ``config.json``).
+        """
         from vllm import LLM  # noqa: PLC0415
 
         from rlc.runtime.generation.sampling import logprobs_mode  # noqa: PLC0415
@@ -73,6 +77,7 @@ class VllmGenerationWorker:
             os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in self.bundles)
             kwargs["distributed_executor_backend"] = "ray"
+        kwargs.update(engine_overrides or {})
         self.llm = LLM(**kwargs)
         self.eos_token_id = self._eos_token_id()
         return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id}

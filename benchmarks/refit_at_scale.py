@@ -1,0 +1,526 @@
+"""Refit at model scale: Qwen3-30B-A3B on two GPUs and Qwen3-8B on one, random weights, colocated.
+
+    python benchmarks/refit_at_scale.py --out DIR [--cases engine,dense-8b,moe-ep2,moe-tp2]
+                                        [--tiny-metrics metrics.jsonl] [--refits 10] [--check]
+    python benchmarks/refit_at_scale.py --dry-run      # CPU: the plan (memory budget, spot checks)
+
+Nothing is downloaded. Each model is built from its HF ``config.json`` (``benchmarks/models/``):
+the trainer by Megatron-Bridge (``AutoBridge.from_hf_config`` + ``to_megatron_provider(load_weights
+=False)``: random initialisation, bf16, no optimizer, no gradient buffers), vLLM with
+``load_format="dummy"``. Both run as Ray actors sharing every GPU, the way the runtime colocates
+them, and every refit goes through the runtime's own pieces: ``RefitSource`` (Bridge export ->
+``RefitProducer``) on each trainer rank and the vLLM worker extension's ``RefitConsumer``.
+
+Cases:
+  engine    ``refit_bandwidth.py --backend cuda_ipc --gib 2``: the engine alone vs a same-run
+            device-to-device copy (goal: ratio >= 0.4).
+  dense-8b  Qwen3-8B, one GPU, trainer TP=1, vLLM TP=1.
+  moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2 (goal: total refit <= 1.5 s).
+  moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
+  tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
+
+Each measured cycle: negate the trainer's weights (so every refit moves new values) ->
+``wake_up(["weights"])`` -> refit (all trainer ranks and the vLLM workers at once) ->
+``wake_up(["kv_cache"])`` -> ``sleep(level=2)``; one warm-up and ``--refits`` measured cycles.
+After the last refit, exported HF tensors (experts on both EP ranks, router, attention, norms,
+embedding, LM head) are compared bit for bit with the matching slices of vLLM's fused, tensor-
+parallel parameters on the same GPU.
+
+Output: a table on stdout and ``refit_at_scale.json`` / ``refit_at_scale.txt`` in ``--out`` (the
+JSON is rewritten after every case, so a timeout keeps what finished). ``--check`` exits 1 when a
+case failed, a measured goal is missed, or nothing was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO))  # the checkout's rlc/, installed or not
+sys.path.insert(0, str(BENCH_DIR))
+
+import refit_scale_plan as P  # noqa: E402
+
+from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
+
+TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
+GPU_CASES = ("dense-8b", "moe-ep2", "moe-tp2")
+ALL_CASES = ("engine", *GPU_CASES, "tiny")
+DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
+H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
+ENGINE_OVERRIDES = {"load_format": "dummy", "skip_tokenizer_init": True}
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "refit_at_scale_out",
+                    help="folder for refit_at_scale.json / .txt (default: $OUT, else ./refit_at_scale_out)")
+    ap.add_argument("--cases", default=DEFAULT_CASES, help=f"comma list of {', '.join(ALL_CASES)}")
+    ap.add_argument("--refits", type=int, default=10, help="measured refits per case (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--buffer-gb", type=float, default=2.0, help="refit.buffer_gb: both ping-pong halves, GiB")
+    ap.add_argument("--moe-vllm-util", type=float, default=0.4, help="vLLM gpu_memory_utilization, 30B-A3B")
+    ap.add_argument("--dense-vllm-util", type=float, default=0.3, help="vLLM gpu_memory_utilization, 8B")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--engine-gib", type=float, default=2.0, help="size of the engine-only case")
+    ap.add_argument("--tiny-metrics", default=None, help="metrics.jsonl of a tiny GRPO run (adds the tiny case)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="GPU memory for the budget (default: nvidia-smi)")
+    ap.add_argument("--timeout-s", type=float, default=180.0, help="refit protocol timeout (dead peer -> error)")
+    ap.add_argument("--root", default="/tmp/rlc-refit-scale", help="scratch folder (model configs, logs)")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless every measured goal is met")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (budgets, spot checks) and stop")
+    a = ap.parse_args(argv)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in ALL_CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(ALL_CASES)}")
+    if a.tiny_metrics and "tiny" not in cases:
+        cases.append("tiny")
+    if "tiny" in cases and not a.tiny_metrics:
+        ap.error("--cases tiny needs --tiny-metrics PATH (the metrics.jsonl of a GRPO run)")
+    if a.refits < 1 or a.warmup < 0:
+        ap.error(f"--refits must be >= 1 and --warmup >= 0 (got {a.refits}, {a.warmup})")
+    if a.engine_gib <= 0 or a.buffer_gb <= 0:
+        ap.error("--engine-gib and --buffer-gb must be > 0")
+    a.case_list = cases
+    return a
+
+
+def layouts_for(a: argparse.Namespace) -> list[P.Layout]:
+    """The GPU cases asked for, in run order (the dense case first: one GPU, quickest to fail)."""
+    all_layouts = P.default_layouts(moe_util=a.moe_vllm_util, dense_util=a.dense_vllm_util, buffer_gb=a.buffer_gb)
+    return [all_layouts[n] for n in GPU_CASES if n in a.case_list]
+
+
+def gpu_memory_bytes(a: argparse.Namespace) -> int:
+    if a.gpu_memory_gib:
+        return int(a.gpu_memory_gib * P.GIB)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        mib = float(out.split()[0])
+        return int(mib * (1 << 20) * 0.994)  # the driver reserves ~0.6 %: torch's total is a bit lower
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return int(H200_GIB * P.GIB)
+
+
+def plan(a: argparse.Namespace) -> dict[str, Any]:
+    """Budgets and spot checks of every GPU case (pure; printed by --dry-run and before a run)."""
+    gpu = gpu_memory_bytes(a)
+    plans = {}
+    for lay in layouts_for(a):
+        cfg = P.load_hf_config(lay.model)
+        mb = P.model_bytes(cfg)
+        budget = P.memory_budget(mb, lay, gpu)
+        checks, notes = P.spot_checks(cfg)
+        plans[lay.name] = {"layout": lay, "model_bytes": mb, "budget": budget, "checks": checks, "notes": notes}
+    return plans
+
+
+def plan_to_json(plans: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: {
+            "layout": vars(p["layout"]) | {"describe": p["layout"].describe()},
+            "model_bytes": p["model_bytes"].to_dict(),
+            "budget": p["budget"].to_dict(),
+            "spot_checks": [vars(c) for c in p["checks"]],
+            "notes": p["notes"],
+        }
+        for name, p in plans.items()
+    }
+
+
+# --------------------------------------------------------------------------- the GPU side (Ray actors)
+
+
+class RandomInitTrainer(MegatronPolicyWorker):
+    """A Megatron policy rank built from an HF config with random weights; no optimizer, no DDP."""
+
+    def __init__(self, cfg_dict: dict, rank: int, world_size: int, bundle: int, model_dir: str) -> None:
+        super().__init__(cfg_dict, rank, world_size, bundle)
+        self.model_dir = model_dir
+
+    def setup(self, master: tuple[str, int], total_opt_steps: int = 1) -> dict:
+        import torch  # noqa: PLC0415
+        from megatron.bridge import AutoBridge  # noqa: PLC0415
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        from rlc.runtime.policy.megatron_setup import (  # noqa: PLC0415
+            PolicyModel,
+            init_distributed,
+            init_model_parallel,
+            make_provider,
+        )
+
+        t0 = time.perf_counter()
+        init_distributed(self.rank, self.world_size, master[0], master[1])
+        init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
+        torch.manual_seed(self.cfg.training.seed)
+        bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
+        provider = make_provider(bridge, self.cfg, load_weights=False)
+        model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=True, fp16=False)
+        for chunk in model:
+            chunk.eval()
+        self.pm = PolicyModel(bridge=bridge, provider=provider, model=model, optimizer=None, ddp_config=None)
+        torch.cuda.synchronize()
+        params = [p for m in model for p in m.parameters()]
+        return {
+            "rank": self.rank,
+            "dp_rank": ps.get_data_parallel_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "ep_rank": ps.get_expert_model_parallel_rank(),
+            "params_local": int(sum(p.numel() for p in params)),
+            "bytes_local": int(sum(p.numel() * p.element_size() for p in params)),
+            "setup_s": time.perf_counter() - t0,
+            "memory": self.memory(),
+            "gpu_uuid": self.info()["gpu_uuid"],
+        }
+
+
+def _negate_weights(worker: Any) -> float:
+    """Flip the sign of every trainer weight (exact in bf16): each refit then moves new values."""
+    import torch  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for chunk in worker.pm.model:
+            for p in chunk.parameters():
+                p.neg_()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _export_alone(worker: Any) -> dict:
+    """One Bridge export pass with nothing else (every rank at once: the export gathers)."""
+    import torch  # noqa: PLC0415
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = nbytes = 0
+    for _name, tensor in worker.source.export():
+        n += 1
+        nbytes += tensor.numel() * tensor.element_size()
+        del tensor
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - t0, "tensors": n, "bytes": nbytes}
+
+
+def _vllm_uuids(gen: Any) -> list[str]:
+    return gen.llm.collective_rpc("rlc_device_uuid")
+
+
+def _wait(refs: list, what: str) -> list:
+    import ray  # noqa: PLC0415
+
+    try:
+        return ray.get(refs)
+    except Exception as exc:  # a Ray error wraps the worker's traceback; keep the last lines
+        raise RuntimeError(f"{what} failed: {str(exc)[-3000:]}") from exc
+
+
+def write_model_dir(root: Path, model: str) -> Path:
+    """``root/<model>/config.json``: the HF config without provenance keys (what both engines read)."""
+    d = root / model
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(P.load_hf_config(model), indent=1), encoding="utf-8")
+    return d
+
+
+def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root: Path) -> dict:
+    """A runtime.yaml for the case (the tiny proof's file with the case's model, layout and refit)."""
+    import yaml  # noqa: PLC0415
+
+    d = yaml.safe_load(TINY_RUNTIME_YAML.read_text(encoding="utf-8"))
+    hf = P.load_hf_config(lay.model)
+    d["name"] = f"refit-scale-{lay.name}"
+    d["model"].update(name=lay.model, checkpoint=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16",
+                      num_layers=int(hf["num_hidden_layers"]), num_experts=int(hf.get("num_experts") or 0))
+    d["cluster"].update(gpus_per_node=lay.gpus, world_size=lay.gpus, log_dir=str(root / "logs"))
+    d["train_parallel"].update(tp=lay.train_tp, ep=lay.train_ep, etp=lay.train_etp, dp=lay.train_dp,
+                               expert_dp=lay.expert_dp)
+    d["generation_parallel"].update(tp=lay.gen_tp, pp=1, ep=1, dp=lay.gpus // lay.gen_tp)
+    d["generation"].update(gpu_memory_utilization=lay.vllm_util, max_model_len=a.max_model_len, enforce_eager=True)
+    d["refit"].update(buffer_gb=lay.buffer_gb, buffer_memory_ratio=None, sleep_level=2,
+                      offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False)
+    d["data"]["train_path"] = str(root / "data" / "train.jsonl")
+    d["checkpointing"]["dir"] = str(root / "ckpt")
+    d["logging"]["dir"] = str(root / "logs")
+    return d
+
+
+class GpuSession:
+    """Ray, placement groups and actors of the GPU cases (one vLLM engine per model, reused by layouts)."""
+
+    def __init__(self, a: argparse.Namespace, results: dict, save: Any) -> None:
+        self.a = a
+        self.results = results
+        self.save = save
+        self.root = Path(a.root)
+
+    def env(self, cfg_dict: dict) -> dict:
+        from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+        from rlc.runtime.workers import worker_env  # noqa: PLC0415
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; fail fast instead of waiting
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env = worker_env(runtime_config_from_dict(cfg_dict))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def run(self, layouts: list[P.Layout], plans: dict[str, Any]) -> None:
+        import ray  # noqa: PLC0415
+
+        groups: dict[tuple, list[P.Layout]] = {}
+        for lay in layouts:  # layouts of one model share its vLLM engine
+            groups.setdefault((lay.model, lay.gpus, lay.gen_tp, lay.vllm_util), []).append(lay)
+        try:
+            for group in groups.values():
+                self.run_group(group, plans)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+
+    def run_group(self, group: list[P.Layout], plans: dict[str, Any]) -> None:
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+        from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
+        from rlc.runtime.workers import spawn  # noqa: PLC0415
+
+        first = group[0]
+        model_dir = write_model_dir(self.root, first.model)
+        cfg_dict = runtime_cfg_dict(first, model_dir, self.a, self.root)
+        env = self.env(cfg_dict)
+        if not ray.is_initialized():
+            ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+        pg = placement_group([{"GPU": 1.0, "CPU": 4.0}] * first.gpus, strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        gen = None
+        try:
+            t0 = time.perf_counter()
+            gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5 if first.gen_tp == 1 else 0.0, env=env,
+                        name=f"scale-gen-{first.name}-{os.getpid()}", args=(cfg_dict, 0, list(range(first.gpus))))
+            started = _wait([gen.start.remote(ENGINE_OVERRIDES)], "vLLM start")[0]
+            engine = {"start_s": time.perf_counter() - t0, "memory": started["memory"]}
+            engine["sleep_first"] = _wait([gen.sleep.remote(2)], "vLLM sleep")[0]
+            engine["uuids"] = _wait([gen.call.remote(_vllm_uuids)], "vLLM device uuids")[0]
+            for lay in group:
+                t1 = time.perf_counter()
+                case: dict[str, Any] = {"describe": lay.describe(), "engine": engine}
+                self.results["cases"][lay.name] = case
+                try:
+                    self.run_layout(lay, plans[lay.name], gen, pg, env, model_dir, case)
+                except Exception as exc:
+                    case["error"] = f"{type(exc).__name__}: {exc}"
+                    case["traceback"] = traceback.format_exc()[-4000:]
+                    self.results["errors"].append(f"{lay.name}: {case['error'][:300]}")
+                    print(f"== {lay.name} FAILED: {case['error'][:2000]}", flush=True)
+                case["elapsed_s"] = time.perf_counter() - t1
+                self.save()
+        except Exception as exc:
+            for lay in group:
+                case = self.results["cases"].setdefault(lay.name, {"describe": lay.describe()})
+                if "summary" not in case and "error" not in case:
+                    case["error"] = f"{type(exc).__name__}: {exc}"
+                    case["traceback"] = traceback.format_exc()[-4000:]
+                    self.results["errors"].append(f"{lay.name}: {case['error'][:300]}")
+            print(f"== {first.model} engine FAILED: {exc}", flush=True)
+            self.save()
+        finally:
+            if gen is not None:
+                try:
+                    ray.get(gen.shutdown.remote(), timeout=60)
+                except Exception:
+                    pass
+                ray.kill(gen)
+            remove_placement_group(pg)
+
+    def run_layout(self, lay: P.Layout, plan_: dict, gen: Any, pg: Any, env: dict, model_dir: Path,
+                   case: dict) -> None:
+        import ray  # noqa: PLC0415
+
+        from rlc.runtime.workers import spawn  # noqa: PLC0415
+
+        a = self.a
+        cfg_dict = runtime_cfg_dict(lay, model_dir, a, self.root)
+        n = lay.gpus
+        trainer_env = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
+        trainers = [spawn(RandomInitTrainer, pg=pg, bundle=r, num_gpus=0.5, env=trainer_env,
+                          name=f"scale-{lay.name}-{r}-{os.getpid()}", args=(cfg_dict, r, n, r, str(model_dir)))
+                    for r in range(n)]
+        session = f"scale-{lay.name}-{uuid.uuid4().hex[:6]}"
+        try:
+            master = _wait([trainers[0].master_address.remote()], "master address")[0]
+            case["setup"] = _wait([t.setup.remote(tuple(master)) for t in trainers], "trainer setup")
+            if not self.results.get("versions"):
+                self.results["versions"] = _wait([trainers[0].versions.remote()], "versions")[0]
+            prep = _wait([t.refit_prepare.remote(session, r, n, a.timeout_s) for r, t in enumerate(trainers)]
+                         + [gen.refit_prepare.remote(session, a.timeout_s)], "refit prepare")
+            case["prepare"] = {"producers": prep[:n], "consumers": prep[n]}
+            print(f"== {lay.name}: {lay.describe()}; {prep[0]['num_tensors']} tensors, "
+                  f"{prep[0]['bytes'] / 1e9:.2f} GB per trainer rank", flush=True)
+            case["export_alone"] = _wait([t.call.remote(_export_alone) for t in trainers], "export alone")
+            records = []
+            total = a.warmup + a.refits
+            for i in range(total):
+                negate = _wait([t.call.remote(_negate_weights) for t in trainers], "negate weights")
+                woke = _wait([gen.wake_up.remote(["weights"])], "wake_up(weights)")[0]
+                t0 = time.perf_counter()
+                sent = _wait([t.refit_send.remote() for t in trainers] + [gen.refit_receive.remote()], "refit")
+                transfer = time.perf_counter() - t0
+                kv = _wait([gen.wake_up.remote(["kv_cache"])], "wake_up(kv_cache)")[0]
+                _wait([gen.reset_prefix_cache.remote()], "reset prefix cache")
+                if i == total - 1:
+                    case["spot_checks"] = self.spot_check(plan_, trainers, gen, case)
+                slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
+                records.append({
+                    "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
+                    "wake_weights_s": woke["seconds"], "wake_kv_s": kv["seconds"], "sleep_s": slept["seconds"],
+                    "free_after_wake_gib": kv["memory"]["free_gib"], "producers": sent[:n], "consumers": sent[n],
+                })
+                r = P.refit_row(records[-1])
+                print(f"   refit {i}{' (warm-up)' if i < a.warmup else ''}: total {r['total_refit_s']:.3f} s "
+                      f"(transfer {r['transfer_s']:.3f}, export {r['export_s']:.3f}, load {r['load_weights_s']:.3f}), "
+                      f"sleep {r['sleep_s']:.3f} s", flush=True)
+            case["refits"] = records
+            case["summary"] = P.summarize_refits(records, a.warmup)
+        finally:
+            try:
+                ray.get([t.refit_close.remote() for t in trainers] + [gen.refit_close.remote()], timeout=120)
+            except Exception:
+                pass
+            for t in trainers:
+                ray.kill(t)
+
+    def spot_check(self, plan_: dict, trainers: list, gen: Any, case: dict) -> dict:
+        """The plan's tensors: the trainer's export on a GPU vs the vLLM worker's slice on the same GPU."""
+        checks: list[P.SpotCheck] = plan_["checks"]
+        hf_names = sorted({c.hf_name for c in checks})
+        vllm_names = sorted({c.vllm_name for c in checks})
+        exported = _wait([t.export_named.remote(hf_names) for t in trainers], "spot-check export")
+        params = _wait([gen.named_parameters.remote(vllm_names)], "spot-check vLLM parameters")[0]
+        by_uuid = {s["gpu_uuid"]: r for r, s in enumerate(case["setup"])}
+        uuids = case["engine"]["uuids"]
+        results = []
+        for tp_rank, vparams in enumerate(params):
+            rank = by_uuid.get(uuids[tp_rank])
+            if rank is None:
+                results.append({"tp_rank": tp_rank, "equal": False,
+                                "error": f"no trainer rank on vLLM TP rank {tp_rank}'s GPU {uuids[tp_rank]}"})
+                continue
+            for c in checks:
+                res = P.compare_shard(exported[rank].get(c.hf_name), vparams.get(c.vllm_name), c, tp_rank, len(params))
+                results.append({**res, "trainer_rank": rank})
+        kinds = sorted({r.get("kind", "?") for r in results})
+        passed = bool(results) and all(r["equal"] for r in results)
+        return {"passed": passed, "compared": len(results), "equal": sum(r["equal"] for r in results),
+                "kinds": kinds, "notes": plan_["notes"], "results": results}
+
+
+# --------------------------------------------------------------------------- engine-only case
+
+
+def run_engine(a: argparse.Namespace, out: Path) -> dict:
+    """``refit_bandwidth.py --backend cuda_ipc`` in a subprocess (before Ray takes the GPUs)."""
+    path = out / "engine_bandwidth.json"
+    cmd = [sys.executable, str(BENCH_DIR / "refit_bandwidth.py"), "--backend", "cuda_ipc", "--gib", f"{a.engine_gib:g}",
+           "--json", str(path)]
+    print(f"== engine: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"refit_bandwidth.py exited {proc.returncode}: {proc.stderr[-3000:]}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    keep = ("device", "bytes", "tensors", "buckets", "half_bytes", "copy_seconds", "copy_gbps", "refit_seconds",
+            "refit_gbps", "ratio")
+    return {"command": " ".join(cmd[1:]), **{k: data[k] for k in keep}, "table": proc.stdout}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine_info() -> dict:
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.version.split()[0]}
+    try:
+        info["gpus"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        info["gpus"] = []
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        plans = plan(a)
+    except P.BenchmarkInputError as exc:
+        print(f"refit_at_scale: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/refit_at_scale.py", *(sys.argv[1:] if argv is None else argv)]),
+        "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "versions": {},
+        "options": {k: v for k, v in vars(a).items() if k != "case_list"} | {"cases": a.case_list},
+        "plan": plan_to_json(plans),
+        "cases": {},
+        "errors": [],
+    }
+    print(P.render_plan(plans), flush=True)
+    unfit = [f"{n}: {'; '.join(p['budget'].problems)}" for n, p in plans.items() if not p["budget"].fits]
+    if unfit:
+        print("refit_at_scale: memory budget does not fit:\n  " + "\n  ".join(unfit), file=sys.stderr)
+        return 2
+    if a.dry_run:
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        results["goals"] = [g.to_dict() for g in P.evaluate_goals(results)]
+        (out / "refit_at_scale.json").write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+
+    if "tiny" in a.case_list:
+        try:
+            results["tiny"] = P.tiny_step_overhead(a.tiny_metrics)
+        except P.BenchmarkInputError as exc:
+            results["errors"].append(f"tiny: {exc}")
+    if "engine" in a.case_list:
+        try:
+            results["engine"] = run_engine(a, out)
+        except Exception as exc:
+            results["errors"].append(f"engine: {str(exc)[:500]}")
+            print(f"== engine FAILED: {exc}", flush=True)
+        save()
+    layouts = layouts_for(a)
+    if layouts:
+        GpuSession(a, results, save).run(layouts, plans)
+    results["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    save()
+    goals = P.evaluate_goals(results)
+    report = P.render_report(results, goals)
+    print(report, flush=True)
+    (out / "refit_at_scale.txt").write_text(report + "\n", encoding="utf-8")
+    code, verdict = P.check_exit_code(goals, results["errors"])
+    print(f"verdict: {verdict}", flush=True)
+    return code if a.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
