@@ -6,9 +6,8 @@ Everything here runs without a GPU and is tested on CPU (``tests/test_refit_at_s
   split into expert and non-expert weights (what each trainer rank and vLLM worker holds);
 - ``Layout`` / ``memory_budget``: the per-GPU memory budget of one colocated case, checked before
   anything starts;
-- ``spot_checks`` / ``compare_shard``: which exported HF tensors are compared bit for bit with
-  vLLM's parameters after the last refit, and where each one lives inside vLLM's fused, tensor-
-  parallel parameters;
+- ``spot_checks`` / ``spot_check_verdict``: which exported HF tensors are checked bit for bit after
+  the last refit (expert, attention, router, norm, embedding) and the verdict over the workers;
 - ``summarize_refits``: the per-refit records turned into the time breakdown (median, min, max);
 - ``tiny_step_overhead``: refit + sleep as a fraction of the step, from a GRPO ``metrics.jsonl``;
 - ``Goal`` / ``evaluate_goals``: the stated goals and the verdict ``--check`` exits on.
@@ -34,8 +33,6 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 VLLM_SLEEP_RESIDUE_BYTES = 1 * GIB
 #: Share of the GPU the budget may plan for; the rest absorbs allocator fragmentation.
 USABLE_FRACTION = 0.95
-#: vLLM's vocabulary padding (``DEFAULT_VOCAB_PADDING_SIZE``): embedding / LM-head rows per TP rank.
-VLLM_VOCAB_PADDING = 64
 
 
 class BenchmarkInputError(ValueError):
@@ -270,124 +267,80 @@ def memory_budget(mb: ModelBytes, layout: Layout, gpu_bytes: int) -> MemoryBudge
 
 @dataclass(frozen=True)
 class SpotCheck:
-    """One exported HF tensor and where it lives in vLLM after a refit.
-
-    vLLM splits ``split_dim`` over its TP ranks (None: replicated) and may fuse several HF tensors
-    into one parameter (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj`` / the experts' ``w13``);
-    ``fused_before`` lists the full sizes (along dim 0) of the HF tensors packed before this one.
-    ``expert`` indexes a stacked expert parameter (``w13_weight`` / ``w2_weight``).
-    """
+    """One exported HF tensor and the vLLM parameter it is loaded into (fused / TP-sliced by vLLM)."""
 
     kind: str  # embedding | attention | norm | router | router_bias | expert | mlp
     hf_name: str
     vllm_name: str
-    split_dim: int | None
-    fused_before: tuple[int, ...] = ()
-    expert: int | None = None
 
 
 def spot_checks(cfg: dict[str, Any]) -> tuple[list[SpotCheck], list[str]]:
-    """The tensors compared bit for bit, chosen from the HF config, and notes on kinds the family lacks.
+    """The tensors checked bit for bit after the last refit, chosen from the HF config, and notes on
+    kinds the family lacks.
 
     MoE: experts 0 and E-1 (on different EP ranks of the trainer) of the last layer, its router, the
-    attention projections and q-norm of the middle layer, embedding, LM head, the final norm.
+    attention projections and q-norm of the middle layer, embedding, LM head, the final norm. The
+    check reloads these HF tensors through vLLM's own ``load_weights`` and compares the named vLLM
+    parameters with their values after the refit (``rlc.runtime.refit.verify.verify_by_reload``), so
+    vLLM's fusing and tensor-parallel slicing are its own, not assumed here.
     """
     _check_family(cfg)
     layers = int(cfg["num_hidden_layers"])
-    h = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    hd = int(cfg.get("head_dim") or h // heads)
     mid, last = layers // 2, layers - 1
     att = f"model.layers.{mid}.self_attn"
-    checks = [
-        SpotCheck("embedding", "model.embed_tokens.weight", "model.embed_tokens.weight", 0),
-        SpotCheck("attention", f"{att}.q_proj.weight", f"{att}.qkv_proj.weight", 0),
-        SpotCheck("attention", f"{att}.k_proj.weight", f"{att}.qkv_proj.weight", 0, (heads * hd,)),
-        SpotCheck("attention", f"{att}.v_proj.weight", f"{att}.qkv_proj.weight", 0, (heads * hd, kv * hd)),
-        SpotCheck("attention", f"{att}.o_proj.weight", f"{att}.o_proj.weight", 1),
-        SpotCheck("norm", f"{att}.q_norm.weight", f"{att}.q_norm.weight", None),
-        SpotCheck("norm", "model.norm.weight", "model.norm.weight", None),
+    checks = [SpotCheck("embedding", "model.embed_tokens.weight", "model.embed_tokens.weight")]
+    checks += [SpotCheck("attention", f"{att}.{p}_proj.weight", f"{att}.qkv_proj.weight") for p in "qkv"]
+    checks += [
+        SpotCheck("attention", f"{att}.o_proj.weight", f"{att}.o_proj.weight"),
+        SpotCheck("norm", f"{att}.q_norm.weight", f"{att}.q_norm.weight"),
+        SpotCheck("norm", "model.norm.weight", "model.norm.weight"),
     ]
     if not cfg.get("tie_word_embeddings", False):
-        checks.append(SpotCheck("embedding", "lm_head.weight", "lm_head.weight", 0))
+        checks.append(SpotCheck("embedding", "lm_head.weight", "lm_head.weight"))
     notes = []
     if cfg.get("attention_bias"):
         notes.append("attention bias present but not checked (Qwen3 shapes have none)")
     if is_moe(cfg):
-        n_exp = int(cfg["num_experts"])
-        inter = int(cfg["moe_intermediate_size"])
         mlp = f"model.layers.{last}.mlp"
-        checks.append(SpotCheck("router", f"{mlp}.gate.weight", f"{mlp}.gate.weight", None))
-        for e in sorted({0, n_exp - 1}):
+        checks.append(SpotCheck("router", f"{mlp}.gate.weight", f"{mlp}.gate.weight"))
+        for e in sorted({0, int(cfg["num_experts"]) - 1}):
             checks += [
-                SpotCheck("expert", f"{mlp}.experts.{e}.gate_proj.weight", f"{mlp}.experts.w13_weight", 0, (), e),
-                SpotCheck("expert", f"{mlp}.experts.{e}.up_proj.weight", f"{mlp}.experts.w13_weight", 0, (inter,), e),
-                SpotCheck("expert", f"{mlp}.experts.{e}.down_proj.weight", f"{mlp}.experts.w2_weight", 1, (), e),
+                SpotCheck("expert", f"{mlp}.experts.{e}.gate_proj.weight", f"{mlp}.experts.w13_weight"),
+                SpotCheck("expert", f"{mlp}.experts.{e}.up_proj.weight", f"{mlp}.experts.w13_weight"),
+                SpotCheck("expert", f"{mlp}.experts.{e}.down_proj.weight", f"{mlp}.experts.w2_weight"),
             ]
         notes.append(f"{cfg['model_type']}: the router has no bias (no e_score_correction_bias), nothing to check")
     else:
-        inter = int(cfg["intermediate_size"])
         mlp = f"model.layers.{mid}.mlp"
-        checks += [
-            SpotCheck("mlp", f"{mlp}.gate_proj.weight", f"{mlp}.gate_up_proj.weight", 0),
-            SpotCheck("mlp", f"{mlp}.up_proj.weight", f"{mlp}.gate_up_proj.weight", 0, (inter,)),
-            SpotCheck("mlp", f"{mlp}.down_proj.weight", f"{mlp}.down_proj.weight", 1),
-        ]
+        checks += [SpotCheck("mlp", f"{mlp}.{p}_proj.weight", f"{mlp}.gate_up_proj.weight") for p in ("gate", "up")]
+        checks.append(SpotCheck("mlp", f"{mlp}.down_proj.weight", f"{mlp}.down_proj.weight"))
     return checks, notes
 
 
-def _chunk(size: int, tp: int) -> int:
-    return -(-size // tp)
+def spot_check_verdict(checks: Sequence[SpotCheck], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Pass when every vLLM worker compared every checked parameter and all are bit-exact.
 
-
-def expected_shard(hf: Any, check: SpotCheck, tp_rank: int, tp_size: int) -> Any:
-    """The part of the exported HF tensor that vLLM TP rank ``tp_rank`` holds."""
-    if check.split_dim is None or tp_size == 1:
-        return hf
-    d = check.split_dim
-    size = int(hf.shape[d])
-    if check.kind == "embedding":  # vocab-parallel: the padded vocabulary is split; padding rows are not in HF
-        per = _chunk(_chunk(size, VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING, tp_size)
-    else:
-        if size % tp_size:
-            raise BenchmarkInputError(f"{check.hf_name}: dim {d} of size {size} does not split over TP {tp_size}")
-        per = size // tp_size
-    start = tp_rank * per
-    return hf.narrow(d, start, max(0, min(per, size - start)))
-
-
-def vllm_view(param: Any, check: SpotCheck, expected: Any, tp_size: int) -> Any:
-    """The slice of vLLM's (possibly fused, possibly stacked) parameter that should equal ``expected``."""
-    t = param[check.expert] if check.expert is not None else param
-    if check.fused_before:
-        offset = sum(n // tp_size for n in check.fused_before)
-        return t.narrow(0, offset, min(int(expected.shape[0]), int(t.shape[0]) - offset))
-    if check.kind == "embedding" and t.shape[0] > expected.shape[0]:  # padding rows of the last rank
-        return t.narrow(0, 0, int(expected.shape[0]))
-    if check.kind in ("attention", "mlp", "expert") and check.split_dim == 0 and t.shape[0] != expected.shape[0]:
-        return t.narrow(0, 0, min(int(expected.shape[0]), int(t.shape[0])))
-    return t
-
-
-def compare_shard(hf: Any, param: Any | None, check: SpotCheck, tp_rank: int, tp_size: int) -> dict[str, Any]:
-    """Bit-exact comparison of one spot check on one vLLM rank (plain-data result)."""
-    import torch  # noqa: PLC0415
-
-    out: dict[str, Any] = {"kind": check.kind, "hf_name": check.hf_name, "vllm_name": check.vllm_name,
-                           "tp_rank": tp_rank, "expert": check.expert}
-    if hf is None:
-        return {**out, "equal": False, "error": "the trainer's export has no such tensor"}
-    if param is None:
-        return {**out, "equal": False, "error": "vLLM has no such parameter"}
-    want = expected_shard(hf, check, tp_rank, tp_size)
-    got = vllm_view(param, check, want, tp_size)
-    out.update(shape=list(want.shape), vllm_shape=list(got.shape), dtype=str(got.dtype).removeprefix("torch."))
-    if tuple(got.shape) != tuple(want.shape):
-        return {**out, "equal": False, "error": f"shape {list(got.shape)} != expected {list(want.shape)}"}
-    equal = bool(got.dtype == want.dtype and torch.equal(got, want))
-    diff = 0.0 if equal else float((got.double() - want.double()).abs().max())
-    return {**out, "equal": equal, "max_abs_diff": diff}
+    ``reports``: one ``verify_by_reload`` result per vLLM worker (``device_key``, ``mismatches``,
+    ``not_loaded``, ``missing_params``, ``params_compared``).
+    """
+    want = sorted({c.vllm_name for c in checks})
+    problems = []
+    if not reports:
+        problems.append("no vLLM worker reported")
+    for i, r in enumerate(reports):
+        who = f"vLLM worker {i} (GPU {r.get('device_key', '?')})"
+        if r.get("missing_params"):
+            problems.append(f"{who}: no parameter(s) {', '.join(r['missing_params'])}")
+        if r.get("not_loaded"):
+            problems.append(f"{who}: the reload did not write {', '.join(r['not_loaded'])}")
+        for m in r.get("mismatches", []):
+            problems.append(f"{who}: {m['name']} differs in {m['elements_differing']} element(s), "
+                            f"max |diff| {m['max_abs_diff']:.3g}")
+        if r.get("params_compared", 0) != len(want) - len(r.get("missing_params", [])) - len(r.get("not_loaded", [])):
+            problems.append(f"{who}: compared {r.get('params_compared', 0)} of {len(want)} parameters")
+    kinds = sorted({c.kind for c in checks})
+    return {"passed": not problems, "kinds": kinds, "tensors": len(checks), "params": want,
+            "workers": len(reports), "problems": problems}
 
 
 # --------------------------------------------------------------------------- timing breakdown
@@ -531,7 +484,7 @@ TINY_OVERHEAD = 0.15
 
 
 def evaluate_goals(results: dict[str, Any]) -> list[Goal]:
-    """The issue's goals from a results dict (``cases`` keyed by case name, ``engine``, ``tiny``)."""
+    """The stated goals from a results dict (``cases`` keyed by case name, ``engine``, ``tiny``)."""
     goals = []
     cases = results.get("cases", {})
     for name in sorted(n for n in cases if n.startswith("moe")):
@@ -613,12 +566,10 @@ def render_case(name: str, case: dict[str, Any]) -> str:
                      f"{slowest['bytes'] / 1e9:.2f} GB on the slowest rank")
     checks = case.get("spot_checks")
     if checks:
-        bad = [r for r in checks["results"] if not r["equal"]]
-        lines.append(f"bit-exact spot checks: {checks['equal']}/{checks['compared']} equal "
-                     f"({', '.join(checks['kinds'])}) -> {'PASSED' if checks['passed'] else 'FAILED'}")
-        for r in bad[:8]:
-            lines.append(f"  differs: {r.get('hf_name')} on vLLM TP rank {r.get('tp_rank')}: "
-                         f"{r.get('error') or 'max |diff| ' + format(r.get('max_abs_diff', float('nan')), '.3g')}")
+        lines.append(f"bit-exact spot checks ({', '.join(checks['kinds'])}; {checks['tensors']} HF tensors into "
+                     f"{len(checks['params'])} vLLM parameters on {checks['workers']} worker(s)) -> "
+                     f"{'PASSED' if checks['passed'] else 'FAILED'}")
+        lines += [f"  {p}" for p in checks["problems"][:8]]
     return "\n".join(lines)
 
 

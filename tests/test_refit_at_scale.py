@@ -73,7 +73,9 @@ def test_spot_checks_cover_every_kind_on_both_ep_ranks():
     assert "model.layers.47.mlp.experts.0.gate_proj.weight" in names
     assert "model.layers.47.mlp.experts.127.down_proj.weight" in names
     assert {"model.layers.47.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight"} <= names
-    assert "model.layers.24.self_attn.k_proj.weight" in names
+    assert {c.vllm_name for c in checks if c.kind == "expert"} == {"model.layers.47.mlp.experts.w13_weight",
+                                                                   "model.layers.47.mlp.experts.w2_weight"}
+    assert {c.vllm_name for c in checks if c.hf_name.endswith("k_proj.weight")} == {"model.layers.24.self_attn.qkv_proj.weight"}
     assert any("no bias" in n for n in notes)  # Qwen3-MoE's router has no e_score_correction_bias
     dense, _ = P.spot_checks(P.load_hf_config("qwen3-8b"))
     assert {c.kind for c in dense} == {"embedding", "attention", "norm", "mlp"}
@@ -81,77 +83,99 @@ def test_spot_checks_cover_every_kind_on_both_ep_ranks():
                                                                "model.layers.18.mlp.down_proj.weight"}
 
 
-TINY_MOE = {"model_type": "qwen3_moe", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 100, "num_experts": 4,
-            "moe_intermediate_size": 6, "tie_word_embeddings": False}
+class FusedTPModel(torch.nn.Module):
+    """A stand-in for a vLLM model on TP rank 1 of 2: q/k/v fused into ``qkv_proj``, experts stacked
+    into ``w13`` [E, 2I/tp, H] / ``w2`` [E, H, I/tp], vocab rows split; ``load_weights`` slices like vLLM."""
+
+    H, I, E, V, TP, R = 8, 6, 4, 20, 2, 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        h, i, e, v, tp = self.H, self.I, self.E, self.V, self.TP
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.params = {
+            "model.embed_tokens.weight": z(v // tp, h), "model.layers.0.self_attn.qkv_proj.weight": z(3 * h // tp, h),
+            "model.layers.0.mlp.experts.w13_weight": z(e, 2 * i // tp, h), "model.layers.0.mlp.experts.w2_weight": z(e, h, i // tp),
+            "model.layers.0.mlp.gate.weight": z(e, h)}
+        for n, p in self.params.items():
+            self.register_parameter(n.replace(".", "_"), p)
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self.params.items())
+
+    def load_weights(self, weights):
+        h, i, tp, r = self.H, self.I, self.TP, self.R
+        loaded = set()
+        for name, w in weights:
+            rows = lambda t: t.chunk(tp, 0)[r]  # noqa: E731
+            if name == "model.embed_tokens.weight" or name == "model.layers.0.mlp.gate.weight":
+                target, src = name, (rows(w) if "embed" in name else w)
+                self.params[target].data.copy_(src)
+            elif ".self_attn." in name:
+                target = "model.layers.0.self_attn.qkv_proj.weight"
+                k = "qkv".index(name.split(".")[-2][0])
+                self.params[target].data[k * h // tp:(k + 1) * h // tp].copy_(rows(w))
+            else:
+                e, proj = int(name.split(".")[-3]), name.split(".")[-2]
+                if proj == "down_proj":
+                    target = "model.layers.0.mlp.experts.w2_weight"
+                    self.params[target].data[e].copy_(w.chunk(tp, 1)[r])
+                else:
+                    target = "model.layers.0.mlp.experts.w13_weight"
+                    half = 0 if proj == "gate_proj" else i // tp
+                    self.params[target].data[e, half:half + i // tp].copy_(rows(w))
+            loaded.add(target)
+        return loaded
 
 
-def _hf_tensors(cfg: dict) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    nh, kv, inter, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["moe_intermediate_size"], cfg["vocab_size"]
-    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,),
-              "model.layers.1.self_attn.q_proj.weight": (nh * hd, h), "model.layers.1.self_attn.k_proj.weight": (kv * hd, h),
-              "model.layers.1.self_attn.v_proj.weight": (kv * hd, h), "model.layers.1.self_attn.o_proj.weight": (h, nh * hd),
-              "model.layers.1.self_attn.q_norm.weight": (hd,), "model.layers.1.mlp.gate.weight": (4, h)}
-    for e in range(4):
-        shapes[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] = (inter, h)
-        shapes[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] = (inter, h)
-        shapes[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] = (h, inter)
+def _export(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m = FusedTPModel
+    shapes = {"model.embed_tokens.weight": (m.V, m.H), "model.layers.0.mlp.gate.weight": (m.E, m.H)}
+    shapes.update({f"model.layers.0.self_attn.{p}_proj.weight": (m.H, m.H) for p in "qkv"})
+    for e in range(m.E):
+        shapes.update({f"model.layers.0.mlp.experts.{e}.gate_proj.weight": (m.I, m.H),
+                       f"model.layers.0.mlp.experts.{e}.up_proj.weight": (m.I, m.H),
+                       f"model.layers.0.mlp.experts.{e}.down_proj.weight": (m.H, m.I)})
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
 
 
-def _vllm_params(hf: dict[str, torch.Tensor], r: int, tp: int) -> dict[str, torch.Tensor]:
-    """vLLM's tensor-parallel layout built by hand: vocab rows padded to 64 and split, q/k/v and
-    gate/up fused, o/down split by columns, experts stacked into w13 [E, 2I/tp, H] / w2 [E, H, I/tp]."""
-    def rows(t):
-        return t.chunk(tp, 0)[r]
-
-    def cols(t):
-        return t.chunk(tp, 1)[r]
-
-    def vocab(t):
-        padded = torch.cat([t, torch.zeros(128 - t.shape[0], t.shape[1], dtype=t.dtype)])
-        return padded.chunk(tp, 0)[r]
-
-    a = "model.layers.1.self_attn"
-    m = "model.layers.1.mlp"
-    return {
-        "model.embed_tokens.weight": vocab(hf["model.embed_tokens.weight"]),
-        "lm_head.weight": vocab(hf["lm_head.weight"]),
-        "model.norm.weight": hf["model.norm.weight"],
-        f"{a}.qkv_proj.weight": torch.cat([rows(hf[f"{a}.{p}_proj.weight"]) for p in "qkv"]),
-        f"{a}.o_proj.weight": cols(hf[f"{a}.o_proj.weight"]),
-        f"{a}.q_norm.weight": hf[f"{a}.q_norm.weight"],
-        f"{m}.gate.weight": hf[f"{m}.gate.weight"],
-        f"{m}.experts.w13_weight": torch.stack([torch.cat([rows(hf[f"{m}.experts.{e}.gate_proj.weight"]),
-                                                           rows(hf[f"{m}.experts.{e}.up_proj.weight"])]) for e in range(4)]),
-        f"{m}.experts.w2_weight": torch.stack([cols(hf[f"{m}.experts.{e}.down_proj.weight"]) for e in range(4)]),
-    }
+SPOT = ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.0.mlp.experts.0.down_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.gate.weight", "model.embed_tokens.weight"]
+SPOT_PARAMS = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight",
+               "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.qkv_proj.weight"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_compare_shard_finds_each_tensor_in_vllms_fused_tp_layout(tp):
-    hf = _hf_tensors(TINY_MOE)
-    checks, _ = P.spot_checks(TINY_MOE)
-    for r in range(tp):
-        params = _vllm_params(hf, r, tp)
-        results = [P.compare_shard(hf[c.hf_name], params[c.vllm_name], c, r, tp) for c in checks]
-        assert all(res["equal"] for res in results), [res for res in results if not res["equal"]]
+def test_reload_check_passes_after_a_correct_refit_and_names_a_wrong_expert_slice():
+    from rlc.runtime.refit.verify import verify_by_reload
+
+    export = _export()
+    model = FusedTPModel()
+    model.load_weights(export.items())  # the refit
+    ok = verify_by_reload(model, {n: export[n] for n in SPOT}, SPOT_PARAMS)
+    assert ok["bit_exact"] and ok["params_compared"] == 5 and not ok["missing_params"] and not ok["loaded_unchecked"]
+    model.params["model.layers.0.mlp.experts.w13_weight"].data[3, 3:].neg_()  # expert 3's up_proj arrived wrong
+    bad = verify_by_reload(model, {n: export[n] for n in SPOT}, SPOT_PARAMS)
+    assert not bad["bit_exact"]
+    assert [m["name"] for m in bad["mismatches"]] == ["model.layers.0.mlp.experts.w13_weight"]
+    stale = FusedTPModel()
+    stale.load_weights(_export(seed=1).items())  # a refit that delivered other weights
+    assert len(verify_by_reload(stale, {n: export[n] for n in SPOT}, SPOT_PARAMS)["mismatches"]) == 5
+    partial = verify_by_reload(model, {n: export[n] for n in SPOT}, ["model.norm.weight", "model.layers.0.mlp.gate.weight"])
+    assert partial["missing_params"] == ["model.norm.weight"] and "model.embed_tokens.weight" in partial["loaded_unchecked"]
 
 
-def test_compare_shard_reports_a_wrong_slice_and_missing_tensors():
-    hf = _hf_tensors(TINY_MOE)
-    checks, _ = P.spot_checks(TINY_MOE)
-    params = _vllm_params(hf, 1, 2)
-    w13 = params["model.layers.1.mlp.experts.w13_weight"]
-    params["model.layers.1.mlp.experts.w13_weight"] = torch.cat([w13[:, 3:], w13[:, :3]], dim=1)  # gate/up swapped
-    by_name = {(c.hf_name): c for c in checks}
-    up = by_name["model.layers.1.mlp.experts.3.up_proj.weight"]
-    res = P.compare_shard(hf[up.hf_name], params[up.vllm_name], up, 1, 2)
-    assert res["equal"] is False and res["max_abs_diff"] > 0
-    assert P.compare_shard(hf[up.hf_name], None, up, 1, 2)["error"] == "vLLM has no such parameter"
-    assert P.compare_shard(None, params[up.vllm_name], up, 1, 2)["error"].startswith("the trainer's export")
+def test_spot_check_verdict_needs_every_parameter_on_every_worker():
+    checks, _ = P.spot_checks(P.load_hf_config("qwen3-30b-a3b"))
+    params = sorted({c.vllm_name for c in checks})
+    good = {"device_key": "GPU-a", "params_compared": len(params), "mismatches": [], "not_loaded": [], "missing_params": []}
+    assert P.spot_check_verdict(checks, [good, dict(good, device_key="GPU-b")])["passed"]
+    v = P.spot_check_verdict(checks, [good, dict(good, device_key="GPU-b", params_compared=len(params) - 1,
+                                                 missing_params=[params[0]])])
+    assert not v["passed"] and v["problems"] == [f"vLLM worker 1 (GPU GPU-b): no parameter(s) {params[0]}"]
+    mism = dict(good, mismatches=[{"name": params[1], "elements_differing": 7, "max_abs_diff": 0.5}])
+    assert "differs in 7 element(s)" in P.spot_check_verdict(checks, [mism])["problems"][0]
+    assert not P.spot_check_verdict(checks, [])["passed"]
 
 
 # --------------------------------------------------------------------------- timing breakdown
@@ -264,9 +288,10 @@ def test_report_renders_a_measured_case():
     records = [_record(i, 1.0, 0.5) for i in range(3)]
     case = {"describe": "d", "summary": P.summarize_refits(records, 1),
             "export_alone": [{"seconds": 1.4, "tensors": 18867, "bytes": 61_000_000_000}],
-            "spot_checks": {"passed": False, "compared": 2, "equal": 1, "kinds": ["expert"], "results": [
-                {"equal": True}, {"equal": False, "hf_name": "e", "tp_rank": 1, "max_abs_diff": 0.5}]}}
+            "spot_checks": {"passed": False, "kinds": ["expert"], "tensors": 6, "params": ["w13", "w2"], "workers": 2,
+                            "problems": ["vLLM worker 1 (GPU b): w13 differs in 3 element(s), max |diff| 0.5"]}}
     text = P.render_case("moe-ep2", case)
     assert "| total refit = wake weights + transfer + wake KV" in text
     assert "Bridge export alone (no transfer): 1.400 s, 18867 tensors" in text
-    assert "1/2 equal (expert) -> FAILED" in text and "differs: e on vLLM TP rank 1: max |diff| 0.5" in text
+    assert "(expert; 6 HF tensors into 2 vLLM parameters on 2 worker(s)) -> FAILED" in text
+    assert "  vLLM worker 1 (GPU b): w13 differs in 3 element(s)" in text

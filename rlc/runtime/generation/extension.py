@@ -66,6 +66,19 @@ class RlcWorkerExtension:
         return {"producer_rank": rank, "device_key": self._rlc_consumer.device_key,
                 "exported_tensors": len(exported), **report.to_dict()}
 
+    def rlc_refit_verify_tensors(self, exported_by_device: dict[str, dict[str, Any]],
+                                 param_names: list[str]) -> dict[str, Any]:
+        """Spot check at any model size: reload this GPU's share of ``exported_by_device`` (GPU UUID ->
+        the paired trainer rank's HF tensors) through ``load_weights`` and compare ``param_names`` with
+        their values after the refit (``rlc.runtime.refit.verify.verify_by_reload``)."""
+        from rlc.runtime.refit.verify import verify_by_reload  # noqa: PLC0415
+
+        key = self.rlc_device_uuid()
+        if key not in exported_by_device:
+            raise KeyError(f"no exported tensors for this worker's GPU {key} (have {sorted(exported_by_device)})")
+        report = verify_by_reload(self.model_runner.model, exported_by_device[key], param_names)
+        return {"device_key": key, **report}
+
     def rlc_refit_close(self) -> None:
         consumer = getattr(self, "_rlc_consumer", None)
         if consumer is not None:

@@ -157,6 +157,10 @@ class VllmGenerationWorker:
         """One ``rlc.runtime.refit.verify`` report per vLLM worker of this engine."""
         return self.llm.collective_rpc("rlc_refit_verify", args=(export_dir,))
 
+    def refit_verify_tensors(self, exported_by_device: dict[str, dict], param_names: list[str]) -> list[dict]:
+        """Spot check by reload (``rlc.runtime.refit.verify.verify_by_reload``), one report per worker."""
+        return self.llm.collective_rpc("rlc_refit_verify_tensors", args=(exported_by_device, param_names))
+
     def refit_close(self) -> None:
         self.llm.collective_rpc("rlc_refit_close")
 

@@ -122,3 +122,27 @@ def verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
         lines.append("fix: check refit.per_rank_ipc_metadata and refit.dedupe_mtp_embedding (auto decides "
                      "both from the layout); report the parameters above if they are on")
     return "\n".join(lines)
+
+
+def verify_by_reload(model: Any, exported: Mapping[str, torch.Tensor], param_names: list[str]) -> dict[str, Any]:
+    """Spot check of a refit, cheap enough for a 30B model: snapshot ``param_names`` of the live model,
+    load ``exported`` (a few of the trainer's HF tensors) through the model's own ``load_weights`` and
+    compare each snapshot with the reloaded parameter. The loader does the fusing and tensor-parallel
+    slicing, so no layout is assumed; a tensor the refit delivered wrongly shows up as a mismatch.
+
+    Returns ``VerifyReport.to_dict()`` plus ``missing_params`` (asked for, absent from the model) and
+    ``loaded_unchecked`` (written by the reload but not snapshotted: the check did not cover them).
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(n for n in param_names if n not in params)
+    with torch.no_grad():
+        refitted = {n: params[n].detach().clone() for n in param_names if n in params}
+        loaded = model.load_weights(weights=list(exported.items()))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    loaded_set = set(loaded) if isinstance(loaded, (set, list, tuple)) else None
+    reference = {n: params[n].detach() for n in refitted}
+    report = compare_parameters(refitted, reference, loaded=loaded_set)
+    unchecked = sorted(loaded_set - set(refitted)) if loaded_set is not None else []
+    return {**report.to_dict(), "exported_tensors": len(exported), "missing_params": missing,
+            "loaded_unchecked": unchecked}
