@@ -460,13 +460,12 @@ class GrpoRun:
         return ray.put(obj)
 
     def shutdown(self) -> None:
-        for group in (self.generation, self.policy):
-            if group is None:
-                continue
-            try:
-                group.call("shutdown")
-            except Exception:
-                pass
+        if self.generation is not None or self.policy is not None:
+            from rlc.runtime.workers import stop_groups  # noqa: PLC0415
+
+            late = stop_groups([self.generation, self.policy])
+            if late:
+                log.warning("killed workers that were still busy at shutdown: %s", ", ".join(late))
         if self.metrics is not None:
             self.metrics.close()
         for handle in (self.calibration, self.ranks_log, self.verify_log):

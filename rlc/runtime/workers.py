@@ -378,3 +378,31 @@ def wait_all(pending: list[tuple[WorkerGroup, int, Any]], what: str) -> list[Any
                 f"{info.describe()} {'died' if died else 'failed'} during {what}:\n{tail}"
             ) from exc
     return [results[n] for n in range(len(pending))]
+
+
+def stop_groups(groups: Sequence[WorkerGroup | None], graceful_timeout_s: float = 30.0) -> list[str]:
+    """Ask every worker to shut down, wait at most ``graceful_timeout_s``, then kill them all.
+
+    A worker still blocked in a call (say, a vLLM engine waiting in ``refit_prepare`` for a trainer rank
+    that already failed) would queue the shutdown behind that call forever; killing it ends the job
+    instead of leaving it hanging (the vLLM engine's own Ray workers die with it). Returns the workers
+    that did not finish their shutdown in time.
+    """
+    import ray  # noqa: PLC0415
+
+    late: list[str] = []
+    for group in groups:
+        if group is None:
+            continue
+        refs = {a.shutdown.remote(): i for i, a in enumerate(group.actors)}
+        try:
+            _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=graceful_timeout_s)
+        except Exception:  # noqa: BLE001 - a dead actor must not stop the others from being killed
+            pending = list(refs)
+        late += [f"{group.role} {refs[r]}" for r in pending]
+        for actor in group.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    return late
