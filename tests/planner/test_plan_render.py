@@ -44,9 +44,12 @@ def test_svg_is_well_formed_with_limit_and_segments():
 def test_ultra_recipe_compiles_without_errors_and_reports_unknowns():
     result = api.check(str(ULTRA))
     assert result.ok, [(d.rule, d.message) for d in result.diagnostics if d.severity == "error"]
-    assert not [d for d in result.diagnostics if d.severity == "warning"]
+    warnings = [d for d in result.diagnostics if d.severity == "warning"]
+    # the facts Nemotron-3-Ultra does not publish are warnings that name the keys to set
+    assert warnings and {d.rule for d in warnings} == {"RLC216"}
+    assert all("model.overrides" in d.hint and "num_hidden_layers" in d.message for d in warnings)
     infos = {d.rule for d in result.diagnostics if d.severity == "info"}
-    assert {"RLC104", "RLC216", "RLC203", "RLC204"} <= infos
+    assert {"RLC104", "RLC203", "RLC204"} <= infos
     assert result.decisions["refit.per_rank_ipc_metadata"][0] is True
     assert "*e_score_correction_bias*" in result.decisions["refit.fp32_params"][0]
     text = result.plan.to_text()

@@ -68,6 +68,13 @@ def build_bundle(result: Any, out_dir: Path, force: bool = False,
     recipe = getattr(result, "recipe", None)
     if recipe is None or (hasattr(result, "ok") and not result.ok):
         raise BundleError("the recipe has errors; fix them first (rlc validate shows them)")
+    from rlc.compiler.runtime_support import runtime_gaps
+
+    gaps = runtime_gaps(recipe)
+    if gaps:
+        raise BundleError(f"{gaps[0].key}: the bundled runtime cannot run this yet: {gaps[0].message}. The recipe "
+                          "validates and plans; turn the setting off to compile a bundle for this runtime",
+                          key=gaps[0].key)
     if runtime_config is None:
         from rlc.compiler.resolve import to_runtime_config
 

@@ -204,6 +204,37 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 / 4.5-Air: GQA attention with qkv bias, first-k dense layers, routed + shared experts, MTP."""
+    out = _common(cfg)
+    n = out["num_layers"]
+    first_k = _int(cfg, "first_k_dense_replace") or 0
+    kinds = None if n is None else tuple(("full_attention", "dense" if i < first_k else "moe") for i in range(n))
+    n_shared, moe_i = _int(cfg, "n_shared_experts"), _int(cfg, "moe_intermediate_size")
+    mtp = _int(cfg, "num_nextn_predict_layers")
+    out.update(
+        num_experts=_int(cfg, "n_routed_experts"),
+        experts_per_tok=_int(cfg, "num_experts_per_tok"),
+        moe_intermediate=moe_i,
+        shared_expert_intermediate=None if n_shared is None or moe_i is None else n_shared * moe_i,
+        dense_intermediate=_int(cfg, "intermediate_size"),
+        first_k_dense=first_k,
+        layer_kinds=kinds,
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        expert_bias=True,
+        mtp_num_layers=mtp,
+        mtp_shared_embedding=True if mtp else None,
+        mtp_layer_kinds=(("full_attention", "moe"),),
+        expert_export="per_expert",
+    )
+    out["_notes"] = ["expert export per expert: HF GLM-4.5 checkpoints store experts.{i}.gate_proj/up_proj/down_proj",
+                     "router e_score_correction_bias (sigmoid, aux-loss-free routing)"]
+    if mtp:
+        out["_notes"].append("MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)")
+    return out
+
+
 _PATTERN = {"M": ("mamba", None), "E": (None, "moe"), "*": ("full_attention", None), "-": (None, "dense")}
 
 
@@ -317,6 +348,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
     "nemotron_h": _nemotron_h,
     "gpt_oss": _gpt_oss,
+    "glm4_moe": _glm4_moe,
 }
 
 
@@ -332,7 +364,7 @@ def family_of(cfg: dict[str, Any]) -> str:
         return _CANONICAL.get(word, word)
     archs = " ".join(cfg.get("architectures") or [])
     for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_moe", "Qwen3Moe"),
-                      ("deepseek_v3", "DeepseekV3"), ("gpt_oss", "GptOss"), ("qwen3", "Qwen3"),
+                      ("deepseek_v3", "DeepseekV3"), ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"),
                       ("llama", "Llama")):
         if arch in archs:
             return key

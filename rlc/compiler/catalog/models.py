@@ -8,8 +8,10 @@ instead and overrides the catalog.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,7 +33,12 @@ def model_ids() -> list[str]:
     return sorted(_files())
 
 
-def _lookup(model_id: str) -> str | None:
+#: Checkpoint variants that share their base model's architecture: instruction-tuned, base and
+#: FP8-quantized releases (``Qwen/Qwen3-30B-A3B-Instruct-2507``, ``...-Base``, ``...-FP8``).
+_VARIANT_SUFFIX = re.compile(r"(?:-(?:instruct|base|chat|thinking|fp8|bf16|\d{4}))+$", re.IGNORECASE)
+
+
+def _exact(model_id: str) -> str | None:
     files = _files()
     if model_id in files:
         return model_id
@@ -40,6 +47,25 @@ def _lookup(model_id: str) -> str | None:
         return lowered[model_id.lower()]
     short = {k.split("/", 1)[-1].lower(): k for k in files}
     return short.get(model_id.lower())
+
+
+def _lookup(model_id: str) -> str | None:
+    """The catalog id for ``model_id``: exact (any case, with or without the org), else its base
+    entry when ``model_id`` is an Instruct / Base / FP8 / dated variant of a catalogued model."""
+    found = _exact(model_id)
+    if found is not None:
+        return found
+    base = _VARIANT_SUFFIX.sub("", model_id)
+    return _exact(base) if base and base != model_id else None
+
+
+def resolve_id(model_id: str) -> tuple[str | None, bool]:
+    """``(catalog id, is_variant)`` for a recipe's ``model.id`` (``None`` when not in the catalog)."""
+    found = _exact(model_id)
+    if found is not None:
+        return found, False
+    key = _lookup(model_id)
+    return key, key is not None
 
 
 def close_ids(model_id: str, n: int = 3) -> list[str]:
@@ -86,24 +112,51 @@ def _provenance(cfg: Mapping[str, Any]) -> str:
     return "no provenance recorded"
 
 
+def _with_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``model.overrides`` applied (to ``text_config`` too when the config nests one)."""
+    if not overrides:
+        return cfg
+    out = dict(cfg)
+    out.update(overrides)
+    if isinstance(cfg.get("text_config"), dict):
+        out["text_config"] = {**cfg["text_config"], **overrides}
+    absent = [a for a in (cfg.get("_absent") or []) if a not in overrides]
+    if "_absent" in cfg:
+        out["_absent"] = absent
+    return out
+
+
 def model_facts(model_section: Mapping[str, Any], recipe_dir: Path) -> ModelFacts:
     """Architecture facts for a recipe's ``model`` section.
 
     ``model.config`` (relative to ``recipe_dir`` or absolute) wins over the catalog; otherwise
-    ``model.id`` must be a catalog id. Raises :class:`CatalogError` with close ids for unknown ones.
+    ``model.id`` must be a catalog id, or an Instruct / Base / FP8 variant of one (its base entry
+    is used and a note says so). ``model.overrides`` is applied on top of either. Raises
+    :class:`CatalogError` with close ids for unknown ones.
     """
     model_id = str(model_section.get("id", ""))
     local = model_section.get("config")
+    overrides = dict(model_section.get("overrides") or {})
+    notes: list[str] = []
+    if overrides:
+        notes.append("model.overrides: " + ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
     try:
         if local:
             path = Path(local)
             if not path.is_absolute():
                 path = Path(recipe_dir) / path
-            cfg = _read_json(path, "model.config")
-            return facts_from_config(cfg, model_id, f"local config {path}")
-        cfg = catalog_config(model_id)
-        key = _lookup(model_id)
-        return facts_from_config(cfg, key or model_id, f"catalog {_files()[key].name} ({_provenance(cfg)})")
+            cfg = _with_overrides(_read_json(path, "model.config"), overrides)
+            facts = facts_from_config(cfg, model_id, f"local config {path}")
+        else:
+            cfg = _with_overrides(catalog_config(model_id), overrides)
+            key, variant = resolve_id(model_id)
+            if variant:
+                notes.append(f"{model_id} is a checkpoint variant of {key}: planned with its catalog entry "
+                             "(same architecture)")
+            facts = facts_from_config(cfg, key or model_id, f"catalog {_files()[key].name} ({_provenance(cfg)})")
     except ConfigFormatError as exc:
         where = "model.config" if local else f"catalog entry {model_id}"
         raise CatalogError(f"{where}: {exc}") from None
+    if notes:
+        facts = dataclasses.replace(facts, notes=tuple(notes) + facts.notes)
+    return facts

@@ -43,7 +43,6 @@ class Calibration:
     megatron_cpu_offload_extra_gib: float
     vllm_base_gib: float
     vllm_awake_extra_gib: float
-    vllm_weights_resident_sleep_level_2: bool
     vllm_cuda_graph_gib: float
     vllm_cuda_graph_uncertainty_gib: float
     export_staging_overhead_gib: float
@@ -89,7 +88,6 @@ def _entry(raw: Mapping[str, Any]) -> Calibration:
         megatron_cpu_offload_extra_gib=float(value("megatron_cpu_offload_extra_gib")),
         vllm_base_gib=float(value("vllm_base_gib")),
         vllm_awake_extra_gib=float(value("vllm_awake_extra_gib")),
-        vllm_weights_resident_sleep_level_2=bool(value("vllm_weights_resident_sleep_level_2")),
         vllm_cuda_graph_gib=float(value("vllm_cuda_graph_gib")),
         vllm_cuda_graph_uncertainty_gib=float(value("vllm_cuda_graph_uncertainty_gib")),
         export_staging_overhead_gib=float(value("export_staging_overhead_gib")),

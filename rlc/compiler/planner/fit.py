@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration, CalibrationError
 from rlc.compiler.planner.layout import generation_layout
-from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, _vllm_residue
+from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, vllm_asleep_items
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.planner.runs import RunMeasurements
 from rlc.compiler.planner.shards import vllm_stage_shards
@@ -137,7 +137,7 @@ def fit(runs: Sequence[RunMeasurements], recipe: dict[str, Any], facts: ModelFac
                        "vllm_started record")
     freed = started - asleep
     weights = _vllm_weights(recipe, facts)
-    others = sum(i.gib or 0.0 for i in _vllm_residue(recipe, weights, base)
+    others = sum(i.gib or 0.0 for i in vllm_asleep_items(recipe, weights, base)
                  if i.source != "calibration:vllm_base_gib")
     cal = base
     if eager:

@@ -27,9 +27,12 @@ from rlc.compiler.model import ModelFacts
 from rlc.compiler.tree import with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
+from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
+from rlc.compiler.planner.residency import MegatronResident, PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
 from rlc.compiler.planner.window import first_true, passing_runs, widest
+from rlc.compiler.planner.vllm_sleep import SleepSemantics, planned_vllm_version, sleep_semantics
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
@@ -63,18 +66,23 @@ def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: dict[str, Any
     }
 
 
-def _megatron_refit_bytes(fig: dict[str, Any], recipe: dict[str, Any], cal: Calibration) -> dict[str, int]:
+def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
+    """Megatron's GPU allocations on one stage in a phase, by item (from the residency table)."""
+    items = {"params": int(fig["params_bytes"] * where.params)}
+    if where.master:
+        items["master"] = int(fig["master_bytes"] * where.master)
+    if where.grads:
+        items["grads"] = int(fig["grads_bytes"] * where.grads)
+    if where.moments:
+        items["moments"] = int(fig["moments_bytes"] * where.moments)
+    return items
+
+
+def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
     """Megatron's allocations at refit on one stage, by item."""
-    refit, training = recipe.get("refit", {}), recipe.get("training", {})
-    items = {"params": fig["params_bytes"]}
-    offload = refit.get("offload_optimizer_for_refit", True)
-    if cal.megatron_master_params_stay_at_refit or not offload:
-        items["master"] = fig["master_bytes"]
-    if not offload:
-        items["grads"] = fig["grads_bytes"]
-        items["moments"] = fig["moments_bytes"]
+    items = _megatron_bytes(fig, where, cal)
     items["residual"] = _g(cal.megatron_refit_residual_gib)
-    if training.get("optimizer_cpu_offload", False):
+    if where.cpu_offload_staging:
         items["cpu_offload_extra"] = _g(cal.megatron_cpu_offload_extra_gib)
     return items
 
@@ -82,13 +90,18 @@ def _megatron_refit_bytes(fig: dict[str, Any], recipe: dict[str, Any], cal: Cali
 # --------------------------------------------------------------------------- vLLM
 
 
-def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], cal: Calibration) -> list[Item]:
-    refit, generation = recipe.get("refit", {}), recipe.get("generation", {})
-    level = refit.get("sleep_level", 1)
+def vllm_asleep_items(recipe: dict[str, Any], weights: Optional[int], cal: Calibration) -> list[Item]:
+    """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
+    sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
+    return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal)
+
+
+def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], where: VllmResident,
+                  cal: Calibration) -> list[Item]:
+    generation = recipe.get("generation", {})
     items = []
-    if level == 1 or cal.vllm_weights_resident_sleep_level_2:
-        items.append(Item("vLLM weight shard", gib(weights), "vllm", "params",
-                          f"kept by sleep level {level}"))
+    if where.weights:
+        items.append(Item("vLLM weight shard", gib(weights), "vllm", "params", where.why))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
     if not generation.get("enforce_eager", False):
         items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib",
@@ -206,38 +219,51 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         plan.unknown.append("vLLM weight shard: needs " + _missing(facts))
     figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
     plan.stages = figs
-    v_weights = max(s.params for s in vllm) * bpp if vllm else None
+    v_bpp = 1 if recipe.get("generation", {}).get("precision", "auto") == "fp8" else bpp
+    v_weights = max(s.params for s in vllm) * v_bpp if vllm else None
     plan.vllm_weights_gib = gib(v_weights)
+    sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
+    plan.vllm_version = planned_vllm_version(recipe, cal.versions)
+    plan.sleep_label = sleep.label
+    table = residency(recipe, sleep, cal)
+    plan.residency = table
     ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
     residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
                     "calibration:megatron_refit_residual_gib")
-    residue = _vllm_residue(recipe, v_weights, cal)
-    generation, training = recipe.get("generation", {}), recipe.get("training", {})
+    generation = recipe.get("generation", {})
 
     # ---- train
     if figs:
-        off_frac = training.get("optimizer_offload_fraction", 1.0) if training.get("optimizer_cpu_offload") else 0.0
+        where = table["train"].megatron
 
         def train_total(f: dict[str, Any]) -> int:
-            return f["params_bytes"] + f["grads_bytes"] + int((f["master_bytes"] + f["moments_bytes"]) * (1 - off_frac))
+            return sum(_megatron_bytes(f, where, cal).values())
 
         worst = max(figs, key=train_total)
+        held = _megatron_bytes(worst, where, cal)
         items = [
-            Item("Megatron params", gib(worst["params_bytes"]), "megatron", "params"),
-            Item("Megatron grads", gib(worst["grads_bytes"]), "megatron", "params"),
-            Item("optimizer fp32 master", gib(int(worst["master_bytes"] * (1 - off_frac))), "megatron", "params"),
-            Item("optimizer Adam moments", gib(int(worst["moments_bytes"] * (1 - off_frac))), "megatron", "params"),
+            Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
+            Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params"),
+            Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
+            Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
         ]
-        if training.get("optimizer_cpu_offload"):
+        if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
+        residue = _vllm_residue(recipe, v_weights, table["train"].vllm, cal)
         plan.phases["train"] = Phase("train", "train step (before activations)",
                                      tuple(items + [residual, ctx] + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
     # ---- generate
     util = float(generation.get("gpu_memory_utilization", 0.6))
-    g_items = [Item("vLLM pool (weights + KV cache + activations)", util * limit, "vllm",
-                    "recipe:generation.gpu_memory_utilization")]
+    kv_bytes = generation.get("kv_cache_memory_bytes")
+    if kv_bytes is not None and v_weights is not None:
+        pool = (v_weights + int(kv_bytes)) / GIB
+        g_items = [Item("vLLM weights + KV cache (kv_cache_memory_bytes)", pool, "vllm",
+                        "recipe:generation.kv_cache_memory_bytes", "activations not counted")]
+    else:
+        g_items = [Item("vLLM pool (weights + KV cache + activations)", util * limit, "vllm",
+                        "recipe:generation.gpu_memory_utilization")]
     if cal.vllm_awake_extra_gib:
         g_items.append(Item("vLLM outside its budget", cal.vllm_awake_extra_gib, "vllm",
                             "calibration:vllm_awake_extra_gib"))
@@ -245,7 +271,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
     g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
-    if v_weights is not None:
+    if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
         plan.checks["generate_fit"] = Check(
             "generate_fit", kv > 0, util * limit, v_weights / GIB,
@@ -260,18 +286,23 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         if t_used is not None:
             plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
                                              f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
+        _late_train(plan, recipe, facts, sleep, tl)
+
+    # ---- host memory (per node)
+    plan.host = host_plan(recipe, figs, v_weights, table, gpu)
 
     # ---- refit
     if not figs:
         return plan
-    refit_items_by_stage = [(f, _megatron_refit_bytes(f, recipe, cal)) for f in figs]
+    where = table["refit"].megatron
+    refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
     labels = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
               "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
               "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
               "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib")}
     r_items = [Item(labels[k][0], gib(v), "megatron", labels[k][1]) for k, v in worst_items.items()]
-    r_items += [ctx] + residue
+    r_items += [ctx] + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase
     if refit_phase.free_gib is None:
@@ -312,6 +343,38 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         f"{cal.export_staging_overhead_gib:.2f} (staging) − {gib(math.fragmentation):.2f} (fragmentation) = "
         f"{gib(math.free_at_stack):.2f} GiB vs. {gib(largest):.2f} GiB for torch.stack")
     return plan
+
+
+def _late_train(plan: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, sleep: SleepSemantics,
+                tl: TrainLayout) -> None:
+    """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
+    with the logprob pass's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
+    growth = sleep.residue_growth
+    train = plan.phases["train"]
+    if growth is None or (growth.moe_only and not facts.is_moe) or facts.vocab is None or train.used_gib is None:
+        return
+    if not recipe.get("colocated", True):
+        return
+    training, generation = recipe.get("training", {}), recipe.get("generation", {})
+    mbs = int(training.get("micro_batch_size", 1))
+    seq = int(training.get("max_sequence_length") or generation.get("max_model_len", 4096))
+    # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
+    logits = 2 * mbs * seq * facts.vocab * 4 // tl.tp
+    items = train.items + (
+        Item("vLLM residue growth over steps", growth.growth_gib, "vllm", "records:vllm_sleep.residue_growth",
+             f"after-sleep residue {growth.series()} ({growth.source.split(' (')[0]})"),
+        Item("fp32 logits + log-softmax of the loss", gib(logits), "megatron", "params",
+             f"2 × {mbs} × {seq} tokens × {facts.vocab} vocab / TP{tl.tp} × 4 B"),
+    )
+    late = Phase("train_late", "train step once the vLLM residue has grown (step 2 on)", items, train.limit_gib,
+                 stage=train.stage, note="other activations not modelled")
+    plan.phases["train_late"] = late
+    used = late.used_gib
+    plan.checks["train_late_fit"] = Check(
+        "train_late_fit", used <= late.limit_gib, late.limit_gib, used,
+        f"train step from step 2: {train.used_gib:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth "
+        f"({growth.series()}) + {gib(logits):.2f} GiB fp32 logits and log-softmax = {used:.2f} GiB "
+        f"of {late.limit_gib:.2f} GiB")
 
 
 def _missing(facts: ModelFacts) -> str:
@@ -405,4 +468,27 @@ def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any,
         plan.refit.tolerance_gib < cal.vllm_cuda_graph_uncertainty_gib
     if failing or tight:
         plan.fixes = _fixes(plan, recipe, facts, gpu, cal)
+    late = checks.get("train_late_fit")
+    if late is not None and late.ok is False:
+        plan.late_fix = _wider_tp(recipe, facts, gpu, cal)
     return plan
+
+
+def _wider_tp(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[Fix]:
+    """Twice the trainer TP (sequence parallel on, ETP 1), re-planned: it splits the dense weights and the
+    loss's vocabulary logits (the fix of NeMo-RL #2619). ``None`` when the layout cannot take it."""
+    tl = train_layout(recipe)
+    tp = tl.tp * 2
+    if tl.world % (tp * tl.pp * tl.cp) or (facts.heads and facts.heads % tp):
+        return None
+    alt = recipe
+    for key, value in (("parallelism.train.tp", tp), ("parallelism.train.sequence_parallel", True),
+                       ("parallelism.train.etp", 1)):
+        alt = with_value(alt, key, value)
+    check = _core_plan(alt, facts, gpu, cal).checks.get("train_late_fit")
+    if check is None:
+        return None
+    margin = check.have_gib - check.need_gib
+    return Fix("parallelism.train.tp", tp,
+               f"parallelism.train.tp: {tp} with sequence_parallel: true and etp: 1 (then {margin:+.2f} GiB)",
+               margin, bool(check.ok), 2)

@@ -128,6 +128,11 @@ class MemoryPlan:
     vllm_weights_gib: Optional[float] = None
     unknown: list[str] = field(default_factory=list)  # figures not computable, each with why
     notes: list[str] = field(default_factory=list)
+    vllm_version: Optional[str] = None  # the vLLM version planned against (recipe or calibration)
+    sleep_label: str = ""  # which sleep-semantics entry applied
+    residency: dict[str, Any] = field(default_factory=dict)  # phase -> residency.PhaseResidency
+    host: Any = None  # host.HostPlan: host memory per node at its worst phase
+    late_fix: Optional[Fix] = None  # what makes the train step fit once the vLLM residue has grown
 
     # ------------------------------------------------------------------ figures the rules read
 
@@ -190,6 +195,13 @@ class MemoryPlan:
             "vllm_weights_gib": self.vllm_weights_gib,
             "unknown": self.unknown,
             "notes": self.notes,
+            "vllm_version": self.vllm_version,
+            "sleep_semantics": self.sleep_label,
+            "residency": {k: asdict(v) for k, v in self.residency.items()},
+            "host": None if self.host is None else {
+                "node_gib": self.host.node_gib, "node_source": self.host.node_source,
+                "limit_gib": self.host.limit_gib, "phase": self.host.phase, "used_gib": self.host.used_gib,
+                "ok": self.host.ok, "items": [asdict(i) for i in self.host.items]},
         }
         if self.refit is not None:
             r = self.refit

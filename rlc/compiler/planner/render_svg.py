@@ -28,7 +28,7 @@ _COLORS = {
     "IPC buffer (2 halves)": "#d62728", "gathered pieces of the largest tensor": "#ff7f0e",
     "export staging overhead": "#f5b041", "allocator fragmentation": "#8c564b",
 }
-_PHASE_ORDER = ("train", "generate", "refit", "stack")
+_PHASE_ORDER = ("train", "train_late", "generate", "refit", "stack")
 
 
 def _key(label: str) -> str:

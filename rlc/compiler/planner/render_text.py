@@ -5,7 +5,7 @@ from typing import Optional
 
 from rlc.compiler.planner.plan import GIB, MemoryPlan, Phase
 
-_PHASE_ORDER = ("train", "generate", "refit", "stack")
+_PHASE_ORDER = ("train", "train_late", "generate", "refit", "stack")
 
 
 def _num(x: Optional[float], width: int = 7) -> str:

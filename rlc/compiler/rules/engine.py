@@ -119,7 +119,9 @@ def all_rules() -> list[Rule]:
 
 
 def _load_rules() -> None:
-    from rlc.compiler.rules import env_rules, layout_rules, memory_rules, meta, refit_rules  # noqa: F401
+    from rlc.compiler.rules import (  # noqa: F401
+        engine_rules, env_rules, layout_rules, memory_rules, meta, refit_rules,
+    )
 
 
 class UnknownRuleError(KeyError):

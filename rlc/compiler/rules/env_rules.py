@@ -66,23 +66,36 @@ def temperature(ctx: Context) -> None:
                     "generation.sampling.temperature", hint="temperature: 1.0")
 
 
-@rule("RLC305", "prompt + response must fit vLLM's and the trainer's sequence length", severities=("error", "warning"),
-      rationale="vLLM rejects requests whose prompt + max_tokens exceed max_model_len; a trainer sequence length "
-                "below that truncates responses from the loss.",
-      seed="vLLM engine argument validation.",
-      fixes="Raise generation.max_model_len (and training.max_sequence_length), or lower max_tokens / "
-            "max_prompt_length.")
+@rule("RLC305", "prompts must fit vLLM's max_model_len; responses must fit the trainer's sequence length",
+      severities=("error", "warning", "info"),
+      rationale="vLLM's offline engine rejects a prompt longer than max_model_len; a prompt that fits is generated "
+                "until max_tokens or until prompt + response reaches max_model_len, whichever comes first (the "
+                "sample ends with finish_reason 'length'). So max_prompt_length + max_tokens above max_model_len "
+                "is not an error: NeMo-RL sets all three to the same value. A trainer sequence length below the "
+                "longest sample truncates responses from the loss.",
+      seed="vLLM input validation ('The decoder prompt (length N) is longer than the maximum model length'); "
+           "NeMo-RL GRPO configs (max_total_sequence_length = max_model_len = max_new_tokens).",
+      fixes="Raise generation.max_model_len above data.max_prompt_length (and training.max_sequence_length to "
+            "max_model_len), or lower data.max_prompt_length.")
 def lengths(ctx: Context) -> None:
     prompt = ctx.get("data.max_prompt_length", 1024)
     tokens = ctx.get("generation.sampling.max_tokens", 1024)
     model_len = ctx.get("generation.max_model_len", 4096)
+    if prompt > model_len:
+        ctx.error(f"data.max_prompt_length {prompt} exceeds generation.max_model_len {model_len}: vLLM rejects "
+                  "prompts longer than max_model_len", "generation.max_model_len",
+                  hint=f"max_model_len: {prompt + tokens} (or max_prompt_length ≤ {model_len})")
+        return
     if prompt + tokens > model_len:
-        ctx.error(f"max_prompt_length {prompt} + max_tokens {tokens} = {prompt + tokens} exceeds max_model_len "
-                  f"{model_len}", "generation.max_model_len", hint=f"max_model_len: {prompt + tokens}")
+        ctx.info(f"max_prompt_length {prompt} + max_tokens {tokens} = {prompt + tokens} > max_model_len "
+                 f"{model_len}: responses to long prompts stop at {model_len} tokens in total "
+                 "(finish_reason 'length')", "generation.sampling.max_tokens")
+    longest = min(prompt + tokens, model_len)
     seq = ctx.get("training.max_sequence_length")
-    if seq is not None and seq < prompt + tokens:
-        ctx.warning(f"training.max_sequence_length {seq} < prompt + response {prompt + tokens}: long responses "
-                    "are truncated in the loss", "training.max_sequence_length")
+    if seq is not None and seq < longest:
+        ctx.warning(f"training.max_sequence_length {seq} < the longest sample {longest} (prompt + response, capped "
+                    "by max_model_len): long responses are truncated in the loss", "training.max_sequence_length",
+                    hint=f"training.max_sequence_length: {longest}")
 
 
 @rule("RLC306", "max_gen_kl 0 disables the stale-weights guard", severities=("info",),

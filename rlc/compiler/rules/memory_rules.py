@@ -142,15 +142,52 @@ def train_fits(ctx: Context) -> None:
                   hint="raise PP / EP or DP, or sleep_level: 2")
 
 
-@rule("RLC216", "memory figures that cannot be computed", severities=("info",), needs=("plan",),
-      rationale="Some architecture facts are not public (e.g. Nemotron-3-Ultra's layer count, expert width and "
-                "vocabulary). The planner reports those figures as unknown instead of guessing; the recipe is "
-                "not blocked, but its memory is not checked.",
+#: The HF config.json key that states each architecture fact (for the "set this key" hint).
+FACT_KEYS = {
+    "num_layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
+    "tied_embeddings": "tie_word_embeddings", "num_experts": "num_experts (n_routed_experts)",
+    "experts_per_tok": "num_experts_per_tok", "moe_intermediate": "moe_intermediate_size",
+    "shared_expert_intermediate": "shared_expert_intermediate_size (moe_shared_expert_intermediate_size)",
+    "dense_intermediate": "intermediate_size", "layer_kinds": "layer_types (hybrid_override_pattern)",
+    "mtp_num_layers": "num_nextn_predict_layers (mtp_num_hidden_layers)",
+    "mtp_shared_embedding": "mtp_use_dedicated_embeddings", "mtp_layer_kinds": "mtp_hybrid_override_pattern",
+    "expert_export": "(the checkpoint's expert layout)",
+}
+
+
+@rule("RLC216", "memory figures that cannot be computed: a model fact is missing", severities=("warning",),
+      needs=("plan",),
+      rationale="Some architecture facts are not in the catalog entry (not public, or not recorded, e.g. "
+                "Nemotron-3-Ultra's layer count or Nemotron-3-Super's tie_word_embeddings). Without them the "
+                "planner cannot compute the train, refit or export figures and checks nothing there; a plan that "
+                "silently checks nothing would read as a pass, so this is a warning naming the key to set.",
       seed="rlc/compiler/catalog/models/SOURCES.md.",
-      fixes="Point model.config at the real config.json once available.")
+      fixes="Set the missing keys under model.overrides (e.g. model.overrides: {tie_word_embeddings: false}), or "
+            "point model.config at the real config.json.")
 def unknown_figures(ctx: Context) -> None:
+    facts = ctx.facts
+    missing = [f for f in (getattr(facts, "unknown", ()) or ())]
+    keys = ", ".join(FACT_KEYS.get(f, f) for f in missing)
+    hint = (f"set model.overrides: {{{', '.join(FACT_KEYS.get(f, f).split(' ')[0] + ': ...' for f in missing)}}} "
+            "from the model's config.json, or model.config: <path to config.json>") if missing else \
+        "point model.config at the model's config.json"
     for item in ctx.plan.unknown:
-        ctx.info(f"memory plan: {item}", "model.id")
+        ctx.warning(f"memory plan: {item} — not checked" + (f" (missing from the model facts: {keys})" if keys else ""),
+                    "model.id", hint=hint)
+
+
+@rule("RLC218", "model facts taken from a related catalog entry or overridden", severities=("info",),
+      needs=("facts",),
+      rationale="An Instruct / Base / FP8 release of a catalogued model has the same architecture, so it is "
+                "planned with the base entry; model.overrides replace facts of the entry. Both are stated so a "
+                "reader of the plan knows which facts it used.",
+      seed="Catalog lookup (rlc/compiler/catalog/models.py).",
+      fixes="Nothing to fix; set model.config to plan from the checkpoint's own config.json instead.")
+def facts_provenance(ctx: Context) -> None:
+    for note in getattr(ctx.facts, "notes", ()) or ():
+        if "checkpoint variant" in note or note.startswith("model.overrides"):
+            ctx.info(note, "model.overrides" if note.startswith("model.overrides") else "model.id")
 
 
 @rule("RLC217", "calibration measured on another GPU", severities=("info",), needs=("plan",),
@@ -162,3 +199,56 @@ def calibration_fallback(ctx: Context) -> None:
     for note in ctx.plan.notes:
         if note.startswith("no calibration measured"):
             ctx.info(note, "cluster.gpu")
+
+
+@rule("RLC219", "host memory per node must hold sleep level 1's weight copy and the offloaded optimizer",
+      severities=("error", "info"), needs=("plan",),
+      rationale="vLLM's sleep level 1 copies every GPU's weight shard into pinned host memory, and "
+                "offload_optimizer_for_refit moves gradients and Adam moments (and the fp32 master weights with the "
+                "precision-aware optimizer) there for the refit. On a node that is the per-GPU figure times the GPUs "
+                "per node; above Ray's memory-monitor threshold (95 % of host memory by default) Ray kills workers. "
+                "Level 2 discards the weights instead: the refit re-sends every weight anyway.",
+      seed="vime #191: GLM-4.5-Air on 16 × GB200, sleep level 1 peaked at 841 of 882 GB host memory (95 %) and Ray "
+           "killed the job; level 2 peaked at ~520 GB. NeMo-RL PR #2523: Nemotron-Super ran out of CPU memory on a "
+           "cluster with ~50 GB less host memory per node until sleep level 2.",
+      fixes="refit.sleep_level: 2 (frees the weight copy); set cluster.host_memory_gib to the nodes' real memory; "
+            "or fewer GPUs per node / larger vLLM sharding.")
+def host_memory(ctx: Context) -> None:
+    host = ctx.plan.host
+    if host is None:
+        return
+    if host.limit_gib is None:
+        ctx.info(f"host memory per node not checked: {host.node_source}", "cluster.host_memory_gib")
+        return
+    if host.ok:
+        return
+    copy = host.item_gib("vLLM weight copy (sleep level 1)")
+    parts = ", ".join(f"{i.label} {i.gib:.0f}" for i in host.items if i.gib)
+    path = "refit.sleep_level" if copy else "cluster.host_memory_gib"
+    hint = (f"sleep_level: 2 frees the {copy:.0f} GiB weight copy per node (then {host.used_gib - copy:.0f} GiB)"
+            if copy else "set cluster.host_memory_gib to the nodes' real memory, or use fewer GPUs per node")
+    ctx.error(f"host memory per node in the {host.phase} phase: {host.used_gib:.0f} GiB ({parts}) > "
+              f"{host.limit_gib:.0f} GiB, Ray's 95 % memory-monitor threshold of {host.node_gib:.0f} GiB "
+              f"({host.node_source})", path, hint=hint)
+
+
+@rule("RLC220", "vLLM's after-sleep residue grows over steps in this vLLM version (MoE)", severities=("warning",),
+      needs=("plan", "facts"),
+      rationale="With vLLM 0.20 the memory a sleeping MoE engine keeps grew from step to step (4.1 → 11.6 → 25 GiB), "
+                "so a train step that fits at step 1 runs out of memory from step 2, in the logprob / loss pass "
+                "whose fp32 logits over the whole vocabulary are the largest activation at tensor parallelism 1. "
+                "The planner adds the reported growth (runtime calibration records, per step) and those logits to the "
+                "train step. A larger trainer TP splits the logits and the dense weights.",
+      seed="NeMo-RL #2619: Qwen3.5-35B-A3B on 2 × 8 GPUs, trainer TP1 / EP16, OOM in the logprob path after the "
+           "vLLM 0.17.1 → 0.20.0 bump; fixed by TP2 with expert_tensor_parallel_size 1 and sequence_parallel.",
+      fixes="Raise parallelism.train.tp (with sequence_parallel: true and etp: 1), or keep the vLLM version whose "
+            "residue does not grow; record calibration from your own runs to replace the reported growth.")
+def residue_growth(ctx: Context) -> None:
+    check = ctx.plan.checks.get("train_late_fit")
+    if check is None or check.ok:
+        return
+    fix = ctx.plan.late_fix
+    hint = fix.text if fix is not None else \
+        "raise parallelism.train.tp with sequence_parallel: true, or PP / EP to shrink the per-GPU state"
+    ctx.warning(f"{check.text}: it fits at step 1 but not once the residue has grown (vLLM "
+                f"{ctx.plan.vllm_version})", "parallelism.train.tp", hint=hint)

@@ -1,0 +1,103 @@
+"""What is resident where in each phase of a colocated GRPO step: one small typed table.
+
+The memory planner stacks bytes; this module decides *which* blocks are on the GPU and which are in
+host memory in each phase, from the recipe's switches, the vLLM version's sleep semantics
+(``vllm_sleep.py``) and the calibration entry:
+
+=========  ===========================================  ==========================================
+phase      Megatron on the GPU                          vLLM on the GPU
+=========  ===========================================  ==========================================
+train      params, grads, fp32 master + Adam moments    weight shard only if the sleep level keeps
+           (less the ``optimizer_cpu_offload`` share)   it on the GPU in this vLLM version
+refit      params; fp32 master unless it moved with     weight shard if the level has it back at
+           the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off)
+           optimizer, or no offload); grads + moments
+           only without ``offload_optimizer_for_refit``
+=========  ===========================================  ==========================================
+
+Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
+keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
+offloads moved there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from rlc.compiler.planner.calibration import Calibration
+from rlc.compiler.planner.vllm_sleep import SleepSemantics
+
+
+@dataclass(frozen=True)
+class MegatronResident:
+    """Fractions (0..1) of each Megatron block on the GPU."""
+
+    params: float
+    grads: float
+    master: float  # fp32 master weights
+    moments: float  # Adam exp_avg + exp_avg_sq
+    cpu_offload_staging: bool  # the extra residency optimizer_cpu_offload leaves (calibration)
+
+
+@dataclass(frozen=True)
+class VllmResident:
+    weights: bool
+    why: str  # which sleep-level fact decided ``weights``
+
+
+@dataclass(frozen=True)
+class HostResident:
+    """Fractions of each block held in host memory (per GPU) in a phase."""
+
+    vllm_weights: float
+    grads: float
+    master: float
+    moments: float
+
+
+@dataclass(frozen=True)
+class PhaseResidency:
+    phase: str
+    megatron: MegatronResident
+    vllm: VllmResident
+    host: HostResident
+
+
+def residency(recipe: Mapping[str, Any], sleep: SleepSemantics, cal: Calibration) -> dict[str, PhaseResidency]:
+    """The residency table of ``recipe`` (schema defaults filled) for the ``train`` and ``refit`` phases."""
+    refit, training = recipe.get("refit", {}), recipe.get("training", {})
+    level_no = int(refit.get("sleep_level", 1))
+    level = sleep.level(level_no)
+    cpu_offload = bool(training.get("optimizer_cpu_offload", False))
+    off = float(training.get("optimizer_offload_fraction", 1.0)) if cpu_offload else 0.0
+    offload_for_refit = bool(refit.get("offload_optimizer_for_refit", True))
+    precision_aware = bool(training.get("use_precision_aware_optimizer", False))
+    host_copy = 1.0 if level.host_copy else 0.0
+
+    train = PhaseResidency(
+        "train",
+        MegatronResident(params=1.0, grads=1.0, master=1.0 - off, moments=1.0 - off, cpu_offload_staging=cpu_offload),
+        VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
+                     + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
+        HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off),
+    )
+    if offload_for_refit:
+        # the optimizer state goes to the host; the fp32 master goes with it when it *is* optimizer
+        # state (precision-aware optimizer), else it stays (the distributed optimizer's fp32 shard)
+        master_stays = cal.megatron_master_params_stay_at_refit and not precision_aware
+        mega = MegatronResident(params=1.0, grads=0.0, master=1.0 if master_stays else 0.0, moments=0.0,
+                                cpu_offload_staging=cpu_offload)
+        host = HostResident(vllm_weights=host_copy, grads=1.0, master=0.0 if master_stays else 1.0, moments=1.0)
+    else:
+        mega = MegatronResident(params=1.0, grads=1.0, master=1.0, moments=1.0, cpu_offload_staging=cpu_offload)
+        host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off)
+    refit_phase = PhaseResidency(
+        "refit", mega,
+        VllmResident(level.gpu_at_refit, f"sleep level {level_no} ({sleep.label}): weight shard "
+                     + ("on the GPU" if level.gpu_at_refit else "not on the GPU") + " at the refit"),
+        host,
+    )
+    return {"train": train, "refit": refit_phase}
+
+
+__all__ = ["HostResident", "MegatronResident", "PhaseResidency", "VllmResident", "residency"]

@@ -1,0 +1,68 @@
+"""RLC31x: engine options — pass-through blocks, what the runtime cannot run yet, option combinations."""
+from __future__ import annotations
+
+from rlc.compiler.rules.engine import Context, rule
+from rlc.compiler.runtime_support import MEGATRON_OWNED, VLLM_OWNED, runtime_gaps
+from rlc.compiler.suggest import closest
+
+
+@rule("RLC310", "pass-through engine options must not set what rlc sets from typed keys", severities=("error",),
+      rationale="generation.vllm_kwargs and training.megatron_kwargs hand options rlc does not reason about to vLLM "
+                "and Megatron unchanged. An option the runtime already sets from a typed key (parallelism, memory, "
+                "dtype, sleep mode, FP8, MoE dispatcher) would give one setting two sources that can disagree, and "
+                "the planner and rules would check the other one.",
+      seed="Design: one source of truth per setting; typed keys where rlc reasons about a value.",
+      fixes="Move the option to the typed key the message names, or drop it.")
+def owned_options(ctx: Context) -> None:
+    for block, owned in (("generation.vllm_kwargs", VLLM_OWNED), ("training.megatron_kwargs", MEGATRON_OWNED)):
+        for key in (ctx.get(block, {}) or {}):
+            if key in owned:
+                ctx.error(f"{block}.{key} is set by rlc from {owned[key]}", f"{block}.{key}",
+                          hint=f"use {owned[key]} instead")
+            else:
+                near = closest(key, list(owned), cutoff=0.85)
+                if near:
+                    ctx.error(f"{block}.{key} looks like {near!r}, which rlc sets from {owned[near]}",
+                              f"{block}.{key}", hint=f"use {owned[near]} instead")
+
+
+@rule("RLC311", "setting the bundled runtime cannot run yet", severities=("warning",),
+      rationale="The schema can state configurations that ran on other stacks (FP8 rollouts, sequence packing) so "
+                "they validate and plan. The bundled runtime cannot execute some of them yet; rlc compile refuses "
+                "to write a bundle that would silently run something else.",
+      seed="rlc/compiler/runtime_support.py.",
+      fixes="Turn the setting off to compile for the bundled runtime, or run the plan with the stack that "
+            "supports it.")
+def runtime_cannot(ctx: Context) -> None:
+    for gap in runtime_gaps(ctx.recipe):
+        ctx.warning(f"the bundled runtime cannot run this yet ({gap.message}); rlc compile will refuse it",
+                    gap.key, hint=f"turn {gap.key} off to compile for the bundled runtime")
+
+
+@rule("RLC312", "the precision-aware optimizer needs the distributed optimizer", severities=("error",),
+      rationale="Megatron's precision-aware optimizer keeps fp32 master weights inside the distributed optimizer's "
+                "state (Transformer Engine FusedAdam); Megatron rejects it without use_distributed_optimizer.",
+      seed="Megatron-core OptimizerConfig: 'use_precision_aware_optimizer requires use_distributed_optimizer'.",
+      fixes="Set training.use_distributed_optimizer: true, or use_precision_aware_optimizer: false.")
+def precision_aware_needs_distributed(ctx: Context) -> None:
+    if ctx.get("training.use_precision_aware_optimizer") and not ctx.get("training.use_distributed_optimizer", True):
+        ctx.error("use_precision_aware_optimizer needs use_distributed_optimizer: true",
+                  "training.use_precision_aware_optimizer", hint="training.use_distributed_optimizer: true")
+
+
+@rule("RLC313", "DeepEP needs the flex dispatcher and expert parallelism", severities=("error", "info"),
+      needs=("facts",),
+      rationale="Megatron runs DeepEP only through the flex token dispatcher; it only does something for MoE layers "
+                "under expert parallelism.",
+      seed="Megatron-core TransformerConfig (moe_enable_deepep requires moe_token_dispatcher_type 'flex').",
+      fixes="Set training.moe.token_dispatcher: flex with deepep: true; EP > 1 for a MoE model.")
+def deepep(ctx: Context) -> None:
+    moe = ctx.get("training.moe", {}) or {}
+    if not moe.get("deepep"):
+        return
+    if moe.get("token_dispatcher") != "flex":
+        ctx.error(f"training.moe.deepep needs token_dispatcher: flex (not {moe.get('token_dispatcher')!r})",
+                  "training.moe.token_dispatcher", hint="training.moe.token_dispatcher: flex")
+    if ctx.facts is not None and (not ctx.facts.is_moe or ctx.get("parallelism.train.ep", 1) == 1):
+        ctx.info("training.moe.deepep has no effect: " + ("the model is dense" if not ctx.facts.is_moe else "EP is 1"),
+                 "training.moe.deepep")
