@@ -75,8 +75,9 @@ def test_plan_predicts_free_memory_at_refit_on_the_mtp_stage(result):
     last = plan.stages[-1]
     assert (last["mtp_blocks"], last["vocab_copies"]) == (1, 2) and plan.stages[0]["mtp_blocks"] == 0
     assert plan.per_side_bytes > plan.largest_tensor[1]
-    assert {k: c.ok for k, c in plan.checks.items()} == {"generate_fit": True, "train_fit": True, "buffer": True,
-                                                         "stack": True}
+    # vLLM 0.22 (the GPU host's): the after-sleep residue growth reported for MoE models is planned too
+    assert {k: c.ok for k, c in plan.checks.items()} == {"generate_fit": True, "train_fit": True,
+                                                         "train_late_fit": True, "buffer": True, "stack": True}
     assert "free at refit" in plan.render()
 
 

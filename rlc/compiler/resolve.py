@@ -132,10 +132,14 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
         },
         "generation": {
             "backend": generation["backend"],
+            "vllm_version": _vllm_version(result),
             "enforce_eager": generation["enforce_eager"],
             "gpu_memory_utilization": generation["gpu_memory_utilization"],
+            "kv_cache_memory_bytes": generation.get("kv_cache_memory_bytes"),
+            "precision": generation["precision"],
             "max_model_len": generation["max_model_len"],
             "sampling": dict(generation["sampling"]),
+            "vllm_kwargs": dict(generation["vllm_kwargs"]),
         },
         "training": {
             "optimizer": dict(training["optimizer"]),
@@ -153,6 +157,11 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
             "activation_checkpointing": training["activation_checkpointing"],
             "max_sequence_length": training.get("max_sequence_length", generation["max_model_len"]),
             "seed": training["seed"],
+            "use_precision_aware_optimizer": training["use_precision_aware_optimizer"],
+            "fp8": dict(training["fp8"]),
+            "moe": dict(training["moe"]),
+            "sequence_packing": dict(training["sequence_packing"]),
+            "megatron_kwargs": dict(training["megatron_kwargs"]),
         },
         "grpo": {
             "prompts_per_step": grpo["prompts_per_step"],
@@ -195,6 +204,17 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
         "env": {k: _env_str(v) for k, v in cluster["env"].items()},
         "extensions": dict(r["extensions"]),
     }
+
+
+def _vllm_version(result: Any) -> str:
+    """The vLLM version the plan assumed: the recipe's, else the calibration entry's for the GPU."""
+    plan = getattr(result, "plan", None)
+    if plan is not None and plan.vllm_version:
+        return str(plan.vllm_version)
+    from rlc.compiler.planner.calibration import calibration_for
+    from rlc.compiler.planner.vllm_sleep import planned_vllm_version
+
+    return planned_vllm_version(result.recipe, calibration_for(result.recipe["cluster"]["gpu"]).versions)
 
 
 def _env_str(value: Any) -> str:

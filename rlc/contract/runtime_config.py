@@ -109,15 +109,20 @@ class SamplingConfig:
     top_k: int  # -1 = off
     max_tokens: int
     stop: list[str]
+    stop_token_ids: list[int]  # besides the tokenizer's EOS
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     backend: str  # "vllm"
+    vllm_version: str  # the version the plan assumed (recipe, or the calibration entry's); checked at start
     enforce_eager: bool
     gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None  # fixed KV cache (vLLM kv_cache_memory_bytes); None = by utilization
+    precision: str  # "auto" (model.dtype) | "fp8"
     max_model_len: int
     sampling: SamplingConfig
+    vllm_kwargs: dict[str, Any]  # engine options handed to vllm.LLM unchanged (none that rlc sets itself)
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,32 @@ class TrainingConfig:
     activation_checkpointing: str  # "none" | "selective" | "full"
     max_sequence_length: int
     seed: int
+    use_precision_aware_optimizer: bool  # fp32 masters live in the optimizer state (TE FusedAdam)
+    fp8: Fp8TrainingConfig
+    moe: MoeConfig
+    sequence_packing: SequencePackingConfig
+    megatron_kwargs: dict[str, Any]  # Megatron provider options set unchanged (none that rlc sets itself)
+
+
+@dataclass(frozen=True)
+class Fp8TrainingConfig:
+    enabled: bool
+    format: str  # "e4m3" | "hybrid"
+    recipe: str  # "tensorwise" | "delayed" | "blockwise" | "mxfp8"
+    param_gather: bool
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    token_dispatcher: str  # "alltoall" | "allgather" | "flex"
+    deepep: bool
+    router_dtype: str  # "fp32" | "fp64" | "auto"
+
+
+@dataclass(frozen=True)
+class SequencePackingConfig:
+    enabled: bool
+    algorithm: str
 
 
 @dataclass(frozen=True)
@@ -182,6 +213,8 @@ class LossConfig:
     token_level: bool  # average over all tokens of the batch (True) or per sequence first
     clip_ratio_c: float | None  # dual-clip constant (> 1) for negative advantages; None = off
     max_log_ratio: float  # |log(new / old)| is clamped to this before exp
+    importance_sampling_correction: bool  # weight tokens by min(exp(old - gen logprob), cap)
+    importance_sampling_cap: float
 
 
 @dataclass(frozen=True)

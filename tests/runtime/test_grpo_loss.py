@@ -20,10 +20,12 @@ from rlc.runtime.grpo.loss import (  # noqa: E402
 )
 
 
-def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True, clip_c=None, max_log_ratio=20.0) -> LossConfig:
+def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True, clip_c=None, max_log_ratio=20.0,
+        is_correction=False, is_cap=2.0) -> LossConfig:
     return LossConfig(
         ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level,
-        clip_ratio_c=clip_c, max_log_ratio=max_log_ratio,
+        clip_ratio_c=clip_c, max_log_ratio=max_log_ratio, importance_sampling_correction=is_correction,
+        importance_sampling_cap=is_cap,
     )
 
 
@@ -283,3 +285,24 @@ def test_bf16_inputs_are_computed_in_fp32_and_grad_flows_back() -> None:
     assert new.grad is not None and new.grad.dtype == torch.bfloat16
     expected = math.exp(new[0, 0].float().item() - old[0, 0].float().item())
     assert m["ratio_max"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_importance_sampling_correction_weights_tokens_by_the_truncated_ratio() -> None:
+    # on-policy (new == old): the per-token loss is -A; with IS each token is scaled by min(exp(old - gen), cap)
+    old = torch.log(torch.tensor([[0.5, 0.25, 0.1]], dtype=torch.float64))
+    gen = torch.log(torch.tensor([[0.25, 0.25, 0.01]], dtype=torch.float64))  # ratios 2, 1, 10 -> capped 2, 1, 1.5
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    plain, _, _ = _grad(old, old, adv, mask, cfg())
+    loss, metrics, grad = _grad(old, old, adv, mask, cfg(is_correction=True, is_cap=1.5), gen_logprobs=gen)
+    weights = torch.tensor([1.5, 1.0, 1.5], dtype=torch.float64)
+    assert torch.allclose(loss, -(weights * adv).mean())
+    assert torch.allclose(grad, -weights / 3 * torch.ones(1, 3, dtype=torch.float64))
+    assert metrics["is_weight_max"] == 1.5 and abs(metrics["is_weight_mean"] - 4 / 3) < 1e-12
+    assert not torch.allclose(loss, plain)
+
+
+def test_importance_sampling_correction_needs_the_engine_logprobs() -> None:
+    lp = torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gen_logprobs"):
+        grpo_loss(lp, lp, torch.ones(1, dtype=torch.float64), torch.ones(1, 2), cfg(is_correction=True))

@@ -23,8 +23,10 @@ def sampling_kwargs(sampling: Any, n: int, *, eos_token_id: int | None = None) -
     }
     if sampling.stop:
         kw["stop"] = list(sampling.stop)
-    if eos_token_id is not None:
-        kw["stop_token_ids"] = [int(eos_token_id)]
+    stop_ids = [int(eos_token_id)] if eos_token_id is not None else []
+    stop_ids += [int(t) for t in getattr(sampling, "stop_token_ids", ()) if int(t) not in stop_ids]
+    if stop_ids:
+        kw["stop_token_ids"] = stop_ids
     return kw
 
 

@@ -13,13 +13,15 @@ each of vLLM's workers and pairs with the trainer rank on its GPU.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 
-EXTENSION = "rlc.runtime.generation.extension.RlcWorkerExtension"
+
+log = logging.getLogger(__name__)
 
 
 class VllmGenerationWorker:
@@ -45,7 +47,7 @@ class VllmGenerationWorker:
         """
         from vllm import LLM  # noqa: PLC0415
 
-        from rlc.runtime.generation.sampling import logprobs_mode  # noqa: PLC0415
+        from rlc.runtime.generation.engine_args import check_vllm_version, engine_kwargs  # noqa: PLC0415
 
         cfg, gp, gen = self.cfg, self.cfg.generation_parallel, self.cfg.generation
         t0 = time.perf_counter()
@@ -55,28 +57,18 @@ class VllmGenerationWorker:
             # vLLM's default top-k/top-p sampler imports flashinfer when it is on by default; without
             # the package (the GPU host's stack) fall back to the PyTorch sampler instead of failing.
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        kwargs: dict[str, Any] = dict(
-            model=cfg.model.checkpoint,
-            tokenizer=cfg.model.tokenizer,
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            tensor_parallel_size=gp.tp,
-            pipeline_parallel_size=gp.pp,
-            enable_expert_parallel=gp.ep > 1,
-            enforce_eager=gen.enforce_eager,
-            gpu_memory_utilization=gen.gpu_memory_utilization,
-            max_model_len=gen.max_model_len,
-            enable_sleep_mode=True,
-            worker_extension_cls=EXTENSION,
-            seed=cfg.grpo.seed + self.engine_index,
-            logprobs_mode=logprobs_mode(gen.sampling),
-        )
-        if gp.tp * gp.pp > 1:
+        distributed = gp.tp * gp.pp > 1
+        kwargs = engine_kwargs(cfg, self.engine_index, distributed=distributed)
+        if distributed:
             # vLLM's workers are Ray actors in this actor's placement group, sharing each GPU with
             # the trainer rank there.
             os.environ["VLLM_RAY_PER_WORKER_GPUS"] = "0.5"
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in self.bundles)
-            kwargs["distributed_executor_backend"] = "ray"
+        import vllm  # noqa: PLC0415
+
+        mismatch = check_vllm_version(gen.vllm_version, getattr(vllm, "__version__", "unknown"))
+        if mismatch:
+            log.warning(mismatch)
         kwargs.update(engine_overrides or {})
         self.llm = LLM(**kwargs)
         self.eos_token_id = self._eos_token_id()

@@ -130,9 +130,16 @@ def grpo_loss(
     cfg: LossConfig,
     *,
     ref_logprobs: torch.Tensor | None = None,
+    gen_logprobs: torch.Tensor | None = None,
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss (a scalar to ``backward()``) and its metrics (plain floats).
+
+    With ``loss.importance_sampling_correction`` each token's policy term is weighted by
+    ``min(exp(old_logprobs - gen_logprobs), loss.importance_sampling_cap)`` (no gradient): the
+    rollout engine sampled from its own distribution, the trainer scores the tokens under its own,
+    and the truncated ratio corrects the difference (``gen_logprobs`` are the engine's logprobs of the
+    sampled tokens; metrics ``is_weight_mean`` / ``is_weight_max``).
 
     Masked positions are excluded with ``where`` before any arithmetic, so padding holding NaN or inf
     (in logprobs, old or reference logprobs, or per-token advantages) changes neither the loss nor
@@ -158,10 +165,21 @@ def grpo_loss(
     adv = torch.where(keep, adv.detach().to(dtype), zero)
     log_ratio = new - old
     per_token, clip_active, dual_active = policy_loss_per_token(log_ratio, adv, cfg)
+    metrics: dict[str, float] = {}
+    if cfg.importance_sampling_correction:
+        if gen_logprobs is None:
+            raise ValueError("grpo_loss: loss.importance_sampling_correction needs gen_logprobs (the rollout "
+                             "engine's logprobs of the sampled tokens)")
+        gen = torch.where(keep, gen_logprobs.detach().to(dtype), zero)
+        weight = torch.exp((old - gen).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)).clamp(
+            max=cfg.importance_sampling_cap)
+        weight = torch.where(keep, weight, zero)
+        per_token = per_token * weight
+        with torch.no_grad():
+            metrics["is_weight_mean"] = (_masked_sum(weight, m) / m.sum().clamp(min=1.0)).item()
+            metrics["is_weight_max"] = weight.max().item() if bool(keep.any()) else 0.0
     policy_loss = _reduce(per_token, m, cfg.token_level, normalizer)
     loss = policy_loss
-
-    metrics: dict[str, float] = {}
     if cfg.kl_penalty > 0:
         if ref_logprobs is None:
             raise ValueError("grpo_loss: loss.kl_penalty > 0 needs ref_logprobs (the reference model's logprobs)")

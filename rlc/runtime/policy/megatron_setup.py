@@ -84,6 +84,9 @@ def make_provider(bridge: Any, cfg: Any, *, load_weights: bool = True) -> Any:
         provider.recompute_granularity = "selective"
     elif ac != "none":
         raise ValueError(f"training.activation_checkpointing={ac!r}: expected none, selective or full")
+    from rlc.runtime.policy.provider_options import apply_provider_settings  # noqa: PLC0415
+
+    apply_provider_settings(provider, cfg)
     provider.finalize()
     return provider
 
@@ -106,6 +109,8 @@ def build_policy(cfg: Any) -> PolicyModel:
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: PLC0415
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
     from megatron.core.utils import get_model_config  # noqa: PLC0415
+
+    from rlc.runtime.policy.provider_options import optimizer_settings  # noqa: PLC0415
 
     dtype = torch_dtype(cfg.model.dtype)
     t = cfg.training
@@ -144,6 +149,7 @@ def build_policy(cfg: Any) -> PolicyModel:
         overlap_param_gather=t.overlap_param_gather,
         optimizer_cpu_offload=t.optimizer_cpu_offload,
         optimizer_offload_fraction=t.optimizer_offload_fraction,
+        **optimizer_settings(cfg),
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     mcfg = get_model_config(model[0])

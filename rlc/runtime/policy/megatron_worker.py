@@ -223,6 +223,7 @@ class MegatronPolicyWorker:
                 loss, metrics = grpo_loss(
                     lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), cfg.loss,
                     ref_logprobs=ref, normalizer=normalizer,
+                    gen_logprobs=mb["gen_logprobs"].to(dev) if cfg.loss.importance_sampling_correction else None,
                 )
                 return loss * scale, metrics
 

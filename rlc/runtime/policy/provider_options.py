@@ -1,0 +1,59 @@
+"""Megatron settings from ``runtime.yaml`` that the policy worker applies to the Bridge's model provider
+and optimizer config: FP8, the MoE dispatcher, and the ``training.megatron_kwargs`` pass-through.
+
+Pure Python (no torch / megatron imports) so the mapping is tested on CPU; ``megatron_setup`` applies it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+#: Provider attributes the runtime sets from typed keys; ``megatron_kwargs`` may not set them
+#: (the compiler rejects them first, RLC310; this is the runtime's own guard for hand-edited bundles).
+RUNTIME_SET = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "params_dtype", "bf16", "fp16",
+    "pipeline_dtype", "gradient_accumulation_fusion", "hidden_dropout", "attention_dropout",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "fp8", "fp8_recipe", "fp8_param",
+    "fp8_param_gather", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_router_dtype",
+})
+
+
+def typed_provider_settings(cfg: Any) -> dict[str, Any]:
+    """Provider attributes from ``training.fp8`` and ``training.moe`` (only what the recipe turns on)."""
+    t = cfg.training
+    out: dict[str, Any] = {}
+    if t.fp8.enabled:
+        out.update(fp8=t.fp8.format, fp8_recipe=t.fp8.recipe, fp8_param=t.fp8.param_gather)
+    if cfg.model.num_experts:
+        out["moe_token_dispatcher_type"] = t.moe.token_dispatcher
+        out["moe_enable_deepep"] = bool(t.moe.deepep)
+        if t.moe.router_dtype != "auto":
+            out["moe_router_dtype"] = t.moe.router_dtype
+    return out
+
+
+def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
+    """Set the typed settings, then ``training.megatron_kwargs`` unchanged; returns what was set.
+
+    A pass-through key the runtime sets itself, or one the provider does not have (a typo would
+    otherwise become a silently ignored attribute), raises ``ValueError`` naming the key.
+    """
+    applied = typed_provider_settings(cfg)
+    for key, value in applied.items():
+        setattr(provider, key, value)
+    for key, value in cfg.training.megatron_kwargs.items():
+        if key in RUNTIME_SET:
+            raise ValueError(f"training.megatron_kwargs.{key}: set by the runtime from a typed recipe key; "
+                             "recompile the bundle without it")
+        if not hasattr(provider, key):
+            raise ValueError(f"training.megatron_kwargs.{key}: the Megatron model provider "
+                             f"({type(provider).__name__}) has no such option")
+        setattr(provider, key, value)
+        applied[key] = value
+    return applied
+
+
+def optimizer_settings(cfg: Any) -> dict[str, Any]:
+    """Extra ``megatron.core.optimizer.OptimizerConfig`` arguments from ``runtime.yaml``."""
+    return {"use_precision_aware_optimizer": bool(cfg.training.use_precision_aware_optimizer)}

@@ -1,0 +1,210 @@
+"""The planner model: sleep semantics per vLLM version, residency per phase, the precision-aware optimizer,
+host memory, reported residue growth, missing facts and checkpoint variants — each on the configuration
+that motivated it (public GRPO runs and failure reports)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlc.compiler import api
+from rlc.compiler.planner.vllm_sleep import load_sleep_table, sleep_semantics
+
+# DeepSeek-V3 on 32 x 8 H100, TP1/PP16/EP16 + vLLM TP32: NeMo-RL's grpo-deepseek-v3-32n8g performance recipe
+DSV3 = {
+    "version": 1,
+    "model": {"id": "deepseek-ai/DeepSeek-V3", "overrides": {"num_nextn_predict_layers": 0}},
+    "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb"},
+    "parallelism": {"train": {"tp": 1, "pp": 16, "ep": 16, "num_layers_in_first_pipeline_stage": 3,
+                              "num_layers_in_last_pipeline_stage": 2},
+                    "generation": {"tp": 32}},
+    "generation": {"max_model_len": 1536, "sampling": {"max_tokens": 1536}},
+    "data": {"train": "/data/train.jsonl", "max_prompt_length": 1536},
+    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 1536},
+    "grpo": {"prompts_per_step": 32, "generations_per_prompt": 16},
+}
+
+# NeMo-RL #2619: Qwen3.5-35B-A3B on 2 x 8 GPUs, trainer TP1 / EP16, vLLM TP8 on vLLM 0.20
+QWEN35_2619 = {
+    "version": 1,
+    "model": {"id": "Qwen/Qwen3.5-35B-A3B-Base"},
+    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb"},
+    "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 8}},
+    "generation": {"vllm_version": "0.20.0", "enforce_eager": True, "max_model_len": 4096},
+    "data": {"train": "/data/train.jsonl", "max_prompt_length": 4096},
+    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 4096},
+    "grpo": {"prompts_per_step": 64, "generations_per_prompt": 32},
+}
+
+
+def check(tmp_path: Path, recipe: dict, *sets: str) -> api.CheckResult:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return api.check(str(path), list(sets))
+
+
+def rules(result, severity=None) -> list[str]:
+    return [d.rule for d in result.diagnostics if severity is None or d.severity == severity]
+
+
+def labels(phase) -> list[str]:
+    return [i.label for i in phase.items]
+
+
+# ------------------------------------------------------------------ sleep level 1: GPU vs host
+
+
+def test_sleep_level_1_offloads_the_weights_to_host_memory_during_the_train_step(tmp_path):
+    result = check(tmp_path, DSV3)
+    plan = result.plan
+    assert "RLC215" not in rules(result)
+    train = plan.phases["train"]
+    assert "vLLM weight shard" not in labels(train)
+    assert plan.checks["train_fit"].ok and train.used_gib < 70
+    # the shard went to host memory instead: 8 GPUs x 40.9 GiB on every node
+    assert plan.host.item_gib("vLLM weight copy (sleep level 1)") == pytest.approx(8 * plan.vllm_weights_gib)
+    level2 = check(tmp_path, DSV3, "refit.sleep_level=2").plan.host
+    assert level2.item_gib("vLLM weight copy (sleep level 1)") == 0
+
+
+def test_sleep_semantics_follow_the_vllm_version(tmp_path):
+    old, new = sleep_semantics("0.17.1"), sleep_semantics("0.22.0")
+    assert old.level(1).gpu_at_refit and not old.level(2).gpu_at_refit  # the field report's residues
+    assert new.level(1).gpu_at_refit and new.level(2).gpu_at_refit  # the runtime wakes the weights first
+    assert all(not s.level(n).gpu_asleep for s in load_sleep_table() for n in (1, 2))
+    assert old.level(1).host_copy and not old.level(2).host_copy
+    recipe = {**DSV3, "refit": {"sleep_level": 2}}
+    assert "vLLM weight shard" not in labels(check(tmp_path, recipe).plan.phases["refit"])
+    recipe["generation"] = {**DSV3["generation"], "vllm_version": "0.22.0"}
+    assert "vLLM weight shard" in labels(check(tmp_path, recipe).plan.phases["refit"])
+
+
+def test_the_planned_vllm_version_defaults_to_the_calibration_and_is_recorded(tmp_path):
+    from rlc.compiler.resolve import to_runtime_config
+
+    result = check(tmp_path, DSV3, "refit.buffer_memory_ratio=0.45")
+    assert result.ok, [(d.rule, d.message) for d in result.errors]
+    assert result.plan.vllm_version == "0.17.1"
+    runtime = to_runtime_config(result)
+    assert runtime["generation"]["vllm_version"] == "0.17.1"
+    assert runtime["training"]["use_precision_aware_optimizer"] is True
+
+
+# ------------------------------------------------------------------ precision-aware optimizer
+
+
+def test_precision_aware_optimizer_moves_the_fp32_masters_off_the_gpu_for_the_refit(tmp_path):
+    aware = check(tmp_path, DSV3).plan
+    plain = check(tmp_path, DSV3, "training.use_precision_aware_optimizer=false").plan
+    assert "optimizer fp32 master" not in labels(aware.phases["refit"])
+    master = plain.item_gib("refit", "optimizer fp32 master")
+    assert master > 10
+    assert aware.phases["refit"].free_gib == pytest.approx(plain.phases["refit"].free_gib + master, abs=0.01)
+    # ... and they are in host memory instead
+    assert aware.host.item_gib("optimizer fp32 master (offloaded)") > 0
+    assert plain.host.item_gib("optimizer fp32 master (offloaded)") == 0
+
+
+def test_precision_aware_optimizer_needs_the_distributed_optimizer(tmp_path):
+    result = check(tmp_path, DSV3, "training.use_distributed_optimizer=false")
+    assert "RLC312" in rules(result, "error")
+
+
+# ------------------------------------------------------------------ host memory
+
+
+def test_host_memory_at_sleep_level_1_is_checked_per_node(tmp_path):
+    # GLM-4.5-Air on 16 GB200 (4 per node, 821 GiB host): sleep level 1 backs up 4 weight shards per node
+    recipe = {
+        "version": 1, "model": {"id": "zai-org/GLM-4.5-Air"},
+        "cluster": {"nodes": 4, "gpus_per_node": 4, "gpu": "gb200-186gb"},
+        "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 2}},
+        "generation": {"enforce_eager": True}, "data": {"train": "/data/train.jsonl"},
+        "training": {"use_precision_aware_optimizer": True},
+    }
+    level1 = check(tmp_path, recipe)
+    hits = [d for d in level1.diagnostics if d.rule == "RLC219"]
+    assert hits and hits[0].severity == "error" and hits[0].path == "refit.sleep_level"
+    assert "sleep_level: 2 frees" in hits[0].hint and "821 GiB" in hits[0].message
+    assert "RLC219" not in rules(check(tmp_path, recipe, "refit.sleep_level=2"))
+    # the nodes' real memory wins over the catalog's typical node
+    assert "RLC219" not in rules(check(tmp_path, recipe, "cluster.host_memory_gib=1800"))
+
+
+# ------------------------------------------------------------------ RLC305
+
+
+def test_prompt_plus_max_tokens_above_max_model_len_is_not_an_error(tmp_path):
+    recipe = {**DSV3, "generation": {"max_model_len": 1536, "sampling": {"max_tokens": 1536}}}
+    result = check(tmp_path, recipe, "refit.buffer_memory_ratio=0.45")
+    assert [d.severity for d in result.diagnostics if d.rule == "RLC305"] == ["info"]
+    too_long = check(tmp_path, recipe, "data.max_prompt_length=2048", "refit.buffer_memory_ratio=0.45")
+    errors = [d for d in too_long.diagnostics if d.rule == "RLC305" and d.severity == "error"]
+    assert errors and "2048" in errors[0].message and "1536" in errors[0].message
+
+
+# ------------------------------------------------------------------ missing facts, variants
+
+
+def test_missing_model_facts_are_a_warning_naming_the_key_to_set(tmp_path):
+    recipe = {"version": 1, "model": {"id": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B"},
+              "cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "h100-80gb"},
+              "parallelism": {"train": {"tp": 4, "pp": 2, "ep": 8, "sequence_parallel": True},
+                              "generation": {"tp": 8}},
+              "data": {"train": "/data/train.jsonl"}}
+    result = check(tmp_path, recipe)
+    warns = [d for d in result.diagnostics if d.rule == "RLC216"]
+    assert warns and all(d.severity == "warning" for d in warns)
+    assert "tie_word_embeddings" in warns[0].message and "model.overrides" in warns[0].hint
+    fixed = check(tmp_path, {**recipe, "model": {**recipe["model"], "overrides": {"tie_word_embeddings": False}}})
+    assert "RLC216" not in rules(fixed) and fixed.plan.refit is not None
+    assert "RLC218" in rules(fixed, "info")  # the override is stated
+
+
+def test_checkpoint_variants_resolve_to_their_base_entry(tmp_path):
+    result = check(tmp_path, QWEN35_2619)
+    assert result.facts.model_id == "Qwen/Qwen3.5-35B-A3B"
+    infos = [d for d in result.diagnostics if d.rule == "RLC218"]
+    assert infos and "checkpoint variant" in infos[0].message
+
+
+# ------------------------------------------------------------------ residue growth over steps (NeMo-RL #2619)
+
+
+def test_reported_residue_growth_catches_the_tp1_layout_and_names_the_fix(tmp_path):
+    result = check(tmp_path, QWEN35_2619)
+    hits = [d for d in result.diagnostics if d.rule == "RLC220"]
+    assert hits and hits[0].severity == "warning" and hits[0].path == "parallelism.train.tp"
+    assert "4.11 → 11.57 → 25" in hits[0].message and "logits" in hits[0].message
+    assert hits[0].hint.startswith("parallelism.train.tp: 2 with sequence_parallel: true")
+    assert result.plan.checks["train_fit"].ok  # step 1 fits: only the growth breaks it
+    fixed = check(tmp_path, QWEN35_2619, "parallelism.train.tp=2", "parallelism.train.sequence_parallel=true")
+    assert "RLC220" not in rules(fixed) and fixed.plan.checks["train_late_fit"].ok
+    # the growth was reported for vLLM 0.20; the field-report version does not have it
+    assert "train_late" not in check(tmp_path, QWEN35_2619, "generation.vllm_version=0.17.1").plan.phases
+
+
+# ------------------------------------------------------------------ engine options
+
+
+def test_pass_through_blocks_cannot_set_what_rlc_sets(tmp_path):
+    recipe = {**DSV3, "generation": {**DSV3["generation"],
+                                     "vllm_kwargs": {"enable_prefix_caching": True, "gpu_memory_utilization": 0.9}},
+              "training": {**DSV3["training"], "megatron_kwargs": {"apply_rope_fusion": False,
+                                                                    "moe_token_dispatcher_type": "flex"}}}
+    result = check(tmp_path, recipe, "refit.buffer_memory_ratio=0.45")
+    errors = {d.path: d for d in result.diagnostics if d.rule == "RLC310"}
+    assert set(errors) == {"generation.vllm_kwargs.gpu_memory_utilization",
+                           "training.megatron_kwargs.moe_token_dispatcher_type"}
+    assert errors["training.megatron_kwargs.moe_token_dispatcher_type"].hint == "use training.moe.token_dispatcher instead"
+
+
+def test_settings_the_runtime_cannot_run_warn_and_compile_refuses(tmp_path):
+    from rlc.compiler.bundle import BundleError, build_bundle
+
+    result = check(tmp_path, DSV3, "refit.buffer_memory_ratio=0.45", "generation.precision=fp8")
+    assert result.ok and "RLC311" in rules(result, "warning")
+    with pytest.raises(BundleError, match="generation.precision"):
+        build_bundle(result, tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
