@@ -273,7 +273,7 @@ class GpuSession:
         self.root = Path(a.root)
 
     def env(self, cfg_dict: dict) -> dict:
-        from rlc.runtime.config import runtime_config_from_dict  # noqa: PLC0415
+        from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
         from rlc.runtime.workers import worker_env  # noqa: PLC0415
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; fail fast instead of waiting

@@ -18,7 +18,7 @@ if str(BENCH_DIR) not in sys.path:
 import refit_at_scale as S  # noqa: E402
 import refit_scale_plan as P  # noqa: E402
 
-TINY_METRICS = Path(__file__).resolve().parents[1] / "docs" / "results" / "issue6_grpo_metrics.jsonl"
+TINY_METRICS = Path(__file__).resolve().parents[1] / "docs" / "results" / "tiny-qwen3-h200-grpo" / "metrics.jsonl"
 
 
 # --------------------------------------------------------------------------- shapes and budget
@@ -248,7 +248,7 @@ def test_arguments():
 
 
 def test_each_case_compiles_to_a_runtime_config_the_runtime_accepts(tmp_path):
-    from rlc.runtime.config import runtime_config_from_dict
+    from rlc.contract.runtime_config import runtime_config_from_dict
 
     a = S.parse_args([])
     for lay in S.layouts_for(a):
