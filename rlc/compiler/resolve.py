@@ -158,6 +158,7 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
             "max_sequence_length": training.get("max_sequence_length", generation["max_model_len"]),
             "seed": training["seed"],
             "use_precision_aware_optimizer": training["use_precision_aware_optimizer"],
+            "mtp_loss_scale": training["mtp_loss_scale"],
             "fp8": dict(training["fp8"]),
             "moe": dict(training["moe"]),
             "sequence_packing": dict(training["sequence_packing"]),

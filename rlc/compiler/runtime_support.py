@@ -61,6 +61,7 @@ MEGATRON_OWNED: dict[str, str] = {
     "moe_token_dispatcher_type": "training.moe.token_dispatcher",
     "moe_enable_deepep": "training.moe.deepep",
     "moe_router_dtype": "training.moe.router_dtype",
+    "mtp_loss_scaling_factor": "training.mtp_loss_scale",
     "hidden_dropout": "(always 0 in RL: the trainer's logprobs must match the sampler's)",
     "attention_dropout": "(always 0 in RL: the trainer's logprobs must match the sampler's)",
     "use_precision_aware_optimizer": "training.use_precision_aware_optimizer",

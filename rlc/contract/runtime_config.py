@@ -158,6 +158,7 @@ class TrainingConfig:
     max_sequence_length: int
     seed: int
     use_precision_aware_optimizer: bool  # fp32 masters live in the optimizer state (TE FusedAdam)
+    mtp_loss_scale: float  # weight of the MTP block's next-next-token loss in the RL step (0 = policy loss only)
     fp8: Fp8TrainingConfig
     moe: MoeConfig
     sequence_packing: SequencePackingConfig

@@ -67,3 +67,19 @@ def test_megatron_provider_gets_fp8_moe_and_the_pass_through_block():
                                                                  megatron_kwargs={"apply_rope_fusio": False}))
     with pytest.raises(ValueError, match="no such option"):
         apply_provider_settings(SimpleNamespace(), typo)
+
+
+def test_mtp_loss_is_the_recipes_choice_and_off_by_default():
+    """Megatron's default (0.1) would mix a cross-entropy on the rollouts into the policy gradient."""
+    default = runtime("tiny-moe-mtp-2gpu-pp2.yaml")
+    provider = SimpleNamespace(mtp_loss_scaling_factor=0.1)  # Megatron's own default
+    apply_provider_settings(provider, default)
+    assert default.training.mtp_loss_scale == 0.0 and provider.mtp_loss_scaling_factor == 0.0
+    chosen = runtime("tiny-moe-mtp-2gpu-pp2.yaml", "training.mtp_loss_scale=0.1")
+    apply_provider_settings(provider, chosen)
+    assert provider.mtp_loss_scaling_factor == 0.1
+    dense = SimpleNamespace()
+    apply_provider_settings(dense, runtime("tiny-qwen3-1gpu.yaml"))  # no MTP layers: nothing set
+    assert not hasattr(dense, "mtp_loss_scaling_factor")
+    with pytest.raises(AssertionError, match="mtp_loss_scale"):
+        runtime("tiny-moe-mtp-2gpu-pp2.yaml", "training.megatron_kwargs.mtp_loss_scaling_factor=0.1")

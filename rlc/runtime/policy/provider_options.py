@@ -15,7 +15,7 @@ RUNTIME_SET = frozenset({
     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "params_dtype", "bf16", "fp16",
     "pipeline_dtype", "gradient_accumulation_fusion", "hidden_dropout", "attention_dropout",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "fp8", "fp8_recipe", "fp8_param",
-    "fp8_param_gather", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_router_dtype",
+    "fp8_param_gather", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_router_dtype", "mtp_loss_scaling_factor",
 })
 
 
@@ -30,6 +30,11 @@ def typed_provider_settings(cfg: Any) -> dict[str, Any]:
         out["moe_enable_deepep"] = bool(t.moe.deepep)
         if t.moe.router_dtype != "auto":
             out["moe_router_dtype"] = t.moe.router_dtype
+    if cfg.model.mtp_num_layers:
+        # Megatron adds the MTP block's next-next-token loss to every forward that trains (0.1 by
+        # default); in RL that is a cross-entropy on the model's own rollouts mixed into the policy
+        # gradient, so it is the recipe's choice (training.mtp_loss_scale, 0 by default).
+        out["mtp_loss_scaling_factor"] = float(t.mtp_loss_scale)
     return out
 
 
