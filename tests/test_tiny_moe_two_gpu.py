@@ -114,3 +114,40 @@ def test_resume_verdict():
     assert not proofs.verdict_resume(_run(metrics=metrics, log="starting fresh"), 0.37, 200)["passed"]
     low = [{"step": s, "reward/mean": 0.1} for s in (201, 202)]
     assert not proofs.verdict_resume(_run(metrics=low, log="resumed from /x/step_000200"), 0.37, 200)["passed"]
+
+
+@pytest.fixture(scope="module")
+def moe_export(tmp_path_factory):
+    """The tiny MoE's HF tensors (the names and shapes a refit exports), built on the CPU."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from rlc.runtime.toy_model import build_toy_model
+    from test_four_gpu_grpo import MODEL_CONFIG, with_mtp_layers
+
+    ckpt = build_toy_model(tmp_path_factory.mktemp("moe") / "deepseek_v3", config=MODEL_CONFIG)
+    (file,) = sorted(ckpt.glob("*.safetensors"))
+    return with_mtp_layers(load_file(str(file)), json.loads((ckpt / "config.json").read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("name", [proofs.PP2, proofs.EP2])
+def test_refit_plan_of_the_moe_export_list(name, moe_export):
+    """The compiled refit settings pack the whole MoE export with no one-off buffer, each tensor once, and
+    the fp32 router biases travel as fp32 (the rest as the export dtype)."""
+    from rlc.runtime.refit.bucket_planner import plan_from_config
+    from rlc.runtime.refit.specs import TensorSpec, wire_specs
+
+    result, cfg = _cfg(name)
+    specs = [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in moe_export.items()]
+    wire = wire_specs(specs, cfg.model.dtype, cfg.refit.fp32_params)
+    fp32 = sorted(s.name for s in wire if s.dtype == "float32")
+    biases = sorted(n for n in moe_export if n.endswith("e_score_correction_bias"))
+    assert fp32 == biases and len(biases) == CONFIG["num_hidden_layers"] - CONFIG["first_k_dense_replace"] + 1
+    plan = plan_from_config(wire, result.plan.free_at_refit_bytes, cfg.refit)
+    placed = [e.spec.name for b in plan.buckets for e in b.entries]
+    assert sorted(placed) == sorted(moe_export) and plan.num_oneoff == 0 and not plan.warnings
+    assert plan.total_bytes == sum(s.nbytes for s in wire)
+    dropped = wire_specs(specs, cfg.model.dtype, [])  # refit.fp32_params off: the biases become bf16
+    assert {s.dtype for s in dropped if s.name in biases} == {"bfloat16"}
+    with pytest.raises(Exception, match="appears twice"):  # a replicated name must never reach the wire
+        wire_specs(specs + specs[:1], cfg.model.dtype, cfg.refit.fp32_params)
