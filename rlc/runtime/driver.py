@@ -506,6 +506,11 @@ def merge_train_metrics(results: list[dict]) -> dict[str, float]:
     return out
 
 
+def stop_report(exc: BaseException) -> str:
+    """The report that ends a failed run's log (what ``rlc doctor`` reads first)."""
+    return f"\nrlc.runtime: run stopped ({type(exc).__name__}):\n{exc}\n"
+
+
 def main(cfg_path: str, overrides: list[str] | None = None) -> int:
     """Run GRPO as ``runtime.yaml`` says (``overrides``: dotted ``key=value`` applied on top of it);
     returns the process exit code."""
@@ -529,7 +534,7 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
 
         kind = type(exc).__name__
         log.exception("run failed")
-        print(f"\nrlc.runtime: run stopped ({kind}):\n{exc}\n", file=sys.stderr)
+        print(stop_report(exc), file=sys.stderr)
         if isinstance(exc, WorkerFailure):
             return EXIT_WORKER_FAILED
         if kind == "GenKLExceeded":

@@ -371,12 +371,7 @@ def wait_all(pending: list[tuple[WorkerGroup, int, Any]], what: str) -> list[Any
             results[n] = ray.get(ref)
         except RayError as exc:
             info = group.infos[rank] if rank < len(group.infos) else WorkerInfo(group.role, rank)
-            died = isinstance(exc, RayActorError)
-            detail = str(exc).strip().splitlines()
-            tail = "\n".join(detail[-25:])
-            raise WorkerFailure(
-                f"{info.describe()} {'died' if died else 'failed'} during {what}:\n{tail}"
-            ) from exc
+            raise worker_failure(info, isinstance(exc, RayActorError), what, str(exc)) from exc
     return [results[n] for n in range(len(pending))]
 
 
@@ -406,3 +401,10 @@ def stop_groups(groups: Sequence[WorkerGroup | None], graceful_timeout_s: float 
             except Exception:  # noqa: BLE001 - already gone
                 pass
     return late
+
+
+def worker_failure(info: WorkerInfo, died: bool, what: str, detail: str) -> WorkerFailure:
+    """The report for a worker that died (its actor is gone) or failed (raised) during ``what``:
+    who, where, and the last 25 lines of Ray's error."""
+    tail = "\n".join(detail.strip().splitlines()[-25:])
+    return WorkerFailure(f"{info.describe()} {'died' if died else 'failed'} during {what}:\n{tail}")

@@ -71,12 +71,17 @@ def check_single_owner(tasks: list) -> None:
     torch.distributed.all_gather_object(gathered, owned_names(tasks), group=group)
     dup = find_multiple_owners(gathered)
     if dup:
-        text = ", ".join(f"{n} on PP ranks {s}" for n, s in sorted(dup.items())[:4])
-        raise MultipleOwnersError(
-            f"Object present on multiple PP ranks: {text}. The MTP block shares the word embedding "
-            "and Megatron replicates it on the last pipeline stage (seed 000, failure 1); turn on "
-            "refit.dedupe_mtp_embedding so that stage 0 is the only owner"
-        )
+        raise multiple_owners_error(dup)
+
+
+def multiple_owners_error(dup: dict[str, list[int]]) -> MultipleOwnersError:
+    """The error for parameters owned by several pipeline stages (``find_multiple_owners``'s result)."""
+    text = ", ".join(f"{n} on PP ranks {s}" for n, s in sorted(dup.items())[:4])
+    return MultipleOwnersError(
+        f"Object present on multiple PP ranks: {text}. The MTP block shares the word embedding "
+        "and Megatron replicates it on the last pipeline stage (seed 000, failure 1); turn on "
+        "refit.dedupe_mtp_embedding so that stage 0 is the only owner"
+    )
 
 
 def sync_params(model: list, ddp_config: Any) -> bool:

@@ -1,0 +1,204 @@
+"""The pattern table: log text -> finding -> the rlc rule that would have caught it -> the fix.
+
+Data, not code: each row is a regex over one log line, an optional regex that must appear near it
+(``near``, within ``window`` lines; ``not_near`` must not), the extractor that reads its numbers
+(:mod:`rlc.compiler.doctor.extractors`), the rule id (``None`` when no compile-time rule can catch
+it), the recipe change, and the public reports the row is modelled on. Rows are tried in order and
+a line is claimed by the first row that matches it, so specific rows come before general ones.
+Every row is tested on log text the project writes itself (tests/doctor/).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from rlc.compiler.doctor import extractors as x
+from rlc.compiler.doctor.sizes import SIZE
+
+
+@dataclass(frozen=True)
+class Pattern:
+    id: str
+    rule: Optional[str]
+    title: str
+    regex: re.Pattern
+    extract: Callable[..., Any]
+    fix: str
+    reports: tuple[str, ...]
+    near: Optional[re.Pattern] = None
+    not_near: Optional[re.Pattern] = None
+    window: int = 40
+    observation: bool = False  # healthy logs have it too: reported only with a failure it explains
+
+
+def _rx(text: str) -> re.Pattern:
+    return re.compile(text, re.IGNORECASE)
+
+
+_EXPORT = _rx(r"_accumulate_grouped_export|export_hf_weights|torch\.stack|stream_weights_via_ipc|refit_send|"
+              r"RefitProducer|conversion_tasks")
+_WAKE = _rx(r"wake_up|create_and_map|cumem")
+_OOM = r"(?:torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory)"
+_NUM = r"(?P<value>[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?|nan)"
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern(
+        "mtp-duplicate-owner", "RLC201", "a parameter owned by two pipeline stages (MTP shared embedding)",
+        _rx(r"Object present on multiple PP ranks:\s*(?:\[|[\w.]+ on PP ranks \[).*"), x.ranks,
+        "refit.dedupe_mtp_embedding: auto (or on): the last stage drops its MTP replica of the word embedding",
+        ("NeMo-RL GRPO on Qwen3.5-397B-A17B with PP 8: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
+         "(Megatron-Bridge build_conversion_tasks does not skip the MTP-replicated embedding)",)),
+    Pattern(
+        "tensor-delivered-twice", "RLC201", "a tensor exported twice in one refit (duplicate owner)",
+        _rx(r"tensor '(?P<name>[^']+)' delivered twice \(buckets \d+ and \d+\)"), x.ranks,
+        "refit.dedupe_mtp_embedding: auto (or on)",
+        ("rlc refit manifest (each tensor exactly once per refit)",)),
+    Pattern(
+        "refit-buffer-too-small", "RLC210", "a tensor larger than a refit ping-pong half",
+        _rx(r"Parameter (?P<name>\S+)\s+too large for buffer: (?P<tensor>[0-9]+) > (?P<half>[0-9]+)"),
+        x.buffer_sizes,
+        "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
+        "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
+        ("NeMo-RL Qwen3.5-397B-A17B field report: 'AssertionError: Parameter "
+         "model.language_model.layers.0.mlp.experts.gate_up_proj too large for buffer: 8589934592 > 6263046144'",)),
+    Pattern(
+        "refit-buffer-too-small", "RLC210", "a tensor larger than a refit ping-pong half",
+        _rx(rf"refit: tensor '(?P<name>[^']+)' \((?P<tensor>{SIZE}),.*?larger than a ping-pong half "
+            rf"\((?P<half>{SIZE}) =.*?> (?P<free>{SIZE}) free at refit time"),
+        x.buffer_sizes,
+        "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
+        "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
+        ("rlc refit bucket planner (plans the transfer before any byte moves)",)),
+    Pattern(
+        "refit-buffer-over-free", "RLC210", "the fixed refit buffer is larger than the free memory",
+        _rx(rf"refit\.buffer_gb=(?P<gb>[0-9.]+) asks for (?P<tensor>{SIZE}).*?only (?P<free>{SIZE}) is free"),
+        x.buffer_over_free,
+        "use refit.buffer_memory_ratio (sized from the free memory) or a smaller refit.buffer_gb",
+        ("rlc refit bucket planner",)),
+    Pattern(
+        "cumem-wake-oom", "RLC214", "vLLM ran out of memory waking up (cumem allocator)",
+        _rx(r"CUDA Error: out of memory at \S*cumem_allocator\.cpp:[0-9]+"), x.nothing,
+        "leave vLLM room to wake: lower generation.gpu_memory_utilization, keep "
+        "refit.offload_optimizer_for_refit: true so the trainer's optimizer is on the CPU at wake-up",
+        ("vllm-project/vllm #13941 'wake up OOM' ('RuntimeError: CUDA Error: out of memory at "
+         "/workspace/csrc/cumem_allocator.cpp:62'); verl #575 (OOM at vLLM wake_up)",)),
+    Pattern(
+        "cumem-wake-oom", "RLC214", "vLLM ran out of memory waking up (cumem allocator)",
+        _rx(rf"{_OOM}.*"), x.oom,
+        "leave vLLM room to wake: lower generation.gpu_memory_utilization, keep "
+        "refit.offload_optimizer_for_refit: true so the trainer's optimizer is on the CPU at wake-up",
+        ("vllm-project/vllm #13941; verl #575",), near=_WAKE, not_near=_EXPORT, window=25),
+    Pattern(
+        "export-stack-oom", "RLC211", "CUDA OOM while the exporter stacks a fused tensor",
+        _rx(rf"{_OOM}.*"), x.oom,
+        "lower refit.buffer_memory_ratio into the window `rlc plan` names (the two halves leave too little for "
+        "the stack), or free memory first (refit.sleep_level: 2, a larger generation EP, enforce_eager)",
+        ("NeMo-RL Qwen3.5-397B-A17B field report, ratio 0.5: 'torch.OutOfMemoryError: CUDA out of memory. Tried "
+         "to allocate 8.00 GiB' in model_bridge.py _accumulate_grouped_export (torch.stack of 512 experts)",),
+        near=_EXPORT, window=25),
+    Pattern(
+        "cuda-oom", None, "CUDA out of memory (phase not recognised)",
+        _rx(rf"{_OOM}.*"), x.oom,
+        "`rlc plan RECIPE` shows each phase's memory on the worst GPU and the cheapest lever",
+        ("PyTorch caching allocator OOM report",)),
+    Pattern(
+        "expandable-segments", "RLC301", "expandable_segments with vLLM's memory pool",
+        _rx(r"Expandable segments are not compatible with memory pool.*"), x.nothing,
+        "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env",
+        ("NeMo-RL Qwen3.5-397B-A17B field report (vllm cumem.py:132 'AssertionError: Expandable segments are "
+         "not compatible with memory pool'); pytorch/pytorch #147851",)),
+    Pattern(
+        "ipc-metadata-mismatch", "RLC203", "a refit buffer sliced with another rank's metadata",
+        _rx(r"carries slicing metadata from producer rank (?P<got>[0-9]+) \(GPU [^)]*\), not from this GPU's "
+            r"producer rank (?P<own>[0-9]+)"), x.metadata_ranks,
+        "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
+        ("SkyRL Nemotron-3-Ultra GRPO (TP8/PP4/EP16): rank-0 metadata on every GPU, post-sync logprob diff 2.0 "
+         "-> 0.15 once per-GPU metadata was sent",)),
+    Pattern(
+        "ipc-metadata-mismatch", "RLC203", "a refit buffer sliced with another rank's metadata",
+        _rx(r"has tensor '(?P<name>[^']+)', which producer rank (?P<rank>[0-9]+) did not announce at prepare"),
+        x.metadata_ranks,
+        "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
+        ("SkyRL Nemotron-3-Ultra GRPO (rank-0 metadata reused on every GPU)",)),
+    Pattern(
+        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
+        _rx(r"gen-KL (?P<kl>[0-9.eE+-]+|nan) at step (?P<step>[0-9]+) exceeds grpo\.max_gen_kl=(?P<thr>[0-9.eE+-]+)"),
+        x.gen_kl,
+        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
+        "(RLC203), refit.fp32_params (RLC204); keep grpo.max_gen_kl > 0 so it stops early",
+        ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather); "
+         "SkyRL per-GPU refit metadata",)),
+    Pattern(
+        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
+        _rx(rf"\bgen_kl_error\b\W{{0,4}}{_NUM}"), x.threshold("gen_kl_error", 0.05),
+        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
+        "(RLC203), refit.fp32_params (RLC204)",
+        ("NeMo-RL GRPO metric gen_kl_error (the Qwen3.5-397B field report saw 'KL Error' 1.97-2.18)",)),
+    Pattern(
+        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
+        _rx(rf"\btoken_mult_prob_error\b\W{{0,4}}{_NUM}"), x.threshold("token_mult_prob_error", 1.1),
+        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
+        "(RLC203), refit.fp32_params (RLC204)",
+        ("NeMo-RL GRPO metric token_mult_prob_error (1.0 when vLLM and the trainer agree)",)),
+    Pattern(
+        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
+        _rx(rf"\b(?:rollout_probs_diff_mean|train_rollout_logprob_abs_diff|rollout_corr/logprob_abs_diff_mean)\b"
+            rf"\W{{0,4}}{_NUM}"), x.threshold("logprob_abs_diff", 0.05),
+        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
+        "(RLC203), refit.fp32_params (RLC204)",
+        ("verl training/rollout_probs_diff_mean; slime train_rollout_logprob_abs_diff (OpenClaw-RL #69 saw 0.2-0.4)",)),
+    Pattern(
+        "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
+        _rx(r"dynamic sampling exhausted at step (?P<step>[0-9]+): (?P<batches>[0-9]+) generation batches "
+            r"\(grpo\.dynamic_sampling\.max_gen_batches=(?P<max_gen_batches>[0-9]+)\) of (?P<per_batch>[0-9]+) "
+            r"prompts kept (?P<kept>[0-9]+)/(?P<target>[0-9]+)"), x.ds_rlc,
+        "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt) to match "
+        "the measured hit rate",
+        ("NeMo-RL #3154 ('Dynamic sampling has reached the maximum allowed number of batches (10)'); "
+         "verl #953 / #1108 ('num_gen_batches >= max_num_gen_batches')",)),
+    Pattern(
+        "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
+        _rx(r"Dynamic sampling has reached the maximum allowed number of batches \((?P<max_gen_batches>[0-9]+)\)"),
+        x.ds_max,
+        "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt)",
+        ("NeMo-RL #3154",)),
+    Pattern(
+        "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
+        _rx(r"num_gen_batches\s*=?\s*(?P<batches>[0-9]+)?\s*>=?\s*max_num_gen_batches\s*=?\s*(?P<max_gen_batches>[0-9]+)?"),
+        x.ds_max,
+        "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt)",
+        ("verl #953 / #1108 (DAPO dynamic sampling)",)),
+    Pattern(
+        "worker-lost", None, "a Ray worker or node was lost",
+        _rx(r"(?P<role>policy|generation) worker (?P<rank>[0-9]+) \(node (?P<node>[^ /]+) / (?P<host>[^,]+), "
+            r"GPU (?P<gpu>[^,]+),.*?\) died during (?P<phase>[^:]+):"), x.ray_lost,
+        "resume instead of restarting: cluster.slurm.requeue: true with checkpointing on (a shorter "
+        "checkpointing.every_steps loses less); if the host ran out of memory, set cluster.mem_per_node",
+        ("rlc runtime worker failure report",)),
+    Pattern(
+        "worker-lost", None, "a Ray worker or node was lost",
+        _rx(r"ray\.exceptions\.(?:RayActorError|ActorDiedError|NodeDiedError|OwnerDiedError|ActorUnavailableError)"
+            r".*|The actor died unexpectedly.*|.*has been marked dead because the detector has missed too many "
+            r"heartbeats.*|Task was killed due to the node running low on memory.*"), x.ray_lost,
+        "resume instead of restarting: cluster.slurm.requeue: true with checkpointing on (a shorter "
+        "checkpointing.every_steps loses less); if the host ran out of memory, set cluster.mem_per_node",
+        ("ray-project/ray #18586; EasyR1 #324 ('Owner's node has crashed'); Tool-Star #10 (worker killed by the "
+         "OOM killer)",)),
+    # observations: healthy logs have them; reported only next to a failure they explain
+    Pattern(
+        "vllm-sleep-residue", "RLC213", "memory vLLM keeps while asleep",
+        _rx(r"Sleep mode freed (?P<freed>[0-9.]+) GiB memory, (?P<used>[0-9.]+) GiB memory is still in use"),
+        x.sleep_residue,
+        "refit.sleep_level: 2 (drops the weights refit re-sends anyway) and generation.enforce_eager: true "
+        "(CUDA-graph buffers survive sleep and grow after the first step)",
+        ("vLLM gpu_worker 'Sleep mode freed … still in use'; NeMo-RL Qwen3.5-397B-A17B field report (residue "
+         "~24 GB -> ~7 GB with sleep level 2 + enforce_eager; step 2 refit failing after step 1 passed)",),
+        observation=True),
+    Pattern(
+        "overlap-param-gather-on", "RLC202", "distributed optimizer overlaps its parameter all-gather",
+        _rx(r"overlap_param_gather['\"]?\s*[:=.]+\s*True\b"), x.nothing,
+        "refit.sync_params_before_refit: auto (or on), or training.overlap_param_gather: false",
+        ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather=True)",),
+        observation=True),
+)

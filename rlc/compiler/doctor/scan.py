@@ -1,0 +1,147 @@
+"""Run the pattern table over a log: findings in the order they first appear, observations folded
+into the failures they explain."""
+from __future__ import annotations
+
+import math
+import re
+
+from rlc.compiler.doctor.findings import Finding, Match
+from rlc.compiler.doctor.patterns import PATTERNS, Pattern
+from rlc.compiler.doctor.sizes import gib
+
+MEMORY_FAILURES = ("refit-buffer-too-small", "export-stack-oom", "cumem-wake-oom", "cuda-oom")
+#: Growth of vLLM's in-use memory after sleep (GiB) that counts as residue building up over steps.
+RESIDUE_GROWTH_GIB = 1.0
+
+
+def _near(lines: list[str], i: int, rx: re.Pattern, window: int) -> bool:
+    return any(rx.search(line) for line in lines[max(0, i - window): i + window + 1])
+
+
+def _new(p: Pattern) -> Finding:
+    return Finding(p.id, p.rule, p.title, p.fix, p.reports)
+
+
+def scan(text: str) -> list[Finding]:
+    """Every recognised failure in ``text`` (empty when nothing is recognised)."""
+    lines = text.splitlines()
+    found: dict[str, Finding] = {}
+    observed: dict[str, Finding] = {}
+    for i, line in enumerate(lines):
+        for p in PATTERNS:
+            m = p.regex.search(line)
+            if m is None:
+                continue
+            if p.near is not None and not _near(lines, i, p.near, p.window):
+                continue
+            if p.not_near is not None and _near(lines, i, p.not_near, p.window):
+                continue
+            values = p.extract(m, lines, i)
+            if values is None:
+                continue
+            target = observed if p.observation else found
+            target.setdefault(p.id, _new(p)).matches.append(Match(i + 1, line.strip()[:400], values))
+            break
+    findings = list(found.values())
+    _fold_residue(findings, observed.get("vllm-sleep-residue"))
+    _fold_param_gather(findings, observed.get("overlap-param-gather-on"))
+    for f in findings:
+        f.summary = summarize(f)
+    return findings
+
+
+def _fold_residue(findings: list[Finding], residue: Finding | None) -> None:
+    """vLLM's sleep residue is a finding when it grows over steps (CUDA graphs, RLC212) or when a
+    memory failure happened next to it (the memory sleep level 2 would give back, RLC213)."""
+    if residue is None:
+        return
+    used = [m.values["in_use_gib"] for m in residue.matches]
+    growth = max(used) - used[0]
+    memory_failure = any(f.pattern in MEMORY_FAILURES for f in findings)
+    if growth >= RESIDUE_GROWTH_GIB:
+        residue.rule = "RLC212"
+        residue.title = "vLLM's memory after sleep grows over steps (CUDA-graph residue)"
+    elif not memory_failure:
+        return
+    findings.append(residue)
+
+
+def _fold_param_gather(findings: list[Finding], gather: Finding | None) -> None:
+    """A logprob mismatch with overlap_param_gather on points at stale shards (RLC202)."""
+    mismatch = next((f for f in findings if f.pattern == "logprob-mismatch"), None)
+    if mismatch is None:
+        return
+    if any(f.pattern == "ipc-metadata-mismatch" for f in findings):
+        mismatch.rule, mismatch.candidates = "RLC203", ("RLC202", "RLC204")
+    elif gather is not None:
+        mismatch.rule, mismatch.candidates = "RLC202", ("RLC203", "RLC204")
+        mismatch.evidence.extend(gather.matches[:1])
+    else:
+        mismatch.candidates = ("RLC202", "RLC203", "RLC204")
+
+
+def summarize(f: Finding) -> str:
+    """The numbers of a finding in one sentence."""
+    v = f.values
+    n = len(f.matches)
+    times = f" ({n} times in the log)" if n > 1 else ""
+    if f.pattern in ("mtp-duplicate-owner", "tensor-delivered-twice"):
+        ranks = v.get("ranks")
+        who = f"{v['name']} " if v.get("name") else ""
+        if ranks:
+            return f"{who}exported by pipeline ranks {ranks}: at least PP {max(ranks) + 1}, two owners{times}"
+        return f"{who}exported twice in one refit{times}"
+    if f.pattern == "refit-buffer-too-small":
+        text = (f"{v.get('name')}: {gib(v['tensor_bytes'])} ({v['tensor_bytes']} bytes) does not fit a ping-pong "
+                f"half of {gib(v['half_bytes'])} ({v['half_bytes']} bytes)")
+        if "free_bytes" in v:
+            text += f"; {gib(v['free_bytes'])} free at refit"
+        return text + times
+    if f.pattern == "refit-buffer-over-free":
+        return f"refit.buffer_gb {v['buffer_gb']:g} asks for {gib(v['ask_bytes'])}, {gib(v['free_bytes'])} free{times}"
+    if f.pattern in ("export-stack-oom", "cumem-wake-oom", "cuda-oom"):
+        parts = []
+        if "ask_bytes" in v:
+            parts.append(f"tried to allocate {gib(v['ask_bytes'])}")
+        if "free_bytes" in v:
+            parts.append(f"{gib(v['free_bytes'])} free" + (f" of {gib(v['total_bytes'])}" if "total_bytes" in v else ""))
+        if "gpu" in v:
+            parts.append(f"GPU {v['gpu']}")
+        for proc, size in (v.get("processes") or {}).items():
+            parts.append(f"{proc} {gib(size)}")
+        return ", ".join(parts) + times if parts else f"out of memory{times}"
+    if f.pattern == "vllm-sleep-residue":
+        used = [m.values["in_use_gib"] for m in f.matches]
+        freed = [m.values["freed_gib"] for m in f.matches]
+        if len(used) > 1:
+            return (f"GPU memory in use after vLLM sleeps: {used[0]:.2f} -> {used[-1]:.2f} GiB over {len(used)} sleeps "
+                    f"({used[-1] - used[0]:+.2f} GiB); sleep freed {freed[0]:.2f} -> {freed[-1]:.2f} GiB")
+        return f"{used[0]:.2f} GiB in use after vLLM sleeps (sleep freed {freed[0]:.2f} GiB)"
+    if f.pattern == "ipc-metadata-mismatch":
+        if "got" in v:
+            return f"the consumer of trainer rank {v['own']} received rank {v['got']}'s slicing metadata{times}"
+        return f"tensor {v.get('name')} was not announced by trainer rank {v.get('rank')}{times}"
+    if f.pattern == "logprob-mismatch":
+        if "gen_kl" in v:
+            kl = v["gen_kl"]
+            shown = "nan" if math.isnan(kl) else f"{kl:.4g}"
+            step = f" at step {v['step']}" if "step" in v else ""
+            return f"gen-KL {shown}{step} > {v['threshold']:g}{times}"
+        key = next(k for k in v if k not in ("threshold", "step"))
+        step = f" at step {v['step']}" if "step" in v else ""
+        return f"{key} {v[key]:.4g}{step} > {v['threshold']:g}{times}"
+    if f.pattern == "dynamic-sampling-exhausted":
+        parts = [f"max_gen_batches {v['max_gen_batches']}"] if "max_gen_batches" in v else []
+        if "kept" in v:
+            parts.append(f"kept {v['kept']}/{v['target']} groups at step {v['step']}")
+        if "hit_rate" in v:
+            parts.append(f"hit rate {v['hit_rate']:.1%}")
+        return ", ".join(parts) or "generation batches exhausted"
+    if f.pattern == "worker-lost":
+        if "role" in v:
+            return (f"{v['role']} worker {v['rank']} on node {v['node']} ({v['host']}), GPU {v['gpu']}, died during "
+                    f"{v['phase']}{times}")
+        where = ", ".join(f"{k} {v[k]}" for k in ("ip", "pid", "node_id") if k in v)
+        host = "; the host ran out of memory" if v.get("host_oom") else ""
+        return (f"an actor or node died" + (f" ({where})" if where else "") + host + times)
+    return f"{n} time(s) in the log"

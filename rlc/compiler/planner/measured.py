@@ -1,0 +1,44 @@
+"""The refit checks redone at a measured free memory (``rlc doctor``: the log's numbers instead of
+the calibration's).
+
+``refit_at_free`` answers "with this recipe's buffer setting, at the free memory the log shows,
+does the half hold the tensor and does the staging site have room, and which ratios would?".
+``free_at_refit_for_stack`` inverts the staging-site formula: from the free memory a CUDA OOM at the
+``torch.stack`` reported, the free memory at refit time that leads there with this recipe.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rlc.compiler.planner.calibration import calibration_for
+from rlc.compiler.planner.layout import train_layout
+from rlc.compiler.planner.memory import _refit_math
+from rlc.compiler.planner.plan import RefitMath
+
+
+def refit_at_free(recipe: dict[str, Any], gpu_name: str, free_bytes: int, largest_name: str,
+                  largest_bytes: int) -> RefitMath:
+    """The planner's refit math at ``free_bytes`` for a largest tensor of ``largest_bytes``."""
+    cal = calibration_for(gpu_name)
+    return _refit_math(int(free_bytes), recipe, largest_name, int(largest_bytes), train_layout(recipe), cal)
+
+
+def free_at_refit_for_stack(recipe: dict[str, Any], gpu_name: str, free_at_stack: int, largest_name: str,
+                            largest_bytes: int, gpu_bytes: int) -> Optional[int]:
+    """The free memory at refit that leaves ``free_at_stack`` at the staging site (None if none does)."""
+    lo, hi = int(free_at_stack), int(gpu_bytes)
+
+    def stack(free: int) -> int:
+        return refit_at_free(recipe, gpu_name, free, largest_name, largest_bytes).free_at_stack
+
+    if stack(hi) < free_at_stack:
+        return None
+    for _ in range(60):  # free_at_stack grows with free (the buffer takes a fraction of it)
+        mid = (lo + hi) // 2
+        if stack(mid) < free_at_stack:
+            lo = mid + 1
+        else:
+            hi = mid
+        if hi - lo <= 1 << 20:
+            break
+    return hi

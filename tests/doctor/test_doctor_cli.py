@@ -1,0 +1,110 @@
+"""``rlc doctor`` on the command line: exit codes, the report, and re-planning with a recipe."""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+from rlc.compiler.cli import main
+
+HERE = Path(__file__).resolve().parent
+LOGS = HERE / "logs"
+REPO = HERE.parents[1]
+SEED_RECIPES = REPO / "rlc" / "recipes" / "tests"
+FINAL = REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"
+
+
+def rlc(*argv: str, stdin: str | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    import sys
+
+    old = sys.stdin
+    try:
+        if stdin is not None:
+            sys.stdin = io.StringIO(stdin)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    finally:
+        sys.stdin = old
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_recognised_failure_exits_0_and_names_rule_fix_and_source():
+    code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_mtp_owner.log"))
+    assert code == 0
+    assert "[RLC201]" in out and "refit.dedupe_mtp_embedding" in out and "rlc explain RLC201" in out
+    assert "log line 10: ValueError: Object present on multiple PP ranks: [0, 7]" in out
+    assert "seen in: NeMo-RL" in out
+
+
+def test_nothing_recognised_exits_1_and_names_no_rule():
+    code, out, _ = rlc("doctor", str(LOGS / "healthy.log"))
+    assert code == 1 and "no known failure recognised" in out and "RLC" not in out
+
+
+def test_stdin_and_usage_errors():
+    code, out, _ = rlc("doctor", "-", stdin=(LOGS / "expandable_segments.log").read_text())
+    assert code == 0 and "[RLC301]" in out and out.startswith("stdin:")
+    code, _, err = rlc("doctor", str(LOGS / "no-such.log"))
+    assert code == 2 and "cannot read" in err and "Traceback" not in err
+    code, _, err = rlc("doctor", str(LOGS / "healthy.log"), "--set", "refit.sleep_level=2")
+    assert code == 2 and "--set needs --recipe" in err
+
+
+def test_buffer_too_small_replanned_at_the_logs_free_memory_finds_a_ratio_that_fits():
+    """The field report's ratio-0.3 failure: 2 × 6263046144 / 0.3 = 38.89 GiB free at refit; the
+    re-plan names the window of ratios that pass both the half and the staging site there."""
+    code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_buffer_too_small.log"),
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-1-defaults.yaml"))
+    assert code == 0
+    assert "re-plan (fits)" in out and "38.89 GiB free at refit" in out and "half too small" in out
+    assert "buffer_memory_ratio 0.4" in out  # the window starts above 2 × 8 / 38.89 = 0.411
+
+
+def test_stack_oom_replanned_says_no_ratio_fits_and_names_the_lever():
+    """Ratio 0.5 OOMed at the stack with 6.76 GiB free: no ratio passes at that free memory; the
+    planner's lever (sleep level 2) is named."""
+    code, out, _ = rlc("doctor", str(LOGS / "megatron_bridge_stack_oom.log"),
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-2-ratio05.yaml"))
+    assert code == 0
+    assert "re-plan (does not fit)" in out and "staging site too small" in out and "sleep_level: 2" in out
+
+
+def test_residue_growth_replanned_with_the_levers():
+    code, out, _ = rlc("doctor", str(LOGS / "vllm_sleep_residue_growth.log"),
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-3-ep128.yaml"))
+    assert code == 0 and "[RLC212]" in out and "residue grew 12.20 GiB" in out and "re-plan (fits)" in out
+
+
+@pytest.mark.parametrize("log, recipe_sets, verdict", [
+    ("nemo_rl_mtp_owner.log", (), "re-plan (fits): with this recipe rlc turns refit.dedupe_mtp_embedding on"),
+    ("megatron_overlap_stale.log", ("training.overlap_param_gather=true",),
+     "re-plan (fits): this recipe decides refit.sync_params_before_refit: on"),
+    ("ray_node_lost.log", (), "re-plan (does not fit): the recipe does not resume after a lost node"),
+    ("ray_node_lost.log", ("cluster.slurm.requeue=true",), "re-plan (fits): the recipe requeues"),
+    ("expandable_segments.log", (), "re-plan (fits): the recipe's cluster.env has no expandable_segments"),
+])
+def test_decisions_of_the_recipe_judge_the_fix(log, recipe_sets, verdict):
+    args = ["doctor", str(LOGS / log), "--recipe", str(FINAL)]
+    for s in recipe_sets:
+        args += ["--set", s]
+    code, out, _ = rlc(*args)
+    assert code == 0 and verdict in out, out
+
+
+def test_dedupe_switched_off_in_the_recipe_is_reported_as_not_fitting():
+    code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_mtp_owner.log"), "--recipe", str(FINAL),
+                       "--set", "refit.dedupe_mtp_embedding=off")
+    assert code == 0 and "re-plan (does not fit)" in out and "dedupe_mtp_embedding" in out
+
+
+def test_dynamic_sampling_replanned_with_the_measured_hit_rate():
+    import runtime_messages as R
+
+    _, text = R.dynamic_sampling_exhausted()
+    code, out, _ = rlc("doctor", "-", "--recipe", str(FINAL), "--set", "grpo.dynamic_sampling.enabled=true",
+                       stdin=text)
+    # 32 prompts per step, batches of 32, hit rate 18.75 % -> 6 batches; the recipe allows 10
+    assert code == 0 and "takes 6 batches; the recipe allows 10" in out and "re-plan (fits)" in out

@@ -1,0 +1,91 @@
+"""``rlc doctor`` on log text the project writes itself, modelled on public reports (logs/README.md):
+each names the rule and reads the numbers; a healthy log names nothing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlc.compiler.doctor import PATTERNS, diagnose
+
+LOGS = Path(__file__).resolve().parent / "logs"
+GIB = 1 << 30
+
+# log -> (pattern, rule, values the finding must carry)
+EXPECTED = {
+    "nemo_rl_mtp_owner.log": ("mtp-duplicate-owner", "RLC201", {"ranks": [0, 7]}),
+    "nemo_rl_buffer_too_small.log": ("refit-buffer-too-small", "RLC210", {
+        "name": "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        "tensor_bytes": 8589934592, "half_bytes": 6263046144}),
+    "megatron_bridge_stack_oom.log": ("export-stack-oom", "RLC211", {
+        "ask_bytes": 8 * GIB, "free_bytes": int(6.76 * GIB), "total_bytes": int(79.11 * GIB), "gpu": 0}),
+    "vllm_sleep_residue_growth.log": ("vllm-sleep-residue", "RLC212", {"in_use_gib": 24.10}),
+    "vllm_wake_oom.log": ("cumem-wake-oom", "RLC214", {}),
+    "expandable_segments.log": ("expandable-segments", "RLC301", {}),
+    "megatron_overlap_stale.log": ("logprob-mismatch", "RLC202", {"gen_kl_error": 0.8311, "step": 2}),
+    "verl_rollout_diff.log": ("logprob-mismatch", "RLC306", {"logprob_abs_diff": 0.312, "step": 14}),
+    "nemo_rl_dynamic_sampling.log": ("dynamic-sampling-exhausted", None, {"max_gen_batches": 10}),
+    "verl_dapo_gen_batches.log": ("dynamic-sampling-exhausted", None, {"max_gen_batches": 10, "batches": 10}),
+    "ray_node_lost.log": ("worker-lost", None, {"ip": "10.0.4.17", "pid": "159258"}),
+    "ray_host_oom.log": ("worker-lost", None, {"ip": "10.0.4.21", "host_oom": True}),
+}
+
+
+def test_every_log_file_has_an_expectation():
+    assert {p.name for p in LOGS.glob("*.log")} == set(EXPECTED) | {"healthy.log"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_log_names_the_rule_with_the_numbers(name):
+    pattern, rule, values = EXPECTED[name]
+    findings = diagnose((LOGS / name).read_text())
+    assert [f.pattern for f in findings] == [pattern], [(f.pattern, f.rule) for f in findings]
+    (f,) = findings
+    assert f.rule == rule
+    for key, want in values.items():
+        assert f.values[key] == want, (key, f.values)
+    assert f.fix and f.reports and f.summary
+
+
+def test_sleep_residue_growth_is_measured_over_steps():
+    (f,) = diagnose((LOGS / "vllm_sleep_residue_growth.log").read_text())
+    assert [m.values["in_use_gib"] for m in f.matches] == [24.10, 30.95, 36.30]
+    assert "+12.20 GiB" in f.summary
+
+
+def test_residue_without_growth_or_failure_is_not_a_finding_but_explains_an_oom():
+    stable = ("Sleep mode freed 41.20 GiB memory, 24.10 GiB memory is still in use.\n"
+              "Sleep mode freed 41.10 GiB memory, 24.30 GiB memory is still in use.\n")
+    assert diagnose(stable) == []
+    oom = (LOGS / "megatron_bridge_stack_oom.log").read_text()
+    found = diagnose(stable + oom)
+    assert [(f.pattern, f.rule) for f in found] == [("export-stack-oom", "RLC211"), ("vllm-sleep-residue", "RLC213")]
+
+
+def test_logprob_mismatch_without_evidence_lists_the_candidate_rules():
+    (f,) = diagnose((LOGS / "verl_rollout_diff.log").read_text())
+    assert f.candidates == ("RLC202", "RLC203", "RLC204")
+    (f,) = diagnose((LOGS / "megatron_overlap_stale.log").read_text())
+    assert f.evidence and "overlap_param_gather" in f.evidence[0].text
+
+
+def test_healthy_log_names_no_rule():
+    assert diagnose((LOGS / "healthy.log").read_text()) == []
+
+
+def test_an_oom_outside_export_and_wake_up_is_recognised_without_a_rule():
+    text = ("  File \"megatron/core/pipeline_parallel/schedules.py\", line 380, in forward_backward_no_pipelining\n"
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of "
+            "139.81 GiB of which 1.10 GiB is free.\n")
+    (f,) = diagnose(text)
+    assert (f.pattern, f.rule, f.values["gpu"], f.values["ask_bytes"]) == ("cuda-oom", None, 5, 2 * GIB)
+
+
+def test_every_pattern_row_is_exercised_by_a_test_text():
+    from runtime_messages import ALL
+
+    texts = [p.read_text() for p in LOGS.glob("*.log")] + [fn()[1] for fn in ALL.values()]
+    texts.append("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.")
+    lines = [line for t in texts for line in t.splitlines()]
+    missing = [f"{p.id}: {p.regex.pattern[:60]}" for p in PATTERNS if not any(p.regex.search(ln) for ln in lines)]
+    assert not missing, missing
