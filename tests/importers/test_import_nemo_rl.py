@@ -219,3 +219,27 @@ def test_dtensor_config_maps_its_trainer_layout_with_a_note():
     assert got["parallelism.train.tp"] == 1 and got["training.optimizer.adam_beta2"] == 0.999
     assert any("DTensor" in n for n in imported.mapping.notes)
     assert all(u.inactive for u in imported.unmapped if u.key.startswith("policy.megatron_cfg."))
+
+
+def test_engine_options_and_optimizer_keys_map_to_their_typed_rlc_keys(tmp_path):
+    child = tmp_path / "grpo-engine-options.yaml"
+    child.write_text(yaml.safe_dump({
+        "defaults": str(PUBLIC_397B),
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "policy": {"megatron_cfg": {"optimizer": {"use_precision_aware_optimizer": True},
+                                    "moe_token_dispatcher_type": "alltoall"},
+                   "generation": {"stop_token_ids": [151645],
+                                  "vllm_kwargs": {"kv_cache_memory_bytes": 21474836480, "moe_backend": "triton",
+                                                  "speculative_config": {"method": "mtp",
+                                                                         "num_speculative_tokens": 1},
+                                                  "max_model_len": 8192}}}}), encoding="utf-8")
+    imported = import_nemo_rl(child)
+    got = mapped(imported)
+    assert got["training.use_precision_aware_optimizer"] is True
+    assert got["loss.importance_sampling_correction"] is True
+    assert got["generation.sampling.stop_token_ids"] == [151645]
+    assert got["generation.kv_cache_memory_bytes"] == 21474836480
+    assert got["generation.vllm_kwargs"] == {"moe_backend": "triton",
+                                             "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    unmapped = {u.key: u.reason for u in imported.mapping.unmapped}
+    assert "generation.max_model_len" in unmapped["policy.generation.vllm_kwargs.max_model_len"]

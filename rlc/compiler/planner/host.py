@@ -99,7 +99,8 @@ def host_plan(recipe: Mapping[str, Any], figs: Sequence[Mapping[str, Any]], vllm
     def items_for(phase: PhaseResidency) -> list[Item]:
         h = phase.host
         out = [Item("trainer + vLLM processes (baseline)", ht.baseline_gib_per_gpu * per_node, "host",
-                    "host_memory:process_baseline_gib_per_gpu", ht.baseline_source)]
+                    "host_memory:process_baseline_gib_per_gpu",
+                    f"{ht.baseline_gib_per_gpu:g} GiB per GPU × {per_node} GPUs")]
         if h.vllm_weights and vllm_weights is not None:
             out.append(Item("vLLM weight copy (sleep level 1)", vllm_weights * h.vllm_weights * per_node / GIB,
                             "vllm", "params", f"{gib(vllm_weights):.2f} GiB per GPU × {per_node} GPUs"))

@@ -67,6 +67,20 @@ def _refit_lines(plan: MemoryPlan) -> list[str]:
     return lines
 
 
+def _host_lines(plan: MemoryPlan) -> list[str]:
+    h = plan.host
+    lines = [f"host memory per node ({h.phase} phase; vLLM {plan.vllm_version}: {plan.sleep_label})",
+             f"  {'item':<44}{'GiB':>8}  source"]
+    for i in h.items:
+        lines.append(f"  {i.label:<44}{i.gib or 0.0:>8.1f}  {i.source}" + (f"  [{i.note}]" if i.note else ""))
+    if h.limit_gib is None:
+        lines.append(f"  {'total':<44}{h.used_gib:>8.1f}  not checked: {h.node_source}")
+    else:
+        lines.append(f"  {'total':<44}{h.used_gib:>8.1f}  of {h.limit_gib:.1f} GiB (95 % of {h.node_gib:.1f} GiB, "
+                     f"{h.node_source}){'' if h.ok else '  EXCEEDED'}")
+    return lines
+
+
 def render_text(plan: MemoryPlan) -> str:
     """The plain-text plan (``plan.txt`` in the bundle, ``rlc plan`` on the terminal)."""
     world = plan.layout["world"]
@@ -77,6 +91,9 @@ def render_text(plan: MemoryPlan) -> str:
         if name in plan.phases:
             lines.append("")
             lines += _phase_table(plan.phases[name])
+    if plan.host is not None:
+        lines.append("")
+        lines += _host_lines(plan)
     lines.append("")
     lines += _refit_lines(plan)
     others = [c for k, c in plan.checks.items() if k not in ("buffer", "stack")]

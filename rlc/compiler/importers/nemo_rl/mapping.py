@@ -178,6 +178,11 @@ DIRECT: tuple[Rule, ...] = (
     ("loss_fn.ratio_clip_min", "loss.ratio_clip_low", number, ""),
     ("loss_fn.ratio_clip_max", "loss.ratio_clip_high", number, ""),
     ("loss_fn.token_level_loss", "loss.token_level", boolean, ""),
+    ("loss_fn.use_importance_sampling_correction", "loss.importance_sampling_correction", boolean, ""),
+    ("loss_fn.truncated_importance_sampling_ratio", "loss.importance_sampling_cap", number, ""),
+    ("policy.generation.stop_token_ids", "generation.sampling.stop_token_ids", lambda v: [int(t) for t in v], ""),
+    ("policy.sequence_packing.enabled", "training.sequence_packing.enabled", boolean, ""),
+    ("policy.sequence_packing.algorithm", "training.sequence_packing.algorithm", str, ""),
     ("checkpointing.enabled", "checkpointing.enabled", boolean, ""),
     ("checkpointing.checkpoint_dir", "checkpointing.dir", str, ""),
     ("checkpointing.save_period", "checkpointing.every_steps", positive_int, ""),
@@ -228,6 +233,14 @@ MEGATRON: tuple[Rule, ...] = (
     (f"{M}.distributed_data_parallel_config.overlap_grad_reduce", "training.overlap_grad_reduce", boolean, ""),
     (f"{M}.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
     ("policy.max_grad_norm", "training.grad_clip", number, ""),
+    (f"{M}.optimizer.use_precision_aware_optimizer", "training.use_precision_aware_optimizer", boolean, ""),
+    (f"{M}.moe_token_dispatcher_type", "training.moe.token_dispatcher", str, ""),
+    (f"{M}.moe_enable_deepep", "training.moe.deepep", boolean, ""),
+    (f"{M}.moe_router_dtype", "training.moe.router_dtype", str, ""),
+    (f"{M}.fp8_cfg.enabled", "training.fp8.enabled", boolean, ""),
+    (f"{M}.fp8_cfg.fp8", "training.fp8.format", str, ""),
+    (f"{M}.fp8_cfg.fp8_recipe", "training.fp8.recipe", str, ""),
+    (f"{M}.fp8_cfg.fp8_param", "training.fp8.param_gather", boolean, ""),
 )
 
 D = "policy.dtensor_cfg"
@@ -329,6 +342,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _tokenizer(m)
     _expert_parallel_flag(m)
     _vllm_precision(m)
+    _vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
@@ -369,9 +383,40 @@ def _expert_parallel_flag(m: _Mapper) -> None:
                                        f"parallelism.generation.ep > 1 (here {ep})"))
 
 
+def _vllm_kwargs(m: _Mapper) -> None:
+    """``policy.generation.vllm_kwargs``: ``kv_cache_memory_bytes`` has a typed rlc key; the rest goes
+    to ``generation.vllm_kwargs`` unchanged, except options rlc sets from typed keys."""
+    from rlc.compiler.runtime_support import VLLM_OWNED
+
+    prefix = "policy.generation.vllm_kwargs."
+    block: dict[str, Any] = {}
+    sources: list[str] = []
+    for key, value in m.leaves.items():
+        if not key.startswith(prefix):
+            continue
+        m.consumed.add(key)
+        path = key[len(prefix):].split(".")
+        if path == ["kv_cache_memory_bytes"]:
+            m.take(key, "generation.kv_cache_memory_bytes", positive_int)
+            continue
+        if path[0] in VLLM_OWNED:
+            m.out.unmapped.append(Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}"))
+            continue
+        node = block
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        sources.append(key)
+    if block:
+        m.put("generation.vllm_kwargs", block, tuple(sources), "handed to vllm.LLM unchanged")
+
+
 def _vllm_precision(m: _Mapper) -> None:
     key = "policy.generation.vllm_cfg.precision"
     if key not in m.leaves:
+        return
+    if str(m.leaves[key]).lower() == "fp8":
+        m.take(key, "generation.precision", lambda v: "fp8", "FP8 rollouts")
         return
     m.consume(key, why="equal to policy.precision (model.dtype)")
     try:
