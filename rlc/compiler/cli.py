@@ -56,6 +56,16 @@ def run_check(path: str, overrides: Sequence[str] = ()) -> Any:
     return api.check(path, overrides)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _recipe_arg(text: str) -> str:
     """A recipe file, or the name of a shipped recipe when no such file exists."""
     if os.path.exists(text):
@@ -121,7 +131,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
         result = run_check(path, ())
         return _ordered(result.diagnostics, result)
 
-    diags, target = lint(args.paths, check)
+    diags, target = lint(args.paths, check, args.jobs)
     sys.stdout.write(FORMATTERS[args.format](diags))
     if args.format == "text" or args.verbose:
         skipped = f", skipped {len(target.skipped)} other YAML file(s)" if target.skipped else ""
@@ -460,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", metavar="PATH", nargs="+", help="recipe files or folders (recursive)")
     p.add_argument("--format", choices=sorted(FORMATTERS), default="text", help="output format")
     p.add_argument("-v", "--verbose", action="store_true", help="print the summary in every format")
+    p.add_argument("-j", "--jobs", type=_positive_int, metavar="N",
+                   help="worker processes (default: one per CPU, at most one per 100 recipes)")
 
     p = add("show", cmd_show, "print the resolved recipe (extends, --set and defaults applied)",
             with_set=True)

@@ -8,9 +8,15 @@ Each recipe goes through the same check as ``rlc validate`` (:func:`rlc.compiler
 
 A recipe's ``lint.ignore`` silences warnings by rule id (each with a reason); errors cannot be
 silenced.
+
+Large runs (CI over a recipe repository) are split across worker processes, one per available
+CPU and at most one per :data:`MIN_RECIPES_PER_JOB` recipes; each worker checks a contiguous slice
+and the results are reported in discovery order, so the output does not depend on the job count.
 """
 from __future__ import annotations
 
+import math
+import multiprocessing
 import os
 import re
 from dataclasses import dataclass, field
@@ -77,11 +83,54 @@ def discover(paths: Iterable[str | os.PathLike[str]]) -> LintTarget:
     return found
 
 
-def lint(paths: Sequence[str], check: Callable[[str], Sequence[Diagnostic]]) -> tuple[list[Diagnostic], LintTarget]:
-    """Run ``check`` on every recipe under ``paths``; missing paths become usage errors."""
+#: Fewer recipes than this per worker process are checked in the calling process (a worker costs a
+#: fork and a result transfer; small runs such as pre-commit stay in one process).
+MIN_RECIPES_PER_JOB = 100
+
+Check = Callable[[str], Sequence[Diagnostic]]
+_WORKER_CHECK: Check | None = None  # the check a forked worker inherits from the parent
+
+
+def job_count(requested: int | None, recipes: int) -> int:
+    """Worker processes for ``recipes`` recipes: ``requested`` when given, else one per available
+    CPU and at most one per :data:`MIN_RECIPES_PER_JOB` recipes; 1 where ``fork`` is unavailable."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if requested is not None:
+        return max(1, min(requested, recipes))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, recipes // MIN_RECIPES_PER_JOB))
+
+
+def _check_slice(paths: list[str]) -> list[list[Diagnostic]]:
+    assert _WORKER_CHECK is not None
+    with shared_parents():
+        return [list(_WORKER_CHECK(p)) for p in paths]
+
+
+def _check_all(recipes: list[str], check: Check, jobs: int) -> list[Sequence[Diagnostic]]:
+    """``check`` of every recipe, in order, over ``jobs`` forked workers."""
+    if jobs <= 1:
+        with shared_parents():  # a base recipe extended by many is parsed once
+            return [check(p) for p in recipes]
+    global _WORKER_CHECK
+    size = math.ceil(len(recipes) / (4 * jobs))  # a few slices per worker evens out slow recipes
+    slices = [recipes[i:i + size] for i in range(0, len(recipes), size)]
+    _WORKER_CHECK = check
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            parts = pool.map(_check_slice, slices)
+    finally:
+        _WORKER_CHECK = None
+    return [diags for part in parts for diags in part]
+
+
+def lint(paths: Sequence[str], check: Check, jobs: int | None = None) -> tuple[list[Diagnostic], LintTarget]:
+    """Run ``check`` on every recipe under ``paths`` (over ``jobs`` worker processes; default: see
+    :func:`job_count`); missing paths become usage errors."""
     target = discover(paths)
     diags = [Diagnostic("error", "no such file or folder", "", p, rule="io") for p in target.missing]
-    with shared_parents():  # a base recipe extended by many is parsed once
-        for recipe in target.recipes:
-            diags.extend(check(str(recipe)))
+    recipes = [str(r) for r in target.recipes]
+    for found in _check_all(recipes, check, job_count(jobs, len(recipes))):
+        diags.extend(found)
     return diags, target

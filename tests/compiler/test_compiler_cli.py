@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import yaml
 from compiler_testing import FIXTURES, REPO, run_rlc
 
 from rlc.compiler import cli
-from rlc.compiler.lint import discover, looks_like_recipe
+from rlc.compiler.lint import MIN_RECIPES_PER_JOB, discover, job_count, lint, looks_like_recipe
 from rlc.compiler.recipe import load_recipe, shipped_recipe_names
 from rlc.compiler.schema import load_schema, validate_data, with_defaults
 from rlc.compiler.yaml_loader import parse_text
@@ -188,6 +189,30 @@ def test_lint_github_lines_are_workflow_commands():
     r = run_rlc("lint", "--format", "github", "lintdir", cwd=FIXTURES)
     lines = r.out.splitlines()
     assert lines and all(re.match(r"^::error file=[^,]+,line=\d+,col=\d+,title=[^:]*::", line) for line in lines)
+
+
+def test_lint_over_worker_processes_reports_the_same_in_the_same_order():
+    """Split across forked workers, lint reports exactly what one process reports, in order."""
+    paths = [FIXTURES / "valid", FIXTURES / "lintdir", FIXTURES / "extends",
+             REPO / "rlc" / "recipes" / "tests", REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"]
+
+    def check(path):
+        result = cli.run_check(path, ())
+        return cli._ordered(result.diagnostics, result)
+
+    one, target = lint(paths, check, jobs=1)
+    assert len(target.recipes) >= 8 and any(d.severity == "error" for d in one)
+    for jobs in (2, 3):
+        many, _ = lint(paths, check, jobs=jobs)
+        assert many == one
+
+
+def test_lint_job_count():
+    assert job_count(1, 5000) == 1 and job_count(3, 2) == 2
+    assert job_count(None, MIN_RECIPES_PER_JOB - 1) == 1  # small runs stay in one process
+    assert 1 <= job_count(None, 100 * MIN_RECIPES_PER_JOB) <= max(1, len(os.sched_getaffinity(0)))
+    bad = run_rlc("lint", "-j", "0", "valid", cwd=FIXTURES)
+    assert bad.code == 2 and "--jobs" in bad.err and "Traceback" not in bad.both
 
 
 def test_lint_ignore_drops_listed_warnings_but_never_errors():
