@@ -2,7 +2,8 @@
 # GPU-host runner (device tool), from the repo root:
 #   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] ...
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
-#   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal, SCALE_TIMEOUT (default 580 s).
+#   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
+#   it on this machine), SCALE_TIMEOUT (default 580 s).
 # STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
 # the last part (carried with this call) has unpack.sh. Unpacks into /tmp/site once per machine,
 # puts the checkout (its rlc/ package) on PYTHONPATH, then runs the named stages, each under a
@@ -38,8 +39,12 @@ import vllm, ray, megatron.core, megatron.bridge, transformer_engine.pytorch; pr
 import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     refit) run_stage refit 240 python3 "$REPO"/tests/gpu/test_refit_logprobs.py --out "$OUT" ;;
     bench) run_stage bench 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 ;;
-    refit_scale) run_stage refit_scale "${SCALE_TIMEOUT:-580}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_at_scale" \
-        --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${TINY_METRICS:+--tiny-metrics "$TINY_METRICS"} --check ;;
+    refit_scale)
+      tm=${TINY_METRICS:-}  # the tiny GRPO run's metrics: this call's grpo stage, else grpo_smoke's
+      [[ -z $tm && -f $OUT/grpo_metrics.jsonl ]] && tm=$OUT/grpo_metrics.jsonl
+      [[ -z $tm && -f /tmp/rlc-smoke/logs/metrics.jsonl ]] && tm=/tmp/rlc-smoke/logs/metrics.jsonl
+      run_stage refit_scale "${SCALE_TIMEOUT:-580}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_at_scale" \
+        --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${tm:+--tiny-metrics "$tm"} --check ;;
     grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
     grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
