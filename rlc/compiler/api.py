@@ -9,22 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rlc.compiler.diagnostics import Diagnostic
+
+if TYPE_CHECKING:  # the stages are imported when they run; only their types are named here
+    from rlc.compiler.catalog.gpus import GpuSpec
+    from rlc.compiler.model import ModelFacts
+    from rlc.compiler.planner.calibration import Calibration
+    from rlc.compiler.planner.plan import MemoryPlan
+    from rlc.compiler.recipe import LoadedRecipe
 
 
 @dataclass
 class CheckResult:
     """Everything the compiler learned about one recipe."""
 
-    loaded: Any  # rlc.compiler.recipe.LoadedRecipe, or None when loading failed
+    loaded: LoadedRecipe | None  # None when loading failed
     recipe: dict[str, Any] | None  # schema defaults filled; None when the schema rejected it
     diagnostics: list[Diagnostic] = field(default_factory=list)
-    facts: Any = None  # rlc.compiler.model.ModelFacts
-    gpu: Any = None  # rlc.compiler.catalog.GpuSpec
-    plan: Any = None  # rlc.compiler.planner.MemoryPlan
-    calibration: tuple[Any, ...] = ()  # entries of cluster.calibration (rlc.compiler.planner.Calibration); () = shipped
+    facts: ModelFacts | None = None
+    gpu: GpuSpec | None = None
+    plan: MemoryPlan | None = None
+    calibration: tuple[Calibration, ...] = ()  # entries of cluster.calibration; () = the shipped table
     decisions: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     @property

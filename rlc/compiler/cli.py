@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlc.compiler.diagnostics import (
     DEFAULT_ORIGIN,
@@ -32,6 +32,9 @@ from rlc.compiler.diagnostics import (
     sort_diagnostics,
     summary,
 )
+
+if TYPE_CHECKING:
+    from rlc.compiler.api import CheckResult
 
 EXIT_OK, EXIT_RECIPE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -48,9 +51,8 @@ def _version() -> str:
 
 # --------------------------------------------------------------------------- the check pipeline
 
-def run_check(path: str, overrides: Sequence[str] = ()) -> Any:
-    """Every compiler stage on one recipe: ``rlc.compiler.api.check`` (a ``CheckResult`` with
-    ``loaded``, ``recipe``, ``diagnostics``, ``plan``, ``decisions``)."""
+def run_check(path: str, overrides: Sequence[str] = ()) -> CheckResult:
+    """Every compiler stage on one recipe: ``rlc.compiler.api.check``."""
     from rlc.compiler import api
 
     return api.check(path, overrides)
@@ -97,15 +99,15 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return sets
 
 
-def _checked(args: argparse.Namespace) -> tuple[Any, list[Diagnostic], int]:
+def _checked(args: argparse.Namespace) -> tuple[CheckResult, list[Diagnostic], int]:
     result = run_check(_recipe_arg(args.file), _overrides(args))
     diags = _ordered(result.diagnostics, result)
     return result, diags, exit_code(diags)
 
 
-def _ordered(diags: Sequence[Diagnostic], result: Any) -> list[Diagnostic]:
+def _ordered(diags: Sequence[Diagnostic], result: CheckResult) -> list[Diagnostic]:
     """Reading order, the checked recipe's own file first (parents' after)."""
-    root = getattr(getattr(result, "loaded", None), "root", None)
+    root = result.loaded.root if result.loaded is not None else None
     return sort_diagnostics(diags, root.file if root is not None else None)
 
 
@@ -225,37 +227,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Show the memory plan and the refit decisions for a recipe."""
     result, diags, code = _checked(args)
-    plan = getattr(result, "plan", None)
+    plan = result.plan
     if args.json:
         payload = {
             "diagnostics": [d.__dict__ for d in diags],
-            "decisions": {k: list(v) if isinstance(v, tuple) else v
-                          for k, v in (getattr(result, "decisions", {}) or {}).items()},
-            "plan": _jsonable(plan),
+            "decisions": {k: list(v) for k, v in result.decisions.items()},
+            "plan": plan.to_json() if plan is not None else None,
         }
         print(json.dumps(payload, indent=2, default=str))
         return code
     _print_diags(diags)
     if plan is not None:
-        render = getattr(plan, "render", None)
-        print(render() if callable(render) else plan)
+        print(plan.render())
     elif code == EXIT_OK:
         print(f"{args.file}: no memory plan (see the messages above)", file=sys.stderr)
     return code
-
-
-def _jsonable(obj: Any) -> Any:
-    if obj is None:
-        return None
-    for name in ("to_dict", "as_dict"):
-        method = getattr(obj, name, None)
-        if callable(method):
-            return method()
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.asdict(obj)
-    return str(obj)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -292,7 +278,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         built = bundle.build_bundle(result, Path(args.output), force=args.force)
     except bundle.BundleError as exc:
         diag = Diagnostic("error", str(exc), path=exc.key or "", rule="io" if exc.kind == "io" else None)
-        origin = result.loaded.locate(exc.key) if exc.key else None
+        origin = result.loaded.locate(exc.key) if exc.key and result.loaded is not None else None
         if origin is not None:
             diag.file, diag.line, diag.col = origin.file, origin.line, origin.col
         _print_diags([diag])

@@ -184,7 +184,7 @@ class ModelFacts:
 
     def _attention(self) -> Optional[ParamSplit]:
         h, nh, kv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
-        if None in (h, nh, kv, hd):
+        if h is None or nh is None or kv is None or hd is None:
             return None
         q_out = nh * hd * (2 if self.attn_output_gate else 1)
         tp = h * q_out + 2 * h * kv * hd + nh * hd * h
@@ -199,7 +199,7 @@ class ModelFacts:
     def _linear_attention(self) -> Optional[ParamSplit]:
         h, nk, nv = self.hidden, self.linear_key_heads, self.linear_value_heads
         dk, dv, ck = self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel
-        if None in (h, nk, nv, dk, dv, ck):
+        if h is None or nk is None or nv is None or dk is None or dv is None or ck is None:
             return None
         kd, vd = nk * dk, nv * dv
         tp = h * (2 * kd + 2 * vd) + h * 2 * nv + (2 * kd + vd) * ck + 2 * nv + vd * h
@@ -209,7 +209,7 @@ class ModelFacts:
         h, nh = self.hidden, self.heads
         qr, kvr = self.q_lora_rank, self.kv_lora_rank
         nope, rope, vh = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        if None in (h, nh, kvr, nope, rope, vh):
+        if h is None or nh is None or kvr is None or nope is None or rope is None or vh is None:
             return None
         rep = h * (kvr + rope) + kvr  # kv down-projection (replicated in Megatron and vLLM) + its norm
         if qr:
@@ -223,7 +223,7 @@ class ModelFacts:
     def _mamba(self) -> Optional[ParamSplit]:
         h, mh, mhd = self.hidden, self.mamba_heads, self.mamba_head_dim
         ng, ds, ck = self.mamba_groups, self.mamba_state, self.mamba_conv_kernel
-        if None in (h, mh, mhd, ng, ds, ck):
+        if h is None or mh is None or mhd is None or ng is None or ds is None or ck is None:
             return None
         d_in, gs = mh * mhd, ng * ds
         conv_dim = d_in + 2 * gs
@@ -231,14 +231,14 @@ class ModelFacts:
         return ParamSplit(tp=tp)
 
     def _dense_mlp(self) -> Optional[ParamSplit]:
-        if None in (self.hidden, self.dense_intermediate):
+        if self.hidden is None or self.dense_intermediate is None:
             return None
         return ParamSplit(tp=(3 if self.gated_mlp else 2) * self.hidden * self.dense_intermediate)
 
     def moe_components(self) -> Optional[dict[str, ParamSplit]]:
         """Router, routed experts, shared experts and latent projections of ONE MoE layer."""
         h, e, i, he = self.hidden, self.num_experts, self.moe_intermediate, self.expert_input_width
-        if None in (h, e, i, he):
+        if h is None or e is None or i is None or he is None:
             return None
         mats = 3 if self.gated_mlp else 2
         router = ParamSplit(replicated=h * e + (e if self.expert_bias else 0))
@@ -335,8 +335,9 @@ class ModelFacts:
                         per_key[k] = None
                     continue
                 for name, split in comps.items():
-                    if per_key.get(name) is not None:
-                        per_key[name] += split.total
+                    current = per_key.get(name)
+                    if current is not None:
+                        per_key[name] = current + split.total
         counts.update(per_key)
         if self.hidden is not None:
             final_norm = self.hidden
@@ -362,7 +363,7 @@ class ModelFacts:
         """
         b = bytes_per_param
         h, v = self.hidden, self.vocab
-        if None in (h, v, self.layer_kinds, self.tied_embeddings):
+        if h is None or v is None or self.layer_kinds is None or self.tied_embeddings is None:
             return None
         p = self.hf_prefix
         out: list[tuple[str, int]] = [(f"{p}.embed_tokens.weight", v * h * b)]
@@ -372,24 +373,26 @@ class ModelFacts:
             mixer, mlp = kind
             name = f"{p}.layers.{idx}"
             if mixer == "full_attention":
-                if None in (self.heads, self.head_dim):
+                if self.heads is None or self.head_dim is None:
                     return None
                 q_out = self.heads * self.head_dim * (2 if self.attn_output_gate else 1)
                 out.append((f"{name}.self_attn.q_proj.weight", q_out * h * b))
             elif mixer == "linear_attention":
-                if None in (self.linear_key_heads, self.linear_key_head_dim, self.linear_value_heads,
-                            self.linear_value_head_dim):
+                if (self.linear_key_heads is None or self.linear_key_head_dim is None or
+                        self.linear_value_heads is None or self.linear_value_head_dim is None):
                     return None
                 width = 2 * self.linear_key_heads * self.linear_key_head_dim + \
                     2 * self.linear_value_heads * self.linear_value_head_dim
                 out.append((f"{name}.linear_attn.in_proj_qkvz.weight", width * h * b))
             elif mixer == "mamba":
-                if None in (self.mamba_heads, self.mamba_head_dim, self.mamba_groups, self.mamba_state):
+                if (self.mamba_heads is None or self.mamba_head_dim is None or self.mamba_groups is None or
+                        self.mamba_state is None):
                     return None
                 d_in, gs = self.mamba_heads * self.mamba_head_dim, self.mamba_groups * self.mamba_state
                 out.append((f"{name}.mixer.in_proj.weight", (2 * d_in + 2 * gs + self.mamba_heads) * h * b))
             elif mixer == "mla":
-                if None in (self.heads, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim):
+                if (self.heads is None or self.kv_lora_rank is None or self.qk_nope_head_dim is None or
+                        self.v_head_dim is None):
                     return None
                 out.append((f"{name}.self_attn.kv_b_proj.weight",
                             self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim) * b))
@@ -399,7 +402,7 @@ class ModelFacts:
                 out.append((f"{name}.mlp.gate_proj.weight", self.dense_intermediate * h * b))
             elif mlp == "moe":
                 e, i, he = self.num_experts, self.moe_intermediate, self.expert_input_width
-                if None in (e, i, he, self.expert_export):
+                if e is None or i is None or he is None or self.expert_export is None:
                     return None
                 up = (2 if self.gated_mlp else 1) * i * he * b
                 if self.expert_export == "stacked":

@@ -294,7 +294,7 @@ def _apply_set(data: dict, origins: dict[Key, Origin], parts: Key, value: Any, t
                 origins[sub] = set_origin
             return None
         nxt = parts[i + 1]
-        child = node[part] if (isinstance(node, list) or part in node) else None
+        child = node[part] if (isinstance(part, int) or part in node) else None  # an int part indexes a list
         if child is None:
             child = [] if isinstance(nxt, int) else {}
             node[part] = child

@@ -301,7 +301,7 @@ class _Converter:
         return d
 
     def convert(self, error: "ValidationError") -> Iterator[Diagnostic]:
-        path = tuple(error.absolute_path)
+        path: tuple[Any, ...] = tuple(error.absolute_path)
         value, node, kind = error.instance, error.schema, error.validator
         handler = getattr(self, f"on_{kind}", None)
         if "propertyNames" in error.absolute_schema_path:

@@ -74,7 +74,7 @@ Resolver12.add_implicit_resolver(
 )
 
 try:  # libyaml's composer is several times faster; the pure-Python one is the fallback
-    from yaml.cyaml import CParser as _Parser
+    from yaml._yaml import CParser as _Parser
 
     class _Composer(_Parser, Resolver12):
         def __init__(self, text: str) -> None:
@@ -182,6 +182,7 @@ class _Builder:
                     self.positions[path + (i,)] = _pos(item.start_mark)
                     items.append(self.build(item, path + (i,)))
                 return items
+            assert isinstance(node, yaml.MappingNode)  # the composer makes scalars, sequences and mappings
             return self.mapping(node, path, pos)
         finally:
             self.active.discard(id(node))

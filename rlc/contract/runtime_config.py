@@ -293,7 +293,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if optional:
             return None
         raise RuntimeConfigError(f"{path}: must not be null")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     origin = typing.get_origin(tp)
     if origin is list:

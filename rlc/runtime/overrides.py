@@ -9,7 +9,7 @@ wrong type fails with its key path. Every override is logged with its old and ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runtime_config_from_dict
 
@@ -43,7 +43,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[st
     for item in overrides:
         key = item.partition("=")[0]
         changes.append(f"{key}: {_lookup(data, key)!r} -> {_lookup(result, key)!r}")
-    return result, changes
+    return cast("dict[str, Any]", result), changes  # runtime.yaml keys are strings
 
 
 def load_with_overrides(path: str | Path, overrides: list[str]) -> tuple[RuntimeConfig, list[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -16,6 +16,9 @@ from rlc.compiler.bundle.pkgcopy import copy_rlc
 from rlc.compiler.bundle.planfiles import plan_files
 from rlc.compiler.bundle.render import render_script, render_text
 from rlc.compiler.bundle.writer import check_target, commit, discard, staging_dir
+
+if TYPE_CHECKING:
+    from rlc.compiler.api import CheckResult
 
 #: Files every bundle has (besides rlc_pkg/), in the order README.txt lists them.
 BUNDLE_FILES = ("launch.sbatch", "node.sh", "env.sh", "mounts.txt", "runtime.yaml", "plan.txt",
@@ -55,7 +58,7 @@ def _ensure_log_dir(log_dir: str) -> list[str]:
     return []
 
 
-def build_bundle(result: Any, out_dir: Path, force: bool = False,
+def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
                  runtime_config: dict[str, Any] | None = None) -> BundleResult:
     """Write the launch bundle of a checked recipe (``rlc.compiler.api.CheckResult``) to ``out_dir``.
 
@@ -65,8 +68,8 @@ def build_bundle(result: Any, out_dir: Path, force: bool = False,
     """
     from rlc import __version__
 
-    recipe = getattr(result, "recipe", None)
-    if recipe is None or (hasattr(result, "ok") and not result.ok):
+    recipe = result.recipe
+    if recipe is None or not result.ok:
         raise BundleError("the recipe has errors; fix them first (rlc validate shows them)")
     from rlc.compiler.runtime_support import runtime_gaps
 
@@ -82,7 +85,7 @@ def build_bundle(result: Any, out_dir: Path, force: bool = False,
     out_dir = Path(os.path.abspath(out_dir))
     check_target(out_dir, force)
     ctx = build_context(recipe, out_dir, runtime_config["cluster"]["log_dir"], __version__)
-    loaded = getattr(result, "loaded", None)
+    loaded = result.loaded
     container = recipe["cluster"].get("container", {})
     text_values = {
         "name": recipe.get("name", "rlc-run"), "description": recipe.get("description", ""),
@@ -97,7 +100,7 @@ def build_bundle(result: Any, out_dir: Path, force: bool = False,
         "env.sh": render_script("env.sh.j2", ctx.values),
         "mounts.txt": "".join(m.spec + "\n" for m in ctx.mounts),
         "runtime.yaml": runtime_yaml(runtime_config),
-        **plan_files(getattr(result, "plan", None), recipe, runtime_config),
+        **plan_files(result.plan, recipe, runtime_config),
         "README.txt": render_text("README.txt.j2", text_values),
     }
 
@@ -108,8 +111,8 @@ def build_bundle(result: Any, out_dir: Path, force: bool = False,
             path.write_text(text, encoding="utf-8")
             path.chmod(0o755 if name in _EXECUTABLE else 0o644)
         copy_rlc(staged / "rlc_pkg")
-        lock = make_lock(staged, recipe_files=list(getattr(loaded, "files", []) or []),
-                         overrides=list(getattr(loaded, "overrides", []) or []), container=container,
+        lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
+                         overrides=list(loaded.overrides) if loaded is not None else [], container=container,
                          recipe_name=recipe.get("name", "rlc-run"), log_dir=ctx.log_dir)
         write_lock(staged, lock)
         files = sorted([*lock["files"], "bundle.lock.json"])

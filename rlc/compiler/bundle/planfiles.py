@@ -6,6 +6,8 @@ from typing import Any
 
 from rlc.compiler.planner.render_svg import escape_text
 
+from rlc.compiler.planner.plan import MemoryPlan
+
 
 def _summary(recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, Any]:
     cluster = runtime_config.get("cluster", {})
@@ -28,7 +30,7 @@ def _summary_svg(lines: list[str]) -> str:
             f'font-family="monospace" font-size="13">{rows}</svg>\n')
 
 
-def plan_files(plan: Any, recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, str]:
+def plan_files(plan: MemoryPlan | None, recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, str]:
     """The three plan files' contents, by file name."""
     if plan is not None:
         return {

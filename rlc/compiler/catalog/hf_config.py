@@ -129,8 +129,7 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     kinds = None
     if isinstance(types, list) and n is not None and len(types) == n:
         kinds = tuple(("linear_attention" if t == "linear_attention" else "full_attention", "moe") for t in types)
-    elif n is not None and _int(cfg, "full_attention_interval"):
-        every = _int(cfg, "full_attention_interval")
+    elif n is not None and (every := _int(cfg, "full_attention_interval")):
         kinds = tuple(("full_attention" if (i + 1) % every == 0 else "linear_attention", "moe") for i in range(n))
     mtp = _int(cfg, "mtp_num_hidden_layers")
     dedicated = _bool(cfg, "mtp_use_dedicated_embeddings")

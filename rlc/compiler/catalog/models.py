@@ -150,6 +150,7 @@ def model_facts(model_section: Mapping[str, Any], recipe_dir: Path) -> ModelFact
         else:
             cfg = _with_overrides(catalog_config(model_id), overrides)
             key, variant = resolve_id(model_id)
+            assert key is not None  # catalog_config found the entry
             if variant:
                 notes.append(f"{model_id} is a checkpoint variant of {key}: planned with its catalog entry "
                              "(same architecture)")

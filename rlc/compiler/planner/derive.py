@@ -29,15 +29,21 @@ def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: Mo
     """
     tl, gl = train_layout(recipe), generation_layout(recipe)
     bpp = DTYPE_BYTES[recipe["model"].get("dtype", "bfloat16")]
-    figs = [_stage_figures(s, tl, recipe, bpp) for s in megatron_stage_shards(facts, tl)]
+    mega, vllm = megatron_stage_shards(facts, tl), vllm_stage_shards(facts, gl)
+    if mega is None or vllm is None:
+        raise ValueError(f"reference model {facts.model_id}: per-GPU shards need facts it lacks ({facts.unknown})")
+    figs = [_stage_figures(s, tl, recipe, bpp) for s in mega]
     worst = max(figs, key=lambda f: f["params_bytes"] + f["master_bytes"])
     resident_fp = (worst["params_bytes"] + worst["master_bytes"]) / GIB
-    vllm_weights = max(s.params for s in vllm_stage_shards(facts, gl)) * bpp / GIB
+    vllm_weights = max(s.params for s in vllm) * bpp / GIB
     context = measured["megatron_process"] - measured["megatron_allocated"] - measured["megatron_fragmentation"]
     residual = measured["after_offload"] - resident_fp
     graphs = measured["vllm_process"] - cal.vllm_base_gib - vllm_weights
     free = gpu_memory_gib - measured["after_offload"] - context - measured["vllm_process"]
-    largest = facts.largest_export_tensor(bpp)[1] / GIB
+    largest_name, largest_bytes = facts.largest_export_tensor(bpp)
+    if largest_bytes is None:
+        raise ValueError(f"reference model {facts.model_id}: largest export tensor unknown ({largest_name})")
+    largest = largest_bytes / GIB
     ratio = measured["stack_ratio"]
     overhead = measured["megatron_allocated"] - measured["after_offload"] - ratio * free - largest
     headroom = {r: (free * r / 2 - largest) / largest for r in measured["fragmentation"]}

@@ -100,6 +100,11 @@ def check_runs(runs: Sequence[RunMeasurements], recipe: dict[str, Any]) -> None:
                                        f"generation.enforce_eager {eager}; give the recipe the runs were compiled from")
 
 
+def _vllm_started(run: RunMeasurements) -> Optional[float]:
+    started = run.first("vllm_started")
+    return None if started is None else started.used_gib
+
+
 def _vllm_asleep(run: RunMeasurements) -> Optional[float]:
     started = run.first("vllm_started")
     if started is None or not run.sleep_freed_gib:
@@ -133,8 +138,7 @@ def fit(runs: Sequence[RunMeasurements], recipe: dict[str, Any], facts: ModelFac
     fitted: list[Fitted] = []
 
     asleep = _per_run(runs, _vllm_asleep, "vllm_started record and memory/sleep_freed_gib metric")
-    started = _per_run(runs, lambda r: r.first("vllm_started").used_gib if r.first("vllm_started") else None,
-                       "vllm_started record")
+    started = _per_run(runs, _vllm_started, "vllm_started record")
     freed = started - asleep
     weights = _vllm_weights(recipe, facts)
     others = sum(i.gib or 0.0 for i in vllm_asleep_items(recipe, weights, base)

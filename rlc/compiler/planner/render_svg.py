@@ -88,15 +88,16 @@ def render_svg(plan: MemoryPlan) -> str:
             out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(base) - 8:.1f}" text-anchor="middle">?</text>')
         elif phase.request is not None and phase.request.gib is not None:
             req = phase.request
-            over = base + req.gib > limit
+            req_gib: float = phase.request.gib
+            over = base + req_gib > limit
             stroke = "#c00" if over else "#333"
-            out.append(f'<rect x="{x:.1f}" y="{y(base + req.gib):.1f}" width="{bar_w:.1f}" '
-                       f'height="{y(base) - y(base + req.gib):.1f}" fill="none" stroke="{stroke}" stroke-width="1.5" '
-                       f'stroke-dasharray="4,3"><title>{escape_text(f"next: {req.label}: {req.gib:.2f} GiB")}</title></rect>')
+            out.append(f'<rect x="{x:.1f}" y="{y(base + req_gib):.1f}" width="{bar_w:.1f}" '
+                       f'height="{y(base) - y(base + req_gib):.1f}" fill="none" stroke="{stroke}" stroke-width="1.5" '
+                       f'stroke-dasharray="4,3"><title>{escape_text(f"next: {req.label}: {req_gib:.2f} GiB")}</title></rect>')
             short = "stack" if "stack" in req.label else "buffer"
-            out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(base + req.gib / 2) + 4:.1f}" fill="{stroke}" '
-                       f'text-anchor="middle" font-size="10">{short} {req.gib:.1f}</text>')
-            top = base + req.gib
+            out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(base + req_gib / 2) + 4:.1f}" fill="{stroke}" '
+                       f'text-anchor="middle" font-size="10">{short} {req_gib:.1f}</text>')
+            top = base + req_gib
         label = f"{base:.1f}" + ("+?" if unknown else "")
         out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(top) - (28 if unknown else 4):.1f}" '
                    f'text-anchor="middle">{label}</text>')

@@ -15,7 +15,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.diagnostics import Diagnostic, Severity
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Context:
             node = node[part]
         return True
 
-    def _emit(self, severity: str, message: str, path: str, hint: Optional[str]) -> None:
+    def _emit(self, severity: Severity, message: str, path: str, hint: Optional[str]) -> None:
         self.diagnostics.append(Diagnostic(severity, message, path=path, rule=self.current, hint=hint))
 
     def error(self, message: str, path: str, hint: Optional[str] = None) -> None:

@@ -19,7 +19,7 @@ import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import yaml
 
@@ -255,7 +255,7 @@ def load_nemo_rl_config(path: str | Path, overrides: Sequence[str] = ()) -> Nemo
             if line is not None:
                 origins[leaf] = f"{source.label}:{line}"
                 break
-    return NemoRlConfig(values=values, raw=raw, origins=origins, files=tuple(s.label for s in sources))
+    return NemoRlConfig(values=cast("dict[str, Any]", values), raw=cast("dict[str, Any]", raw), origins=origins, files=tuple(s.label for s in sources))
 
 
 def _line_for(lines: dict[str, int], leaf: str) -> int | None:

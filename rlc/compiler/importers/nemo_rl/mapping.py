@@ -466,9 +466,9 @@ def _lengths(m: _Mapper) -> None:
     prompt = min(prompt, model_len) if isinstance(prompt, int) and prompt > 0 else None
     if new is None and prompt is None:
         return
-    if prompt is None:
+    if prompt is None and new is not None:
         prompt = max(1, model_len - new) if new < model_len else model_len // 2
-    if new is None:
+    if new is None and prompt is not None:
         new = model_len - prompt
     note_tokens = ""
     if prompt + new > model_len:
