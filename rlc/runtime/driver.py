@@ -29,6 +29,8 @@ from typing import Any
 
 from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
 from rlc.contract.runtime_config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
+from rlc.runtime.metrics import JsonlFile, MetricsLogger
+from rlc.runtime.workers import WorkerGroup
 
 log = logging.getLogger("rlc.runtime.driver")
 
@@ -53,14 +55,35 @@ class GrpoRun:
         self.cfg_dict = runtime_config_to_dict(cfg)
         self.cfg_path = cfg_path
         self.session = f"{cfg.name}-{os.environ.get('SLURM_JOB_ID', os.getpid())}-{uuid.uuid4().hex[:6]}"
-        self.policy = None
-        self.generation = None
-        self.metrics = None
-        self.calibration = None
-        self.ranks_log = None  # refit_ranks.jsonl, opened on the first refit
-        self.verify_log = None  # refit_verify.jsonl, opened on the first verified refit
+        self._policy: WorkerGroup | None = None
+        self._generation: WorkerGroup | None = None
+        self._metrics: MetricsLogger | None = None
+        logs = Path(cfg.logging.dir)
+        self.calibration = JsonlFile(logs / "calibration.jsonl")
+        self.ranks_log = JsonlFile(logs / "refit_ranks.jsonl")  # one line per trainer rank and refit
+        self.verify_log = JsonlFile(logs / "refit_verify.jsonl")  # one line per verified vLLM worker
         self.versions: dict[str, str] = {}
         self.step_metrics: dict[str, Any] = {}
+
+    # Workers and the metrics logger exist once started; using them earlier is a driver bug.
+
+    @property
+    def policy(self) -> WorkerGroup:
+        if self._policy is None:
+            raise RuntimeError("policy workers used before start_workers()")
+        return self._policy
+
+    @property
+    def generation(self) -> WorkerGroup:
+        if self._generation is None:
+            raise RuntimeError("generation workers used before start_workers()")
+        return self._generation
+
+    @property
+    def metrics(self) -> MetricsLogger:
+        if self._metrics is None:
+            raise RuntimeError("metrics used before open_logs()")
+        return self._metrics
 
     # ================================================================== the algorithm
 
@@ -92,7 +115,7 @@ class GrpoRun:
         from rlc.runtime.grpo.advantages import reward_metrics  # noqa: PLC0415
         from rlc.runtime.grpo.dynamic_sampling import DynamicSampler  # noqa: PLC0415
 
-        sampler = DynamicSampler.from_config(self.cfg.grpo, logger=log.info)
+        sampler: DynamicSampler[Group] = DynamicSampler.from_config(self.cfg.grpo, logger=log.info)
         t0 = time.perf_counter()
         gen_tokens = 0
         gen_seconds = 0.0
@@ -259,12 +282,8 @@ class GrpoRun:
         export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
         self.policy.call("refit_dump_export", export_dir)  # collective: every trainer rank exports
         reports = [r for engine in self.generation.call("refit_verify", export_dir) for r in engine]
-        if self.verify_log is None:
-            os.makedirs(self.cfg.logging.dir, exist_ok=True)
-            self.verify_log = open(os.path.join(self.cfg.logging.dir, "refit_verify.jsonl"), "a", encoding="utf-8")
         for worker, report in enumerate(reports):
-            self.verify_log.write(json.dumps({"step": step, "worker": worker, **report}) + "\n")
-        self.verify_log.flush()
+            self.verify_log.write({"step": step, "worker": worker, **report})
         mismatches = sum(len(r["mismatches"]) for r in reports)
         self.step_metrics["refit/verify_mismatches"] = mismatches
         self.step_metrics["refit/verify_params"] = sum(r["params_compared"] for r in reports)
@@ -278,12 +297,8 @@ class GrpoRun:
         """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
         (tensors, bytes, buckets), free memory and active fixes, so a rank that sent another rank's
         metadata (seed 003) or ran out of room is visible by rank, not only rank 0."""
-        if self.ranks_log is None:
-            os.makedirs(self.cfg.logging.dir, exist_ok=True)
-            self.ranks_log = open(os.path.join(self.cfg.logging.dir, "refit_ranks.jsonl"), "a", encoding="utf-8")
         for rank, metrics in enumerate(sent):
-            self.ranks_log.write(json.dumps({"step": step, "rank": rank, **metrics}, default=str) + "\n")
-        self.ranks_log.flush()
+            self.ranks_log.write({"step": step, "rank": rank, **metrics})
 
     def checkpoint(self, step: int) -> None:
         """Policy shards (megatron-core dist checkpoint) + driver state (step, data cursor).
@@ -353,7 +368,7 @@ class GrpoRun:
                 VllmGenerationWorker, pg=pg, bundle=phys[0],
                 num_gpus=placement.gpu_fraction if per_engine == 1 else 0.0,
                 env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
-        self.generation = W.WorkerGroup("generation", gen_actors)
+        self._generation = W.WorkerGroup("generation", gen_actors)
         self.generation.infos = [W.WorkerInfo(**d) for d in self.generation.call("info")]
         started = self.generation.call("start")
         self.eos_token_id = started[0]["eos_token_id"]
@@ -364,7 +379,7 @@ class GrpoRun:
         pol = [W.spawn(MegatronPolicyWorker, pg=pg, bundle=order[b], num_gpus=placement.gpu_fraction, env=policy_env,
                        name=f"{self.session}-policy{r}", args=(self.cfg_dict, r, placement.world_size, order[b]))
                for r, b in enumerate(placement.policy_bundles)]
-        self.policy = W.WorkerGroup("policy", pol)
+        self._policy = W.WorkerGroup("policy", pol)
         self.policy.infos = [W.WorkerInfo(**d) for d in self.policy.call("info")]
         master = self.policy.call("master_address", ranks=[0])[0]
         t1 = time.perf_counter()
@@ -409,22 +424,15 @@ class GrpoRun:
     # ================================================================== logging helpers
 
     def open_logs(self, start_step: int) -> None:
-        from rlc.runtime.metrics import MetricsLogger  # noqa: PLC0415
-
-        self.metrics = MetricsLogger.from_config(self.cfg.logging, total_steps=self.cfg.grpo.max_steps,
-                                                 start_step=start_step)
-        Path(self.cfg.logging.dir).mkdir(parents=True, exist_ok=True)
-        self.calibration = open(Path(self.cfg.logging.dir) / "calibration.jsonl", "a", encoding="utf-8")
-        for rec in getattr(self, "_early_calibration", []):
-            self.calibration.write(rec.to_json() + "\n")
-        self.calibration.flush()
+        self._metrics = MetricsLogger.from_config(self.cfg.logging, total_steps=self.cfg.grpo.max_steps,
+                                                  start_step=start_step)
 
     def log_memory_line(self, phase: str, memory: dict) -> None:
         log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory["free_gib"], memory["used_gib"])
         rec = CalibrationRecord.from_memory(phase, memory, step=0, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0")
-        self.__dict__.setdefault("_early_calibration", []).append(rec)
+        self.calibration.write(rec.to_dict())
 
     def log_calibration(self, step: int, phase: str, memory: dict | None = None, extra: dict | None = None) -> None:
         if memory is None:
@@ -432,8 +440,7 @@ class GrpoRun:
         rec = CalibrationRecord.from_memory(phase, memory, step=step, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0", extra=extra)
-        self.calibration.write(rec.to_json() + "\n")
-        self.calibration.flush()
+        self.calibration.write(rec.to_dict())
 
     def sample_memory(self, phase: str, memory: dict | None = None) -> None:
         """GPU 0's free/used GiB at the end of a phase, into the step's metrics."""
@@ -460,17 +467,17 @@ class GrpoRun:
         return ray.put(obj)
 
     def shutdown(self) -> None:
-        if self.generation is not None or self.policy is not None:
+        groups = [g for g in (self._generation, self._policy) if g is not None]
+        if groups:
             from rlc.runtime.workers import stop_groups  # noqa: PLC0415
 
-            late = stop_groups([self.generation, self.policy])
+            late = stop_groups(groups)
             if late:
                 log.warning("killed workers that were still busy at shutdown: %s", ", ".join(late))
-        if self.metrics is not None:
-            self.metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         for handle in (self.calibration, self.ranks_log, self.verify_log):
-            if handle is not None:
-                handle.close()
+            handle.close()
         try:
             import ray  # noqa: PLC0415
 

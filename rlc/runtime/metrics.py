@@ -37,7 +37,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 MemorySampler = Callable[[], Mapping[str, float]]
 
@@ -292,6 +292,26 @@ class MetricsLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class JsonlFile:
+    """An append-only JSON-lines log in the run's log folder, opened on the first line written."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._handle: IO[str] | None = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._handle.write(json.dumps(record, default=str) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -312,7 +312,7 @@ def spawn(cls: type, *, pg: Any, bundle: int, num_gpus: float, env: dict[str, st
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-    actor_cls = ray.remote(cls)
+    actor_cls: Any = ray.remote(cls)
     return actor_cls.options(
         num_gpus=num_gpus,
         num_cpus=num_cpus,

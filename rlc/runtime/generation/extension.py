@@ -11,6 +11,8 @@ from typing import Any
 class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
 
+    model_runner: Any  # provided by the vLLM worker class this extends
+
     def rlc_device_uuid(self) -> str:
         import torch  # noqa: PLC0415
 

@@ -31,8 +31,15 @@ class VllmGenerationWorker:
         self.cfg = runtime_config_from_dict(cfg_dict)
         self.engine_index = engine_index
         self.bundles = list(bundles)
-        self.llm = None
+        self._llm: Any = None  # vllm.LLM once started
         self.sleeping = False
+
+    @property
+    def llm(self) -> Any:
+        """The engine (``vllm.LLM``); a call before ``start`` is a driver bug and says so."""
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
+        return self._llm
 
     def info(self) -> dict:
         from rlc.runtime.workers import local_worker_info  # noqa: PLC0415
@@ -70,7 +77,7 @@ class VllmGenerationWorker:
         if mismatch:
             log.warning(mismatch)
         kwargs.update(engine_overrides or {})
-        self.llm = LLM(**kwargs)
+        self._llm = LLM(**kwargs)
         self.eos_token_id = self._eos_token_id()
         return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id}
 

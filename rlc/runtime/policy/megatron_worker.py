@@ -16,12 +16,16 @@ import os
 import socket
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
+
+if TYPE_CHECKING:
+    from rlc.runtime.policy.megatron_setup import PolicyModel
+    from rlc.runtime.policy.refit_source import RefitSource
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -42,11 +46,18 @@ class MegatronPolicyWorker:
         self.rank = rank
         self.world_size = world_size
         self.bundle = bundle
-        self.pm = None
-        self.source = None
+        self._pm: PolicyModel | None = None
+        self.source: RefitSource | None = None
         self.offloaded = False
         self.opt_steps = 0
         self.total_opt_steps = 1
+
+    @property
+    def pm(self) -> PolicyModel:
+        """Model, optimizer and bridge; a call before ``setup`` is a driver bug and says so."""
+        if self._pm is None:
+            raise RuntimeError(f"policy worker {self.rank}: used before setup()")
+        return self._pm
 
     # ------------------------------------------------------------------ identity / setup
 
@@ -82,7 +93,7 @@ class MegatronPolicyWorker:
         init_distributed(self.rank, self.world_size, master[0], master[1])
         init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
         torch.manual_seed(self.cfg.training.seed)
-        self.pm = build_policy(self.cfg)
+        self._pm = build_policy(self.cfg)
         self.total_opt_steps = max(1, int(total_opt_steps))
         self.coords = {
             "rank": self.rank,
@@ -300,6 +311,8 @@ class MegatronPolicyWorker:
 
     def refit_send(self) -> dict:
         """Stream the weights to the consumer on this GPU (it must be receiving)."""
+        if self.source is None:
+            raise RuntimeError("refit_send before refit_prepare")
         return self.source.send()
 
     def refit_dump_export(self, export_dir: str) -> dict:

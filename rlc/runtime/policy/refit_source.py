@@ -15,9 +15,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from rlc.runtime.refit import RefitProducer
 
 MTP_SHARED_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -33,7 +36,7 @@ def dedupe_mtp_embedding(tasks: list, *, pp_size: int, is_first_stage: bool, is_
     model shares it with MTP; Bridge's conversion tasks then give both stage 0 and the last stage a
     ``param_weight``. Stage 0 stays the canonical owner. Returns the dropped names.
     """
-    dropped = []
+    dropped: list[str] = []
     if pp_size <= 1 or not is_last_stage or is_first_stage:
         return dropped
     for t in tasks:
@@ -129,7 +132,7 @@ class RefitSource:
         self.session = session
         self.local_rank = local_rank
         self.local_world = local_world
-        self.producer = None
+        self.producer: RefitProducer | None = None
         self.specs: list = []
         self.dropped: list[str] = []
         self.tasks = bridge.get_conversion_tasks(model)
@@ -179,13 +182,14 @@ class RefitSource:
                 device=torch.cuda.current_device(),
                 timeout_s=timeout_s,
             )
-        self.producer.prepare(self.specs)
+        producer = self.producer
+        producer.prepare(self.specs)
         return {
             "num_tensors": len(self.specs),
             "bytes": sum(s.nbytes for s in self.specs),
             "dropped_mtp_duplicates": self.dropped,
             "prepare_s": time.perf_counter() - t0,
-            "device_key": self.producer.device_key,
+            "device_key": producer.device_key,
         }
 
     def send(self) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def expected_on_wire(spec: TensorSpec, wire_dtype: str, step: int) -> torch.Tens
 
 def _hook(side: str, rank: int):
     seq, log, gate = _SHARED.get("seq"), _SHARED.get("log"), _SHARED.get("gate")
-    if seq is None:
+    if seq is None or log is None or gate is None:
         return None
 
     def hook(event: str, index: int) -> None:

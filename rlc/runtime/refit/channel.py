@@ -132,7 +132,7 @@ class Channel:
 
 
 def new_socket(kind: int) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.Socket = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     return sock
 

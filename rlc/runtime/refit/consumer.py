@@ -191,8 +191,8 @@ class _ConsumerRun:
 
     def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights) -> None:
         self.c = consumer
-        self.chan = consumer._chan
-        assert self.chan is not None and consumer._hello is not None
+        assert consumer._chan is not None and consumer._hello is not None  # the caller checked prepare() ran
+        self.chan: Channel = consumer._chan
         self.hello = consumer._hello
         self.load_weights = load_weights
         self.buffers: dict[int, Buffer] = {}

@@ -268,8 +268,8 @@ class _ProducerRun:
 
     def __init__(self, producer: RefitProducer, refit_id: int) -> None:
         self.p = producer
-        self.chan = producer._chan
-        assert self.chan is not None
+        assert producer._chan is not None  # the caller checked prepare() ran
+        self.chan: Channel = producer._chan
         self.refit_id = refit_id
         self.halves: dict[int, Buffer] = {}
         self.last_bucket_of: dict[int, int] = {0: -1, 1: -1}
