@@ -20,7 +20,7 @@ overhead and fragmentation come from the calibration table (``calibration.yaml``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rlc.contract import refit_buffer
 from rlc.compiler.model import ModelFacts
@@ -156,9 +156,11 @@ def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
     def stack_ok(k: int) -> bool:
         return _stack_free(free, per_side(k), largest, gathered, cal)[0] >= largest
 
+    def headroom_reaches(x: float) -> Callable[[int], bool]:
+        return lambda k: _headroom(per_side(k), largest) >= x
+
     holds = first_true(1, steps, lambda k: per_side(k) >= largest)
-    starts = [holds] + [max(holds, first_true(1, steps, lambda k, x=x: _headroom(per_side(k), largest) >= x))
-                        for x, _ in cal.fragmentation_points]
+    starts = [holds] + [max(holds, first_true(1, steps, headroom_reaches(x))) for x, _ in cal.fragmentation_points]
     return widest(passing_runs(steps, starts, stack_ok), _ratio_at)
 
 
