@@ -372,6 +372,8 @@ def _late_train(plan: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, sle
                  stage=train.stage, note="other activations not modelled")
     plan.phases["train_late"] = late
     used = late.used_gib
+    if used is None:
+        return
     plan.checks["train_late_fit"] = Check(
         "train_late_fit", used <= late.limit_gib, late.limit_gib, used,
         f"train step from step 2: {train.used_gib:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth "
@@ -488,7 +490,7 @@ def _wider_tp(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibrat
                        ("parallelism.train.etp", 1)):
         alt = with_value(alt, key, value)
     check = _core_plan(alt, facts, gpu, cal).checks.get("train_late_fit")
-    if check is None:
+    if check is None or check.have_gib is None or check.need_gib is None:
         return None
     margin = check.have_gib - check.need_gib
     return Fix("parallelism.train.tp", tp,
