@@ -208,3 +208,26 @@ def test_settings_the_runtime_cannot_run_warn_and_compile_refuses(tmp_path):
     with pytest.raises(BundleError, match="generation.precision"):
         build_bundle(result, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
+
+
+def test_the_shipped_growth_series_are_runtime_calibration_records():
+    from rlc.contract.calibration_record import CalibrationRecord
+    from rlc.compiler.planner.vllm_sleep import SLEEP_FILE, after_sleep_series
+
+    path = SLEEP_FILE.with_name("residue_growth_nemo_rl_2619.jsonl")
+    records = [CalibrationRecord.from_json(line) for line in path.read_text().splitlines()]
+    assert after_sleep_series(records) == ((0, 4.11), (1, 11.57), (2, 25.0), (3, 25.0))
+    growth = sleep_semantics("0.20.0").residue_growth
+    assert growth is not None and growth.growth_gib == pytest.approx(20.89)
+    assert sleep_semantics("0.17.1").residue_growth is None
+
+
+def test_new_keys_are_strict_with_did_you_mean(tmp_path):
+    recipe = {**DSV3, "training": {**DSV3["training"], "fp8": {"enabled": True, "recipie": "blockwise"}},
+              "generation": {**DSV3["generation"], "vllm_verison": "0.22.0"}}
+    result = check(tmp_path, recipe)
+    messages = {d.path: d.message for d in result.diagnostics if d.severity == "error"}
+    assert "did you mean 'recipe'" in messages["training.fp8.recipie"]
+    assert "did you mean 'vllm_version'" in messages["generation.vllm_verison"]
+    bad = check(tmp_path, {**DSV3, "generation": {**DSV3["generation"], "vllm_version": "latest"}})
+    assert any(d.path == "generation.vllm_version" for d in bad.errors)

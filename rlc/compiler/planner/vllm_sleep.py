@@ -10,14 +10,15 @@ where one was reported, the residue growth over steps (runtime calibration recor
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import yaml
+
+from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
 SLEEP_FILE = Path(__file__).with_name("vllm_sleep.yaml")
 
@@ -84,18 +85,25 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in m.group(1).split("."))
 
 
+def after_sleep_series(records: Iterable[CalibrationRecord]) -> tuple[tuple[int, float], ...]:
+    """(step, device GiB in use) of the ``after_sleep`` records — the runtime writes one per step."""
+    return tuple(sorted((r.step, r.used_gib) for r in records if r.phase == "after_sleep"))
+
+
 def _records(path: Path) -> tuple[tuple[int, float], ...]:
-    steps = []
+    """A shipped series: runtime calibration records (``calibration.jsonl`` format), read with the
+    contract's own parser."""
+    records = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if rec.get("kind") != "calibration" or rec.get("phase") != "after_sleep":
-            raise SleepTableError(f"{path.name}:{n}: expected an after_sleep calibration record")
-        steps.append((int(rec["step"]), float(rec["used_gib"])))
+        if line.strip():
+            try:
+                records.append(CalibrationRecord.from_json(line))
+            except CalibrationRecordError as exc:
+                raise SleepTableError(f"{path.name}:{n}: {exc}") from None
+    steps = after_sleep_series(records)
     if not steps:
-        raise SleepTableError(f"{path.name}: no records")
-    return tuple(sorted(steps))
+        raise SleepTableError(f"{path.name}: no after_sleep records")
+    return steps
 
 
 def _growth(raw: Optional[Mapping[str, Any]]) -> Optional[ResidueGrowth]:
@@ -145,5 +153,5 @@ def planned_vllm_version(recipe: Mapping[str, Any], calibration_versions: Mappin
     return str(version)
 
 
-__all__ = ["ResidueGrowth", "SleepLevel", "SleepSemantics", "SleepTableError", "load_sleep_table",
+__all__ = ["after_sleep_series", "ResidueGrowth", "SleepLevel", "SleepSemantics", "SleepTableError", "load_sleep_table",
            "planned_vllm_version", "sleep_semantics", "version_key"]
