@@ -243,3 +243,34 @@ def test_engine_options_and_optimizer_keys_map_to_their_typed_rlc_keys(tmp_path)
                                              "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
     unmapped = {u.key: u.reason for u in imported.mapping.unmapped}
     assert "generation.max_model_len" in unmapped["policy.generation.vllm_kwargs.max_model_len"]
+
+
+def test_precision_moe_packing_and_pass_through_options_map_to_their_keys():
+    got = mapped(import_nemo_rl(str(PUBLIC_397B)))
+    assert got["training.use_precision_aware_optimizer"] is False
+    assert got["training.moe.token_dispatcher"] == "allgather" and got["training.moe.router_dtype"] == "fp64"
+    assert got["training.megatron_kwargs.defer_fp32_logits"] is True
+    assert got["loss.clip_ratio_c"] == 10 and got["training.sequence_packing.enabled"] is False
+    imported = import_nemo_rl(str(CHILD), [
+        "++policy.megatron_cfg.fp8_cfg={enabled: true, fp8: hybrid, fp8_recipe: delayed, fp8_param: true}",
+        "++policy.generation.vllm_kwargs.max_num_seqs=256",
+        "++policy.generation.vllm_kwargs.compilation_config.use_inductor=false",
+        "policy.generation.stop_token_ids=[151645]",
+        "policy.sequence_packing.enabled=true",
+        "++policy.sequence_packing.algorithm=modified_ffd",
+    ])
+    got = mapped(imported)
+    assert (got["training.fp8.enabled"], got["training.fp8.format"], got["training.fp8.recipe"],
+            got["training.fp8.param_gather"]) == (True, "hybrid", "delayed", True)
+    assert imported.data["generation"]["vllm_kwargs"] == {"max_num_seqs": 256,
+                                                          "compilation_config": {"use_inductor": False}}
+    assert got["generation.sampling.stop_token_ids"] == [151645]
+    assert got["training.sequence_packing.algorithm"] == "modified_first_fit_decreasing"
+
+
+def test_sequence_packing_on_validates_with_a_warning_naming_the_key(tmp_path):
+    """NeMo-RL packs by default; rlc's runtime does not pack yet: the import keeps the setting and
+    validation says what to turn off to compile."""
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU)
+    assert code == 0 and "training.sequence_packing.enabled" in err

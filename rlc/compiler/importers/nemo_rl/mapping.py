@@ -141,6 +141,49 @@ def vllm_only(v: Any) -> str:
     return "vllm"
 
 
+def int_list(v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
+        raise Unmappable(f"expected a list of token ids, got {v!r}")
+    return v
+
+
+def router_dtype(v: Any) -> str:
+    if str(v).lower() in ("fp32", "float32"):
+        return "fp32"
+    if str(v).lower() in ("fp64", "float64"):
+        return "fp64"
+    raise Unmappable(f"moe_router_dtype {v!r}: rlc takes fp32 or fp64")
+
+
+def token_dispatcher(v: Any) -> str:
+    if v in ("alltoall", "allgather", "flex"):
+        return str(v)
+    raise Unmappable(f"token dispatcher {v!r}: rlc takes alltoall, allgather or flex")
+
+
+def fp8_format(v: Any) -> str:
+    if v in ("e4m3", "hybrid"):
+        return str(v)
+    raise Unmappable(f"fp8 format {v!r}: rlc takes e4m3 or hybrid")
+
+
+def fp8_recipe(v: Any) -> str:
+    if v in ("tensorwise", "delayed", "blockwise", "mxfp8"):
+        return str(v)
+    raise Unmappable(f"fp8_recipe {v!r}: rlc takes tensorwise, delayed, blockwise or mxfp8")
+
+
+_PACKING = {"modified_first_fit_decreasing": "modified_first_fit_decreasing", "modified_ffd": "modified_first_fit_decreasing",
+            "first_fit_decreasing": "first_fit_decreasing", "first_fit_shuffle": "first_fit_shuffle"}
+
+
+def packing_algorithm(v: Any) -> str:
+    try:
+        return _PACKING[str(v)]
+    except KeyError:
+        raise Unmappable(f"packing algorithm {v!r}: rlc takes {', '.join(sorted(set(_PACKING.values())))}") from None
+
+
 Rule = tuple[str, str, Callable[[Any], Any], str]  # source, target, convert, note
 
 DIRECT: tuple[Rule, ...] = (
@@ -158,6 +201,11 @@ DIRECT: tuple[Rule, ...] = (
     ("policy.generation.top_p", "generation.sampling.top_p", number, ""),
     ("policy.generation.top_k", "generation.sampling.top_k", top_k, ""),
     ("policy.generation.stop_strings", "generation.sampling.stop", string_list, ""),
+    ("policy.generation.stop_token_ids", "generation.sampling.stop_token_ids", int_list, ""),
+    ("policy.sequence_packing.enabled", "training.sequence_packing.enabled", boolean, ""),
+    ("loss_fn.ratio_clip_c", "loss.clip_ratio_c", number, "dual-clip constant for negative advantages"),
+    ("loss_fn.use_importance_sampling_correction", "loss.importance_sampling_correction", boolean, ""),
+    ("loss_fn.truncated_importance_sampling_ratio", "loss.importance_sampling_cap", number, ""),
     ("policy.generation.vllm_cfg.tensor_parallel_size", "parallelism.generation.tp", positive_int, ""),
     ("policy.generation.vllm_cfg.pipeline_parallel_size", "parallelism.generation.pp", positive_int, ""),
     ("policy.generation.vllm_cfg.expert_parallel_size", "parallelism.generation.ep", positive_int, ""),
@@ -178,11 +226,6 @@ DIRECT: tuple[Rule, ...] = (
     ("loss_fn.ratio_clip_min", "loss.ratio_clip_low", number, ""),
     ("loss_fn.ratio_clip_max", "loss.ratio_clip_high", number, ""),
     ("loss_fn.token_level_loss", "loss.token_level", boolean, ""),
-    ("loss_fn.use_importance_sampling_correction", "loss.importance_sampling_correction", boolean, ""),
-    ("loss_fn.truncated_importance_sampling_ratio", "loss.importance_sampling_cap", number, ""),
-    ("policy.generation.stop_token_ids", "generation.sampling.stop_token_ids", lambda v: [int(t) for t in v], ""),
-    ("policy.sequence_packing.enabled", "training.sequence_packing.enabled", boolean, ""),
-    ("policy.sequence_packing.algorithm", "training.sequence_packing.algorithm", str, ""),
     ("checkpointing.enabled", "checkpointing.enabled", boolean, ""),
     ("checkpointing.checkpoint_dir", "checkpointing.dir", str, ""),
     ("checkpointing.save_period", "checkpointing.every_steps", positive_int, ""),
@@ -232,15 +275,11 @@ MEGATRON: tuple[Rule, ...] = (
     (f"{M}.distributed_data_parallel_config.overlap_param_gather", "training.overlap_param_gather", boolean, ""),
     (f"{M}.distributed_data_parallel_config.overlap_grad_reduce", "training.overlap_grad_reduce", boolean, ""),
     (f"{M}.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
-    ("policy.max_grad_norm", "training.grad_clip", number, ""),
     (f"{M}.optimizer.use_precision_aware_optimizer", "training.use_precision_aware_optimizer", boolean, ""),
-    (f"{M}.moe_token_dispatcher_type", "training.moe.token_dispatcher", str, ""),
+    (f"{M}.moe_token_dispatcher_type", "training.moe.token_dispatcher", token_dispatcher, ""),
     (f"{M}.moe_enable_deepep", "training.moe.deepep", boolean, ""),
-    (f"{M}.moe_router_dtype", "training.moe.router_dtype", str, ""),
-    (f"{M}.fp8_cfg.enabled", "training.fp8.enabled", boolean, ""),
-    (f"{M}.fp8_cfg.fp8", "training.fp8.format", str, ""),
-    (f"{M}.fp8_cfg.fp8_recipe", "training.fp8.recipe", str, ""),
-    (f"{M}.fp8_cfg.fp8_param", "training.fp8.param_gather", boolean, ""),
+    (f"{M}.moe_router_dtype", "training.moe.router_dtype", router_dtype, ""),
+    ("policy.max_grad_norm", "training.grad_clip", number, ""),
 )
 
 D = "policy.dtensor_cfg"
@@ -255,6 +294,12 @@ DTENSOR: tuple[Rule, ...] = (
     ("policy.optimizer.kwargs.eps", "training.optimizer.adam_eps", number, ""),
     ("policy.max_grad_norm", "training.grad_clip", number, ""),
 )
+
+# Megatron model-config options NeMo-RL sets on the provider as they are; rlc passes them through
+# unchanged (training.megatron_kwargs).
+MEGATRON_PASS_THROUGH = ("apply_rope_fusion", "bias_activation_fusion", "moe_permute_fusion", "defer_fp32_logits",
+                         "moe_shared_expert_overlap", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
+                         "moe_aux_loss_coeff", "moe_grouped_gemm")
 
 # NeMo-RL env vars with an rlc key of their own (NeMo-RL reads them in its refit code).
 ENV_KEYS = {"NRL_REFIT_BUFFER_MEMORY_RATIO": ("refit.buffer_memory_ratio", number)}
@@ -339,6 +384,11 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
         m.out.notes.append("this NeMo-RL config trains with DTensor (FSDP2); rlc trains with Megatron-core: the "
                            "trainer's TP/CP come from policy.dtensor_cfg and its FSDP shards become data "
                            "parallelism (distributed optimizer)")
+    if megatron:
+        _fp8(m)
+        _pass_through(m, [f"{M}.{k}" for k in MEGATRON_PASS_THROUGH], "training.megatron_kwargs",
+                      "set on the Megatron-Bridge model provider unchanged")
+    _packing(m)
     _tokenizer(m)
     _expert_parallel_flag(m)
     _vllm_precision(m)
@@ -360,6 +410,42 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     m.out.unmapped.sort(key=lambda u: order.get(u.key, len(order)))
     m.out.missing.extend(_missing(m))
     return m.out
+
+
+def _fp8(m: _Mapper) -> None:
+    base = f"{M}.fp8_cfg"
+    if m.cfg.get(f"{base}.enabled") is not True:
+        m.consume(*[k for k in m.leaves if k.startswith(base + ".") or k == base],
+                  why="FP8 training off (training.fp8.enabled defaults to false)")
+        return
+    m.take(f"{base}.enabled", "training.fp8.enabled", boolean)
+    m.take(f"{base}.fp8", "training.fp8.format", fp8_format)
+    m.take(f"{base}.fp8_recipe", "training.fp8.recipe", fp8_recipe)
+    m.take(f"{base}.fp8_param", "training.fp8.param_gather", boolean,
+           "Megatron fp8_param: the all-gathered parameters stay in FP8")
+
+
+def _packing(m: _Mapper) -> None:
+    key = "policy.sequence_packing.algorithm"
+    if m.cfg.get("policy.sequence_packing.enabled") is True:
+        m.take(key, "training.sequence_packing.algorithm", packing_algorithm)
+    m.consume(*[k for k in m.leaves if k.startswith("policy.sequence_packing.") and k != key
+                and not k.endswith(".enabled")], why="micro-batch token budgets: rlc packs to "
+              "training.max_sequence_length")
+    m.consume(key, why="packing is off")
+
+
+def _pass_through(m: _Mapper, keys: list[str], target: str, note: str) -> None:
+    for key in keys:
+        if key not in m.leaves or m.leaves[key] is None:
+            m.consume(key, why="null: not set")
+            continue
+        value = m.leaves[key]
+        if value == {}:
+            m.consume(key, why="empty: nothing to pass")
+            continue
+        m.consume(key, why=note)
+        m.put(f"{target}.{key.rsplit('.', 1)[1]}", value, (key,), note)
 
 
 def _tokenizer(m: _Mapper) -> None:
@@ -389,6 +475,8 @@ def _vllm_kwargs(m: _Mapper) -> None:
     from rlc.compiler.runtime_support import VLLM_OWNED
 
     prefix = "policy.generation.vllm_kwargs."
+    if m.leaves.get(prefix[:-1]) == {}:
+        m.consume(prefix[:-1], why="empty: no vLLM options")
     block: dict[str, Any] = {}
     sources: list[str] = []
     for key, value in m.leaves.items():
@@ -424,8 +512,8 @@ def _vllm_precision(m: _Mapper) -> None:
     except Unmappable:
         same_dtype = False
     if not same_dtype:
-        m.out.unmapped.append(Unmapped(key, m.leaves[key], "rlc generates in model.dtype (the trainer's "
-                                       "precision); a different vLLM precision is not supported"))
+        m.out.unmapped.append(Unmapped(key, m.leaves[key], "rlc rolls out in model.dtype (the trainer's "
+                                       "precision) or fp8 (generation.precision)"))
 
 
 def _batch_multiplier(m: _Mapper) -> None:
