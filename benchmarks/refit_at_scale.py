@@ -303,6 +303,7 @@ class GpuSession:
         from rlc.runtime.workers import spawn  # noqa: PLC0415
 
         first = group[0]
+        self.results.setdefault("gpu_release", []).append({"before " + first.model: wait_for_idle_gpus()})
         model_dir = write_model_dir(self.root, first.model)
         cfg_dict = runtime_cfg_dict(first, model_dir, self.a, self.root)
         env = self.env(cfg_dict)
@@ -349,6 +350,7 @@ class GpuSession:
                     pass
                 ray.kill(gen)
             remove_placement_group(pg)
+            self.results.setdefault("gpu_release", []).append({first.model: wait_for_idle_gpus()})
 
     def run_layout(self, lay: P.Layout, plan_: dict, gen: Any, pg: Any, env: dict, model_dir: Path,
                    case: dict) -> None:
@@ -447,6 +449,27 @@ def run_engine(a: argparse.Namespace, out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- main
+
+
+def gpu_memory_used_mib() -> list[float] | None:
+    """Used memory of every GPU (nvidia-smi), or None when it cannot be asked."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return [float(x) for x in out.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def wait_for_idle_gpus(timeout_s: float = 120.0, idle_mib: float = 3072.0) -> dict:
+    """After a case's actors are killed, wait until their processes have given the GPUs back (vLLM
+    refuses to start when less than its share is free)."""
+    t0 = time.monotonic()
+    used = gpu_memory_used_mib()
+    while used is not None and max(used) > idle_mib and time.monotonic() - t0 < timeout_s:
+        time.sleep(1.0)
+        used = gpu_memory_used_mib()
+    return {"waited_s": round(time.monotonic() - t0, 1), "used_mib": used}
 
 
 def machine_info() -> dict:
