@@ -3,6 +3,7 @@
     python benchmarks/refit_at_scale.py --out DIR [--cases engine,dense-8b,moe-ep2,moe-tp2]
                                         [--tiny-metrics metrics.jsonl] [--refits 10] [--check]
     python benchmarks/refit_at_scale.py --dry-run      # CPU: the plan (memory budget, spot checks)
+    python benchmarks/refit_at_scale.py --docs-rows DIR/refit_at_scale.json   # rows for docs/refit.md
 
 Nothing is downloaded. Each model is built from its HF ``config.json`` (``benchmarks/models/``):
 the trainer by Megatron-Bridge (``AutoBridge.from_hf_config`` + ``to_megatron_provider(load_weights
@@ -83,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--root", default="/tmp/rlc-refit-scale", help="scratch folder (model configs, logs)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every measured goal is met")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (budgets, spot checks) and stop")
+    ap.add_argument("--docs-rows", metavar="JSON", default=None,
+                    help="print docs/refit.md's result rows from a run's refit_at_scale.json and stop")
     a = ap.parse_args(argv)
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in ALL_CASES]
@@ -485,6 +488,12 @@ def machine_info() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.docs_rows:
+        results = json.loads(Path(a.docs_rows).read_text(encoding="utf-8"))
+        print(f"<!-- {results.get('command', '')}; {results.get('machine', {}).get('hostname', '?')}; "
+              f"{results.get('started_utc', '')} -->")
+        print(P.docs_rows(results, P.evaluate_goals(results)))
+        return 0
     try:
         plans = plan(a)
     except P.BenchmarkInputError as exc:

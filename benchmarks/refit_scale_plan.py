@@ -599,3 +599,32 @@ def render_report(results: dict[str, Any], goals: Sequence[Goal]) -> str:
     lines.append("goals:")
     lines += [f"  {g.line()}" for g in goals]
     return "\n".join(lines)
+
+
+def _cell(summary: dict[str, Any], key: str) -> str:
+    s = summary[key]
+    return f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"
+
+
+def docs_rows(results: dict[str, Any], goals: Sequence[Goal]) -> str:
+    """The result rows of ``docs/refit.md`` (median (min–max) seconds) from a run's JSON."""
+    lines = ["| case | total refit (s) | transfer (s) | Bridge export (s) | packing (s) | waiting for vLLM (s) | "
+             "vLLM `load_weights` (s) | wake weights / KV (s) | sleep (s) | spot checks |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, case in results.get("cases", {}).items():
+        summary = case.get("summary")
+        if not summary:
+            lines.append(f"| `{name}` | failed: {case.get('error', 'no refit finished')[:120]} |||||||||")
+            continue
+        checks = case.get("spot_checks") or {}
+        verdict = "passed" if checks.get("passed") else "FAILED" if checks else "not run"
+        wake = f"{summary['wake_weights_s']['median']:.3f} / {summary['wake_kv_s']['median']:.3f}"
+        lines.append(f"| `{name}` | {_cell(summary, 'total_refit_s')} | {_cell(summary, 'transfer_s')} | "
+                     f"{_cell(summary, 'export_s')} | {_cell(summary, 'pack_s')} | {_cell(summary, 'wait_consumer_s')} | "
+                     f"{_cell(summary, 'load_weights_s')} | {wake} | {_cell(summary, 'sleep_s')} | {verdict} |")
+    lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
+    for g in goals:
+        measured = f"{g.value:.4g}" if g.measured else "not measured"
+        verdict = "met" if g.met else "not met" if g.measured else ""
+        lines.append(f"| {g.name} ({'≤' if g.at_most else '≥'} {g.limit:g}) | {measured} | {verdict} |")
+    return "\n".join(lines)

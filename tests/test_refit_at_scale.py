@@ -295,3 +295,19 @@ def test_report_renders_a_measured_case():
     assert "Bridge export alone (no transfer): 1.400 s, 18867 tensors" in text
     assert "(expert; 6 HF tensors into 2 vLLM parameters on 2 worker(s)) -> FAILED" in text
     assert "  vLLM worker 1 (GPU b): w13 differs in 3 element(s)" in text
+
+
+def test_docs_rows_from_a_run(tmp_path, capsys):
+    records = [_record(i, 1.0, 0.5) for i in range(3)]
+    results = {"command": "python benchmarks/refit_at_scale.py", "machine": {"hostname": "h"},
+               "cases": {"moe-ep2": {"summary": P.summarize_refits(records, 1), "spot_checks": {"passed": True}},
+                         "moe-tp2": {"error": "RuntimeError: trainer setup failed"}},
+               "engine": {"ratio": 0.43}}
+    path = tmp_path / "refit_at_scale.json"
+    path.write_text(json.dumps(results))
+    assert S.main(["--docs-rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| `moe-ep2` | 1.470 (1.470–1.470) | 1.350 (1.350–1.350) | 1.100 (1.100–1.100) |" in out
+    assert out.count("| passed |") == 1 and "| `moe-tp2` | failed: RuntimeError: trainer setup failed |" in out
+    assert "| engine ratio at 2 GiB (≥ 0.4) | 0.43 | met |" in out
+    assert "| tiny-run (refit + sleep) / step (≤ 0.15) | not measured |  |" in out
