@@ -36,7 +36,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from rlc.runtime.config import LossConfig  # noqa: E402
+from rlc.contract.runtime_config import LossConfig  # noqa: E402
 from rlc.runtime.grpo.advantages import group_advantages  # noqa: E402
 from rlc.runtime.grpo.loss import gen_kl, grpo_loss, kl_estimate  # noqa: E402
 
