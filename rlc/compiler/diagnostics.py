@@ -80,7 +80,7 @@ def format_path(parts: Iterable[PathPart]) -> str:
     for part in parts:
         if isinstance(part, int) and not isinstance(part, bool):
             out.append(f"[{part}]")
-        elif _PLAIN_KEY.match(str(part)):
+        elif _PLAIN_KEY.fullmatch(str(part)):  # fullmatch: "$" alone would accept a trailing newline
             out.append(("." if out else "") + str(part))
         else:
             out.append(f"[{json.dumps(str(part), ensure_ascii=False)}]")
