@@ -78,6 +78,19 @@ def test_foreign_names_are_caught_even_with_forged_provenance():
         _tracker(0).check_bucket(forged, HALF)
 
 
+@pytest.mark.parametrize("forge", ["device_key", "producer_rank"])
+def test_provenance_is_checked_on_rank_and_gpu_separately(forge):
+    """A bucket with this rank's own names but another GPU's key (or another rank on this GPU) is
+    refused: a consumer must never slice a buffer announced for a different device."""
+    _, metas = _metas(0)
+    other = {"device_key": "GPU-7", "producer_rank": 7}[forge]
+    forged = dataclasses.replace(metas[0], **{forge: other})
+    with pytest.raises(RefitManifestError) as exc:
+        _tracker(0).check_bucket(forged, HALF)
+    assert "carries slicing metadata from producer rank" in str(exc.value) and str(other) in str(exc.value)
+    _tracker(0).check_bucket(metas[0], HALF)  # the unforged bucket passes
+
+
 def test_duplicate_tensor_is_caught():
     _, metas = _metas(0)
     t = _tracker(0)
