@@ -13,6 +13,9 @@ imported from rlc) from the papers and verl's documented definitions:
   ``rho = exp(clip(logp - logp_old, -b, b))``; dual-clip (Ye et al. 2020): where ``A < 0``,
   ``L = min(L, -c*A)``. Its derivative in ``logp`` is ``-A*rho`` where the unclipped branch is taken
   and ``|logp - logp_old| < b``, else 0.
+- Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training"; verl's ``tis_imp_ratio_cap``): each token's policy term and its gradient
+  are weighted by ``min(exp(logp_old - logp_gen), cap)``.
 - Aggregation (verl ``agg_loss``): "token-mean" ``sum(L) / #tokens``; "seq-mean-token-mean" the mean
   over non-empty sequences of each sequence's token mean; with a global normaliser the sum is
   divided by it instead, so micro-batch losses add up to the batch loss.
@@ -98,6 +101,10 @@ def ref_loss(seqs: list[dict], c: dict, normalizer: float | None = None) -> dict
         tokens = []
         for t in range(len(s["logp"])):
             loss, grad, clipped, dual = ref_token(s["logp"][t], s["old"][t], s["adv"][t], c)
+            if c["is_cap"] is not None:
+                d_gen = max(-c["max_log_ratio"], min(c["max_log_ratio"], s["old"][t] - s["gen"][t]))
+                weight = min(math.exp(d_gen), c["is_cap"])
+                loss, grad = loss * weight, grad * weight
             kl = ref_kl(s["logp"][t], s["ref"][t], c["estimator"])
             # d/dlogp of the KL penalty: k1 -> 1, k2 -> -(ref - logp), k3 -> 1 - exp(ref - logp)
             log_r = s["ref"][t] - s["logp"][t]
@@ -165,9 +172,10 @@ def random_batch(rng: random.Random, *, per_token_adv: bool) -> list[dict]:
         spread = rng.choice([0.05, 0.3, 3.0])
         old = [lp - max(-14.0, min(14.0, rng.gauss(0, spread))) for lp in logp]
         ref = [lp + rng.gauss(0, 0.5) for lp in logp]
+        gen = [x + rng.gauss(0, rng.choice([0.01, 0.5])) for x in old]
         a = rng.gauss(0, 1.5)
         adv = [rng.gauss(0, 1.5) if per_token_adv else a for _ in range(length)]
-        seqs.append({"logp": logp, "old": old, "ref": ref, "adv": adv})
+        seqs.append({"logp": logp, "old": old, "ref": ref, "gen": gen, "adv": adv})
     return seqs
 
 
@@ -180,6 +188,7 @@ def random_config(rng: random.Random) -> dict:
         "estimator": rng.choice(["k1", "k2", "k3"]),
         "kl": rng.choice([0.0, 0.05]),
         "token_level": rng.random() < 0.5,
+        "is_cap": rng.choice([None, 1.0, 2.0]),
     }
 
 
@@ -196,13 +205,14 @@ def to_tensors(seqs: list[dict], *, per_token_adv: bool):
         adv = pad("adv")
     else:
         adv = torch.tensor([s["adv"][0] if s["adv"] else 0.0 for s in seqs], dtype=torch.float64)
-    return pad("logp"), pad("old"), pad("ref"), adv, mask
+    return pad("logp"), pad("old"), pad("ref"), pad("gen"), adv, mask
 
 
 def loss_config(c: dict) -> LossConfig:
     return LossConfig(
         ratio_clip_low=c["low"], ratio_clip_high=c["high"], kl_penalty=c["kl"], kl_estimator=c["estimator"],
         token_level=c["token_level"], clip_ratio_c=c["clip_c"], max_log_ratio=c["max_log_ratio"],
+        importance_sampling_correction=c["is_cap"] is not None, importance_sampling_cap=c["is_cap"] or 2.0,
     )
 
 
@@ -232,9 +242,9 @@ def test_advantages_match_the_reference(seed: int, leave_one_out: bool, normaliz
 def test_loss_gradient_and_metrics_match_the_reference(seed: int, per_token_adv: bool) -> None:
     rng = random.Random(seed)
     seqs, c = random_batch(rng, per_token_adv=per_token_adv), random_config(rng)
-    logp, old, ref, adv, mask = to_tensors(seqs, per_token_adv=per_token_adv)
+    logp, old, ref, gen, adv, mask = to_tensors(seqs, per_token_adv=per_token_adv)
     logp.requires_grad_(True)
-    loss, metrics = grpo_loss(logp, old, adv, mask, loss_config(c), ref_logprobs=ref)
+    loss, metrics = grpo_loss(logp, old, adv, mask, loss_config(c), ref_logprobs=ref, gen_logprobs=gen)
     loss.backward()
     want = ref_loss(seqs, c)
     assert close(loss.item(), want["loss"]), (loss.item(), want["loss"], c)
@@ -256,14 +266,14 @@ def test_loss_gradient_and_metrics_match_the_reference(seed: int, per_token_adv:
 def test_micro_batches_with_a_global_normaliser_add_up_to_the_reference(seed: int) -> None:
     rng = random.Random(seed)
     seqs, c = random_batch(rng, per_token_adv=False), random_config(rng)
-    logp, old, ref, adv, mask = to_tensors(seqs, per_token_adv=False)
+    logp, old, ref, gen, adv, mask = to_tensors(seqs, per_token_adv=False)
     normalizer = float(mask.sum()) if c["token_level"] else float((mask.sum(-1) > 0).sum())
     cut = rng.randint(0, len(seqs))
     total = 0.0
     for lo, hi in ((0, cut), (cut, len(seqs))):
         if hi > lo:
             part, _ = grpo_loss(logp[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], loss_config(c),
-                                ref_logprobs=ref[lo:hi], normalizer=normalizer)
+                                ref_logprobs=ref[lo:hi], gen_logprobs=gen[lo:hi], normalizer=normalizer)
             total += part.item()
     assert close(total, ref_loss(seqs, c)["loss"])
 
@@ -284,6 +294,6 @@ def test_kl_estimators_match_the_reference(seed: int, estimator: str) -> None:
 def test_gen_kl_matches_the_reference(seed: int) -> None:
     rng = random.Random(seed)
     seqs = random_batch(rng, per_token_adv=False)
-    train, gen, _, _, mask = to_tensors(seqs, per_token_adv=False)  # "old" plays vLLM's logprobs
-    want = ref_gen_kl([s["old"] for s in seqs], [s["logp"] for s in seqs])
+    train, _, _, gen, _, mask = to_tensors(seqs, per_token_adv=False)
+    want = ref_gen_kl([s["gen"] for s in seqs], [s["logp"] for s in seqs])
     assert close(gen_kl(gen, train, mask), want)
