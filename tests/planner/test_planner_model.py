@@ -231,3 +231,13 @@ def test_new_keys_are_strict_with_did_you_mean(tmp_path):
     assert "did you mean 'vllm_version'" in messages["generation.vllm_verison"]
     bad = check(tmp_path, {**DSV3, "generation": {**DSV3["generation"], "vllm_version": "latest"}})
     assert any(d.path == "generation.vllm_version" for d in bad.errors)
+
+
+def test_fragmentation_scales_with_the_largest_tensor():
+    from rlc.compiler.planner.calibration import calibration_for
+
+    cal = calibration_for("h100-80gb")
+    x0, y0 = cal.fragmentation_points[0]
+    assert cal.fragmentation_tensor_gib == 8.0
+    assert cal.fragmentation_gib(x0, 8.0) == pytest.approx(y0)  # the seed's own 8 GiB tensor: as measured
+    assert cal.fragmentation_gib(x0, 1.73) == pytest.approx(y0 * 1.73 / 8.0)  # a DeepSeek-V3 embedding

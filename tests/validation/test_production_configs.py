@@ -22,14 +22,11 @@ WHY_FALSE = {
     "RLC210": "the published run refitted at this layout, but the plan leaves 10.07 GiB free at refit (the "
               "40.92 GiB TP32 weight shard that vLLM 0.17.1 keeps at sleep level 1, plus residue constants "
               "fitted on a TP16 layout), so a 0.3 half (1.51 GiB) is below the 1.73 GiB embedding",
-    "RLC211": "the published run refitted at this layout, but at the staging site the plan subtracts 5.12 GiB "
-              "of fragmentation, a constant fitted for an 8 GiB fused-expert tensor, for a 1.73 GiB embedding",
 }
 
 #: Recipes that fail today, with the rule ids that fire falsely on each.
 FALSE_ALARMS = {
     "nemo-rl-grpo-deepseek-v3-32n8g": ("RLC210",),
-    "nemo-rl-grpo-deepseek-v3-64n8g": ("RLC211",),
 }
 
 SUITE = recipes(PRODUCTION)

@@ -47,23 +47,31 @@ class Calibration:
     vllm_cuda_graph_uncertainty_gib: float
     export_staging_overhead_gib: float
     fragmentation_points: tuple[tuple[float, float], ...]  # (headroom fraction, GiB), sorted
+    fragmentation_tensor_gib: float  # the largest tensor the points were measured with
     sources: dict[str, str] = field(default_factory=dict)  # constant -> its source line
     meanings: dict[str, str] = field(default_factory=dict)  # constant -> what it is (``what:``)
     reference: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
     fallback_note: Optional[str] = None  # set when this entry was measured on another GPU
 
-    def fragmentation_gib(self, headroom: float) -> float:
-        """Fragmentation for a ping-pong half ``headroom`` (fraction) above the largest tensor."""
+    def fragmentation_gib(self, headroom: float, largest_gib: Optional[float] = None) -> float:
+        """Fragmentation for a ping-pong half ``headroom`` (fraction) above the largest tensor.
+
+        The caching allocator's unusable remainders are pieces of the segments the staging site
+        allocates (two halves, the gathered pieces, the stacked tensor), all sized like the largest
+        tensor; so the measured points scale with it: ``largest_gib / fragmentation_tensor_gib``
+        (1 for the tensor they were measured with, or when ``largest_gib`` is not given).
+        """
         pts = self.fragmentation_points
+        scale = 1.0 if largest_gib is None else largest_gib / self.fragmentation_tensor_gib
         if headroom <= pts[0][0]:
-            return pts[0][1]
+            return pts[0][1] * scale
         if headroom >= pts[-1][0]:
-            return pts[-1][1]
+            return pts[-1][1] * scale
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
             if x0 <= headroom <= x1:
-                return y0 + (y1 - y0) * (headroom - x0) / (x1 - x0)
-        return pts[-1][1]
+                return (y0 + (y1 - y0) * (headroom - x0) / (x1 - x0)) * scale
+        return pts[-1][1] * scale
 
 
 def _entry(raw: Mapping[str, Any]) -> Calibration:
@@ -92,6 +100,7 @@ def _entry(raw: Mapping[str, Any]) -> Calibration:
         vllm_cuda_graph_uncertainty_gib=float(value("vllm_cuda_graph_uncertainty_gib")),
         export_staging_overhead_gib=float(value("export_staging_overhead_gib")),
         fragmentation_points=points,
+        fragmentation_tensor_gib=float(value("fragmentation_tensor_gib")),
         sources={k: str(v.get("source", "")) for k, v in consts.items() if isinstance(v, dict)},
         meanings={k: str(v.get("what", "")) for k, v in consts.items() if isinstance(v, dict)},
         reference=dict(raw.get("reference", {})),

@@ -131,7 +131,7 @@ def _headroom(per_side: int, largest: int) -> float:
 
 def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> tuple[int, int, float]:
     headroom = _headroom(per_side, largest)
-    frag = _g(cal.fragmentation_gib(headroom))
+    frag = _g(cal.fragmentation_gib(headroom, largest / GIB))
     return free - 2 * per_side - gathered - _g(cal.export_staging_overhead_gib) - frag, frag, headroom
 
 
