@@ -1,16 +1,43 @@
 """Recipe (schema defaults filled) + rule decisions → the resolved ``runtime.yaml`` contents.
 
-The runtime reads only this mapping (see ``rlc.contract.runtime_config``), so every default is explicit,
+The runtime reads only this (``rlc.contract.runtime_config``), so every default is explicit,
 derived sizes are computed here, and each ``auto`` refit switch is replaced by the rule decision
 that settled it, with the reason kept in ``refit.decisions``.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import posixpath
-from typing import Any
+import typing
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from rlc import RUNTIME_CONFIG_VERSION
+from rlc.contract.runtime_config import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    GenerationConfig,
+    GenerationParallelConfig,
+    GrpoConfig,
+    LoggingConfig,
+    LossConfig,
+    ModelConfig,
+    RefitConfig,
+    RewardConfig,
+    RuntimeConfig,
+    RuntimeConfigError,
+    TrainingConfig,
+    TrainParallelConfig,
+    runtime_config_to_dict,
+    section_from_dict,
+)
+
+if TYPE_CHECKING:
+    from rlc.compiler.api import CheckResult
+
+T = TypeVar("T")
 
 # Refit switches the rules decide when the recipe says ``auto`` (recipe key -> runtime key).
 AUTO_SWITCHES = ("sync_params_before_refit", "dedupe_mtp_embedding", "per_rank_ipc_metadata")
@@ -43,15 +70,45 @@ def _fp32_params(refit: dict[str, Any], decisions: dict[str, tuple[Any, str]]) -
     return list(patterns), reason
 
 
-def to_runtime_config(result: Any) -> dict[str, Any]:
-    """Build the ``runtime.yaml`` mapping from a successful :class:`rlc.compiler.api.CheckResult`."""
-    if not result.ok:
+def _section(cls: type[T], source: Mapping[str, Any], path: str, **given: Any) -> T:
+    """``cls`` (a runtime config section) from the recipe section ``source`` at ``path``.
+
+    A field takes the recipe key of the same name (schema defaults already filled); a nested section
+    is built the same way from the sub-mapping of that name; ``given`` supplies the fields the
+    compiler derives or renames. A field with no key and no given value is a resolver bug, named.
+    """
+    values: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass type
+        if f.name in given:
+            values[f.name] = given[f.name]
+        elif f.name in source:
+            value = source[f.name]
+            nested = hints[f.name]
+            if dataclasses.is_dataclass(nested) and isinstance(value, Mapping):
+                value = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))  # type: ignore[arg-type]
+            values[f.name] = copy.deepcopy(value)
+        elif _optional(hints[f.name]):
+            values[f.name] = None  # an optional recipe key left unset
+        else:
+            raise ResolveError(f"{path}.{f.name}: the runtime needs it and the recipe has no such key "
+                               "(schema and runtime config disagree)")
+    try:
+        return section_from_dict(cls, values, path)
+    except RuntimeConfigError as exc:
+        raise ResolveError(str(exc)) from None
+
+
+def _optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
+    """The typed runtime config of a successful check: recipe + rule decisions + derived sizes."""
+    if not result.ok or result.recipe is None or result.facts is None or result.gpu is None:
         raise ResolveError("cannot resolve a recipe with errors")
-    r = result.recipe
-    facts = result.facts
-    decisions = result.decisions
-    cluster, par = r["cluster"], r.get("parallelism", {})
-    train, gen = par.get("train", {}), par.get("generation", {})
+    r, facts, decisions = result.recipe, result.facts, result.decisions
+    cluster, train, gen = r["cluster"], r["parallelism"]["train"], r["parallelism"]["generation"]
     world = cluster["nodes"] * cluster["gpus_per_node"]
     name = r["name"]
     # A relative log_dir means "beside where rlc compile ran" (shipped recipes live inside the
@@ -64,158 +121,62 @@ def to_runtime_config(result: Any) -> dict[str, Any]:
     refit_decisions = {k: reason for k, (_, reason) in switches.items()}
     refit_decisions["fp32_params"] = fp32_reason
 
-    grpo, training = r["grpo"], r["training"]
-    generation = r["generation"]
-    model = r["model"]
-    checkpoint = model.get("checkpoint", model["id"])
-    data = r["data"]
-    return {
-        "version": RUNTIME_CONFIG_VERSION,
-        "name": name,
-        "model": {
-            "name": model["id"],
-            "checkpoint": checkpoint,
-            "tokenizer": model.get("tokenizer", checkpoint),
-            "dtype": model["dtype"],
-            "trust_remote_code": model["trust_remote_code"],
-            "num_layers": getattr(facts, "num_layers", None),
-            "num_experts": getattr(facts, "num_experts", 0) or 0,
-            "mtp_num_layers": getattr(facts, "mtp_num_layers", 0) or 0,
-            "mtp_shared_embedding": bool(getattr(facts, "mtp_shared_embedding", False)),
-        },
-        "cluster": {
-            "nodes": cluster["nodes"],
-            "gpus_per_node": cluster["gpus_per_node"],
-            "world_size": world,
-            "gpu_type": cluster["gpu"],
-            "gpu_memory_gib": float(result.gpu.memory_gib),
-            "log_dir": log_dir,
-            "ray": {
-                "address": "auto",
-                "namespace": f"rlc-{name}",
-                "join_timeout_s": cluster["ray"]["join_timeout_s"],
-            },
-        },
-        "train_parallel": {
-            "tp": train["tp"],
-            "pp": train["pp"],
-            "ep": train["ep"],
-            "etp": train["etp"],
-            "cp": train["cp"],
-            "vpp": train["vpp"],
-            "sequence_parallel": train["sequence_parallel"],
-            "num_layers_in_first_pipeline_stage": train.get("num_layers_in_first_pipeline_stage"),
-            "num_layers_in_last_pipeline_stage": train.get("num_layers_in_last_pipeline_stage"),
-            "dp": world // (train["tp"] * train["pp"] * train["cp"]),
-            "expert_dp": world // (train["ep"] * train["etp"] * train["pp"]),
-        },
-        "generation_parallel": {
-            "tp": gen["tp"],
-            "pp": gen["pp"],
-            "ep": gen["ep"],
-            "dp": gen.get("dp", world // (gen["tp"] * gen["pp"])),
-        },
-        "colocated": r["colocated"],
-        "refit": {
-            "buffer_memory_ratio": None if "buffer_gb" in refit else refit["buffer_memory_ratio"],
-            "buffer_gb": refit.get("buffer_gb"),
-            "alignment_bytes": refit["alignment_bytes"],
-            "sleep_level": refit["sleep_level"],
-            "offload_optimizer_for_refit": refit["offload_optimizer_for_refit"],
-            "sync_params_before_refit": switches["sync_params_before_refit"][0],
-            "dedupe_mtp_embedding": switches["dedupe_mtp_embedding"][0],
-            "per_rank_ipc_metadata": switches["per_rank_ipc_metadata"][0],
-            "fp32_params": fp32,
-            "verify_every": refit["verify_every"],
-            "transport": refit["transport"],
-            "decisions": refit_decisions,
-        },
-        "generation": {
-            "backend": generation["backend"],
-            "vllm_version": _vllm_version(result),
-            "enforce_eager": generation["enforce_eager"],
-            "gpu_memory_utilization": generation["gpu_memory_utilization"],
-            "kv_cache_memory_bytes": generation.get("kv_cache_memory_bytes"),
-            "precision": generation["precision"],
-            "max_model_len": generation["max_model_len"],
-            "sampling": dict(generation["sampling"]),
-            "vllm_kwargs": dict(generation["vllm_kwargs"]),
-        },
-        "training": {
-            "optimizer": dict(training["optimizer"]),
-            "lr_schedule": dict(training["lr_schedule"]),
-            "grad_clip": training["grad_clip"],
-            "micro_batch_size": training["micro_batch_size"],
-            "global_batch_size": training.get(
-                "global_batch_size", grpo["prompts_per_step"] * grpo["generations_per_prompt"]
-            ),
-            "use_distributed_optimizer": training["use_distributed_optimizer"],
-            "overlap_param_gather": training["overlap_param_gather"],
-            "overlap_grad_reduce": training["overlap_grad_reduce"],
-            "optimizer_cpu_offload": training["optimizer_cpu_offload"],
-            "optimizer_offload_fraction": training["optimizer_offload_fraction"],
-            "activation_checkpointing": training["activation_checkpointing"],
-            "max_sequence_length": training.get("max_sequence_length", generation["max_model_len"]),
-            "seed": training["seed"],
-            "use_precision_aware_optimizer": training["use_precision_aware_optimizer"],
-            "mtp_loss_scale": training["mtp_loss_scale"],
-            "fp8": dict(training["fp8"]),
-            "moe": dict(training["moe"]),
-            "sequence_packing": dict(training["sequence_packing"]),
-            "megatron_kwargs": dict(training["megatron_kwargs"]),
-        },
-        "grpo": {
-            "prompts_per_step": grpo["prompts_per_step"],
-            "generations_per_prompt": grpo["generations_per_prompt"],
-            "max_steps": grpo["max_steps"],
-            "normalize_advantages": grpo["normalize_advantages"],
-            "leave_one_out": grpo["leave_one_out"],
-            "dynamic_sampling": dict(grpo["dynamic_sampling"]),
-            "max_gen_kl": grpo["max_gen_kl"],
-            "seed": grpo["seed"],
-        },
-        "loss": dict(r["loss"]),
-        "data": {
-            "train_path": data["train"],
-            "val_path": data.get("val"),
-            "prompt_key": data["prompt_key"],
-            "answer_key": data["answer_key"],
-            "prompt_template": data["prompt_template"],
-            "max_prompt_length": data["max_prompt_length"],
-            "shuffle": data["shuffle"],
-        },
-        "reward": {
-            "function": r["reward"]["function"],
-            "kwargs": dict(r["reward"]["kwargs"]),
-            "failure_reward": r["reward"]["failure_reward"],
-        },
-        "checkpointing": {
-            "enabled": r["checkpointing"]["enabled"],
-            "dir": os.path.abspath(r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name))),
-            "every_steps": r["checkpointing"]["every_steps"],
-            "keep_last": r["checkpointing"]["keep_last"],
-            "resume": r["checkpointing"]["resume"],
-        },
-        "logging": {
-            "dir": os.path.abspath(r["logging"].get("dir", posixpath.join(log_dir, "metrics", name))),
-            "jsonl": r["logging"]["jsonl"],
-            "tensorboard": r["logging"]["tensorboard"],
-            "progress_bar": r["logging"]["progress_bar"],
-        },
-        "env": {k: _env_str(v) for k, v in cluster["env"].items()},
-        "extensions": dict(r["extensions"]),
-    }
+    grpo, training, generation, model, data = r["grpo"], r["training"], r["generation"], r["model"], r["data"]
+    checkpoint = model.get("checkpoint", model["id"])  # derived defaults: the schema cannot express them
+    return RuntimeConfig(
+        version=RUNTIME_CONFIG_VERSION,
+        name=name,
+        model=_section(ModelConfig, model, "model", name=model["id"], checkpoint=checkpoint,
+                       tokenizer=model.get("tokenizer", checkpoint), num_layers=facts.num_layers,
+                       num_experts=facts.num_experts or 0, mtp_num_layers=facts.mtp_num_layers or 0,
+                       mtp_shared_embedding=bool(facts.mtp_shared_embedding)),
+        cluster=_section(ClusterConfig, cluster, "cluster", world_size=world, gpu_type=cluster["gpu"],
+                         gpu_memory_gib=float(result.gpu.memory_gib), log_dir=log_dir,
+                         ray={"address": "auto", "namespace": f"rlc-{name}",
+                              "join_timeout_s": cluster["ray"]["join_timeout_s"]}),
+        train_parallel=_section(TrainParallelConfig, train, "parallelism.train",
+                                dp=world // (train["tp"] * train["pp"] * train["cp"]),
+                                expert_dp=world // (train["ep"] * train["etp"] * train["pp"])),
+        generation_parallel=_section(GenerationParallelConfig, gen, "parallelism.generation",
+                                     dp=gen.get("dp", world // (gen["tp"] * gen["pp"]))),
+        colocated=r["colocated"],
+        refit=_section(RefitConfig, refit, "refit",
+                       buffer_memory_ratio=None if refit.get("buffer_gb") is not None else refit["buffer_memory_ratio"],
+                       fp32_params=fp32, decisions=refit_decisions,
+                       **{k: flag for k, (flag, _) in switches.items()}),
+        generation=_section(GenerationConfig, generation, "generation", vllm_version=_vllm_version(result, r)),
+        training=_section(TrainingConfig, training, "training",
+                          global_batch_size=training.get("global_batch_size",
+                                                         grpo["prompts_per_step"] * grpo["generations_per_prompt"]),
+                          max_sequence_length=training.get("max_sequence_length", generation["max_model_len"])),
+        grpo=_section(GrpoConfig, grpo, "grpo"),
+        loss=_section(LossConfig, r["loss"], "loss"),
+        data=_section(DataConfig, data, "data", train_path=data["train"], val_path=data.get("val")),
+        reward=_section(RewardConfig, r["reward"], "reward"),
+        checkpointing=_section(CheckpointConfig, r["checkpointing"], "checkpointing", dir=os.path.abspath(
+            r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name)))),
+        logging=_section(LoggingConfig, r["logging"], "logging", dir=os.path.abspath(
+            r["logging"].get("dir", posixpath.join(log_dir, "metrics", name)))),
+        env={k: _env_str(v) for k, v in cluster["env"].items()},
+        extensions=dict(r["extensions"]),
+    )
 
 
-def _vllm_version(result: Any) -> str:
+def to_runtime_config(result: CheckResult) -> dict[str, Any]:
+    """The ``runtime.yaml`` mapping of a successful check (:func:`resolve_runtime_config` as data)."""
+    return runtime_config_to_dict(resolve_runtime_config(result))
+
+
+def _vllm_version(result: CheckResult, recipe: dict[str, Any]) -> str:
     """The vLLM version the plan assumed: the recipe's, else the calibration entry's for the GPU."""
-    plan = getattr(result, "plan", None)
+    plan = result.plan
     if plan is not None and plan.vllm_version:
         return str(plan.vllm_version)
     from rlc.compiler.planner.calibration import calibration_for
     from rlc.compiler.planner.vllm_sleep import planned_vllm_version
 
-    return planned_vllm_version(result.recipe, calibration_for(result.recipe["cluster"]["gpu"]).versions)
+    entry = calibration_for(recipe["cluster"]["gpu"], table=result.calibration or None)
+    return planned_vllm_version(recipe, entry.versions)
 
 
 def _env_str(value: Any) -> str:

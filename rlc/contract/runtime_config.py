@@ -339,6 +339,15 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+T = typing.TypeVar("T")
+
+
+def section_from_dict(cls: type[T], data: Any, path: str) -> T:
+    """One section (any of the dataclasses above) from a mapping, with the same strict checks."""
+    built: T = _build(cls, data, path)
+    return built
+
+
 def runtime_config_from_dict(data: dict[str, Any]) -> RuntimeConfig:
     """Build a ``RuntimeConfig`` from a mapping; unknown or missing keys raise ``RuntimeConfigError``."""
     from rlc import RUNTIME_CONFIG_VERSION

@@ -6,6 +6,7 @@ import pytest
 from rlc.compiler import catalog
 from rlc.compiler.planner import plan_memory
 from rlc.compiler.rules import run_rules
+from rlc.compiler.schema import with_defaults
 
 from planner_helpers import RECIPES, with_changes
 
@@ -103,9 +104,9 @@ def test_dedupe_not_needed_without_mtp(base_recipe):
 
 def test_fp32_params_auto_and_explicit_lists():
     nano = catalog.model_facts({"id": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B"}, RECIPES)
-    recipe = {"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
-              "parallelism": {"train": {"tp": 1, "pp": 1, "ep": 8}, "generation": {"tp": 1}},
-              "refit": {"fp32_params": "auto"}}
+    recipe = with_defaults({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
+                            "parallelism": {"train": {"tp": 1, "pp": 1, "ep": 8}, "generation": {"tp": 1}},
+                            "refit": {"fp32_params": "auto"}})
     auto = run_rules(recipe, nano, None)
     assert auto.decisions["refit.fp32_params"][0] == ["*e_score_correction_bias*", "*expert_bias*"]
     missing = run_rules(with_changes(recipe, refit__fp32_params=["*expert_bias*"]), nano, None)

@@ -86,13 +86,13 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     check_target(out_dir, force)
     ctx = build_context(recipe, out_dir, runtime_config["cluster"]["log_dir"], __version__)
     loaded = result.loaded
-    container = recipe["cluster"].get("container", {})
+    container = recipe["cluster"]["container"]
     text_values = {
-        "name": recipe.get("name", "rlc-run"), "description": recipe.get("description", ""),
+        "name": recipe["name"], "description": recipe["description"],
         "version": __version__, "bundle_dir": str(out_dir), "log_dir": ctx.log_dir,
         "nodes": recipe["cluster"]["nodes"], "gpus_per_node": recipe["cluster"]["gpus_per_node"],
-        "container": container.get("runtime", "pyxis"), "image": container.get("image", ""),
-        "bundle_mount": BUNDLE_MOUNT if container.get("runtime", "pyxis") != "none" else str(out_dir),
+        "container": container["runtime"], "image": container.get("image", ""),
+        "bundle_mount": BUNDLE_MOUNT if container["runtime"] != "none" else str(out_dir),
     }
     contents = {
         "launch.sbatch": render_script("launch.sbatch.j2", ctx.values),
@@ -113,7 +113,7 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
         copy_rlc(staged / "rlc_pkg")
         lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
                          overrides=list(loaded.overrides) if loaded is not None else [], container=container,
-                         recipe_name=recipe.get("name", "rlc-run"), log_dir=ctx.log_dir)
+                         recipe_name=recipe["name"], log_dir=ctx.log_dir)
         write_lock(staged, lock)
         files = sorted([*lock["files"], "bundle.lock.json"])
         commit(staged, out_dir, force)

@@ -58,14 +58,14 @@ def log_dir_warnings(cluster: dict[str, Any], log_dir: str) -> list[str]:
 
 def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
     cluster = recipe["cluster"]
-    slurm = cluster.get("slurm", {})
+    slurm = cluster["slurm"]
     lines: list[Quoted] = []
 
     def opt(flag: str, value: Any, key: str, ctx: str = "sbatch") -> None:
         lines.append(Quoted(f"--{flag}={_q(value, key, ctx)}"))
 
     job_key = "cluster.slurm.job_name" if "job_name" in slurm else "name"
-    opt("job-name", slurm.get("job_name", recipe.get("name", "rlc-run")), job_key)
+    opt("job-name", slurm.get("job_name", recipe["name"]), job_key)
     opt("nodes", cluster["nodes"], "cluster.nodes")
     lines.append(Quoted("--ntasks-per-node=1"))
     gpus = cluster["gpus_per_node"]
@@ -76,20 +76,20 @@ def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
         opt("cpus-per-task", cluster["cpus_per_node"], "cluster.cpus_per_node")
     if "mem_per_node" in cluster:
         opt("mem", cluster["mem_per_node"], "cluster.mem_per_node")
-    opt("time", slurm.get("time", "04:00:00"), "cluster.slurm.time")
+    opt("time", slurm["time"], "cluster.slurm.time")
     for name in ("partition", "account", "qos", "reservation"):
         if name in slurm:
             opt(name, slurm[name], f"cluster.slurm.{name}")
-    if slurm.get("exclusive", True):
+    if slurm["exclusive"]:
         lines.append(Quoted("--exclusive"))
     logs = _q(log_dir, "cluster.log_dir", "sbatch_path")
     lines.append(Quoted(f"--output={logs}/slurm-%j.out"))
     lines.append(Quoted(f"--error={logs}/slurm-%j.out"))
-    if slurm.get("requeue", False):  # a requeued job keeps its earlier output
+    if slurm["requeue"]:  # a requeued job keeps its earlier output
         lines += [Quoted("--requeue"), Quoted("--open-mode=append")]
     else:
         lines.append(Quoted("--no-requeue"))
-    for i, flag in enumerate(slurm.get("extra_flags", [])):
+    for i, flag in enumerate(slurm["extra_flags"]):
         key = f"cluster.slurm.extra_flags[{i}]"
         if not isinstance(flag, str) or not flag.startswith("--") or len(flag) < 3:
             raise BundleError(f"{key}: expected `--flag` or `--flag=value`, got {flag!r}", key)
@@ -110,7 +110,7 @@ def _check_ports(ray: dict[str, Any]) -> None:
                           "swap them", "cluster.ray.min_worker_port")
     fixed = {"port": ray["port"], "node_manager_port": ray["node_manager_port"],
              "object_manager_port": ray["object_manager_port"]}
-    if ray.get("dashboard_port", 0):
+    if ray["dashboard_port"]:
         fixed["dashboard_port"] = ray["dashboard_port"]
     seen: dict[int, str] = {}
     for name, port in fixed.items():
@@ -164,16 +164,16 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
         _q(log_dir, "cluster.log_dir (mounted into the container)", "mount")
         reserved = {BUNDLE_MOUNT: "the bundle (its own rlc, runtime.yaml, env.sh)",
                     log_dir: "cluster.log_dir (logs and the job's Ray token)"}
-        mounts, w = check_mounts(list(container.get("mounts", [])),
-                                 list(cluster.get("shared_fs_roots", [])), reserved)
+        mounts, w = check_mounts(list(container["mounts"]),
+                                 list(cluster["shared_fs_roots"]), reserved)
         warnings += w
         mounts = mounts + [Mount(bundle, BUNDLE_MOUNT, "ro"), Mount(log_dir, log_dir, None)]
         mount_text = ",".join(m.spec for m in mounts)
-        _q(container.get("workdir", "/workspace"), "cluster.container.workdir", "mount")
+        _q(container["workdir"], "cluster.container.workdir", "mount")
 
     values: dict[str, Any] = {
         "version": _q(version, "rlc version"),
-        "name": _q(recipe.get("name", "rlc-run"), "name"),
+        "name": _q(recipe["name"], "name"),
         "sbatch_lines": _sbatch_lines(recipe, log_dir),
         "bundle_dir": _q(bundle, "-o/--output (the bundle folder)"),
         "log_dir": _q(log_dir, "cluster.log_dir"),
@@ -182,9 +182,9 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
         "container_runtime": _q(runtime, "cluster.container.runtime", "word"),
         "image": _q(image or "", "cluster.container.image"),
         "mounts": _q(mount_text, "cluster.container.mounts"),
-        "workdir": _q(container.get("workdir", "/workspace"), "cluster.container.workdir"),
-        "mount_home": 1 if container.get("mount_home", False) else 0,
-        "python": _q(container.get("python", "python3"), "cluster.container.python", "word"),
+        "workdir": _q(container["workdir"], "cluster.container.workdir"),
+        "mount_home": 1 if container["mount_home"] else 0,
+        "python": _q(container["python"], "cluster.container.python", "word"),
         "bundle_mount": _q(BUNDLE_MOUNT if runtime != "none" else bundle, "bundle mount"),
         "ray_port": int(ray["port"]),
         "ray_node_manager_port": int(ray["node_manager_port"]),
@@ -193,6 +193,6 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
         "ray_min_worker_port": int(ray["min_worker_port"]),
         "ray_max_worker_port": int(ray["max_worker_port"]),
         "join_timeout_s": int(ray["join_timeout_s"]),
-        "env_lines": env_lines(dict(cluster.get("env", {}))),
+        "env_lines": env_lines(dict(cluster["env"])),
     }
     return BundleContext(values=values, mounts=mounts, log_dir=log_dir, warnings=warnings)

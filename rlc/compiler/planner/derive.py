@@ -28,7 +28,7 @@ def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: Mo
     level 1, graphs on), ``fragmentation`` (ratio -> GiB at the staging site).
     """
     tl, gl = train_layout(recipe), generation_layout(recipe)
-    bpp = DTYPE_BYTES[recipe["model"].get("dtype", "bfloat16")]
+    bpp = DTYPE_BYTES[recipe["model"]["dtype"]]
     mega, vllm = megatron_stage_shards(facts, tl), vllm_stage_shards(facts, gl)
     if mega is None or vllm is None:
         raise ValueError(f"reference model {facts.model_id}: per-GPU shards need facts it lacks ({facts.unknown})")

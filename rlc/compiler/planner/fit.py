@@ -123,7 +123,7 @@ def _vllm_weights(recipe: dict[str, Any], facts: ModelFacts) -> Optional[int]:
     shards = vllm_stage_shards(facts, generation_layout(recipe))
     if not shards:
         return None
-    return max(s.params for s in shards) * DTYPE_BYTES.get(recipe["model"].get("dtype", "bfloat16"), 2)
+    return max(s.params for s in shards) * DTYPE_BYTES.get(recipe["model"]["dtype"], 2)
 
 
 def fit(runs: Sequence[RunMeasurements], recipe: dict[str, Any], facts: ModelFacts, gpu: Any,

@@ -127,17 +127,17 @@ def world_size(recipe: dict[str, Any]) -> int:
 
 
 def train_layout(recipe: dict[str, Any]) -> TrainLayout:
-    t = recipe.get("parallelism", {}).get("train", {})
+    t = recipe["parallelism"]["train"]
     return TrainLayout(
-        world=world_size(recipe), tp=t.get("tp", 1), pp=t.get("pp", 1), cp=t.get("cp", 1), ep=t.get("ep", 1),
-        etp=t.get("etp", 1), vpp=t.get("vpp", 1), first=t.get("num_layers_in_first_pipeline_stage"),
-        last=t.get("num_layers_in_last_pipeline_stage"), sequence_parallel=bool(t.get("sequence_parallel", False)),
+        world=world_size(recipe), tp=t["tp"], pp=t["pp"], cp=t["cp"], ep=t["ep"],
+        etp=t["etp"], vpp=t["vpp"], first=t.get("num_layers_in_first_pipeline_stage"),
+        last=t.get("num_layers_in_last_pipeline_stage"), sequence_parallel=bool(t["sequence_parallel"]),
     )
 
 
 def generation_layout(recipe: dict[str, Any]) -> GenerationLayout:
-    g = recipe.get("parallelism", {}).get("generation", {})
+    g = recipe["parallelism"]["generation"]
     world = world_size(recipe)
-    tp, pp = g.get("tp", 1), g.get("pp", 1)
+    tp, pp = g["tp"], g["pp"]
     dp = g.get("dp") or max(1, world // (tp * pp))
-    return GenerationLayout(world=world, tp=tp, pp=pp, ep=g.get("ep", 1), dp=dp)
+    return GenerationLayout(world=world, tp=tp, pp=pp, ep=g["ep"], dp=dp)

@@ -48,8 +48,8 @@ def _g(x: float) -> int:
 
 
 def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: dict[str, Any], bpp: int) -> dict[str, Any]:
-    training = recipe.get("training", {})
-    distributed = training.get("use_distributed_optimizer", True)
+    training = recipe["training"]
+    distributed = training["use_distributed_optimizer"]
     dense_div = layout.dense_optimizer_shards if distributed else 1
     expert_div = layout.expert_dp if distributed else 1
     sharded = shard.dense / dense_div + shard.expert / expert_div  # optimizer-state elements on this GPU
@@ -98,12 +98,12 @@ def vllm_asleep_items(recipe: dict[str, Any], weights: Optional[int], cal: Calib
 
 def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], where: VllmResident,
                   cal: Calibration) -> list[Item]:
-    generation = recipe.get("generation", {})
+    generation = recipe["generation"]
     items = []
     if where.weights:
         items.append(Item("vLLM weight shard", gib(weights), "vllm", "params", where.why))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
-    if not generation.get("enforce_eager", False):
+    if not generation["enforce_eager"]:
         items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib",
                           "non-releasable, after step 1 (enforce_eager off)"))
     return items
@@ -113,13 +113,13 @@ def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], where: VllmRes
 
 
 def _per_side(free: int, recipe: dict[str, Any], ratio: Optional[float] = None) -> tuple[int, Optional[float], str]:
-    refit = recipe.get("refit", {})
-    align = max(1, int(refit.get("alignment_bytes", 256)))
+    refit = recipe["refit"]
+    align = max(1, int(refit["alignment_bytes"]))
     if ratio is None and refit.get("buffer_gb") is not None:
         gb = float(refit["buffer_gb"])
         half = refit_buffer.half_bytes(free, buffer_memory_ratio=None, buffer_gb=gb, alignment=align)
         return half, None, f"buffer_gb {gb:g} GiB (both halves)"
-    r = float(ratio if ratio is not None else refit.get("buffer_memory_ratio", 0.3))
+    r = float(ratio if ratio is not None else refit["buffer_memory_ratio"])
     half = refit_buffer.half_bytes(free, buffer_memory_ratio=r, buffer_gb=None, alignment=align)
     return half, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
 
@@ -204,7 +204,7 @@ def _layout_dict(tl: TrainLayout, gl: GenerationLayout) -> dict[str, Any]:
 
 def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
     tl, gl = train_layout(recipe), generation_layout(recipe)
-    bpp = DTYPE_BYTES.get(recipe.get("model", {}).get("dtype", "bfloat16"), 2)
+    bpp = DTYPE_BYTES.get(recipe["model"]["dtype"], 2)
     limit = float(gpu.memory_gib)
     plan = MemoryPlan(model_id=facts.model_id, gpu=gpu.name, gpu_memory_gib=limit, calibration_id=cal.id,
                       graph_uncertainty_gib=cal.vllm_cuda_graph_uncertainty_gib,
@@ -221,7 +221,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         plan.unknown.append("vLLM weight shard: needs " + _missing(facts))
     figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
     plan.stages = figs
-    v_bpp = 1 if recipe.get("generation", {}).get("precision", "auto") == "fp8" else bpp
+    v_bpp = 1 if recipe["generation"]["precision"] == "fp8" else bpp
     v_weights = max(s.params for s in vllm) * v_bpp if vllm else None
     plan.vllm_weights_gib = gib(v_weights)
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
@@ -232,7 +232,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
     residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
                     "calibration:megatron_refit_residual_gib")
-    generation = recipe.get("generation", {})
+    generation = recipe["generation"]
 
     # ---- train
     if figs:
@@ -257,7 +257,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
                                      tuple(items + [residual, ctx] + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
     # ---- generate
-    util = float(generation.get("gpu_memory_utilization", 0.6))
+    util = float(generation["gpu_memory_utilization"])
     kv_bytes = generation.get("kv_cache_memory_bytes")
     if kv_bytes is not None and v_weights is not None:
         pool = (v_weights + int(kv_bytes)) / GIB
@@ -269,7 +269,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     if cal.vllm_awake_extra_gib:
         g_items.append(Item("vLLM outside its budget", cal.vllm_awake_extra_gib, "vllm",
                             "calibration:vllm_awake_extra_gib"))
-    if not generation.get("enforce_eager", False):
+    if not generation["enforce_eager"]:
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
     g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
@@ -357,9 +357,9 @@ def _late_train(plan: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, sle
         return
     if not recipe.get("colocated", True):
         return
-    training, generation = recipe.get("training", {}), recipe.get("generation", {})
-    mbs = int(training.get("micro_batch_size", 1))
-    seq = int(training.get("max_sequence_length") or generation.get("max_model_len", 4096))
+    training, generation = recipe["training"], recipe["generation"]
+    mbs = int(training["micro_batch_size"])
+    seq = int(training.get("max_sequence_length") or generation["max_model_len"])
     # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
     logits = 2 * mbs * seq * facts.vocab * 4 // tl.tp
     items = train.items + (
@@ -391,12 +391,12 @@ def _missing(facts: ModelFacts) -> str:
 def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
     """Candidate levers: (recipe key, new value, cost, description)."""
     out = []
-    refit, gen, training = recipe.get("refit", {}), recipe.get("generation", {}), recipe.get("training", {})
-    if refit.get("sleep_level", 1) == 1:
+    refit, gen, training = recipe["refit"], recipe["generation"], recipe["training"]
+    if refit["sleep_level"] == 1:
         out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
-    if not refit.get("offload_optimizer_for_refit", True):
+    if not refit["offload_optimizer_for_refit"]:
         out.append(("refit.offload_optimizer_for_refit", True, 1, "offload_optimizer_for_refit: true"))
-    if training.get("optimizer_cpu_offload", False):
+    if training["optimizer_cpu_offload"]:
         out.append(("training.optimizer_cpu_offload", False, 1, "optimizer_cpu_offload: false"))
     gl = generation_layout(recipe)
     experts = facts.num_experts or 0
@@ -405,7 +405,7 @@ def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, i
         if experts % new_ep == 0 and new_ep % gl.tp == 0 and gl.world % (new_ep * gl.pp) == 0:
             out.append(("parallelism.generation.ep", new_ep, 2,
                         f"generation EP {new_ep} halves the expert shard"))
-    if not gen.get("enforce_eager", False):
+    if not gen["enforce_eager"]:
         out.append(("generation.enforce_eager", True, 3, "enforce_eager: true (costs ~30–40% generation throughput)"))
     return out
 
@@ -421,7 +421,7 @@ def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any
     if math is None:
         return []
     fixes: list[Fix] = []
-    using_gb = recipe.get("refit", {}).get("buffer_gb") is not None
+    using_gb = recipe["refit"].get("buffer_gb") is not None
     if math.ratio_window:
         lo, hi = math.ratio_window
         if using_gb:
