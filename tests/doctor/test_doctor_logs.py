@@ -29,10 +29,28 @@ EXPECTED = {
     "ray_node_lost.log": ("worker-lost", None, {"ip": "10.0.4.17", "pid": "159258"}),
     "ray_host_oom.log": ("worker-lost", None, {"ip": "10.0.4.21", "host_oom": True}),
 }
+# logs with more than one finding: (pattern, rule) in order
+EXPECTED_MANY = {
+    "nemo_rl_residue_growth_logprob_oom.log": [("cuda-oom", None), ("vllm-sleep-residue", "RLC220")],
+}
 
 
 def test_every_log_file_has_an_expectation():
-    assert {p.name for p in LOGS.glob("*.log")} == set(EXPECTED) | {"healthy.log"}
+    assert {p.name for p in LOGS.glob("*.log")} == set(EXPECTED) | set(EXPECTED_MANY) | {"healthy.log"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MANY))
+def test_log_with_several_findings(name):
+    findings = diagnose((LOGS / name).read_text())
+    assert [(f.pattern, f.rule) for f in findings] == EXPECTED_MANY[name]
+
+
+def test_residue_growth_with_cuda_graphs_vs_eager_mode():
+    growth = (LOGS / "vllm_sleep_residue_growth.log").read_text()
+    (f,) = diagnose(growth)
+    assert (f.rule, f.candidates) == ("RLC212", ("RLC220",))
+    (f,) = diagnose("INFO engine config: enforce_eager=True, enable_sleep_mode=True\n" + growth)
+    assert (f.rule, f.candidates) == ("RLC220", ("RLC212",))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -196,6 +196,9 @@ PATTERNS: tuple[Pattern, ...] = (
          "~24 GB -> ~7 GB with sleep level 2 + enforce_eager; step 2 refit failing after step 1 passed)",),
         observation=True),
     Pattern(
+        "vllm-eager", None, "vLLM runs without CUDA graphs",
+        _rx(r"enforce_eager=True\b"), x.nothing, "", ("vLLM engine config line",), observation=True),
+    Pattern(
         "overlap-param-gather-on", "RLC202", "distributed optimizer overlaps its parameter all-gather",
         _rx(r"overlap_param_gather['\"]?\s*[:=.]+\s*True\b"), x.nothing,
         "refit.sync_params_before_refit: auto (or on), or training.overlap_param_gather: false",

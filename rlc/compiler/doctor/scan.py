@@ -43,24 +43,35 @@ def scan(text: str) -> list[Finding]:
             target.setdefault(p.id, _new(p)).matches.append(Match(i + 1, line.strip()[:400], values))
             break
     findings = list(found.values())
-    _fold_residue(findings, observed.get("vllm-sleep-residue"))
+    _fold_residue(findings, observed.get("vllm-sleep-residue"), eager="vllm-eager" in observed)
     _fold_param_gather(findings, observed.get("overlap-param-gather-on"))
     for f in findings:
         f.summary = summarize(f)
     return findings
 
 
-def _fold_residue(findings: list[Finding], residue: Finding | None) -> None:
-    """vLLM's sleep residue is a finding when it grows over steps (CUDA graphs, RLC212) or when a
-    memory failure happened next to it (the memory sleep level 2 would give back, RLC213)."""
+def _fold_residue(findings: list[Finding], residue: Finding | None, eager: bool) -> None:
+    """vLLM's sleep residue is a finding when it grows over steps or when a memory failure happened
+    next to it (the memory sleep level 2 would give back, RLC213). Growth with CUDA graphs on is their
+    residue (RLC212); with vLLM in eager mode, or ending in an OOM outside refit and wake-up (the
+    logprob / loss pass), it is the vLLM version's own residue growth (RLC220)."""
     if residue is None:
         return
     used = [m.values["in_use_gib"] for m in residue.matches]
     growth = max(used) - used[0]
     memory_failure = any(f.pattern in MEMORY_FAILURES for f in findings)
     if growth >= RESIDUE_GROWTH_GIB:
-        residue.rule = "RLC212"
-        residue.title = "vLLM's memory after sleep grows over steps (CUDA-graph residue)"
+        if eager or any(f.pattern == "cuda-oom" for f in findings):
+            residue.rule, residue.candidates = "RLC220", ("RLC212",)
+            residue.title = "vLLM's memory after sleep grows over steps (the vLLM version's residue)"
+            residue.fix = ("raise parallelism.train.tp (with sequence_parallel: true and etp: 1) so the logprob / "
+                           "loss pass needs less, or keep a vLLM version whose residue does not grow "
+                           "(generation.vllm_version tells the planner which)")
+            residue.reports = ("NeMo-RL #2619 (Qwen3.5-35B-A3B after the vLLM 0.17.1 -> 0.20.0 bump: residue "
+                               "4.1 -> 11.6 -> 25 GiB per step, OOM in the logprob pass; fixed by trainer TP2)",)
+        else:
+            residue.rule, residue.candidates = "RLC212", ("RLC220",)
+            residue.title = "vLLM's memory after sleep grows over steps (CUDA-graph residue)"
     elif not memory_failure:
         return
     findings.append(residue)
