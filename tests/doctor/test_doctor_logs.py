@@ -107,3 +107,15 @@ def test_every_pattern_row_is_exercised_by_a_test_text():
     lines = [line for t in texts for line in t.splitlines()]
     missing = [f"{p.id}: {p.regex.pattern[:60]}" for p in PATTERNS if not any(p.regex.search(ln) for ln in lines)]
     assert not missing, missing
+
+
+def test_every_row_hint_is_in_every_line_its_regex_matches():
+    """Rows are skipped on lines without one of their hints: a hint missing from a real match would
+    hide that failure."""
+    from runtime_messages import ALL
+
+    texts = [p.read_text() for p in LOGS.glob("*.log")] + [fn()[1] for fn in ALL.values()]
+    for line in (ln for t in texts for ln in t.splitlines()):
+        for p in PATTERNS:
+            if p.regex.search(line):
+                assert p.may_match(line.lower()), (p.id, line)

@@ -3,7 +3,8 @@
 Data, not code: each row is a regex over one log line, an optional regex that must appear near it
 (``near``, within ``window`` lines; ``not_near`` must not), the extractor that reads its numbers
 (:mod:`rlc.compiler.doctor.extractors`), the rule id (``None`` when no compile-time rule can catch
-it), the recipe change, and the public reports the row is modelled on. Rows are tried in order and
+it), the recipe change, the public reports the row is modelled on, and ``hints``: lower-case text every
+match contains, so a long log costs a substring test per row and line, not a regex. Rows are tried in order and
 a line is claimed by the first row that matches it, so specific rows come before general ones.
 Every row is tested on log text the project writes itself (tests/doctor/).
 """
@@ -30,6 +31,10 @@ class Pattern:
     not_near: Optional[re.Pattern] = None
     window: int = 40
     observation: bool = False  # healthy logs have it too: reported only with a failure it explains
+    hints: tuple[str, ...] = ()  # lower-case text every match contains (a cheap test before the regex)
+
+    def may_match(self, lower_line: str) -> bool:
+        return any(h in lower_line for h in self.hints)
 
 
 def _rx(text: str) -> re.Pattern:
@@ -48,12 +53,14 @@ PATTERNS: tuple[Pattern, ...] = (
         _rx(r"Object present on multiple PP ranks:\s*(?:\[|[\w.]+ on PP ranks \[).*"), x.ranks,
         "refit.dedupe_mtp_embedding: auto (or on): the last stage drops its MTP replica of the word embedding",
         ("NeMo-RL GRPO on Qwen3.5-397B-A17B with PP 8: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
-         "(Megatron-Bridge build_conversion_tasks does not skip the MTP-replicated embedding)",)),
+         "(Megatron-Bridge build_conversion_tasks does not skip the MTP-replicated embedding)",),
+        hints=('multiple pp ranks',)),
     Pattern(
         "tensor-delivered-twice", "RLC201", "a tensor exported twice in one refit (duplicate owner)",
         _rx(r"tensor '(?P<name>[^']+)' delivered twice \(buckets \d+ and \d+\)"), x.ranks,
         "refit.dedupe_mtp_embedding: auto (or on)",
-        ("rlc refit manifest (each tensor exactly once per refit)",)),
+        ("rlc refit manifest (each tensor exactly once per refit)",),
+        hints=('delivered twice',)),
     Pattern(
         "refit-buffer-too-small", "RLC210", "a tensor larger than a refit ping-pong half",
         _rx(r"Parameter (?P<name>\S+)\s+too large for buffer: (?P<tensor>[0-9]+) > (?P<half>[0-9]+)"),
@@ -61,7 +68,8 @@ PATTERNS: tuple[Pattern, ...] = (
         "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
         "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
         ("NeMo-RL Qwen3.5-397B-A17B field report: 'AssertionError: Parameter "
-         "model.language_model.layers.0.mlp.experts.gate_up_proj too large for buffer: 8589934592 > 6263046144'",)),
+         "model.language_model.layers.0.mlp.experts.gate_up_proj too large for buffer: 8589934592 > 6263046144'",),
+        hints=('too large for buffer',)),
     Pattern(
         "refit-buffer-too-small", "RLC210", "a tensor larger than a refit ping-pong half",
         _rx(rf"refit: tensor '(?P<name>[^']+)' \((?P<tensor>{SIZE}),.*?larger than a ping-pong half "
@@ -69,26 +77,30 @@ PATTERNS: tuple[Pattern, ...] = (
         x.buffer_sizes,
         "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
         "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
-        ("rlc refit bucket planner (plans the transfer before any byte moves)",)),
+        ("rlc refit bucket planner (plans the transfer before any byte moves)",),
+        hints=('larger than a ping-pong half',)),
     Pattern(
         "refit-buffer-over-free", "RLC210", "the fixed refit buffer is larger than the free memory",
         _rx(rf"refit\.buffer_gb=(?P<gb>[0-9.]+) asks for (?P<tensor>{SIZE}).*?only (?P<free>{SIZE}) is free"),
         x.buffer_over_free,
         "use refit.buffer_memory_ratio (sized from the free memory) or a smaller refit.buffer_gb",
-        ("rlc refit bucket planner",)),
+        ("rlc refit bucket planner",),
+        hints=('asks for',)),
     Pattern(
         "cumem-wake-oom", "RLC214", "vLLM ran out of memory waking up (cumem allocator)",
         _rx(r"CUDA Error: out of memory at \S*cumem_allocator\.cpp:[0-9]+"), x.nothing,
         "leave vLLM room to wake: lower generation.gpu_memory_utilization, keep "
         "refit.offload_optimizer_for_refit: true so the trainer's optimizer is on the CPU at wake-up",
         ("vllm-project/vllm #13941 'wake up OOM' ('RuntimeError: CUDA Error: out of memory at "
-         "/workspace/csrc/cumem_allocator.cpp:62'); verl #575 (OOM at vLLM wake_up)",)),
+         "/workspace/csrc/cumem_allocator.cpp:62'); verl #575 (OOM at vLLM wake_up)",),
+        hints=('cumem_allocator',)),
     Pattern(
         "cumem-wake-oom", "RLC214", "vLLM ran out of memory waking up (cumem allocator)",
         _rx(rf"{_OOM}.*"), x.oom,
         "leave vLLM room to wake: lower generation.gpu_memory_utilization, keep "
         "refit.offload_optimizer_for_refit: true so the trainer's optimizer is on the CPU at wake-up",
-        ("vllm-project/vllm #13941; verl #575",), near=_WAKE, not_near=_EXPORT, window=25),
+        ("vllm-project/vllm #13941; verl #575",), near=_WAKE, not_near=_EXPORT, window=25,
+        hints=('out of memory', 'outofmemoryerror')),
     Pattern(
         "export-stack-oom", "RLC211", "CUDA OOM while the exporter stacks a fused tensor",
         _rx(rf"{_OOM}.*"), x.oom,
@@ -96,31 +108,36 @@ PATTERNS: tuple[Pattern, ...] = (
         "the stack), or free memory first (refit.sleep_level: 2, a larger generation EP, enforce_eager)",
         ("NeMo-RL Qwen3.5-397B-A17B field report, ratio 0.5: 'torch.OutOfMemoryError: CUDA out of memory. Tried "
          "to allocate 8.00 GiB' in model_bridge.py _accumulate_grouped_export (torch.stack of 512 experts)",),
-        near=_EXPORT, window=25),
+        near=_EXPORT, window=25,
+        hints=('out of memory', 'outofmemoryerror')),
     Pattern(
         "cuda-oom", None, "CUDA out of memory (phase not recognised)",
         _rx(rf"{_OOM}.*"), x.oom,
         "`rlc plan RECIPE` shows each phase's memory on the worst GPU and the cheapest lever",
-        ("PyTorch caching allocator OOM report",)),
+        ("PyTorch caching allocator OOM report",),
+        hints=('out of memory', 'outofmemoryerror')),
     Pattern(
         "expandable-segments", "RLC301", "expandable_segments with vLLM's memory pool",
         _rx(r"Expandable segments are not compatible with memory pool.*"), x.nothing,
         "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env",
         ("NeMo-RL Qwen3.5-397B-A17B field report (vllm cumem.py:132 'AssertionError: Expandable segments are "
-         "not compatible with memory pool'); pytorch/pytorch #147851",)),
+         "not compatible with memory pool'); pytorch/pytorch #147851",),
+        hints=('expandable segments',)),
     Pattern(
         "ipc-metadata-mismatch", "RLC203", "a refit buffer sliced with another rank's metadata",
         _rx(r"carries slicing metadata from producer rank (?P<got>[0-9]+) \(GPU [^)]*\), not from this GPU's "
             r"producer rank (?P<own>[0-9]+)"), x.metadata_ranks,
         "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
         ("SkyRL Nemotron-3-Ultra GRPO (TP8/PP4/EP16): rank-0 metadata on every GPU, post-sync logprob diff 2.0 "
-         "-> 0.15 once per-GPU metadata was sent",)),
+         "-> 0.15 once per-GPU metadata was sent",),
+        hints=('slicing metadata',)),
     Pattern(
         "ipc-metadata-mismatch", "RLC203", "a refit buffer sliced with another rank's metadata",
         _rx(r"has tensor '(?P<name>[^']+)', which producer rank (?P<rank>[0-9]+) did not announce at prepare"),
         x.metadata_ranks,
         "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
-        ("SkyRL Nemotron-3-Ultra GRPO (rank-0 metadata reused on every GPU)",)),
+        ("SkyRL Nemotron-3-Ultra GRPO (rank-0 metadata reused on every GPU)",),
+        hints=('did not announce',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(r"gen-KL (?P<kl>[0-9.eE+-]+|nan) at step (?P<step>[0-9]+) exceeds grpo\.max_gen_kl=(?P<thr>[0-9.eE+-]+)"),
@@ -128,26 +145,30 @@ PATTERNS: tuple[Pattern, ...] = (
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204); keep grpo.max_gen_kl > 0 so it stops early",
         ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather); "
-         "SkyRL per-GPU refit metadata",)),
+         "SkyRL per-GPU refit metadata",),
+        hints=('gen-kl',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(rf"\bgen_kl_error\b\W{{0,4}}{_NUM}"), x.threshold("gen_kl_error", 0.05),
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204)",
-        ("NeMo-RL GRPO metric gen_kl_error (the Qwen3.5-397B field report saw 'KL Error' 1.97-2.18)",)),
+        ("NeMo-RL GRPO metric gen_kl_error (the Qwen3.5-397B field report saw 'KL Error' 1.97-2.18)",),
+        hints=('gen_kl_error',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(rf"\btoken_mult_prob_error\b\W{{0,4}}{_NUM}"), x.threshold("token_mult_prob_error", 1.1),
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204)",
-        ("NeMo-RL GRPO metric token_mult_prob_error (1.0 when vLLM and the trainer agree)",)),
+        ("NeMo-RL GRPO metric token_mult_prob_error (1.0 when vLLM and the trainer agree)",),
+        hints=('token_mult_prob_error',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(rf"\b(?:rollout_probs_diff_mean|train_rollout_logprob_abs_diff|rollout_corr/logprob_abs_diff_mean)\b"
             rf"\W{{0,4}}{_NUM}"), x.threshold("logprob_abs_diff", 0.05),
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204)",
-        ("verl training/rollout_probs_diff_mean; slime train_rollout_logprob_abs_diff (OpenClaw-RL #69 saw 0.2-0.4)",)),
+        ("verl training/rollout_probs_diff_mean; slime train_rollout_logprob_abs_diff (OpenClaw-RL #69 saw 0.2-0.4)",),
+        hints=('rollout_probs_diff_mean', 'train_rollout_logprob_abs_diff', 'logprob_abs_diff_mean')),
     Pattern(
         "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
         _rx(r"dynamic sampling exhausted at step (?P<step>[0-9]+): (?P<batches>[0-9]+) generation batches "
@@ -156,35 +177,40 @@ PATTERNS: tuple[Pattern, ...] = (
         "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt) to match "
         "the measured hit rate",
         ("NeMo-RL #3154 ('Dynamic sampling has reached the maximum allowed number of batches (10)'); "
-         "verl #953 / #1108 ('num_gen_batches >= max_num_gen_batches')",)),
+         "verl #953 / #1108 ('num_gen_batches >= max_num_gen_batches')",),
+        hints=('dynamic sampling exhausted',)),
     Pattern(
         "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
         _rx(r"Dynamic sampling has reached the maximum allowed number of batches \((?P<max_gen_batches>[0-9]+)\)"),
         x.ds_max,
         "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt)",
-        ("NeMo-RL #3154",)),
+        ("NeMo-RL #3154",),
+        hints=('maximum allowed number of batches',)),
     Pattern(
         "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
         _rx(r"num_gen_batches\s*=?\s*(?P<batches>[0-9]+)?\s*>=?\s*max_num_gen_batches\s*=?\s*(?P<max_gen_batches>[0-9]+)?"),
         x.ds_max,
         "raise grpo.dynamic_sampling.max_gen_batches or batch_multiplier (or generations_per_prompt)",
-        ("verl #953 / #1108 (DAPO dynamic sampling)",)),
+        ("verl #953 / #1108 (DAPO dynamic sampling)",),
+        hints=('max_num_gen_batches',)),
     Pattern(
         "worker-lost", None, "a Ray worker or node was lost",
         _rx(r"(?P<role>policy|generation) worker (?P<rank>[0-9]+) \(node (?P<node>[^ /]+) / (?P<host>[^,]+), "
             r"GPU (?P<gpu>[^,]+),.*?\) died during (?P<phase>[^:]+):"), x.ray_lost,
         "resume instead of restarting: cluster.slurm.requeue: true with checkpointing on (a shorter "
         "checkpointing.every_steps loses less); if the host ran out of memory, set cluster.mem_per_node",
-        ("rlc runtime worker failure report",)),
+        ("rlc runtime worker failure report",),
+        hints=(' died during ',)),
     Pattern(
         "worker-lost", None, "a Ray worker or node was lost",
         _rx(r"ray\.exceptions\.(?:RayActorError|ActorDiedError|NodeDiedError|OwnerDiedError|ActorUnavailableError)"
-            r".*|The actor died unexpectedly.*|.*has been marked dead because the detector has missed too many "
-            r"heartbeats.*|Task was killed due to the node running low on memory.*"), x.ray_lost,
+            r"|The actor died unexpectedly|has been marked dead because the detector has missed too many "
+            r"heartbeats|Task was killed due to the node running low on memory"), x.ray_lost,
         "resume instead of restarting: cluster.slurm.requeue: true with checkpointing on (a shorter "
         "checkpointing.every_steps loses less); if the host ran out of memory, set cluster.mem_per_node",
         ("ray-project/ray #18586; EasyR1 #324 ('Owner's node has crashed'); Tool-Star #10 (worker killed by the "
-         "OOM killer)",)),
+         "OOM killer)",),
+        hints=('ray.exceptions.', 'actor died unexpectedly', 'marked dead', 'running low on memory')),
     # observations: healthy logs have them; reported only next to a failure they explain
     Pattern(
         "vllm-sleep-residue", "RLC213", "memory vLLM keeps while asleep",
@@ -194,14 +220,17 @@ PATTERNS: tuple[Pattern, ...] = (
         "(CUDA-graph buffers survive sleep and grow after the first step)",
         ("vLLM gpu_worker 'Sleep mode freed … still in use'; NeMo-RL Qwen3.5-397B-A17B field report (residue "
          "~24 GB -> ~7 GB with sleep level 2 + enforce_eager; step 2 refit failing after step 1 passed)",),
-        observation=True),
+        observation=True,
+        hints=('sleep mode freed',)),
     Pattern(
         "vllm-eager", None, "vLLM runs without CUDA graphs",
-        _rx(r"enforce_eager=True\b"), x.nothing, "", ("vLLM engine config line",), observation=True),
+        _rx(r"enforce_eager=True\b"), x.nothing, "", ("vLLM engine config line",), observation=True,
+        hints=('enforce_eager=true',)),
     Pattern(
         "overlap-param-gather-on", "RLC202", "distributed optimizer overlaps its parameter all-gather",
         _rx(r"overlap_param_gather['\"]?\s*[:=.]+\s*True\b"), x.nothing,
         "refit.sync_params_before_refit: auto (or on), or training.overlap_param_gather: false",
         ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather=True)",),
-        observation=True),
+        observation=True,
+        hints=('overlap_param_gather',)),
 )

@@ -28,7 +28,10 @@ def scan(text: str) -> list[Finding]:
     found: dict[str, Finding] = {}
     observed: dict[str, Finding] = {}
     for i, line in enumerate(lines):
+        lower = line.lower()
         for p in PATTERNS:
+            if not p.may_match(lower):
+                continue
             m = p.regex.search(line)
             if m is None:
                 continue
