@@ -2,7 +2,8 @@
 
 The buffer is ``free × refit.buffer_memory_ratio`` (or ``refit.buffer_gb`` GiB) and is split into
 two ping-pong halves, each aligned down to the alignment. A tensor must fit one half, not the
-whole buffer: ``free × ratio / 2 >= tensor``.
+whole buffer: ``free × ratio / 2 >= tensor`` (:func:`half_holds`; a tensor exactly the half's size
+fits, at offset 0).
 """
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def half_bytes(free_bytes: int, *, buffer_memory_ratio: float | None, buffer_gb:
     """One ping-pong half: half of :func:`buffer_total_bytes`, aligned down to ``alignment``."""
     total = buffer_total_bytes(free_bytes, buffer_memory_ratio=buffer_memory_ratio, buffer_gb=buffer_gb)
     return align_down(total // 2, max(1, alignment))
+
+
+def half_holds(half: int, tensor_bytes: int) -> bool:
+    """Whether one ping-pong half of ``half`` bytes holds a tensor of ``tensor_bytes``: equality fits.
+
+    The one boundary shared by the planner's check (RLC210) and the runtime's bucket packer, which
+    sends a tensor that does not fit in a one-off buffer of its own.
+    """
+    return tensor_bytes <= half

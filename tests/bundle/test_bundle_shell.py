@@ -33,10 +33,16 @@ def test_nul_is_rejected_everywhere_with_the_key():
 
 
 @pytest.mark.parametrize("ctx", ["sbatch", "sbatch_path"])
-@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "tab\t", "\x1b[0m"])
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "tab\t", "\x1b[0m", "del\x7f"])
 def test_sbatch_context_rejects_control_characters(ctx, bad):
     with pytest.raises(UnsafeValue, match="cluster.slurm.job_name: contains .*#SBATCH line"):
         quote(bad, "cluster.slurm.job_name", ctx)
+
+
+@pytest.mark.parametrize("bad", ["\x7f", "a\x1fb", "a\x01"])
+def test_word_context_rejects_control_characters_including_del(bad):
+    with pytest.raises(UnsafeValue, match=r"cluster\.container\.python: must be one word but contains the character"):
+        quote(bad, "cluster.container.python", "word")
 
 
 def test_sbatch_context_quotes_for_sbatchs_tokenizer():

@@ -96,6 +96,10 @@ def test_suggestions():
     assert closest("tpp", ["tp", "pp", "ep"]) == "tp"
     assert closest("Bfloat16", ["bfloat16", "float16"]) == "bfloat16"
     assert closest("sleep-level", ["sleep_level"]) == "sleep_level"
+    # "-" is read as "_" before difflib: many dashes (difflib alone scores 0.57, under the cutoff) and
+    # an exact normalised match beating a candidate difflib would rank higher
+    assert closest("a-b-c-d", ["a_b_c_d"]) == "a_b_c_d"
+    assert closest("sleep-level", ["sleep-levels", "sleep_level"]) == "sleep_level"
     assert closest("h100", ["h100-80gb", "h100-94gb"]) == "h100-80gb"  # ties: the first candidate
     assert closest("zzz", ["tp", "pp"]) is None
     assert closest("tp", ["tp"]) is None  # an exact match is not a suggestion

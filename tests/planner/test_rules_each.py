@@ -144,3 +144,22 @@ def test_rules_without_facts_or_plan_skip_quietly(base_recipe):
     assert not [d for d in result.diagnostics if d.rule and d.rule.startswith(("RLC21", "RLC10"))
                 and d.rule not in ("RLC101", "RLC102", "RLC107", "RLC108", "RLC109")]
     assert result.decisions["refit.fp32_params"][0] == []
+
+
+@pytest.mark.parametrize("alignment", [1, 256])
+def test_buffer_half_boundary_matches_the_runtime_packer(base_recipe, qwen397, alignment):
+    """RLC210 and the runtime's bucket packer share one boundary: a tensor exactly the half's size fits."""
+    from rlc.compiler.planner.plan import GIB
+    from rlc.runtime.refit.bucket_planner import BucketPacker
+    from rlc.runtime.refit.specs import TensorSpec
+
+    largest = plan_memory(base_recipe, qwen397, catalog.gpu_spec("h100-80gb")).refit.largest
+    assert largest % alignment == 0
+    for half, fits in ((largest, True), (largest - alignment, False)):
+        recipe = with_changes(base_recipe, refit__buffer_gb=2 * half / GIB, refit__alignment_bytes=alignment)
+        plan = plan_memory(recipe, qwen397, catalog.gpu_spec("h100-80gb"))
+        assert plan.refit.per_side == half and plan.refit.largest == largest
+        assert bool(fired(run(recipe, qwen397), "RLC210")) is not fits, half
+        # the runtime sends the same tensor in a regular half when it fits, in a one-off buffer when not
+        spec = TensorSpec("experts.gate_up_proj", (largest // 2,), "bfloat16")
+        assert BucketPacker(half, alignment).is_oneoff(spec) is not fits

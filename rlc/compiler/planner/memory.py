@@ -159,7 +159,7 @@ def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
     def headroom_reaches(x: float) -> Callable[[int], bool]:
         return lambda k: _headroom(per_side(k), largest) >= x
 
-    holds = first_true(1, steps, lambda k: per_side(k) >= largest)
+    holds = first_true(1, steps, lambda k: refit_buffer.half_holds(per_side(k), largest))
     starts = [holds] + [max(holds, first_true(1, steps, headroom_reaches(x))) for x, _ in cal.fragmentation_points]
     return widest(passing_runs(steps, starts, stack_ok), _ratio_at)
 
@@ -178,11 +178,11 @@ def _refit_math(free: int, recipe: dict[str, Any], largest_name: str, largest: i
     window = ratio_window(free, recipe, largest, gathered, cal)
     tolerance = None
     margins = []
-    if per_side >= largest and ratio:
+    if refit_buffer.half_holds(per_side, largest) and ratio:
         margins.append((per_side - largest) / GIB / (ratio / 2))
     if stack >= largest:
         margins.append((stack - largest) / GIB / ((1 - ratio) if ratio else 1.0))
-    if per_side >= largest and stack >= largest:
+    if refit_buffer.half_holds(per_side, largest) and stack >= largest:
         tolerance = min(margins) if margins else None
     return RefitMath(free_at_refit=free, buffer_source=source, ratio=ratio, per_side=per_side,
                      largest_name=largest_name, largest=largest, gathered=gathered,
@@ -333,10 +333,10 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
                                  request=Item("torch.stack of the largest tensor", gib(largest), "refit", "params",
                                               name))
     plan.checks["buffer"] = Check(
-        "buffer", math.per_side >= largest, gib(math.per_side), gib(largest),
+        "buffer", refit_buffer.half_holds(math.per_side, largest), gib(math.per_side), gib(largest),
         f"per side = {math.buffer_source} / 2 = {gib(math.per_side):.2f} GiB vs. largest tensor {name} "
         f"{gib(largest):.2f} GiB ({largest} bytes)")
-    reached = math.per_side >= largest
+    reached = refit_buffer.half_holds(math.per_side, largest)
     plan.checks["stack"] = Check(
         "stack", (math.free_at_stack >= largest) if reached else None, gib(math.free_at_stack), gib(largest),
         ("not reached: the half cannot hold the tensor, the transfer fails before the staging site; " if not reached

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rlc.compiler.planner.plan import GIB, MemoryPlan, Phase
+from rlc.contract.refit_buffer import half_holds
 
 _PHASE_ORDER = ("train", "train_late", "generate", "refit", "stack")
 
@@ -44,7 +45,7 @@ def _refit_lines(plan: MemoryPlan) -> list[str]:
     r = plan.refit
     if r is None:
         return ["refit math: unknown (" + "; ".join(u for u in plan.unknown) + ")"]
-    side_ok = r.per_side >= r.largest
+    side_ok = half_holds(r.per_side, r.largest)
     stack_ok = r.free_at_stack >= r.largest
     lines = [
         "refit math",

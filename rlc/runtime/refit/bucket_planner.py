@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from rlc.contract.refit_buffer import GIB, align_up, buffer_total_bytes, half_bytes
+from rlc.contract.refit_buffer import GIB, align_up, buffer_total_bytes, half_bytes, half_holds
 from rlc.runtime.refit.errors import RefitPlanError
 from rlc.runtime.refit.specs import TensorSpec, format_bytes
 
@@ -164,7 +164,7 @@ class BucketPacker:
         self._cursor = 0
 
     def is_oneoff(self, spec: TensorSpec) -> bool:
-        return spec.nbytes > self.half_bytes
+        return not half_holds(self.half_bytes, spec.nbytes)
 
     def _close_open(self) -> Bucket | None:
         if not self._open:
