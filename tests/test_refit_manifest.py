@@ -59,7 +59,7 @@ def test_own_metadata_passes_and_counts_every_byte():
 
 
 def test_swapped_rank_metadata_is_caught_before_loading():
-    """Seed 003: consumer of rank 0 slicing with rank 1's metadata (and vice versa)."""
+    """SkyRL #1816: consumer of rank 0 slicing with rank 1's metadata (and vice versa)."""
     _, metas0 = _metas(0)
     _, metas1 = _metas(1)
     for tracker, foreign in ((_tracker(0), metas1), (_tracker(1), metas0)):

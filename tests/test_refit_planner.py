@@ -71,7 +71,7 @@ def test_packs_in_export_order_aligned_and_alternating_halves():
 
 
 def test_half_is_free_times_ratio_over_two():
-    # Seed 000 failure 2: ratio 0.3 of ~41.7 GB free -> a 6.26 GB half, not 12.5 GB.
+    # NeMo-RL #2471 failure 2: ratio 0.3 of ~41.7 GB free -> a 6.26 GB half, not 12.5 GB.
     free = 41_750_000_000
     sizing = size_buffers(free, buffer_memory_ratio=0.3, buffer_gb=None, alignment=256)
     assert sizing.half_bytes == align_down(int(free * 0.3) // 2, 256)
@@ -97,7 +97,7 @@ def test_tensor_exactly_half_fits_a_half():
 def test_oversized_tensor_gets_a_one_off_buffer_when_memory_allows():
     small = [TensorSpec(f"layers.{i}.w", (1024, 1024), "bfloat16") for i in range(3)]
     specs = [small[0], FUSED, small[1], small[2]]
-    free = 41_750_000_000  # seed 000: 6.26 GB halves, 8 GiB fused tensor; 2 x 6.26 + 8.59 < 41.7
+    free = 41_750_000_000  # NeMo-RL #2471: 6.26 GB halves, 8 GiB fused tensor; 2 x 6.26 + 8.59 < 41.7
     plan = plan_refit(specs, free, buffer_memory_ratio=0.3, buffer_gb=None, alignment_bytes=256)
     assert FUSED.nbytes == 8 * GIB
     slots = [(b.slot, b.names) for b in plan.buckets]
@@ -123,7 +123,7 @@ def test_oversized_tensor_fails_before_transfer_naming_tensor_size_free_and_leve
     assert "38.88 GiB free" in msg  # the free memory (41.75 GB)
     for lever in LEVERS:
         assert lever in msg
-    assert "buffer_memory_ratio to >= 0.41" in msg  # seed 000's corrected threshold: 16 GiB / free
+    assert "buffer_memory_ratio to >= 0.41" in msg  # NeMo-RL #2471's corrected threshold: 16 GiB / free
 
 
 def test_oversized_tensor_when_no_ratio_can_help():
@@ -164,7 +164,7 @@ def test_fp32_params_stay_fp32_on_the_wire():
     plan = plan_refit(wire, GIB, buffer_memory_ratio=0.5, buffer_gb=None, alignment_bytes=256)
     assert {e.spec.name: e.spec.dtype for e in _flat(plan)}[specs[0].name] == "float32"
     assert plan.total_bytes == sum(w.nbytes for w in wire)
-    # without the pattern the bias is squeezed into the export dtype (the seed 003 bug)
+    # without the pattern the bias is squeezed into the export dtype (the SkyRL #1816 bug)
     assert wire_dtype(specs[0].name, "float32", "bfloat16", []) == "bfloat16"
 
 
@@ -207,7 +207,7 @@ def test_plan_from_runtime_config():
         decisions={},
     )
     plan = plan_from_config([FUSED], 44 * GIB, cfg)
-    assert plan.num_oneoff == 0  # 0.39 x 44 GiB / 2 = 8.58 GiB holds the 8 GiB tensor (seed 000 final config)
+    assert plan.num_oneoff == 0  # 0.39 x 44 GiB / 2 = 8.58 GiB holds the 8 GiB tensor (NeMo-RL #2471 final config)
     assert "refit.buffer_memory_ratio=0.39" in plan.sizing.source
 
 

@@ -77,7 +77,7 @@ def test_two_producers_with_different_layouts_two_refits(pool, shared):
         specs = H.rank_specs(rank)
         assert c["mismatches"] == []  # every tensor bit-identical to what its own producer exported
         assert c["loaded"] == [sorted(x.name for x in specs)] * 2  # exactly its rank's tensors, both refits
-        assert c["dtypes"][f"model.layers.{rank}.mlp.gate.e_score_correction_bias"] == "float32"  # seed 003
+        assert c["dtypes"][f"model.layers.{rank}.mlp.gate.e_score_correction_bias"] == "float32"  # SkyRL #1816
         assert c["dtypes"]["model.norm.weight" if rank else "model.embed_tokens.weight"] == "bfloat16"
         for m, cm in zip(p["metrics"], c["metrics"]):
             assert m["num_tensors"] == len(specs) == cm["num_tensors"]
@@ -112,7 +112,7 @@ def test_swapped_metadata_between_ranks_is_caught_by_the_manifest(pool, shared):
 
 
 def test_legacy_rank0_metadata_mode_is_caught(pool, shared):
-    """``per_rank_ipc_metadata=False`` reproduces seed 003 (rank 0's metadata everywhere)."""
+    """``per_rank_ipc_metadata=False`` reproduces SkyRL #1816 (rank 0's metadata everywhere)."""
     s = _session()
     cfg = {"per_rank_ipc_metadata": False}
     prods, cons = _run(

@@ -45,7 +45,7 @@ def test_model_fits_the_layout_and_the_toy_tokenizer(result):
     assert CONFIG["n_routed_experts"] % train["ep"] == 0 and CONFIG["n_routed_experts"] % gen["ep"] == 0
     assert CONFIG["num_attention_heads"] % gen["tp"] == 0
     assert CONFIG["vocab_size"] >= toy.vocab_size()
-    assert CONFIG["topk_method"] == "noaux_tc"  # the router has e_score_correction_bias (seed 003's fp32 case)
+    assert CONFIG["topk_method"] == "noaux_tc"  # the router has e_score_correction_bias (SkyRL #1816's fp32 case)
     f = result.facts
     assert (f.num_experts, f.mtp_num_layers, f.mtp_shared_embedding) == (8, 1, True)
 

@@ -91,12 +91,12 @@ class RefitConfig:
     buffer_memory_ratio: float | None  # fraction of free memory at refit for both ping-pong halves
     buffer_gb: float | None  # or a fixed size (GiB) for both halves together
     alignment_bytes: int
-    sleep_level: int  # 1 keeps vLLM weights (CPU backup), 2 drops them (seed 000 failure 3)
-    offload_optimizer_for_refit: bool  # optimizer state + grads to CPU during refit (seed 002)
-    sync_params_before_refit: bool  # forced param all-gather before export (seed 001)
-    dedupe_mtp_embedding: bool  # drop MTP-replicated embedding on last PP stage (seed 000 failure 1)
-    per_rank_ipc_metadata: bool  # each producer rank sends its own slicing metadata (seed 003)
-    fp32_params: list[str]  # name patterns (fnmatch) kept fp32 on the wire (seed 003)
+    sleep_level: int  # 1 keeps vLLM weights (CPU backup), 2 drops them (NeMo-RL #2471 failure 3)
+    offload_optimizer_for_refit: bool  # optimizer state + grads to CPU during refit (NeMo-RL #3490)
+    sync_params_before_refit: bool  # forced param all-gather before export (NeMo-RL #4086)
+    dedupe_mtp_embedding: bool  # drop MTP-replicated embedding on last PP stage (NeMo-RL #2471 failure 1)
+    per_rank_ipc_metadata: bool  # each producer rank sends its own slicing metadata (SkyRL #1816)
+    fp32_params: list[str]  # name patterns (fnmatch) kept fp32 on the wire (SkyRL #1816)
     verify_every: int  # bit-for-bit refit check every N refits (0 = off); rlc.runtime.refit.verify
     transport: str  # "cuda_ipc" | "shm"
     decisions: dict[str, str]  # switch -> why (rule id and reason)

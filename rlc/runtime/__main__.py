@@ -1,7 +1,7 @@
 """``python -m rlc.runtime [--probe] runtime.yaml``: run GRPO (or the environment probe) for a bundle.
 
 Without ``--probe`` this is the training job's entry point (``rlc.runtime.driver.main``); with it, the
-pre-flight probe of the bundle engineer (``rlc.runtime.probe.main``). Heavy imports happen inside.
+bundle's pre-flight probe (``rlc.runtime.probe.main``). Heavy imports happen inside.
 """
 from __future__ import annotations
 

@@ -296,7 +296,7 @@ class GrpoRun:
     def log_refit_ranks(self, step: int, sent: list[dict]) -> None:
         """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
         (tensors, bytes, buckets), free memory and active fixes, so a rank that sent another rank's
-        metadata (seed 003) or ran out of room is visible by rank, not only rank 0."""
+        metadata (SkyRL #1816) or ran out of room is visible by rank, not only rank 0."""
         for rank, metrics in enumerate(sent):
             self.ranks_log.write({"step": step, "rank": rank, **metrics})
 

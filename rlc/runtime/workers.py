@@ -142,7 +142,7 @@ def worker_env(cfg: Any, host_env: dict[str, str] | None = None) -> dict[str, st
     """Environment of every worker: ``BASE_WORKER_ENV``, forwarded host variables, then ``cfg.env``.
 
     Refuses ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: vLLM's sleep-mode allocator asserts
-    on it (seed 000, attempt 4).
+    on it (NeMo-RL #2471, attempt 4).
     """
     host = os.environ if host_env is None else host_env
     env = dict(BASE_WORKER_ENV)

@@ -217,12 +217,12 @@ def test_lint_job_count():
 
 def test_lint_ignore_drops_listed_warnings_but_never_errors():
     """lint.ignore is applied once, by the rules engine; validate and lint show its result."""
-    ep128 = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-seed000-3-ep128.yaml")
+    ep128 = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-nemo-rl-2471-3-ep128.yaml")
     plain = run_rlc("validate", ep128)
     assert plain.code == 0 and "[RLC212]" in plain.err
     quiet = run_rlc("validate", ep128, "--set", "lint.ignore=[{rule: RLC212, reason: measured margin here}]")
     assert quiet.code == 0 and "[RLC212]" not in quiet.err and "[RLC203]" in quiet.err
-    defaults = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-seed000-1-defaults.yaml")
+    defaults = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-nemo-rl-2471-1-defaults.yaml")
     loud = run_rlc("validate", defaults, "--set", "lint.ignore=[{rule: RLC210, reason: trust me please}]")
     assert loud.code == 1 and "[RLC210]" in loud.err
 

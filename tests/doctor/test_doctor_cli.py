@@ -57,7 +57,7 @@ def test_buffer_too_small_replanned_at_the_logs_free_memory_finds_a_ratio_that_f
     """The field report's ratio-0.3 failure: 2 × 6263046144 / 0.3 = 38.89 GiB free at refit; the
     re-plan names the window of ratios that pass both the half and the staging site there."""
     code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_buffer_too_small.log"),
-                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-1-defaults.yaml"))
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-1-defaults.yaml"))
     assert code == 0
     assert "re-plan (fits)" in out and "38.89 GiB free at refit" in out and "half too small" in out
     assert "buffer_memory_ratio 0.4" in out  # the window starts above 2 × 8 / 38.89 = 0.411
@@ -67,14 +67,14 @@ def test_stack_oom_replanned_says_no_ratio_fits_and_names_the_lever():
     """Ratio 0.5 OOMed at the stack with 6.76 GiB free: no ratio passes at that free memory; the
     planner's lever (sleep level 2) is named."""
     code, out, _ = rlc("doctor", str(LOGS / "megatron_bridge_stack_oom.log"),
-                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-2-ratio05.yaml"))
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-2-ratio05.yaml"))
     assert code == 0
     assert "re-plan (does not fit)" in out and "staging site too small" in out and "sleep_level: 2" in out
 
 
 def test_residue_growth_replanned_with_the_levers():
     code, out, _ = rlc("doctor", str(LOGS / "vllm_sleep_residue_growth.log"),
-                       "--recipe", str(SEED_RECIPES / "qwen35-397b-seed000-3-ep128.yaml"))
+                       "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-3-ep128.yaml"))
     assert code == 0 and "[RLC212]" in out and "residue grew 12.20 GiB" in out and "re-plan (fits)" in out
 
 

@@ -41,7 +41,7 @@ MODEL_CONFIG = REPO / "rlc" / "recipes" / "models" / "tiny-moe-mtp" / "config.js
 DEFAULT_ROOT = "/tmp/rlc-tiny-moe"  # the recipe's paths live here; another root is passed with --set
 GOAL_GEN_KL, MIN_STEPS, WINDOW, REWARD_MARGIN = 0.01, 30, 5, 0.05
 SHARED_EMBEDDING = "embedding.word_embeddings.weight"
-#: The line a last-stage trainer rank prints when it drops its MTP replica of the word embedding (seed 000).
+#: The line a last-stage trainer rank prints when it drops its MTP replica of the word embedding (NeMo-RL #2471).
 DEDUPE_RE = re.compile(r"\[mtp-shared-embed-skip\] rank (\d+) pp_rank (\d+)/(\d+): dropped (\S+)")
 #: ``<logging.dir>/refit_ranks.jsonl``: one ``RefitMetrics.to_dict()`` per trainer rank per refit, plus
 #: ``step`` (0 = the initial refit), ``rank`` and ``pp_rank``.
@@ -57,7 +57,7 @@ def with_mtp_layers(sd: dict, cfg: dict, *, seed: int = 0, bias_base: float = 30
     decoder layer (copied from the last one) plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
     the copies of the word embedding and head the release also stores. Every ``e_score_correction_bias``
     becomes fp32 ``bias_base + N(0, bias_std)``: at ~30 bf16's step is 0.125, so a bias sent in bf16 reroutes
-    tokens and shows up as gen-KL (seed 003); ``bias_base=0`` turns that stress off.
+    tokens and shows up as gen-KL (SkyRL #1816); ``bias_base=0`` turns that stress off.
     """
     import torch  # noqa: PLC0415
 
@@ -288,9 +288,9 @@ def run(root: str = DEFAULT_ROOT, out: str | None = None, timeout_s: int = 540, 
         for src in (logs / "metrics.jsonl", logs / REFIT_RANKS_FILE, logs / "calibration.jsonl", rootp / "driver.log",
                     bundle / "plan.txt", bundle / "runtime.yaml"):
             if src.exists():
-                shutil.copy(src, Path(out) / f"issue8_{src.name}")
+                shutil.copy(src, Path(out) / f"four_gpu_{src.name}")
     res["elapsed_s"] = clock()
-    dump(res, out, "issue8_four_gpu")
+    dump(res, out, "four_gpu")
     return res
 
 
@@ -347,7 +347,7 @@ def _fault(name: str, run: dict) -> None:
     elif name == "mtp_dedupe":
         run["log"] = run["log"].replace("pp_rank 1/2", "pp_rank 0/2", 1)
     elif name == "per_rank_manifests":
-        r[4 * 5 + 2]["fixes"]["metadata_source_rank"] = 0  # seed 003: rank 0's slicing metadata on GPU 2
+        r[4 * 5 + 2]["fixes"]["metadata_source_rank"] = 0  # SkyRL #1816: rank 0's slicing metadata on GPU 2
 
 
 @pytest.mark.parametrize("name", ["steps", "gen_kl", "reward_rising", "mtp_dedupe", "per_rank_manifests"])

@@ -1,9 +1,9 @@
 """Issue 7 GPU proofs on two GPUs (nvidia-h200-x2): the refit seed fixes, each switched off and on.
 
-- ``param_sync`` (seed 001): DP=2, distributed optimizer with ``overlap_param_gather``. After an
+- ``param_sync`` (NeMo-RL #4086): DP=2, distributed optimizer with ``overlap_param_gather``. After an
   optimizer step the export (what a refit reads) without the forced gather holds stale shards of the
   other rank; with ``refit.sync_params_before_refit`` it is bit-equal to a synchronous-gather control.
-- ``ep2_metadata`` (seed 003): tiny Qwen3-MoE trained with EP=2, one vLLM engine per GPU. With
+- ``ep2_metadata`` (SkyRL #1816): tiny Qwen3-MoE trained with EP=2, one vLLM engine per GPU. With
   rank-0 slicing metadata for both GPUs (legacy mode) the consumer's manifest check stops the refit
   naming the foreign producer; with per-rank metadata the refit loads the right weights (vLLM
   logprobs match the trainer's).
@@ -103,7 +103,7 @@ def _diff(a: dict, b: dict) -> dict:
 
 
 def param_sync(root: str) -> dict:
-    """Seed 001 on DP=2 with the distributed optimizer and overlapped param all-gather."""
+    """NeMo-RL #4086 on DP=2 with the distributed optimizer and overlapped param all-gather."""
     import ray  # noqa: PLC0415
 
     from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
@@ -170,7 +170,7 @@ def _perturb(worker, scale: float, seed: int) -> bool:
 
 
 def ep2_metadata(root: str) -> dict:
-    """Seed 003: EP=2 Qwen3-MoE, rank-0 metadata for both GPUs vs per-rank metadata."""
+    """SkyRL #1816: EP=2 Qwen3-MoE, rank-0 metadata for both GPUs vs per-rank metadata."""
     import ray  # noqa: PLC0415
 
     from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415

@@ -28,7 +28,7 @@ def test_registry_ids_and_metadata():
 def test_explain_names_rationale_and_seed():
     text = explain("rlc210")
     assert text.startswith("RLC210:") and "8589934592 > 6263046144" in text and "errors cannot be silenced" in text
-    assert "seed 003" in explain("RLC203") and "pytorch#147851" in explain("RLC301")
+    assert "SkyRL #1816" in explain("RLC203") and "pytorch#147851" in explain("RLC301")
     assert "can be silenced" in explain("RLC212")
     with pytest.raises(UnknownRuleError, match="did you mean RLC21"):
         explain("RLC219x")

@@ -14,7 +14,7 @@ def tl(**kw):
     return TrainLayout(**base)
 
 
-def test_seed000_stage_split_and_dp():
+def test_nemo_rl_2471_stage_split_and_dp():
     layout = tl(first=6, last=6)
     assert layout.stage_layer_counts(60) == [6, 8, 8, 8, 8, 8, 8, 6]
     assert (layout.dp, layout.expert_dp, layout.dense_optimizer_shards) == (4, 1, 4)

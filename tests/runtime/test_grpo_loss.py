@@ -266,8 +266,8 @@ def test_gen_kl_metrics_and_check() -> None:
         "step 7",
         "0.5",
         "grpo.max_gen_kl=0.01",
-        "seed 001",
-        "seed 003",
+        "NeMo-RL #4086",
+        "SkyRL #1816",
         "dtype",
         "gen_logprob_abs_diff_max=3.2",
     ):

@@ -34,12 +34,12 @@ class Report:
 
 
 REPORTS = [
-    Report("field-chain-defaults-buffer", CHAIN / "qwen35-397b-seed000-1-defaults.yaml", "error", "RLC210",
-           fixed=CHAIN / "qwen35-397b-seed000-4-final.yaml"),
-    Report("field-chain-ratio05-staging", CHAIN / "qwen35-397b-seed000-2-ratio05.yaml", "error", "RLC211",
-           fixed=CHAIN / "qwen35-397b-seed000-4-final.yaml"),
-    Report("field-chain-ep128-cuda-graphs", CHAIN / "qwen35-397b-seed000-3-ep128.yaml", "warning", "RLC212",
-           fixed=CHAIN / "qwen35-397b-seed000-4-final.yaml"),
+    Report("field-chain-defaults-buffer", CHAIN / "qwen35-397b-nemo-rl-2471-1-defaults.yaml", "error", "RLC210",
+           fixed=CHAIN / "qwen35-397b-nemo-rl-2471-4-final.yaml"),
+    Report("field-chain-ratio05-staging", CHAIN / "qwen35-397b-nemo-rl-2471-2-ratio05.yaml", "error", "RLC211",
+           fixed=CHAIN / "qwen35-397b-nemo-rl-2471-4-final.yaml"),
+    Report("field-chain-ep128-cuda-graphs", CHAIN / "qwen35-397b-nemo-rl-2471-3-ep128.yaml", "warning", "RLC212",
+           fixed=CHAIN / "qwen35-397b-nemo-rl-2471-4-final.yaml"),
     Report("field-chain-mtp-embedding-owned-twice", BASE, "error", "RLC201",
            overrides=("refit.dedupe_mtp_embedding=off",), fixed=("refit.dedupe_mtp_embedding=auto",)),
     Report("field-chain-expandable-segments", BASE, "error", "RLC301",

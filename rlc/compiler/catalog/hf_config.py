@@ -19,12 +19,12 @@ ROUTER_BIAS = Fp32Param(
     pattern="*e_score_correction_bias*",
     example="model.layers.3.mlp.gate.e_score_correction_bias",
     why="aux-loss-free router bias; bf16 rounding at its magnitude (~25-57) erases per-expert offsets "
-        "(std ~7e-4) and corrupts routing (seed 003)",
+        "(std ~7e-4) and corrupts routing (SkyRL #1816)",
 )
 MEGATRON_EXPERT_BIAS = Fp32Param(
     pattern="*expert_bias*",
     example="decoder.layers.3.mlp.router.expert_bias",
-    why="Megatron name of the same router bias (seed 003)",
+    why="Megatron name of the same router bias (SkyRL #1816)",
 )
 
 _FACT_FIELDS = ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings",
@@ -155,7 +155,7 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     out["_notes"] = [
         "expert export stacked: HF Qwen3.5 checkpoints hold fused experts.gate_up_proj [E, 2I, H]; "
-        "Megatron-Bridge _accumulate_grouped_export torch.stack()s all E experts (seed 000 failure 2)",
+        "Megatron-Bridge _accumulate_grouped_export torch.stack()s all E experts (NeMo-RL #2471 failure 2)",
     ]
     if mtp is None:
         out["_notes"].append("mtp_num_hidden_layers not stated: assumed 0")

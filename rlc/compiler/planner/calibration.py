@@ -1,7 +1,7 @@
 """The planner's calibration table (``calibration.yaml``) and the runtime's calibration records.
 
 The table holds every constant the planner does not derive from parameter bytes, keyed by GPU
-type and library versions, each with the seed line it comes from. :func:`calibration_for` picks
+type and library versions, each with the report line it comes from. :func:`calibration_for` picks
 the entry for a GPU (falling back to the first entry, and saying so).
 
 The runtime logs measured memory per phase as JSON lines (``calibration.jsonl``) in the format of

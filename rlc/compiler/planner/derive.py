@@ -22,7 +22,7 @@ def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: Mo
                      cal: Calibration) -> dict[str, Any]:
     """Constants implied by ``measured`` on the reference ``recipe`` (GiB).
 
-    ``measured`` keys (all GiB, seed 000 values in the shipped table): ``after_offload`` (Megatron
+    ``measured`` keys (all GiB, NeMo-RL #2471 values in the shipped table): ``after_offload`` (Megatron
     allocated after the optimizer offload), ``megatron_process``, ``megatron_allocated``,
     ``megatron_fragmentation`` (the staging-site OOM at ``stack_ratio``), ``vllm_process`` (sleep
     level 1, graphs on), ``fragmentation`` (ratio -> GiB at the staging site).

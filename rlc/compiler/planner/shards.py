@@ -2,7 +2,7 @@
 
 Megatron (trainer): dense matrices split by TP, routed experts by EP × ETP, the word embedding on
 the first stage, the output layer and the MTP blocks on the last; with MTP or tied embeddings and
-PP > 1 the last stage also holds a copy of the word embedding (the copy seed 000 failure 1 is
+PP > 1 the last stage also holds a copy of the word embedding (the copy NeMo-RL #2471 failure 1 is
 about). vLLM (generation): dense by TP, routed experts by the expert-sharding degree (EP, or TP
 when EP is off), embedding on the first and ``lm_head`` on the last of its own pipeline stages;
 MTP weights are not loaded (no speculative decoding).
@@ -90,7 +90,7 @@ def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[tu
                 if facts.mtp_shared_embedding is False:
                     copies += 1  # dedicated MTP embedding
                 elif not first and not facts.tied_embeddings:
-                    copies += 1  # MTP-replicated word embedding (seed 000 failure 1)
+                    copies += 1  # MTP-replicated word embedding (NeMo-RL #2471 failure 1)
         expert = split.expert // expert_shards
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert, vocab_copies=copies,

@@ -12,7 +12,7 @@ _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
       rationale="vLLM's sleep mode allocates through CuMemAllocator (a CUDA memory pool); PyTorch's expandable "
                 "segments cannot be combined with memory pools, and vLLM asserts at start-up, minutes into the "
                 "job. Every Ray actor inherits the driver's environment, so there is no per-actor escape.",
-      seed="seed 000 attempt 4: 'AssertionError: Expandable segments are not compatible with memory pool' "
+      seed="NeMo-RL #2471 attempt 4: 'AssertionError: Expandable segments are not compatible with memory pool' "
            "(vllm cumem.py:132; pytorch/pytorch#147851).",
       fixes="Remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env "
             "(garbage_collection_threshold:0.6 is fine).")
@@ -29,7 +29,7 @@ def expandable_segments(ctx: Context) -> None:
 @rule("RLC302", "batch_multiplier > 1 needs dynamic sampling", severities=("error",),
       rationale="batch_multiplier over-generates prompts so dynamic sampling can drop groups whose rewards are "
                 "all equal; without dynamic sampling the extra samples have nowhere to go.",
-      seed="seed 000 bonus (dynamic sampling with batch_multiplier 2, max_gen_batches 10).",
+      seed="NeMo-RL #2471 bonus (dynamic sampling with batch_multiplier 2, max_gen_batches 10).",
       fixes="Set grpo.dynamic_sampling.enabled: true or batch_multiplier: 1.")
 def multiplier(ctx: Context) -> None:
     ds = ctx.get("grpo.dynamic_sampling", {}) or {}
@@ -57,7 +57,7 @@ def truncation(ctx: Context) -> None:
 @rule("RLC304", "low sampling temperature starves GRPO of signal", severities=("warning",),
       rationale="GRPO learns from reward differences inside a group; at low temperature the samples of a group "
                 "converge to the same answer, the group's rewards are equal and its advantage is zero.",
-      seed="seed 000 bonus: only ~18% of groups had non-zero reward spread at temperature 1 on DAPO math.",
+      seed="NeMo-RL #2471 bonus: only ~18% of groups had non-zero reward spread at temperature 1 on DAPO math.",
       fixes="Use temperature ≥ 0.7 (1.0 is the usual choice).")
 def temperature(ctx: Context) -> None:
     t = ctx.get("generation.sampling.temperature", 1.0)
@@ -100,8 +100,8 @@ def lengths(ctx: Context) -> None:
 
 @rule("RLC306", "max_gen_kl 0 disables the stale-weights guard", severities=("info",),
       rationale="After every refit rlc compares vLLM's sampling logprobs with the trainer's; a large KL means "
-                "vLLM runs wrong or stale weights (the seed 001 and 003 bugs produced no error, only garbage).",
-      seed="seeds 001 and 003 (silent wrong weights after refit).",
+                "vLLM runs wrong or stale weights (the NeMo-RL #4086 and 003 bugs produced no error, only garbage).",
+      seed="NeMo-RL #4086 and SkyRL #1816 (silent wrong weights after refit).",
       fixes="Keep grpo.max_gen_kl > 0 (default 0.05).")
 def gen_kl(ctx: Context) -> None:
     if ctx.get("grpo.max_gen_kl", 0.05) == 0:

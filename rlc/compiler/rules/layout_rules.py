@@ -85,7 +85,7 @@ def _suggest_edges(num_layers: int, pp: int) -> Optional[tuple[int, int]]:
       rationale="Megatron gives each pipeline stage a whole number of layers: an even split needs layers % PP == 0; "
                 "with num_layers_in_first/last_pipeline_stage the remaining layers must split evenly over the "
                 "middle stages; with virtual pipeline stages every stage's layer count must divide by VPP.",
-      seed="Megatron-core TransformerConfig.__post_init__ (uneven PP and VPP validation); seed 000 runs 60 layers "
+      seed="Megatron-core TransformerConfig.__post_init__ (uneven PP and VPP validation); NeMo-RL #2471 runs 60 layers "
            "on PP 8 as 6 + 6×8 + 6.",
       fixes="Set num_layers_in_first/last_pipeline_stage (the message suggests values) or pick a PP dividing the layers.")
 def pipeline_split(ctx: Context) -> None:
@@ -167,7 +167,7 @@ def heads_divide(ctx: Context) -> None:
 @rule("RLC106", "KV heads vs TP: split evenly or replicate evenly", severities=("error", "info"), needs=("facts",),
       rationale="With TP ≤ KV heads each rank gets KV heads / TP of them; with TP > KV heads each KV head is "
                 "replicated TP / KV-heads times. Anything else leaves ranks with fractional heads.",
-      seed="vLLM QKVParallelLinear (replicates KV heads when tp > num_kv_heads); seed 000 trains Qwen3.5-397B "
+      seed="vLLM QKVParallelLinear (replicates KV heads when tp > num_kv_heads); NeMo-RL #2471 trains Qwen3.5-397B "
            "(2 KV heads) at TP 8 and generates at TP 16.",
       fixes="Pick a TP that divides, or is a multiple of, the number of KV heads.")
 def kv_heads(ctx: Context) -> None:
@@ -228,7 +228,7 @@ def moe_needs_sp(ctx: Context) -> None:
 @rule("RLC109", "vLLM engines must cover the same GPUs as the trainer when colocated", severities=("error",),
       rationale="Colocated generation runs one vLLM rank next to each Megatron rank: TP × PP × engines of vLLM "
                 "must equal the world size (and TP × PP must divide it).",
-      seed="Colocated design (seed 000: 256 GPUs shared by Megatron TP8×PP8×DP4 and vLLM TP16 × 16).",
+      seed="Colocated design (NeMo-RL #2471: 256 GPUs shared by Megatron TP8×PP8×DP4 and vLLM TP16 × 16).",
       fixes="Leave parallelism.generation.dp unset (it defaults to world / (TP × PP)) or make TP × PP × dp = world.")
 def vllm_world(ctx: Context) -> None:
     gl = generation_layout(ctx.recipe)
@@ -250,7 +250,7 @@ def vllm_world(ctx: Context) -> None:
                 "TP, divide the expert count (whole experts per rank), and EP / TP must divide the number of "
                 "engines (EP groups are built from whole TP groups of one pipeline stage). vLLM EP does NOT shrink "
                 "the fused tensor the trainer exports (the exporter stacks all experts), only vLLM's weight shard.",
-      seed="seed 000: vLLM TP16 with EP 64 / 128 / 256 on 512 experts (8 / 4 / 2 experts per GPU).",
+      seed="NeMo-RL #2471: vLLM TP16 with EP 64 / 128 / 256 on 512 experts (8 / 4 / 2 experts per GPU).",
       fixes="Use EP = TP × k with k dividing the engine count and EP dividing the expert count.")
 def vllm_ep(ctx: Context) -> None:
     gl, f = generation_layout(ctx.recipe), ctx.facts

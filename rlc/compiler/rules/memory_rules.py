@@ -27,7 +27,7 @@ def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
                 "a tensor must fit one half. Fused expert stacks are the largest tensors of big MoE models "
                 "(Qwen3.5-397B: experts.gate_up_proj = 512 × 2 × 1024 × 4096 × 2 B = 8 GiB) and their size is set "
                 "by the architecture: a larger vLLM EP does not shrink them (the exporter stacks all experts).",
-      seed="seed 000 failure 2: 'AssertionError: Parameter model.language_model.layers.0.mlp.experts.gate_up_proj "
+      seed="NeMo-RL #2471 failure 2: 'AssertionError: Parameter model.language_model.layers.0.mlp.experts.gate_up_proj "
            "too large for buffer: 8589934592 > 6263046144' (ratio 0.3; the // 2 ping-pong split was missed).",
       fixes="Raise buffer_memory_ratio within the window the plan names, or free memory first: sleep_level 2, a "
             "larger generation EP, enforce_eager (see `rlc plan`).")
@@ -50,7 +50,7 @@ def buffer_half(ctx: Context) -> None:
                 "gathered pieces. A larger buffer leaves less room here, and a half that only just exceeds the "
                 "tensor fragments the caching allocator (seed: ratio 0.45 → +5.75 GiB reserved-but-unusable). "
                 "Judged only when the buffer half already holds the tensor (RLC210).",
-      seed="seed 000 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
+      seed="NeMo-RL #2471 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
            "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
            "model_bridge.py:815 _accumulate_grouped_export; attempt 5 (ratio 0.45): fragmentation 7.04 GB.",
       fixes="Use a ratio inside the plan's window, or free memory (sleep_level 2, larger generation EP, "
@@ -74,7 +74,7 @@ def staging_site(ctx: Context) -> None:
       rationale="With enforce_eager off, vLLM records CUDA graphs as it meets new shapes; their buffers are not "
                 "released by sleep and by step 2 they hold several GiB more than at the first refit. A refit that "
                 "passes with less margin than that variation fails intermittently from step 2 on.",
-      seed="seed 000 failure 3: 'Step 1 refit ran cleaner than Step 2' with EP 128 / ratio 0.4; CUDA graphs add "
+      seed="NeMo-RL #2471 failure 3: 'Step 1 refit ran cleaner than Step 2' with EP 128 / ratio 0.4; CUDA graphs add "
            "'~10–15 GB of non-cumem buffers that CuMemAllocator.sleep() cannot release'.",
       fixes="enforce_eager: true (costs ~30–40% generation throughput) and/or sleep_level: 2; or widen the margin "
             "(larger generation EP).")
@@ -97,7 +97,7 @@ def graph_margin(ctx: Context) -> None:
       rationale="Sleep level 1 backs vLLM's weights up and keeps the shard's allocation; level 2 discards them. "
                 "In colocated RL the next refit re-streams every weight anyway, so the backup is wasted and level "
                 "2 frees the whole shard for the refit buffer and the export staging.",
-      seed="seed 000 failure 3: sleep(level=2) + enforce_eager took vLLM's residue from ~24 GB to ~7 GB.",
+      seed="NeMo-RL #2471 failure 3: sleep(level=2) + enforce_eager took vLLM's residue from ~24 GB to ~7 GB.",
       fixes="refit.sleep_level: 2.")
 def sleep_level(ctx: Context) -> None:
     plan = ctx.plan
@@ -115,7 +115,7 @@ def sleep_level(ctx: Context) -> None:
       rationale="gpu_memory_utilization caps vLLM's pool (weights + KV cache + activations) while it is awake; "
                 "if the weight shard alone exceeds it there is no KV cache and the engine refuses to start. "
                 "Colocated, the rest of the GPU must also hold what Megatron keeps while offloaded.",
-      seed="vLLM engine start-up ('No available memory for the cache blocks'); seed 000 attempt 2 shows the "
+      seed="vLLM engine start-up ('No available memory for the cache blocks'); NeMo-RL #2471 attempt 2 shows the "
            "knob only sizes the KV cache.",
       fixes="Raise gpu_memory_utilization, or shard vLLM further (TP / EP / PP).")
 def generation_fits(ctx: Context) -> None:

@@ -17,7 +17,7 @@ register(Rule(
     id="RLC002", title="lint.ignore cannot silence an error", severities=("error",),
     rationale="Errors describe recipes that fail at run time (a crash, an OOM, or silently wrong weights). "
               "Silencing them would only move the failure to the cluster, after the queue wait.",
-    seed="Working agreement of the compiler (issue 5): warnings may be silenced with a reason, errors may not.",
+    seed="rlc design: warnings may be silenced with a reason, errors may not.",
     fixes="Fix the recipe (`rlc explain <rule>` names the cheapest fix) and remove the lint.ignore entry.",
 ))
 register(Rule(

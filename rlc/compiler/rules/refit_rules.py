@@ -38,7 +38,7 @@ def decide_switch(ctx: Context, name: str, *, needed: bool, why: str, off_error:
                 "embedding.word_embeddings.weight there. The exporter then finds the same logical parameter on "
                 "PP rank 0 and on the last rank and refit setup fails. The dedupe drops the replica on the last "
                 "stage; PP rank 0 stays its only owner.",
-      seed="seed 000 failure 1: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
+      seed="NeMo-RL #2471 failure 1: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
            "(Qwen3.5-397B-A17B, PP 8); Megatron-Bridge build_conversion_tasks does not call "
            "_should_skip_mtp_duplicate_embedding_export.",
       fixes="Leave refit.dedupe_mtp_embedding at auto (or on).")
@@ -59,7 +59,7 @@ def mtp_dedupe(ctx: Context) -> None:
             "may share the word embedding (not stated for this model)"
         needed = True
         why = (f"MTP ({mtp} layer(s)) {shared} and PP{pp} > 1: the last stage holds a replica of "
-               "embedding.word_embeddings.weight (seed 000 failure 1)")
+               "embedding.word_embeddings.weight (NeMo-RL #2471 failure 1)")
     decide_switch(ctx, "dedupe_mtp_embedding", needed=needed, why=why,
                   off_error=f"dedupe_mtp_embedding is off, but {why}; refit setup fails with "
                             f"'Object present on multiple PP ranks: [0, {pp - 1}]'",
@@ -72,7 +72,7 @@ def mtp_dedupe(ctx: Context) -> None:
                 "forward. Refit runs between the optimizer step and that forward, so every rank would export its "
                 "own fresh shard next to stale copies of the others (wrong weights, no crash). The fix forces a "
                 "synchronous parameter all-gather before the export.",
-      seed="seed 001 (NeMo-RL fix 'synchronize parameters before inference refit': stale shards with "
+      seed="NeMo-RL #4086 (NeMo-RL fix 'synchronize parameters before inference refit': stale shards with "
            "overlap_param_gather=True; native-planner destinations differ before the gather, equal after).",
       fixes="Leave refit.sync_params_before_refit at auto (or on), or turn overlap_param_gather off.")
 def sync_params(ctx: Context) -> None:
@@ -80,7 +80,7 @@ def sync_params(ctx: Context) -> None:
     overlap = ctx.get("training.overlap_param_gather", False)
     needed = bool(dist and overlap)
     why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
-           "forward (seed 001)") if needed else "overlap_param_gather is off (parameters are current after the step)"
+           "forward (NeMo-RL #4086)") if needed else "overlap_param_gather is off (parameters are current after the step)"
     decide_switch(ctx, "sync_params_before_refit", needed=needed, why=why,
                   off_error="sync_params_before_refit is off with the distributed optimizer and "
                             "overlap_param_gather: refit would export stale parameter shards (wrong weights, no error)",
@@ -92,13 +92,13 @@ def sync_params(ctx: Context) -> None:
                 "split the model). If only rank 0's slicing metadata is sent, every vLLM worker slices its own "
                 "buffer with rank 0's names and sizes: correct bytes load under wrong names, generation turns to "
                 "coherent-looking garbage and rewards drop to zero, with no crash.",
-      seed="seed 003 (SkyRL, Nemotron-3-Ultra, TP8/PP4/EP16): post-sync logprob diff 2.0 → 0.15 after sending "
+      seed="SkyRL #1816 (SkyRL, Nemotron-3-Ultra, TP8/PP4/EP16): post-sync logprob diff 2.0 → 0.15 after sending "
            "per-GPU metadata; worked by luck at PP 2, broke at PP > 2 / EP > 16.",
       fixes="Leave refit.per_rank_ipc_metadata at auto (or on).")
 def per_rank_metadata(ctx: Context) -> None:
     tl = train_layout(ctx.recipe)
     needed = tl.ep > 1 or tl.pp > 1
-    why = (f"EP{tl.ep} / PP{tl.pp}: trainer ranks pack different tensors (seed 003)" if needed
+    why = (f"EP{tl.ep} / PP{tl.pp}: trainer ranks pack different tensors (SkyRL #1816)" if needed
            else "on by default (needed once EP or PP > 1)")
     decide_switch(ctx, "per_rank_ipc_metadata", needed=needed, why=why, on_by_default=True,
                   off_error=f"per_rank_ipc_metadata is off with EP{tl.ep} / PP{tl.pp}: vLLM workers would slice "
@@ -111,7 +111,7 @@ def per_rank_metadata(ctx: Context) -> None:
                 "of magnitude ~25-57 whose per-expert differences are ~7e-4. Sending it in bf16 rounds those "
                 "differences away and corrupts routing. fp32_params: auto keeps the model's known fp32 "
                 "parameters fp32; an explicit list must cover them.",
-      seed="seed 003: 'fp32 MoE router bias (gate.e_score_correction_bias) preserved through sync — bf16 ULP at "
+      seed="SkyRL #1816: 'fp32 MoE router bias (gate.e_score_correction_bias) preserved through sync — bf16 ULP at "
            "its ~25–57 magnitude collapses the tiny per-expert offsets (std ~7e-4) and corrupts routing'.",
       fixes="Use refit.fp32_params: auto, or add the missing pattern (e.g. '*e_score_correction_bias*').")
 def fp32_params(ctx: Context) -> None:
@@ -125,8 +125,8 @@ def fp32_params(ctx: Context) -> None:
             return
         patterns = [p.pattern for p in known]
         if patterns:
-            ctx.decide(key, patterns, f"auto: {f.model_id} has {', '.join(patterns)} (router bias, seed 003)")
-            ctx.info(f"fp32_params: auto → {patterns}: router bias kept fp32 (seed 003)", path)
+            ctx.decide(key, patterns, f"auto: {f.model_id} has {', '.join(patterns)} (router bias, SkyRL #1816)")
+            ctx.info(f"fp32_params: auto → {patterns}: router bias kept fp32 (SkyRL #1816)", path)
         else:
             ctx.decide(key, [], f"auto: {f.model_id} has no known fp32 parameters")
         return
@@ -144,7 +144,7 @@ def fp32_params(ctx: Context) -> None:
       rationale="Megatron's hybrid CPU optimizer keeps extra GPU staging buffers (fp32 master / grad scaling), "
                 "which the explicit offload before refit would otherwise drop: residency after the offload went "
                 "up, not down, leaving less for the refit buffer.",
-      seed="seed 000 attempt 3: 'Step 2 after-offload GPU residency went 12.72 GB (off) → 15.86 GB (on)'.",
+      seed="NeMo-RL #2471 attempt 3: 'Step 2 after-offload GPU residency went 12.72 GB (off) → 15.86 GB (on)'.",
       fixes="Set training.optimizer_cpu_offload: false and keep refit.offload_optimizer_for_refit: true.")
 def cpu_offload(ctx: Context) -> None:
     if ctx.get("training.optimizer_cpu_offload", False) and ctx.get("colocated", True):
@@ -155,7 +155,7 @@ def cpu_offload(ctx: Context) -> None:
             except KeyError:
                 extra = ""
         ctx.warning("optimizer_cpu_offload with colocated vLLM raised post-step GPU residency 12.72 → 15.86 GB in "
-                    f"seed 000{extra}", "training.optimizer_cpu_offload",
+                    f"NeMo-RL #2471{extra}", "training.optimizer_cpu_offload",
                     hint="optimizer_cpu_offload: false; refit.offload_optimizer_for_refit: true does the offload")
 
 

@@ -7,7 +7,7 @@ that it can give its GPU memory to the colocated trainer between rollouts:
     wake_up(["weights"]) -> refit_receive() -> wake_up(["kv_cache"]) -> reset_prefix_cache()
 
 Level 1 backs the weights up to CPU and frees the KV cache; level 2 frees both (the refit rewrites
-every weight anyway; seed 000, failure 3). An engine of more than one GPU uses vLLM's Ray executor
+every weight anyway; NeMo-RL #2471, failure 3). An engine of more than one GPU uses vLLM's Ray executor
 inside this actor's placement group (``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in
 each of vLLM's workers and pairs with the trainer rank on its GPU.
 """

@@ -290,7 +290,7 @@ class MegatronPolicyWorker:
         return self.source.prepare(timeout_s=timeout_s)
 
     def refit_offload(self) -> dict:
-        """Before a refit: forced param sync (seed 001) and optimizer offload (seed 002), then memory."""
+        """Before a refit: forced param sync (NeMo-RL #4086) and optimizer offload (NeMo-RL #3490), then memory."""
         from rlc.runtime.policy.refit_source import offload, sync_params  # noqa: PLC0415
 
         t0 = time.perf_counter()

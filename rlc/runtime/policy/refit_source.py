@@ -1,16 +1,16 @@
-"""The trainer side of a refit: what to export, the seed fixes around the export, and the producer.
+"""The trainer side of a refit: what to export, the field-report fixes around the export, and the producer.
 
 - ``conversion_tasks``: Megatron-Bridge's export plan for this rank, with the MTP-replicated
   ``embedding.word_embeddings.weight`` dropped on the last pipeline stage when
-  ``refit.dedupe_mtp_embedding`` is on (seed 000, failure 1), then checked: every parameter must be
+  ``refit.dedupe_mtp_embedding`` is on (NeMo-RL #2471, failure 1), then checked: every parameter must be
   owned by exactly one pipeline stage, else the refit stops with "present on multiple PP ranks".
 - ``sync_params``: ``refit.sync_params_before_refit`` forces the distributed optimizer's deferred
-  parameter all-gather (``overlap_param_gather``) before the export reads the weights (seed 001).
+  parameter all-gather (``overlap_param_gather``) before the export reads the weights (NeMo-RL #4086).
 - ``offload`` / ``onload``: ``refit.offload_optimizer_for_refit`` moves optimizer state and gradient
-  buffers to the CPU for the refit and back before the next training step (seed 002).
+  buffers to the CPU for the refit and back before the next training step (NeMo-RL #3490).
 - ``RefitSource``: specs (a dry export pass, once), ``prepare`` with the consumer on this GPU,
   ``send`` every step through ``rlc.runtime.refit.RefitProducer``. fp32 parameters stay fp32 on the
-  wire (``refit.fp32_params``; seed 003) because the producer's wire specs keep them.
+  wire (``refit.fp32_params``; SkyRL #1816) because the producer's wire specs keep them.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MTP_SHARED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class MultipleOwnersError(ValueError):
-    """A parameter is exported by more than one pipeline stage (seed 000, failure 1)."""
+    """A parameter is exported by more than one pipeline stage (NeMo-RL #2471, failure 1)."""
 
 
 def dedupe_mtp_embedding(tasks: list, *, pp_size: int, is_first_stage: bool, is_last_stage: bool) -> list[str]:
@@ -82,13 +82,13 @@ def multiple_owners_error(dup: dict[str, list[int]]) -> MultipleOwnersError:
     text = ", ".join(f"{n} on PP ranks {s}" for n, s in sorted(dup.items())[:4])
     return MultipleOwnersError(
         f"Object present on multiple PP ranks: {text}. The MTP block shares the word embedding "
-        "and Megatron replicates it on the last pipeline stage (seed 000, failure 1); turn on "
+        "and Megatron replicates it on the last pipeline stage (NeMo-RL #2471, failure 1); turn on "
         "refit.dedupe_mtp_embedding so that stage 0 is the only owner"
     )
 
 
 def sync_params(model: list, ddp_config: Any) -> bool:
-    """Force the deferred parameter all-gather of the distributed optimizer (seed 001).
+    """Force the deferred parameter all-gather of the distributed optimizer (NeMo-RL #4086).
 
     With ``overlap_param_gather`` the updated shards are gathered only in the next forward's
     pre-hooks; a refit between the optimizer step and that forward would read stale weights of the
@@ -104,7 +104,7 @@ def sync_params(model: list, ddp_config: Any) -> bool:
 
 
 def offload(model: list, optimizer: Any) -> None:
-    """Optimizer state and gradient buffers to the CPU (seed 002), then release the cached blocks."""
+    """Optimizer state and gradient buffers to the CPU (NeMo-RL #3490), then release the cached blocks."""
     torch.cuda.synchronize()
     optimizer.offload_to_cpu()
     for chunk in model:

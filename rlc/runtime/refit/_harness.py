@@ -5,7 +5,7 @@ backend (real shared memory, real ZMQ sockets). Weights are synthetic but determ
 consumer can check every delivered tensor bit for bit against what its own producer exported.
 
 Two synthetic ranks pack *different* tensor sets in *different* orders (like PP stages / EP
-ranks), include an fp32 router bias (seed 003) and, on rank 1, a fused expert tensor larger than a
+ranks), include an fp32 router bias (SkyRL #1816) and, on rank 1, a fused expert tensor larger than a
 ping-pong half (a one-off bucket).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def rank_specs(rank: int) -> list[TensorSpec]:
 
 
 def synthetic_tensor(spec: TensorSpec, step: int) -> torch.Tensor:
-    """Deterministic values per (name, step); router biases look like seed 003's (~30 +- 7e-4)."""
+    """Deterministic values per (name, step); router biases look like SkyRL #1816's (~30 +- 7e-4)."""
     g = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()) + 7919 * step)
     dtype = getattr(torch, spec.dtype)
     if not dtype.is_floating_point:

@@ -1,6 +1,6 @@
 """Bucket planner: size the two ping-pong buffers and pack the export list into buckets (no torch).
 
-Rules (issue 3; seed 000 failure 2 is the reason they are explicit):
+Rules (NeMo-RL #2471, failure 2, is the reason they are explicit):
 
 * The refit buffer is ``free × refit.buffer_memory_ratio`` (or ``refit.buffer_gb`` GiB) and is
   split into **two ping-pong halves**, each aligned down to the alignment. A tensor must fit one
@@ -275,7 +275,7 @@ def plan_refit(
     """Plan a refit of the wire ``specs`` (in export order) with ``free_bytes`` of device memory.
 
     ``reserve_bytes`` is memory that must stay free besides the refit buffers (e.g. for the
-    exporter's all-gather + ``torch.stack`` of the largest fused expert tensor, seed 000 attempt 1).
+    exporter's all-gather + ``torch.stack`` of the largest fused expert tensor, NeMo-RL #2471 attempt 1).
     Raises ``RefitPlanError`` before any transfer when a tensor cannot be placed.
     """
     alignment = effective_alignment(alignment_bytes, specs)

@@ -17,7 +17,7 @@ class RefitPlanError(RefitError, ValueError):
 class RefitManifestError(RefitError):
     """Metadata or the set of delivered tensors does not match what this consumer's producer announced.
 
-    This is the check that turns seed 003 ("correct bytes under the wrong names, no crash") into a
+    This is the check that turns SkyRL #1816 ("correct bytes under the wrong names, no crash") into a
     loud failure.
     """
 

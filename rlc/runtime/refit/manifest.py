@@ -5,7 +5,7 @@ and wire export list. ``ManifestTracker`` checks every bucket's metadata against
 single byte is loaded, and checks completeness at the end:
 
 * provenance: the metadata was made by this consumer's producer (rank and GPU key) for this
-  refit; metadata from another rank is exactly seed 003's bug (rank 0's names/offsets used to
+  refit; metadata from another rank is exactly SkyRL #1816's bug (rank 0's names/offsets used to
   slice every other rank's buffer -> correct bytes under wrong names, no crash);
 * every name is expected, not seen before in this refit (exactly once);
 * shape, dtype and byte count match the announced spec, and the slice lies inside the buffer
@@ -25,7 +25,7 @@ from rlc.runtime.refit.specs import TensorSpec
 
 _SEED_003_FIX = (
     "each consumer must slice its own GPU's buffer with the metadata of the producer on that GPU "
-    "(refit.per_rank_ipc_metadata: true; seed 003)"
+    "(refit.per_rank_ipc_metadata: true; SkyRL #1816)"
 )
 
 
@@ -98,7 +98,7 @@ class ManifestTracker:
             if e.name in self.seen:
                 raise RefitManifestError(
                     f"{where}: tensor {e.name!r} delivered twice (buckets {self.seen[e.name]} and {meta.index}); "
-                    "each tensor must arrive exactly once (seed 000: duplicated MTP embedding -> "
+                    "each tensor must arrive exactly once (NeMo-RL #2471: duplicated MTP embedding -> "
                     "refit.dedupe_mtp_embedding)"
                 )
             if tuple(e.shape) != spec.shape or e.dtype != spec.dtype or e.nbytes != spec.nbytes:

@@ -1,6 +1,6 @@
 """Per-refit metrics (pure Python): one producer-side record per refit, JSONL-ready via ``to_dict``.
 
-``RefitMetrics`` answers the questions the seed reports had to reconstruct from logs by hand: how
+``RefitMetrics`` answers the questions the field reports (NeMo-RL #2471, SkyRL #1816) had to reconstruct from logs by hand: how
 many bytes and buckets, how long, how fast, how much memory was free before/after and at the
 tightest point, how big the halves were and which knob sized them, and which seed fixes were
 active for this refit.
@@ -14,13 +14,13 @@ from typing import Any
 def fixes_active(refit_cfg: Any, metadata_source_rank: int, producer_rank: int) -> dict[str, Any]:
     """Which seed fixes are on for this refit (from ``RefitConfig``, duck-typed)."""
     return {
-        "per_rank_ipc_metadata": metadata_source_rank == producer_rank,  # seed 003
+        "per_rank_ipc_metadata": metadata_source_rank == producer_rank,  # SkyRL #1816
         "metadata_source_rank": metadata_source_rank,
-        "fp32_params": list(refit_cfg.fp32_params),  # seed 003
-        "sleep_level": refit_cfg.sleep_level,  # seed 000 failure 3
-        "offload_optimizer_for_refit": refit_cfg.offload_optimizer_for_refit,  # seed 002
-        "sync_params_before_refit": refit_cfg.sync_params_before_refit,  # seed 001
-        "dedupe_mtp_embedding": refit_cfg.dedupe_mtp_embedding,  # seed 000 failure 1
+        "fp32_params": list(refit_cfg.fp32_params),  # SkyRL #1816
+        "sleep_level": refit_cfg.sleep_level,  # NeMo-RL #2471 failure 3
+        "offload_optimizer_for_refit": refit_cfg.offload_optimizer_for_refit,  # NeMo-RL #3490
+        "sync_params_before_refit": refit_cfg.sync_params_before_refit,  # NeMo-RL #4086
+        "dedupe_mtp_embedding": refit_cfg.dedupe_mtp_embedding,  # NeMo-RL #2471 failure 1
     }
 
 

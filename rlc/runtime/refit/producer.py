@@ -94,7 +94,7 @@ class RefitProducer:
             event_hook: ``hook(event, bucket_index)`` for ``pack_start``, ``pack_end``, ``send`` (just
                 before sending), ``ack`` (when the consumer's ack is read).
             metadata_source_rank: whose slicing metadata the consumer is told to use. Default: this
-                rank when ``refit_cfg.per_rank_ipc_metadata`` else 0 (the seed-003 bug, reproduced
+                rank when ``refit_cfg.per_rank_ipc_metadata`` else 0 (the SkyRL #1816 bug, reproduced
                 on purpose so the manifest check can be shown to catch it). Set explicitly only
                 for fault-injection proofs.
             metadata_subscribers: how many foreign consumers slice with *this* rank's metadata.
@@ -416,7 +416,7 @@ class _ProducerRun:
                 m.precision_lost.append(name)
             m.fp32_tensors += spec.dtype == "float32"
             # Drop the exported tensor before asking the exporter for the next one: holding an 8 GiB
-            # stacked expert tensor across next() doubles the exporter's peak (seed 000, attempt 1).
+            # stacked expert tensor across next() doubles the exporter's peak (NeMo-RL #2471, attempt 1).
             del tensor
             if step.closed is not None:
                 self._send_bucket(step.closed)
@@ -445,7 +445,7 @@ class _ProducerRun:
             m.warnings.append(
                 f"{len(m.precision_lost)} fp32 parameter(s) reached the producer in 16-bit precision (e.g. "
                 f"{m.precision_lost[0]!r}); the wire keeps fp32 but the bits are already lost: export them in fp32 "
-                "(seed 003)"
+                "(SkyRL #1816)"
             )
         return m
 
@@ -459,7 +459,7 @@ class _ProducerRun:
         if name in done:
             raise RefitProtocolError(
                 f"{self.p.name}: the exporter yielded {name!r} twice; each tensor must be sent exactly once "
-                "(seed 000: MTP-replicated embedding on the last PP stage -> refit.dedupe_mtp_embedding)"
+                "(NeMo-RL #2471: MTP-replicated embedding on the last PP stage -> refit.dedupe_mtp_embedding)"
             )
         if tuple(tensor.shape) != spec.shape:
             raise RefitProtocolError(

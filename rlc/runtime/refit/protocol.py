@@ -16,7 +16,7 @@ Conversation, per producer/consumer pair::
     failure:  either side may send Error(message) instead; the other side raises it.
 
 Per-bucket metadata (``BucketMeta``) always names the producer rank and GPU key it was made by,
-so a consumer can tell its own producer's metadata from another rank's (seed 003).
+so a consumer can tell its own producer's metadata from another rank's (SkyRL #1816).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ string such as ``"bfloat16"``) and the byte count that follows from them. The pr
 exporter's specs into *wire* specs with ``wire_specs``: fp32 parameters named by
 ``refit.fp32_params`` (router ``e_score_correction_bias``, expert bias) stay fp32 on the wire,
 because a bf16 ULP at their magnitude (~25-57) erases the per-expert offsets (std ~7e-4) and
-corrupts routing (seed 003); every other floating tensor travels in the export dtype; integer and
+corrupts routing (SkyRL #1816); every other floating tensor travels in the export dtype; integer and
 bool tensors keep their own dtype.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def wire_specs(specs: Sequence[TensorSpec], export_dtype: str, fp32_patterns: Se
         if s.name in seen:
             raise RefitPlanError(
                 f"tensor {s.name!r} appears twice in the export list; each name must be exported once "
-                "per producer rank (seed 000: MTP-shared embedding replicated on the last PP stage -> "
+                "per producer rank (NeMo-RL #2471: MTP-shared embedding replicated on the last PP stage -> "
                 "refit.dedupe_mtp_embedding)"
             )
         seen.add(s.name)

@@ -1,4 +1,4 @@
-"""Acceptance: seed 000's chronology, four recipes, outcomes and figures vs. the seed's measurements.
+"""Acceptance: NeMo-RL #2471's chronology, four recipes, outcomes and figures vs. the seed's measurements.
 
 Units: torch prints GiB (the seed writes "GB"): OOM figures, residues and "after offload" are GiB.
 The free-memory and per-side figures the seed derived from assertion byte counts are decimal GB.
