@@ -47,6 +47,10 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${tm:+--tiny-metrics "$tm"} --check ;;
     grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
     grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 ;;
+    engine_options) run_stage engine_options 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-engine-options \
+      --out "$OUT/engine_options" --steps 4 --resume-steps 0 --timeout 240 --smoke \
+      --set training.use_precision_aware_optimizer=true --set generation.kv_cache_memory_bytes=2147483648 \
+      --set generation.vllm_kwargs.enable_prefix_caching=true --set loss.importance_sampling_correction=true ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     *) log "unknown stage $stage" ;;

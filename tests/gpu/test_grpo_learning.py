@@ -71,7 +71,7 @@ def summarize(records: list[dict], steps: int) -> dict:
 
 
 def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, resume_steps: int = 3,
-        timeout_s: int = 420) -> dict:
+        timeout_s: int = 420, overrides: dict | None = None) -> dict:
     from rlc.runtime.metrics import read_metrics  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_workspace  # noqa: PLC0415
 
@@ -79,16 +79,16 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
     for sub in ("ckpt", "logs"):
         shutil.rmtree(Path(root) / sub, ignore_errors=True)
     build_toy_workspace(root)
-    cfg = tiny_cfg_dict(root, **{"grpo.max_steps": steps})
+    cfg = tiny_cfg_dict(root, **{"grpo.max_steps": steps, **(overrides or {})})
     yaml1 = write_yaml(cfg, Path(root) / "runtime.yaml")
-    res: dict = {"goal": {"reward": GOAL_REWARD, "gen_kl": GOAL_GEN_KL, "steps": steps}}
+    res: dict = {"goal": {"reward": GOAL_REWARD, "gen_kl": GOAL_GEN_KL, "steps": steps}, "overrides": overrides or {}}
     res["rc"] = _run_driver(yaml1, timeout_s)
     res["train_wall_s"] = clock()
     metrics_path = Path(root) / "logs" / "metrics.jsonl"
     records = read_metrics(metrics_path) if metrics_path.exists() else []
     res["summary"] = summarize(records, steps)
     if resume_steps and res["rc"] == 0:
-        cfg2 = tiny_cfg_dict(root, **{"grpo.max_steps": steps + resume_steps})
+        cfg2 = tiny_cfg_dict(root, **{"grpo.max_steps": steps + resume_steps, **(overrides or {})})
         yaml2 = write_yaml(cfg2, Path(root) / "runtime_resume.yaml")
         t = Timer()
         res["resume_rc"] = _run_driver(yaml2, 150)
@@ -139,6 +139,16 @@ if __name__ == "__main__":
     ap.add_argument("--resume-steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=420)
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="dotted runtime.yaml override (YAML value), e.g. training.use_precision_aware_optimizer=true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="pass when the steps ran with a refit each (no learning goal): for short option checks")
     a = ap.parse_args()
-    r = run(a.root, a.out, a.steps, a.resume_steps, a.timeout)
+    import yaml  # noqa: PLC0415
+
+    sets = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in a.set)}
+    r = run(a.root, a.out, a.steps, a.resume_steps, a.timeout, overrides=sets)
+    if a.smoke:
+        s = r["summary"]
+        sys.exit(0 if r["rc"] == 0 and s["steps_logged"] == a.steps and s["refits_logged"] == a.steps else 1)
     sys.exit(0 if r.get("passed") else 1)
