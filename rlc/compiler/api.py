@@ -1,9 +1,12 @@
-"""The compiler pipeline in one call: load → schema → model facts → memory plan → rules.
+"""The compiler pipeline in one call: load → schema → bundle checks → model facts → memory plan →
+rules.
 
 Every command (`validate`, `lint`, `plan`, `compile`) goes through :func:`check`, so a recipe that
-passes one passes them all. Each stage adds diagnostics; later stages run only on input the earlier
-ones accepted (rules never see a recipe that failed the schema), so every message is about a real
-problem, not a consequence of one.
+passes one passes them all, and every problem comes out in one round. Each stage adds
+diagnostics; a stage runs on the parts of the recipe the earlier ones accepted: the bundle checks
+(which read only ``cluster`` and ``name``) run whenever the schema found nothing wrong there, the
+model facts, memory plan and rules only on a recipe the schema accepted whole. So every message is
+about a real problem, not a consequence of one.
 """
 from __future__ import annotations
 
@@ -67,9 +70,12 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
         return CheckResult(loaded=None, recipe=None, diagnostics=list(exc.diagnostics))
 
     diags = list(schema.validate(loaded))
-    if any(d.severity == "error" for d in diags):
-        return CheckResult(loaded=loaded, recipe=None, diagnostics=diags)
+    schema_errors = [d for d in diags if d.severity == "error"]
     recipe = schema.with_defaults(loaded.data)
+    if not any(_below(d.path, root) for d in schema_errors for root in _bundle_keys()):
+        diags += _bundle_stage(recipe)
+    if schema_errors:
+        return CheckResult(loaded=loaded, recipe=None, diagnostics=_place(diags, loaded))
     result = CheckResult(loaded=loaded, recipe=recipe, diagnostics=diags)
 
     from rlc.compiler import catalog
@@ -117,6 +123,25 @@ def _calibration_table(recipe: dict[str, Any], loaded: Any, diags: list[Diagnost
         diags.append(Diagnostic("error", str(exc), path="cluster.calibration", rule="RLC004",
                                 hint="write one with `rlc calibrate RUN_DIR... --recipe RECIPE -o FILE`"))
         return False
+
+
+def _below(path: str, root: str) -> bool:
+    """True when key path ``path`` is ``root``, inside it, or the whole recipe (``""``)."""
+    return path == "" or path == root or path.startswith((root + ".", root + "["))
+
+
+def _bundle_keys() -> tuple[str, ...]:
+    from rlc.compiler.bundle.checks import KEYS_READ
+
+    return KEYS_READ
+
+
+def _bundle_stage(recipe: dict[str, Any]) -> list[Diagnostic]:
+    """The bundle writer's checks (ports, mounts, env, sbatch flags, script-safe values)."""
+    from rlc import __version__
+    from rlc.compiler.bundle.checks import bundle_diagnostics
+
+    return bundle_diagnostics(recipe, __version__)
 
 
 def _catalog_path(recipe: dict[str, Any]) -> str:

@@ -283,8 +283,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             diag.file, diag.line, diag.col = origin.file, origin.line, origin.col
         _print_diags([diag])
         return exc.exit_code
+    reported = {f"{d.path}: {d.message}" for d in diags}
     for warning in built.warnings:
-        sys.stderr.write(f"warning: {warning}\n")
+        if warning not in reported:  # the check above printed the bundle stage's own warnings
+            sys.stderr.write(f"warning: {warning}\n")
     print(f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {built.path}")
     return EXIT_OK
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rlc.compiler.bundle.context import build_context
+from rlc.compiler.bundle.context import build_context, log_dir_warnings
 from rlc.compiler.bundle.errors import BundleError
 from rlc.compiler.bundle.lock import make_lock, write_lock
 from rlc.compiler.bundle.mounts import BUNDLE_MOUNT
@@ -120,5 +120,5 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     except BaseException:
         discard(staged)
         raise
-    warnings = ctx.warnings + _ensure_log_dir(ctx.log_dir)
+    warnings = log_dir_warnings(recipe["cluster"], ctx.log_dir) + ctx.warnings + _ensure_log_dir(ctx.log_dir)
     return BundleResult(path=out_dir, files=files, warnings=warnings)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlc.compiler.bundle.env import env_lines
-from rlc.compiler.bundle.errors import BundleError
+from rlc.compiler.bundle.env import check_env, env_lines
+from rlc.compiler.bundle.errors import BundleError, Problems
 from rlc.compiler.bundle.mounts import BUNDLE_MOUNT, Mount, check_mounts
 from rlc.compiler.shell import Quoted, UnsafeValue, quote
 
@@ -56,13 +56,27 @@ def log_dir_warnings(cluster: dict[str, Any], log_dir: str) -> list[str]:
             f"{log_dir} (it must be on a filesystem every node sees)"]
 
 
-def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
+def _extra_flag(flag: Any, key: str) -> Quoted:
+    if not isinstance(flag, str) or not flag.startswith("--") or len(flag) < 3:
+        raise BundleError(f"{key}: expected `--flag` or `--flag=value`, got {flag!r}", key)
+    name, eq, value = flag[2:].partition("=")
+    if name in MANAGED_FLAGS:
+        raise BundleError(f"{key}: --{name} is set by the bundle from {MANAGED_FLAGS[name]}; "
+                          "set it there instead of in extra_flags", key)
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", name):
+        raise BundleError(f"{key}: {flag!r} is not `--flag` or `--flag=value`", key)
+    return Quoted(f"--{name}={_q(value, key, 'sbatch')}" if eq else f"--{name}")
+
+
+def _sbatch_lines(recipe: dict[str, Any], log_dir: str, problems: Problems) -> list[Quoted]:
     cluster = recipe["cluster"]
     slurm = cluster["slurm"]
     lines: list[Quoted] = []
 
     def opt(flag: str, value: Any, key: str, ctx: str = "sbatch") -> None:
-        lines.append(Quoted(f"--{flag}={_q(value, key, ctx)}"))
+        quoted = problems.attempt(_q, value, key, ctx)
+        if quoted is not None:
+            lines.append(Quoted(f"--{flag}={quoted}"))
 
     job_key = "cluster.slurm.job_name" if "job_name" in slurm else "name"
     opt("job-name", slurm.get("job_name", recipe["name"]), job_key)
@@ -82,32 +96,26 @@ def _sbatch_lines(recipe: dict[str, Any], log_dir: str) -> list[Quoted]:
             opt(name, slurm[name], f"cluster.slurm.{name}")
     if slurm["exclusive"]:
         lines.append(Quoted("--exclusive"))
-    logs = _q(log_dir, "cluster.log_dir", "sbatch_path")
-    lines.append(Quoted(f"--output={logs}/slurm-%j.out"))
-    lines.append(Quoted(f"--error={logs}/slurm-%j.out"))
+    logs = problems.attempt(_q, log_dir, "cluster.log_dir", "sbatch_path")
+    if logs is not None:
+        lines.append(Quoted(f"--output={logs}/slurm-%j.out"))
+        lines.append(Quoted(f"--error={logs}/slurm-%j.out"))
     if slurm["requeue"]:  # a requeued job keeps its earlier output
         lines += [Quoted("--requeue"), Quoted("--open-mode=append")]
     else:
         lines.append(Quoted("--no-requeue"))
     for i, flag in enumerate(slurm["extra_flags"]):
-        key = f"cluster.slurm.extra_flags[{i}]"
-        if not isinstance(flag, str) or not flag.startswith("--") or len(flag) < 3:
-            raise BundleError(f"{key}: expected `--flag` or `--flag=value`, got {flag!r}", key)
-        name, eq, value = flag[2:].partition("=")
-        if name in MANAGED_FLAGS:
-            raise BundleError(f"{key}: --{name} is set by the bundle from {MANAGED_FLAGS[name]}; "
-                              "set it there instead of in extra_flags", key)
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", name):
-            raise BundleError(f"{key}: {flag!r} is not `--flag` or `--flag=value`", key)
-        lines.append(Quoted(f"--{name}={_q(value, key, 'sbatch')}" if eq else f"--{name}"))
+        extra = problems.attempt(_extra_flag, flag, f"cluster.slurm.extra_flags[{i}]")
+        if extra is not None:
+            lines.append(extra)
     return lines
 
 
-def _check_ports(ray: dict[str, Any]) -> None:
+def _check_ports(ray: dict[str, Any], problems: Problems) -> None:
     lo, hi = ray["min_worker_port"], ray["max_worker_port"]
     if lo > hi:
-        raise BundleError("cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port; "
-                          "swap them", "cluster.ray.min_worker_port")
+        problems.append(BundleError("cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port; "
+                                    "swap them", "cluster.ray.min_worker_port"))
     fixed = {"port": ray["port"], "node_manager_port": ray["node_manager_port"],
              "object_manager_port": ray["object_manager_port"]}
     if ray["dashboard_port"]:
@@ -116,21 +124,37 @@ def _check_ports(ray: dict[str, Any]) -> None:
     for name, port in fixed.items():
         key = f"cluster.ray.{name}"
         if port in seen:
-            raise BundleError(f"{key}: port {port} is also cluster.ray.{seen[port]}; "
-                              "every Ray port must differ", key)
-        if lo <= port <= hi:
-            raise BundleError(f"{key}: port {port} lies inside the worker port range {lo}-{hi}; "
-                              "move it or the range", key)
-        seen[port] = name
+            problems.append(BundleError(f"{key}: port {port} is also cluster.ray.{seen[port]}; "
+                                        "every Ray port must differ", key))
+        elif lo <= port <= hi:
+            problems.append(BundleError(f"{key}: port {port} lies inside the worker port range {lo}-{hi}; "
+                                        "move it or the range", key))
+        seen.setdefault(port, name)
 
 
-def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
-                  version: str) -> BundleContext:
+def _check_image(runtime: str, image: Any) -> None:
+    if not image:
+        raise BundleError(f"cluster.container.image: required with cluster.container.runtime: "
+                          f"{runtime}; set it or use runtime: none", "cluster.container.image")
+    if any(c in image for c in "\n\r\x00"):
+        raise BundleError("cluster.container.image: contains a line break or NUL byte; "
+                          "write the image reference on one line", "cluster.container.image")
+    if runtime == "pyxis" and "," in image:
+        raise BundleError("cluster.container.image: Pyxis cannot take an image reference with ','",
+                          "cluster.container.image")
+
+
+def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str, version: str,
+                  problems: Problems | None = None) -> BundleContext:
     """Check the recipe's cluster section and quote every value the templates print.
 
     ``recipe`` has the schema's defaults filled; ``log_dir`` is the absolute log folder that
-    ``runtime.yaml`` names (``cluster.log_dir``, made absolute by the resolver).
+    ``runtime.yaml`` names (``cluster.log_dir``, made absolute by the resolver). Every check runs:
+    each problem is added to ``problems``, or, when that is ``None``, the first one is raised as a
+    :class:`BundleError` once all have run. ``bundle_dir`` ``None`` (no output folder yet: the
+    checks every command runs) skips the checks of the output folder's path.
     """
+    found = Problems() if problems is None else problems
     cluster = recipe["cluster"]
     container = cluster["container"]
     ray = cluster["ray"]
@@ -139,42 +163,42 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
     if not posixpath.isabs(log_dir):
         raise BundleError(f"cluster.log_dir: {log_dir!r} must be absolute by now (a bug in rlc's resolver)",
                           "cluster.log_dir")
-    warnings: list[str] = log_dir_warnings(cluster, log_dir)
-    _check_ports(ray)
-    bundle = str(bundle_dir)
+    warnings: list[str] = []
+    _check_ports(ray, found)
+    bundle = str(bundle_dir) if bundle_dir is not None else ""
 
     mounts: list[Mount] = []
+    mount_text = ""
     if runtime == "none":
-        mount_text = ""
         if container.get("mounts"):
             warnings.append("cluster.container.mounts: ignored with cluster.container.runtime: none")
         if image:
             warnings.append("cluster.container.image: ignored with cluster.container.runtime: none")
     else:
-        if not image:
-            raise BundleError(f"cluster.container.image: required with cluster.container.runtime: "
-                              f"{runtime}; set it or use runtime: none", "cluster.container.image")
-        if any(c in image for c in "\n\r\x00"):
-            raise BundleError("cluster.container.image: contains a line break or NUL byte; "
-                              "write the image reference on one line", "cluster.container.image")
-        if runtime == "pyxis" and "," in image:
-            raise BundleError("cluster.container.image: Pyxis cannot take an image reference with ','",
-                              "cluster.container.image")
-        _q(bundle, "-o/--output (the bundle folder, mounted into the container)", "mount")
-        _q(log_dir, "cluster.log_dir (mounted into the container)", "mount")
+        found.attempt(_check_image, runtime, image)
+        if bundle_dir is not None:
+            found.attempt(_q, bundle, "-o/--output (the bundle folder, mounted into the container)", "mount")
+        found.attempt(_q, log_dir, "cluster.log_dir (mounted into the container)", "mount")
         reserved = {BUNDLE_MOUNT: "the bundle (its own rlc, runtime.yaml, env.sh)",
                     log_dir: "cluster.log_dir (logs and the job's Ray token)"}
         mounts, w = check_mounts(list(container["mounts"]),
-                                 list(cluster["shared_fs_roots"]), reserved)
+                                 list(cluster["shared_fs_roots"]), reserved, problems=found)
         warnings += w
         mounts = mounts + [Mount(bundle, BUNDLE_MOUNT, "ro"), Mount(log_dir, log_dir, None)]
         mount_text = ",".join(m.spec for m in mounts)
-        _q(container["workdir"], "cluster.container.workdir", "mount")
+        found.attempt(_q, container["workdir"], "cluster.container.workdir", "mount")
+    sbatch_lines = _sbatch_lines(recipe, log_dir, found)
+    check_env(dict(cluster["env"]), problems=found)
+    python = found.attempt(_q, container["python"], "cluster.container.python", "word")
+    if problems is None:
+        found.raise_first()
+    if found:  # collecting only: the values below would carry the problems
+        return BundleContext(values={}, mounts=mounts, log_dir=log_dir, warnings=warnings)
 
     values: dict[str, Any] = {
         "version": _q(version, "rlc version"),
         "name": _q(recipe["name"], "name"),
-        "sbatch_lines": _sbatch_lines(recipe, log_dir),
+        "sbatch_lines": sbatch_lines,
         "bundle_dir": _q(bundle, "-o/--output (the bundle folder)"),
         "log_dir": _q(log_dir, "cluster.log_dir"),
         "nodes": int(cluster["nodes"]),
@@ -183,8 +207,8 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path, log_dir: str,
         "image": _q(image or "", "cluster.container.image"),
         "mounts": _q(mount_text, "cluster.container.mounts"),
         "workdir": _q(container["workdir"], "cluster.container.workdir"),
-        "mount_home": 1 if container["mount_home"] else 0,
-        "python": _q(container["python"], "cluster.container.python", "word"),
+        "mount_home": 1 if container.get("mount_home", False) else 0,
+        "python": python,
         "bundle_mount": _q(BUNDLE_MOUNT if runtime != "none" else bundle, "bundle mount"),
         "ray_port": int(ray["port"]),
         "ray_node_manager_port": int(ray["node_manager_port"]),

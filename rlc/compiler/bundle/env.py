@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlc.compiler.bundle.errors import BundleError
-from rlc.compiler.shell import Quoted, UnsafeValue, quote
+from rlc.compiler.bundle.errors import BundleError, Problems
+from rlc.compiler.shell import Quoted, quote
 
 #: Defaults written before the recipe's env (the recipe may override them).
 DEFAULTS: tuple[tuple[str, str], ...] = (
@@ -48,25 +48,33 @@ def env_text(value: Any) -> str:
     return str(value)
 
 
-def check_env(env: dict[str, Any], key: str = "cluster.env") -> None:
-    """Reject names the bundle owns and values that cannot live in a shell variable."""
+def check_env(env: dict[str, Any], key: str = "cluster.env", problems: Problems | None = None) -> None:
+    """Reject names the bundle owns and values that cannot live in a shell variable; every entry
+    is checked, each problem added to ``problems`` (or the first raised when it is ``None``)."""
+    found = Problems() if problems is None else problems
     for name, value in env.items():
-        k = f"{key}.{name}"
-        if not _NAME.fullmatch(name):
-            raise BundleError(f"{k}: {name!r} is not a valid environment variable name", k)
-        why = _RESERVED.get(name) or next(
-            (w for p, w in _RESERVED_PREFIXES.items() if name.startswith(p)), None)
-        if why:
-            raise BundleError(f"{k}: {name} cannot be set in a recipe ({why}); remove it", k)
-        if not isinstance(value, (str, int, float, bool)):
-            raise BundleError(f"{k}: expected a string, number or boolean", k)
-        if "\x00" in env_text(value):
-            raise BundleError(f"{k}: the value contains a NUL byte, which no environment "
-                              "variable can hold; remove it", k)
+        found.attempt(_check_entry, name, value, f"{key}.{name}")
+    if problems is None:
+        found.raise_first()
+
+
+def _check_entry(name: str, value: Any, k: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise BundleError(f"{k}: {name!r} is not a valid environment variable name", k)
+    why = _RESERVED.get(name) or next(
+        (w for p, w in _RESERVED_PREFIXES.items() if name.startswith(p)), None)
+    if why:
+        raise BundleError(f"{k}: {name} cannot be set in a recipe ({why}); remove it", k)
+    if not isinstance(value, (str, int, float, bool)):
+        raise BundleError(f"{k}: expected a string, number or boolean", k)
+    if "\x00" in env_text(value):
+        raise BundleError(f"{k}: the value contains a NUL byte, which no environment "
+                          "variable can hold; remove it", k)
 
 
 def env_lines(env: dict[str, Any], key: str = "cluster.env") -> list[Quoted]:
-    """The ``export`` lines of ``env.sh`` (already quoted)."""
+    """The ``export`` lines of ``env.sh`` (already quoted); raises :class:`BundleError` for the
+    first bad entry (:func:`check_env`)."""
     check_env(env, key)
     lines: list[Quoted] = [Quoted("# bundle defaults (a recipe's cluster.env may override them)")]
     user = {k: env_text(v) for k, v in env.items()}
@@ -77,10 +85,7 @@ def env_lines(env: dict[str, Any], key: str = "cluster.env") -> list[Quoted]:
     for name in sorted(user):
         if name == "PYTHONPATH":
             continue
-        try:
-            lines.append(Quoted(f"export {name}={quote(user[name], f'{key}.{name}')}"))
-        except UnsafeValue as exc:
-            raise BundleError(str(exc), exc.key) from None
+        lines.append(Quoted(f"export {name}={quote(user[name], f'{key}.{name}')}"))
     lines.append(Quoted("# owned by the bundle: its own rlc first on PYTHONPATH, Ray token authentication"))
     extra = ""
     if user.get("PYTHONPATH"):

@@ -1,6 +1,10 @@
 """Errors of the bundle writer."""
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
 
 class BundleError(Exception):
     """A recipe value or an output folder that stops the bundle from being written.
@@ -20,3 +24,25 @@ class BundleError(Exception):
     def exit_code(self) -> int:
         """1 for recipe problems, 2 for IO problems (the ``rlc`` exit-code convention)."""
         return 1 if self.kind == "recipe" else 2
+
+
+class Problems(list):
+    """The bundle-stage problems of one recipe, collected so that every one is reported at once.
+
+    Each check runs through :meth:`attempt`: a :class:`BundleError` it raises is kept and the next
+    check still runs. :meth:`raise_first` turns the collection back into an exception for callers
+    that write a bundle (the CLI has reported them all by then, through ``rlc.compiler.api.check``).
+    """
+
+    def attempt(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """``check(*args, **kwargs)``, or ``None`` after recording the :class:`BundleError` it raised."""
+        try:
+            return check(*args, **kwargs)
+        except BundleError as exc:
+            self.append(exc)
+            return None
+
+    def raise_first(self) -> None:
+        """Raise the first problem, if any."""
+        if self:
+            raise self[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
-from rlc.compiler.bundle.errors import BundleError
+from rlc.compiler.bundle.errors import BundleError, Problems
 from rlc.compiler.shell import UnsafeValue, quote
 
 #: Where the bundle folder (runtime.yaml, env.sh, node.sh, rlc_pkg/) appears inside the container.
@@ -67,28 +67,40 @@ def parse_mount(text: str, key: str) -> Mount:
 
 
 def check_mounts(entries: list[str], shared_fs_roots: list[str], reserved: dict[str, str],
-                 key: str = "cluster.container.mounts") -> tuple[list[Mount], list[str]]:
+                 key: str = "cluster.container.mounts",
+                 problems: Problems | None = None) -> tuple[list[Mount], list[str]]:
     """Parse and check the user's mounts. ``reserved`` maps destinations the bundle mounts itself
-    to a description. Returns the mounts and warnings; raises :class:`BundleError` on errors."""
+    to a description. Returns the good mounts and warnings; each bad entry is added to
+    ``problems`` (every entry is checked), or raised as a :class:`BundleError` when it is ``None``."""
+    found = Problems() if problems is None else problems
     mounts: list[Mount] = []
     warnings: list[str] = []
     seen: dict[str, str] = {}
     for i, entry in enumerate(entries):
         k = f"{key}[{i}]"
-        m = parse_mount(entry, k)
-        if m.dst in _FORBIDDEN_EXACT or any(_inside(m.dst, t) for t in _FORBIDDEN_TREES):
-            raise BundleError(f"{k}: mounting over {m.dst} would break the container; "
-                              "choose another destination", k)
-        for dst, what in reserved.items():
-            if _inside(m.dst, dst):
-                raise BundleError(f"{k}: {m.dst} is where the bundle mounts {what}; "
-                                  "choose another destination", k)
-        if m.dst in seen:
-            raise BundleError(f"{k}: destination {m.dst} is already mounted by {seen[m.dst]}; "
-                              "each destination may be mounted once", k)
+        m = found.attempt(_checked_mount, entry, k, reserved, seen)
+        if m is None:
+            continue
         seen[m.dst] = k
         if shared_fs_roots and not any(_inside(m.src, posixpath.normpath(r)) for r in shared_fs_roots):
             warnings.append(f"{k}: source {m.src} is outside cluster.shared_fs_roots "
                             f"({', '.join(shared_fs_roots)}); other nodes may not see it")
         mounts.append(m)
+    if problems is None:
+        found.raise_first()
     return mounts, warnings
+
+
+def _checked_mount(entry: str, k: str, reserved: dict[str, str], seen: dict[str, str]) -> Mount:
+    m = parse_mount(entry, k)
+    if m.dst in _FORBIDDEN_EXACT or any(_inside(m.dst, t) for t in _FORBIDDEN_TREES):
+        raise BundleError(f"{k}: mounting over {m.dst} would break the container; "
+                          "choose another destination", k)
+    for dst, what in reserved.items():
+        if _inside(m.dst, dst):
+            raise BundleError(f"{k}: {m.dst} is where the bundle mounts {what}; "
+                              "choose another destination", k)
+    if m.dst in seen:
+        raise BundleError(f"{k}: destination {m.dst} is already mounted by {seen[m.dst]}; "
+                          "each destination may be mounted once", k)
+    return m

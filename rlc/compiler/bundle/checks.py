@@ -1,0 +1,40 @@
+"""The bundle stage's checks as diagnostics, for every command (``rlc.compiler.api.check``).
+
+``rlc validate``, ``lint``, ``plan`` and ``compile`` all report what would stop ``rlc compile``
+from writing the bundle (Ray port clashes, bad mounts, variables the bundle owns in
+``cluster.env``, managed ``#SBATCH`` flags in ``extra_flags``, values no script line can hold),
+all at once, next to the schema's and the rules' findings. The checks themselves are the bundle
+writer's own (:func:`rlc.compiler.bundle.context.build_context`), run without an output folder.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlc.compiler.bundle.context import build_context
+from rlc.compiler.bundle.errors import Problems
+from rlc.compiler.diagnostics import Diagnostic
+
+#: Recipe keys the bundle checks read: they run when the schema found nothing wrong below these.
+KEYS_READ = ("cluster", "name")
+
+
+def absolute_log_dir(cluster: dict[str, Any]) -> str:
+    """``cluster.log_dir`` made absolute the way the resolver does (against the current folder)."""
+    return os.path.abspath(cluster["log_dir"])
+
+
+def _strip_key(message: str, key: str | None) -> str:
+    prefix = f"{key}: " if key else ""
+    return message[len(prefix):] if prefix and message.startswith(prefix) else message
+
+
+def bundle_diagnostics(recipe: dict[str, Any], version: str) -> list[Diagnostic]:
+    """Every bundle-stage error and warning of ``recipe`` (schema defaults filled), unplaced."""
+    problems = Problems()
+    context = build_context(recipe, None, absolute_log_dir(recipe["cluster"]), version, problems)
+    diags = [Diagnostic("error", _strip_key(str(p), p.key), path=p.key or "") for p in problems]
+    for warning in context.warnings:
+        key, sep, rest = warning.partition(": ")
+        diags.append(Diagnostic("warning", rest if sep else warning, path=key if sep else ""))
+    return diags
