@@ -154,9 +154,9 @@ def test_sbatch_header(tmp_path, e2e_recipe):
     ('cluster.slurm.extra_flags=["--comment=a\\nb"]',
      "cluster.slurm.extra_flags[0]: '--comment=a\\nb' does not match the required pattern"),  # the schema's
     ('cluster.slurm.job_name="a\\nrm -rf /"', "cluster.slurm.job_name: contains a newline"),
-    ("cluster.ray.node_manager_port=46379", "cluster.ray.node_manager_port: port 46379 is also cluster.ray.port"),
-    ("cluster.ray.port=46600", "cluster.ray.port: port 46600 lies inside the worker port range 46500-46999"),
-    ("cluster.ray.min_worker_port=47000", "cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port"),
+    ("cluster.ray.node_manager_port=23379", "cluster.ray.node_manager_port: port 23379 is also cluster.ray.port"),
+    ("cluster.ray.port=23600", "cluster.ray.port: port 23600 lies inside the worker port range 23500-23999"),
+    ("cluster.ray.min_worker_port=24000", "cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port"),
     ('cluster.env={"RAY_AUTH_MODE": "disabled"}', "cluster.env.RAY_AUTH_MODE: RAY_AUTH_MODE cannot be set"),
     ("cluster.container.python=python3 -u", "cluster.container.python: must be one word"),
 ])
@@ -179,3 +179,20 @@ def test_relative_log_dir_is_taken_from_the_current_folder(tmp_path, e2e_recipe,
     assert f"log_dir: {tmp_path}/out/logs\n" in runtime
     assert f"dir: {tmp_path}/out/logs/checkpoints/rlc-e2e-2node\n" in runtime
     assert any("relative path 'out/logs' resolved against the current folder" in w for w in res.warnings)
+
+
+def test_ray_ports_in_the_range_linux_gives_outgoing_connections_warn(tmp_path, e2e_recipe):
+    """Any outgoing connection on a node may hold such a port when Ray starts (its raylet then
+    aborts with "Address already in use"): every command warns, naming the key."""
+    from rlc.compiler.api import check
+
+    quiet = check(e2e_recipe, _set(tmp_path))
+    assert not [d for d in quiet.diagnostics if d.path.startswith("cluster.ray")]
+    result = check(e2e_recipe, _set(tmp_path, "cluster.ray.node_manager_port=46400",
+                                    "cluster.ray.min_worker_port=32000", "cluster.ray.max_worker_port=33000"))
+    assert result.ok
+    warned = {d.path: d.message for d in result.diagnostics if d.severity == "warning"}
+    assert warned["cluster.ray.node_manager_port"].startswith(
+        "port 46400 lies in Linux's default range for outgoing connections (32768-60999")
+    assert warned["cluster.ray.min_worker_port"].startswith("worker ports 32000-33000 reach into")
+    assert "cluster.ray.port" not in warned

@@ -15,7 +15,7 @@ from bundle_helpers import compile_recipe
 
 pytestmark = pytest.mark.slow
 
-PORT = 46479  # away from the SLURM e2e test's Ray ports
+PORT = 22479  # away from the SLURM e2e test's Ray ports and below the ports Linux gives outgoing connections
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,10 @@ def ray_head(tmp_path_factory):
                RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", HOME=str(tmp))
     temp_dir = f"/tmp/rlc-probe-{os.getpid()}"
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(PORT),
-           "--node-ip-address=127.0.0.1", "--node-manager-port=46480", "--object-manager-port=46481",
-           "--min-worker-port=46500", "--max-worker-port=46599", "--metrics-export-port=46482",
-           "--dashboard-agent-listen-port=46483", "--dashboard-agent-grpc-port=46484",
-           "--runtime-env-agent-port=46485", "--include-dashboard=false", "--num-cpus=1", "--num-gpus=2",
+           "--node-ip-address=127.0.0.1", "--node-manager-port=22480", "--object-manager-port=22481",
+           "--min-worker-port=22500", "--max-worker-port=22599", "--metrics-export-port=22482",
+           "--dashboard-agent-listen-port=22483", "--dashboard-agent-grpc-port=22484",
+           "--runtime-env-agent-port=22485", "--include-dashboard=false", "--num-cpus=1", "--num-gpus=2",
            "--object-store-memory=100000000", f"--temp-dir={temp_dir}", '--resources={"rlc_node_0": 1}']
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ready_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{PORT}"}

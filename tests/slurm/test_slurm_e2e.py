@@ -64,7 +64,7 @@ def test_probe_job_end_to_end_with_token_auth(slurm, ray_python, tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}\n", token_file.read_text())
     wrong = tmp_path / "wrong-token"
     wrong.write_text(os.urandom(32).hex() + "\n")
-    address = "127.0.0.1:46379"
+    address = "127.0.0.1:23379"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLC_", "SLURM_"))}
     base["HOME"] = str(tmp_path)  # no ~/.ray token from elsewhere
     clients = {
@@ -110,4 +110,34 @@ def test_failing_driver_fails_the_job_with_its_exit_code(slurm, ray_python, tmp_
     assert (end.state, end.exit_code) == ("FAILED", "7:0"), batch_log
     assert "driver: failing on purpose" in (tmp_path / "logs" / job_id / "driver.log").read_text()
     assert "driver failed with exit code 7" in batch_log and "Ray cluster ready" in batch_log
+    assert leftovers(job_id) == []
+
+
+def test_a_ray_port_held_on_the_host_fails_the_job_naming_the_port(slurm, ray_python, tmp_path):
+    """The flaky-start cause, made deterministic: a connection holding the second node's fixed Ray
+    port (two SLURM nodes share this host, so node2 listens on the recipe's ports + 8) made its
+    raylet abort at start. Now node.sh checks the ports first and the job says which one."""
+    import socket
+
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    bundle = compile_e2e(tmp_path, ray_python)
+    held_port = 23400 + 8  # node2's node manager port
+    server = socket.create_server(("127.0.0.1", 0))
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", held_port))  # an outgoing connection's source port, as the kernel picks them
+    except OSError:
+        pytest.skip(f"port {held_port} is already taken on this host")
+    holder.connect(server.getsockname())
+    try:
+        job_id = slurm.sbatch(bundle / "launch.sbatch", env=JOB_ENV)
+        end = slurm.wait(job_id, timeout=120)
+    finally:
+        holder.close()
+        server.close()
+    log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
+    worker_log = (tmp_path / "logs" / job_id / "ray-worker-node2.log").read_text()
+    assert end.state == "FAILED", log
+    assert f"port(s) {held_port} already in use on this host, so Ray cannot start here" in worker_log, worker_log
+    assert "a Ray worker step exited" in log and "Ray cluster ready" not in log
     assert leftovers(job_id) == []

@@ -111,6 +111,24 @@ def _sbatch_lines(recipe: dict[str, Any], log_dir: str, problems: Problems) -> l
     return lines
 
 
+#: Linux's default ``net.ipv4.ip_local_port_range``: the kernel gives outgoing connections source
+#: ports from it, so a port Ray must listen on inside it can be taken by any connection on the node.
+EPHEMERAL_PORTS = (32768, 60999)
+
+
+def ephemeral_port_warnings(ray: dict[str, Any]) -> list[str]:
+    """A warning for each fixed Ray port (and the worker range) inside :data:`EPHEMERAL_PORTS`."""
+    lo, hi = EPHEMERAL_PORTS
+    fixed = ["port", "node_manager_port", "object_manager_port"] + (["dashboard_port"] if ray["dashboard_port"] else [])
+    found = [(f"cluster.ray.{name}", f"port {ray[name]} lies in") for name in fixed if lo <= ray[name] <= hi]
+    if ray["min_worker_port"] <= hi and ray["max_worker_port"] >= lo:
+        found.append(("cluster.ray.min_worker_port",
+                      f"worker ports {ray['min_worker_port']}-{ray['max_worker_port']} reach into"))
+    return [f"{key}: {what} Linux's default range for outgoing connections ({lo}-{hi}, "
+            "net.ipv4.ip_local_port_range): any connection on the node can hold such a port when Ray starts, and Ray "
+            f"then fails to start there; use ports below {lo} (Ray's defaults are)" for key, what in found]
+
+
 def _check_ports(ray: dict[str, Any], problems: Problems) -> None:
     lo, hi = ray["min_worker_port"], ray["max_worker_port"]
     if lo > hi:
@@ -165,6 +183,7 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str,
                           "cluster.log_dir")
     warnings: list[str] = []
     _check_ports(ray, found)
+    warnings += ephemeral_port_warnings(ray)
     bundle = str(bundle_dir) if bundle_dir is not None else ""
 
     mounts: list[Mount] = []
