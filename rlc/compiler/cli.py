@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlc.compiler.diagnostics import (
     DEFAULT_ORIGIN,
+    INTERNAL_RULE,
     FORMATTERS,
     Diagnostic,
     PathPart,
@@ -130,7 +131,14 @@ def cmd_lint(args: argparse.Namespace) -> int:
     from rlc.compiler.lint import lint
 
     def check(path: str) -> list[Diagnostic]:
-        result = run_check(path, ())
+        try:
+            result = run_check(path, ())
+        except Exception as exc:  # a bug in rlc: say so for this file and lint the others
+            if getattr(args, "debug", False):
+                traceback.print_exc()
+            return [Diagnostic("error", f"internal error: {type(exc).__name__}: {exc} (a bug in rlc; rerun "
+                               "`rlc validate --debug` on this file for the traceback and report it)",
+                               file=path, rule=INTERNAL_RULE)]
         return _ordered(result.diagnostics, result)
 
     diags, target = lint(args.paths, check, args.jobs)
@@ -432,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlc", parents=[common],
         description="Declarative recipe compiler for large-scale RL post-training.",
-        epilog="exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors",
+        epilog="exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors, 3 a bug in rlc",
     )
     parser.add_argument("--version", action="version", version=f"rlc {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -30,8 +30,11 @@ PathPart = Union[str, int]
 SET_ORIGIN = "--set"
 DEFAULT_ORIGIN = "<default>"
 
-#: Rules whose errors are usage/IO problems (exit code 2) rather than recipe problems (exit code 1).
-USAGE_RULES = frozenset({"io", "usage"})
+#: The rule of an error that is a bug in rlc rather than a problem of the input (exit code 3).
+INTERNAL_RULE = "internal"
+#: Rules whose errors are usage/IO problems (exit code 2) rather than recipe problems (exit code 1);
+#: they, and :data:`INTERNAL_RULE`, are not printed as rule ids.
+USAGE_RULES = frozenset({"io", "usage", INTERNAL_RULE})
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
@@ -141,10 +144,13 @@ def sort_diagnostics(diags: Iterable[Diagnostic], first_file: str | None = None)
 
 
 def exit_code(diags: Iterable[Diagnostic]) -> int:
-    """0 when there is no error, 2 when an error is a usage/IO problem, else 1."""
+    """0 when there is no error, 3 when one is a bug in rlc, 2 when one is a usage/IO problem,
+    else 1."""
     errors = [d for d in diags if d.severity == "error"]
     if not errors:
         return 0
+    if any(d.rule == INTERNAL_RULE for d in errors):
+        return 3
     if any(d.rule in USAGE_RULES for d in errors):
         return 2
     return 1

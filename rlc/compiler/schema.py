@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from functools import lru_cache
 from importlib import resources
@@ -65,7 +66,11 @@ def _validator() -> Any:
     def is_integer(_checker: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    checker = Draft202012Validator.TYPE_CHECKER.redefine("integer", is_integer)
+    def is_number(_checker: Any, value: Any) -> bool:  # NaN and infinities are no recipe value
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+
+    checker = Draft202012Validator.TYPE_CHECKER.redefine_many({"integer": is_integer, "number": is_number})
     strict = validators.extend(Draft202012Validator, type_checker=checker)
     return strict(_schema())
 
@@ -228,7 +233,7 @@ def _got(value: Any) -> str:
     if isinstance(value, int):
         return f"the integer {value}"
     if isinstance(value, float):
-        return f"the number {render(value)}"
+        return f"the number {render(value)}" if math.isfinite(value) else f"the non-finite number {render(value)}"
     if isinstance(value, str):
         return f"the string {render(value)}"
     if isinstance(value, list):
