@@ -207,7 +207,8 @@ def test_public_397b_recipe_imports_and_rlc_catches_its_refit_failure(tmp_path):
     assert got["loss.ratio_clip_high"] == 0.28 and got["training.activation_checkpointing"] == "full"
     # fixing it the way the report did makes the same import validate
     code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--set", GPU,
-                       "--set", "data.train=/data/dapo.jsonl", "--set", "refit.sleep_level=2",
+                       "--set", "data.train=/data/dapo.jsonl", "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
+                       "--set", "refit.sleep_level=2",
                        "--set", "refit.buffer_memory_ratio=0.39", "--set", "generation.enforce_eager=true",
                        "policy.generation.vllm_cfg.expert_parallel_size=256")
     assert code == 0, err
