@@ -67,8 +67,9 @@ def _validator() -> Any:
         return isinstance(value, int) and not isinstance(value, bool)
 
     def is_number(_checker: Any, value: Any) -> bool:  # NaN and infinities are no recipe value
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value))
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return isinstance(value, int) and not isinstance(value, bool)
 
     checker = Draft202012Validator.TYPE_CHECKER.redefine_many({"integer": is_integer, "number": is_number})
     strict = validators.extend(Draft202012Validator, type_checker=checker)

@@ -15,8 +15,8 @@ from rlc.compiler import schema
 
 BASE = str(REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml")
 TINY_CONFIG = REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json"
-#: Free-form values (written into env.sh as text), not numbers with a meaning.
-FREE_FORM = ("cluster.env.",)
+#: Free-form values: env.sh text, and HF config facts (range-checked by the config reader).
+FREE_FORM = ("cluster.env.", "model.overrides.")  # (architecture facts: test_architecture_facts_...)
 
 
 @lru_cache(maxsize=1)
@@ -142,3 +142,15 @@ def test_lint_reports_a_bug_on_one_file_and_lints_the_others(tmp_path, monkeypat
     assert f"{files[1]}: internal error: ZeroDivisionError: simulated bug" in run.out
     assert f"{files[2]}:4:8: grpo.max_steps: 0 is out of range" in run.out  # the file after it
     assert "linted 3 recipe(s)" in run.err
+
+
+@pytest.mark.parametrize("fact", ["hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                                  "intermediate_size", "num_key_value_heads"])
+@pytest.mark.parametrize("value", [-5, 2**41, 10**400, 1.0e308, 0])
+def test_architecture_facts_from_overrides_are_range_checked(fact, value):
+    """model.overrides feed the planner's architecture facts: sizes outside 0..2**40 are a recipe
+    error naming the key, never an internal error."""
+    run = run_rlc("validate", BASE, "--set", f"model.overrides={{{fact}: {yaml_text(value)}}}")
+    assert run.code in (0, 1) and "internal error" not in run.both, run.both
+    if isinstance(value, int) and not 0 <= value <= 2**40:
+        assert run.code == 1 and f"{fact} is {value}, which is no architecture size" in run.err

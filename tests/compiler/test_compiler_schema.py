@@ -74,7 +74,7 @@ def test_valid_fixtures_pass_the_schema(path, monkeypatch):
         ("refit.sleep_level", "2", "choose one of: 1, 2; did you mean 2?"),
         ("cluster.nodes", 0, "0 is out of range: allowed 1 to 4096"),
         ("refit.buffer_memory_ratio", 0.95, "0.95 is out of range: allowed > 0 and <= 0.9"),
-        ("parallelism.train.tp", 0, "0 is out of range: allowed >= 1"),
+        ("parallelism.train.tp", 0, "0 is out of range: allowed 1 to 65536"),
         ("cluster.nodes", "2", "expected an integer, got the string '2'"),
         ("cluster.nodes", 2.0, "expected an integer, got the number 2.0"),
         ("cluster.nodes", True, "expected an integer, got the boolean true"),

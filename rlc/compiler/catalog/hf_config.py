@@ -46,12 +46,19 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+#: Largest architecture size (layers, widths, heads, experts, vocabulary) taken from a config.
+MAX_FACT = 1 << 40
+
+
 def _int(cfg: dict[str, Any], *keys: str) -> Optional[int]:
     for key in keys:
         value = cfg.get(key)
         if isinstance(value, bool):
             continue
         if isinstance(value, int):
+            if not 0 <= value <= MAX_FACT:
+                raise ConfigFormatError(f"{key} is {value}, which is no architecture size "
+                                        f"(expected 0 to {MAX_FACT}); fix the config or model.overrides")
             return value
     return None
 

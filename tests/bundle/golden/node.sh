@@ -53,6 +53,32 @@ wait_gcs() {
   done
 }
 
+# check_ports PORT...: every fixed port Ray will listen on here can be bound now. A port held by
+# anything else (often the source port of an outgoing connection: Linux picks those from
+# net.ipv4.ip_local_port_range) makes the raylet abort at start with a bare "Address already in
+# use", or leaves a node that never joins; say which port instead.
+check_ports() {
+  local busy
+  busy=$("$py" -c '
+import socket, sys
+for port in sys.argv[1:]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Ray (gRPC) binds: TIME_WAIT is no clash
+    try:
+        s.bind(("", int(port)))
+    except OSError:
+        print(port)
+    finally:
+        s.close()
+' "$@") || die "could not check the Ray ports with $py"
+  [ -z "$busy" ] && return 0
+  local range
+  range=$(tr -s ' \t' '-' </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null) || range=unknown
+  die "port(s) ${busy//$'\n'/ } already in use on this host, so Ray cannot start here; another program (or an" \
+    "outgoing connection: this host picks their ports from $range) holds them. Use cluster.ray ports outside" \
+    "$range (rlc compile warns about ports inside Linux's default range)."
+}
+
 run_ray() {
   local nm=$RLC_RAY_NODE_MANAGER_PORT om=$RLC_RAY_OBJECT_MANAGER_PORT
   local wlo=$RLC_RAY_MIN_WORKER_PORT whi=$RLC_RAY_MAX_WORKER_PORT width base
@@ -94,6 +120,12 @@ run_ray() {
     wait_gcs
     args+=(--address="$RLC_HEAD_IP:$RLC_RAY_PORT")
   fi
+
+  local fixed=("$nm" "$om")
+  [ "$role" != head ] || fixed+=("$RLC_RAY_PORT")
+  [ "$role" != head ] || [ "$RLC_RAY_DASHBOARD_PORT" -le 0 ] || fixed+=("$RLC_RAY_DASHBOARD_PORT")
+  [ "$RLC_SHARED_HOST" != 1 ] || fixed+=($((base + 2)) $((base + 3)) $((base + 4)) $((base + 5)))
+  check_ports "${fixed[@]}"
 
   rm -rf "$tmp"
   log "ray ${args[*]}"
