@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.files import is_regular_file
 from rlc.compiler.recipe import shared_parents
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -36,6 +37,8 @@ SNIFF_BYTES = 64 * 1024
 
 def looks_like_recipe(path: Path) -> bool:
     """True when the file has a top-level ``version:``/``extends:`` or the recipe schema comment."""
+    if not is_regular_file(path):
+        return True  # a FIFO or device is never opened here: the check reports it
     try:
         with open(path, "rb") as fh:
             head = fh.read(SNIFF_BYTES)

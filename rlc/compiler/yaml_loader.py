@@ -278,6 +278,16 @@ def _read_text(file: str, raw: bytes) -> str:
                    hint="save the file as UTF-8") from None
 
 
+_QUOTED = re.compile(r"'(?![<\s\\])[^']{2,}(?<!\s)'|\"(?![<\s\\])[^\"]{2,}(?<!\s)\"")
+
+
+def _redact(message: str) -> str:
+    """A YAML parser message without the file's text: PyYAML quotes what it found (an alias name,
+    an escape, a directive), and a file that did not parse may be a secret named by mistake.
+    Single characters (``','``, ``'\\t'``) and token names (``'<block end>'``) stay."""
+    return _QUOTED.sub("(text not shown)", message)
+
+
 def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocument | Any:
     """Parse YAML ``text``. With ``require_mapping`` the top level must be a mapping and a
     :class:`YamlDocument` is returned; otherwise the plain value (used for ``--set`` values)."""
@@ -296,12 +306,11 @@ def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocume
                 message = f"{exc.problem} ({exc.context} that starts at line {cl}, column {cc})"
             else:
                 message = f"{exc.context}, {exc.problem}"
-        raise fail(f"YAML syntax error: {message}", _pos(mark) if mark else None) from None
+        raise fail(f"YAML syntax error: {_redact(message)}", _pos(mark) if mark else None) from None
     except yaml.reader.ReaderError as exc:
-        raise fail(f"YAML error: {exc.reason} (character {exc.character!r})",
-                   _line_col(text, exc.position)) from None
+        raise fail(f"YAML error: {exc.reason}", _line_col(text, exc.position)) from None
     except yaml.YAMLError as exc:
-        raise fail(f"YAML error: {exc}", None) from None
+        raise fail(f"YAML error: {_redact(str(exc))}", None) from None
     except RecursionError:
         raise fail(f"nesting too deep to parse (limit {MAX_DEPTH} levels)", None) from None
 
@@ -309,6 +318,11 @@ def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocume
         if require_mapping:
             raise fail("empty recipe: expected a mapping with at least `version:`", (1, 1))
         return None
+    if require_mapping and not isinstance(node, yaml.MappingNode):
+        # Nothing of a file that is not a recipe mapping is echoed: it may be a token or key file
+        # named by mistake (say, in `extends:`), and messages reach terminals and CI annotations.
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else "a single value (not shown)"
+        raise fail(f"top level must be a mapping of recipe keys, found {kind}", _pos(node.start_mark))
     builder = _Builder(file)
     try:
         data = builder.build(node, ())
@@ -318,9 +332,6 @@ def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocume
         raise YamlLoadError(builder.diags)
     if not require_mapping:
         return data
-    if not isinstance(data, dict):
-        kind = "a list" if isinstance(data, list) else f"the scalar {node.value!r}"
-        raise fail(f"top level must be a mapping of recipe keys, found {kind}", _pos(node.start_mark))
     return YamlDocument(data, builder.positions)
 
 
@@ -329,12 +340,13 @@ def load_yaml(path: str | Path, display: str | None = None) -> YamlDocument:
 
     Raises :class:`YamlLoadError` (problems in the file) or ``OSError`` (cannot read it).
     """
+    from rlc.compiler.files import FileTooLarge, read_capped
+
     file = display if display is not None else str(path)
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > MAX_BYTES:
-            raise YamlLoadError([Diagnostic(
-                "error", f"file is {size} bytes; recipes are limited to {MAX_BYTES} bytes (1 MiB)",
-                "", file, None, None)])
-        raw = fh.read(MAX_BYTES + 1)  # not a regular file (pipe, device): read at most the limit
+    try:
+        raw = read_capped(path, MAX_BYTES)  # regular files only: a FIFO or device is an OSError
+    except FileTooLarge as exc:
+        raise YamlLoadError([Diagnostic(
+            "error", f"file is {exc.size} bytes; recipes are limited to {MAX_BYTES} bytes (1 MiB)",
+            "", file, None, None)]) from None
     return parse_text(_read_text(file, raw), file)

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlc.compiler.files import CONFIG_BYTES, read_capped
+
 LOCK_NAME = "bundle.lock.json"
 LOCK_FORMAT = 1
 
@@ -56,7 +58,7 @@ def write_lock(folder: Path, lock: dict[str, Any]) -> Path:
 def read_lock(folder: Path) -> dict[str, Any] | None:
     """The lock of ``folder`` if it is an rlc bundle, else ``None``."""
     try:
-        data = json.loads((folder / LOCK_NAME).read_text(encoding="utf-8"))
+        data = json.loads(read_capped(folder / LOCK_NAME, CONFIG_BYTES))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("rlc_bundle") == LOCK_FORMAT else None

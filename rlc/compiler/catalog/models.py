@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.catalog.hf_config import ConfigFormatError, facts_from_config
+from rlc.compiler.files import read_text_capped
 from rlc.compiler.model import ModelFacts
 
 MODELS_DIR = Path(__file__).with_name("models")
@@ -81,7 +82,9 @@ def close_ids(model_id: str, n: int = 3) -> list[str]:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_capped(path))
+    except UnicodeDecodeError:
+        raise CatalogError(f"{what} {path} is not UTF-8 text") from None
     except OSError as exc:
         raise CatalogError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:

@@ -18,6 +18,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from rlc.compiler.files import read_text_capped
+
 from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.yaml")
@@ -117,11 +119,15 @@ def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
     """
     where = str(path or CALIBRATION_FILE)
     try:
-        raw = yaml.safe_load(Path(where).read_text(encoding="utf-8"))
+        raw = yaml.safe_load(read_text_capped(where))
+    except UnicodeDecodeError:
+        raise CalibrationError(f"{where}: not UTF-8 text") from None
     except OSError as exc:
         raise CalibrationError(f"{where}: cannot read the calibration file ({exc.strerror or exc})") from None
-    except yaml.YAMLError as exc:
-        raise CalibrationError(f"{where}: not YAML ({exc})") from None
+    except yaml.YAMLError as exc:  # its problem only: the file's text is not echoed (it may be a secret)
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise CalibrationError(f"{where}: not YAML{at} (a calibration table is written by `rlc calibrate`)") from None
     if not isinstance(raw, dict) or raw.get("format") != 1 or not isinstance(raw.get("entries"), list) \
             or not raw["entries"]:
         raise CalibrationError(f"{where}: a calibration table has 'format: 1' and a non-empty 'entries' list "

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlc.compiler.files import read_text_capped
 from rlc.compiler.planner.calibration import CalibrationError, parse_record
 from rlc.contract.calibration_record import STEP_MEMORY_PHASES, CalibrationRecord, memory_metric_key
+
+#: Largest run record file (metrics JSONL of a long run) read by `rlc calibrate`.
+RUN_FILE_BYTES = 1 << 30
 
 CALIBRATION_LOG = "calibration.jsonl"
 METRICS_LOG = "metrics.jsonl"
@@ -53,7 +57,9 @@ class RunMeasurements:
 
 def _lines(path: Path) -> list[tuple[int, str]]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_capped(path, RUN_FILE_BYTES)
+    except UnicodeDecodeError:
+        raise CalibrationError(f"{path}: not UTF-8 text") from None
     except OSError as exc:
         raise CalibrationError(f"{path}: cannot read ({exc.strerror or exc})") from None
     return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]

@@ -23,6 +23,8 @@ from typing import Any, Sequence, cast
 
 import yaml
 
+from rlc.compiler.files import read_text_capped
+
 OVERRIDE_ORIGIN = "command line"
 _RESOLVERS = {
     "add": lambda a, b: a + b,
@@ -143,7 +145,7 @@ def _load(path: Path, shown: str, stack: tuple[Path, ...], sources: list[_Source
         chain = " -> ".join(str(p) for p in (*stack, resolved))
         raise NemoRlConfigError(f"defaults cycle: {chain}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_capped(path)
     except FileNotFoundError:
         via = f" (named in defaults of {stack[-1]})" if stack else ""
         raise NemoRlConfigError(f"{shown}: no such file{via}") from None
