@@ -70,6 +70,9 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
         return CheckResult(loaded=None, recipe=None, diagnostics=list(exc.diagnostics))
 
     diags = list(schema.validate(loaded))
+    if loaded.named_after_file is not None:
+        diags.append(Diagnostic("info", f"named {loaded.named_after_file!r} after its file (it sets no `name` of its "
+                                "own): its checkpoints and metrics get their own folders", path="name"))
     schema_errors = [d for d in diags if d.severity == "error"]
     recipe = schema.with_defaults(loaded.data)
     if not any(_below(d.path, root) for d in schema_errors for root in _bundle_keys()):

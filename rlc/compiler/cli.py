@@ -128,20 +128,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     """Check every recipe under the given files/folders; print in text, GitHub or JSON format."""
-    from rlc.compiler.lint import lint
+    from rlc.compiler.lint import OUTPUTS_RULE, lint, output_folders, shared_output_warnings
 
     def check(path: str) -> list[Diagnostic]:
         try:
             result = run_check(path, ())
+            outputs = [output_folders(path, result)] if result.ok else []  # (checks may run in workers)
         except Exception as exc:  # a bug in rlc: say so for this file and lint the others
             if getattr(args, "debug", False):
                 traceback.print_exc()
             return [Diagnostic("error", f"internal error: {type(exc).__name__}: {exc} (a bug in rlc; rerun "
                                "`rlc validate --debug` on this file for the traceback and report it)",
                                file=path, rule=INTERNAL_RULE)]
-        return _ordered(result.diagnostics, result)
+        return _ordered(result.diagnostics, result) + outputs
 
-    diags, target = lint(args.paths, check, args.jobs)
+    found, target = lint(args.paths, check, args.jobs)
+    diags = [d for d in found if d.rule != OUTPUTS_RULE]
+    diags += shared_output_warnings([d for d in found if d.rule == OUTPUTS_RULE])
     sys.stdout.write(FORMATTERS[args.format](diags))
     if args.format == "text" or args.verbose:
         skipped = f", skipped {len(target.skipped)} other YAML file(s)" if target.skipped else ""

@@ -137,3 +137,40 @@ def lint(paths: Sequence[str], check: Check, jobs: int | None = None) -> tuple[l
     for found in _check_all(recipes, check, job_count(jobs, len(recipes))):
         diags.extend(found)
     return diags, target
+
+
+#: The rule of the (internal) record of a checked recipe's output folders, which the check hands
+#: back with its diagnostics (checks may run in worker processes); never printed.
+OUTPUTS_RULE = "outputs"
+
+
+def output_folders(path: str, result: Any) -> Diagnostic:
+    """Where a checked recipe's run writes state another run must not share (from its resolved
+    ``runtime.yaml``): checkpoints and metrics, as an :data:`OUTPUTS_RULE` record."""
+    import json
+
+    from rlc.compiler.resolve import to_runtime_config
+
+    runtime = to_runtime_config(result)
+    folders = {"checkpointing.dir": runtime["checkpointing"]["dir"], "logging.dir": runtime["logging"]["dir"]}
+    return Diagnostic("info", json.dumps(folders), file=path, rule=OUTPUTS_RULE)
+
+
+def shared_output_warnings(records: Sequence[Diagnostic]) -> list[Diagnostic]:
+    """A warning on each recipe whose checkpoint or metrics folder another linted recipe also uses
+    (say, two children of one parent that inherit its ``name``): they would resume from, and
+    overwrite, each other's state. ``records``: :func:`output_folders` of each recipe."""
+    import json
+
+    users: dict[tuple[str, str], list[str]] = {}
+    for record in records:
+        for key, folder in json.loads(record.message).items():
+            users.setdefault((key, folder), []).append(str(record.file))
+    diags = []
+    for (key, folder), paths in users.items():
+        for path in paths if len(paths) > 1 else ():
+            others = ", ".join(p for p in paths if p != path)
+            diags.append(Diagnostic("warning", f"{folder} is also the {key} of {others}: the runs would share "
+                                    "(and resume from) each other's state", path=key, file=path,
+                                    hint="give each recipe its own `name` (or set this folder)"))
+    return diags

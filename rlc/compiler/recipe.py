@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -65,6 +66,7 @@ class LoadedRecipe:
     files: list[Path]
     overrides: list[str] = field(default_factory=list)
     root: Origin | None = None
+    named_after_file: str | None = None  # the name a child recipe without its own `name` got
 
     def locate(self, path: str) -> Origin | None:
         """The origin of ``path``, or of its nearest ancestor that has one (the file's start for
@@ -371,6 +373,13 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     origins: dict[Key, Origin] = {}
     for link in reversed(chain):  # root ancestor first, the named recipe last
         _merge(data, origins, link.data, link.origins)
+    named_after_file = None
+    if len(chain) > 1 and "name" not in chain[0].data:
+        # A child recipe is its own experiment: inheriting the parent's name would share its
+        # checkpoint and metrics folders (and resume from its checkpoint).
+        named_after_file = name_from_file(chain[0].path)
+        data["name"] = named_after_file
+        origins[("name",)] = Origin(chain[0].display, 1, 1)
     diags = _apply_overrides(data, origins, overrides)
     if diags:
         raise RecipeLoadError(diags)
@@ -380,4 +389,11 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
         files=[link.path for link in chain],
         overrides=list(overrides),
         root=Origin(chain[0].display, 1, 1),
+        named_after_file=named_after_file,
     )
+
+
+def name_from_file(path: Path) -> str:
+    """A run name from a recipe's file name (what the schema allows in ``name``)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).stem).strip("-._")[:64]
+    return stem if stem and stem[0].isalnum() else f"r{stem}"[:64]

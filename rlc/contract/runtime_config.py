@@ -243,6 +243,7 @@ class CheckpointConfig:
     every_steps: int
     keep_last: int
     resume: bool
+    resume_changed_recipe: bool  # resume even from a checkpoint another experiment wrote
 
 
 @dataclass(frozen=True)

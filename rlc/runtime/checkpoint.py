@@ -13,10 +13,20 @@ same step) and returns it for the workers to write their shards into; then ``sav
 writes ``driver_state.json`` (tmp file + fsync + rename) and then the ``COMPLETE`` marker the same
 way, and prunes to the last ``checkpointing.keep_last``. ``latest`` / ``load`` / ``list_complete``
 only ever see complete checkpoints, so a crash at any point leaves the previous one as the latest.
+
+Experiments never share state: each save records the run's :func:`experiment` (the resolved
+settings that define what is being trained: model, data, reward, loss, optimizer, sampling, GRPO
+but ``max_steps``), and a resume from a checkpoint whose experiment differs is refused, naming the
+keys, unless ``checkpointing.resume_changed_recipe`` says it is on purpose. Two recipes that share
+a parent and its ``name`` (so its checkpoint folder) and differ only in ``lr`` can no longer resume
+from each other's checkpoints. What may change between restarts (``max_steps``, the cluster,
+parallel layout, memory and refit settings, logging, checkpoint cadence) is not part of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -229,11 +239,58 @@ def should_save(every_steps: int, step: int, max_steps: int) -> bool:
     return (every_steps > 0 and step % every_steps == 0) or step == max_steps
 
 
-def resume_from_latest(cfg: Any, *, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
+#: The runtime config keys that define an experiment (see the module docstring).
+EXPERIMENT_KEYS = (
+    "model.name", "model.checkpoint", "model.dtype",
+    "data.train_path", "data.prompt_key", "data.answer_key", "data.prompt_template", "data.max_prompt_length",
+    "data.shuffle", "reward", "loss", "generation.sampling",
+    "training.optimizer", "training.lr_schedule", "training.grad_clip", "training.global_batch_size",
+    "training.max_sequence_length", "training.seed", "training.mtp_loss_scale",
+    "grpo.prompts_per_step", "grpo.generations_per_prompt", "grpo.normalize_advantages", "grpo.leave_one_out",
+    "grpo.dynamic_sampling", "grpo.seed",
+)
+EXPERIMENT_STATE_KEY = "experiment"
+
+
+def experiment(config: Any) -> dict[str, Any]:
+    """The values of :data:`EXPERIMENT_KEYS` in ``config`` (a ``RuntimeConfig`` or its mapping),
+    flattened to dotted keys, plus their ``sha256``: what a checkpoint records."""
+    tree = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    values: dict[str, Any] = {}
+
+    def flatten(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value):
+                flatten(f"{prefix}.{k}", value[k])
+        else:
+            values[prefix] = value
+
+    for key in EXPERIMENT_KEYS:
+        node: Any = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        flatten(key, node)
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+    return {"sha256": digest, "values": values}
+
+
+def experiment_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: recorded -> current`` for each experiment key that differs (empty when they match)."""
+    if recorded.get("sha256") == current["sha256"]:
+        return []
+    old, new = recorded.get("values") or {}, current["values"]
+    return [f"{k}: {old.get(k, '(not recorded)')!r} -> {new.get(k, '(not set)')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)] or ["(the recorded fingerprint differs)"]
+
+
+def resume_from_latest(cfg: Any, *, warn: Callable[[str], None] | None = None,
+                       current: dict[str, Any] | None = None) -> Checkpoint | None:
     """The checkpoint to resume from for a ``CheckpointConfig``, or None to start fresh.
 
     None when checkpointing or ``resume`` is off or no complete checkpoint exists. Interrupted
-    folders are reported through ``warn`` (default: the module logger) and ignored.
+    folders are reported through ``warn`` (default: the module logger) and ignored. With
+    ``current`` (this run's :func:`experiment`), a checkpoint another experiment wrote raises
+    :class:`CheckpointError` naming the differing keys, unless ``cfg.resume_changed_recipe``.
     """
     if not (cfg.enabled and cfg.resume):
         return None
@@ -247,4 +304,18 @@ def resume_from_latest(cfg: Any, *, warn: Callable[[str], None] | None = None) -
         )
     if ckpt_step is None:
         return None
-    return load(cfg.dir, ckpt_step)
+    found = load(cfg.dir, ckpt_step)
+    if current is not None:
+        recorded = found.state.get(EXPERIMENT_STATE_KEY)
+        changes = (experiment_changes(recorded, current) if isinstance(recorded, dict)
+                   else ["(the checkpoint records no experiment: written by an older rlc)"])
+        if changes and getattr(cfg, "resume_changed_recipe", False):
+            say(f"checkpoint: resuming from {found.path}, written under a different recipe "
+                f"(checkpointing.resume_changed_recipe is on): " + "; ".join(changes))
+        elif changes:
+            raise CheckpointError(
+                f"{found.path} was written by a different experiment, refusing to resume from it: "
+                + "; ".join(changes) + ". A different experiment needs its own folder: give the recipe its own "
+                "`name` (or checkpointing.dir). To continue this run with the changed settings on purpose, "
+                "set checkpointing.resume_changed_recipe: true; to start over, checkpointing.resume: false.")
+    return found

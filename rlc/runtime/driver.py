@@ -313,7 +313,8 @@ class GrpoRun:
         try:
             folder = ckpt.begin(root, step)
             self.policy.call("save_checkpoint", str(Path(folder) / "policy"))
-            ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session},
+            ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session,
+                                   ckpt.EXPERIMENT_STATE_KEY: ckpt.experiment(self.cfg)},
                       keep_last=self.cfg.checkpointing.keep_last)
         except Exception as exc:
             self.checkpoint_failures = getattr(self, "checkpoint_failures", 0) + 1
@@ -328,7 +329,7 @@ class GrpoRun:
         """Latest complete checkpoint -> policy state + cursor; returns the step to continue after."""
         from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
 
-        found = ckpt.resume_from_latest(self.cfg.checkpointing, warn=log.warning)
+        found = ckpt.resume_from_latest(self.cfg.checkpointing, warn=log.warning, current=ckpt.experiment(self.cfg))
         if found is None:
             return 0
         self.policy.call("load_checkpoint", str(Path(found.path) / "policy"))

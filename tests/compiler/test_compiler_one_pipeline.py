@@ -84,3 +84,44 @@ def test_a_schema_error_inside_the_cluster_section_skips_its_bundle_checks(tmp_p
     assert run.code == 1
     assert "cluster.nodes: 0 is out of range" in run.err
     assert not any(m in run.err for m in BUNDLE_ERRORS)
+
+
+# ------------------------------------------------------------------ experiments never share state
+
+def _child(tmp_path, file_name: str, body: str) -> str:
+    from compiler_testing import REPO
+
+    config = REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json"
+    parent = REPO / "tests" / "slurm" / "recipes" / "e2e-2node.yaml"  # named, default output folders
+    path = tmp_path / file_name
+    path.write_text(f"version: 1\nextends: {parent}\nmodel: {{config: {config}}}\n{body}")
+    return str(path)
+
+
+def test_a_child_recipe_without_its_own_name_is_named_after_its_file(tmp_path):
+    from rlc.compiler.api import check
+    from rlc.compiler.resolve import to_runtime_config
+
+    low = check(_child(tmp_path, "lr-low.yaml", "training: {optimizer: {lr: 1.0e-6}}\n"))
+    high = check(_child(tmp_path, "lr high!.yaml", "training: {optimizer: {lr: 3.0e-6}}\n"))
+    assert low.ok and high.ok
+    assert (low.recipe["name"], high.recipe["name"]) == ("lr-low", "lr-high")
+    dirs = [to_runtime_config(r)["checkpointing"]["dir"] for r in (low, high)]
+    assert dirs[0] != dirs[1] and dirs[0].endswith("/checkpoints/lr-low")
+    assert any(d.severity == "info" and d.path == "name" and "named 'lr-low' after its file" in d.message
+               for d in low.diagnostics)
+    named = check(_child(tmp_path, "named.yaml", "name: mine\n"))
+    assert named.recipe["name"] == "mine" and not any(d.path == "name" for d in named.diagnostics)
+
+
+def test_lint_warns_when_two_recipes_share_output_folders(tmp_path):
+    for file_name in ("a.yaml", "b.yaml"):
+        _child(tmp_path, file_name, "name: same-run\n")
+    _child(tmp_path, "c.yaml", "name: other-run\n")
+    run = run_rlc("lint", str(tmp_path))
+    assert run.code == 0, run.both
+    for me, other in (("a", "b"), ("b", "a")):
+        for key, sub in (("checkpointing.dir", "checkpoints"), ("logging.dir", "metrics")):
+            assert (f"{tmp_path}/{me}.yaml: {key}: warning: " in run.out
+                    and f"/{sub}/same-run is also the {key} of {tmp_path}/{other}.yaml" in run.out), run.out
+    assert "c.yaml: checkpointing.dir" not in run.out

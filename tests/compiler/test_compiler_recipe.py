@@ -64,7 +64,7 @@ def test_scalar_replaced_by_mapping_and_back(tmp_path):
     (tmp_path / "p.yaml").write_text("version: 1\na: {b: 1, c: [1, 2]}\nd: 5\n")
     (tmp_path / "c.yaml").write_text("version: 1\nextends: p.yaml\na: 7\nd: {e: 1}\n")
     r = load_recipe(tmp_path / "c.yaml")
-    assert r.data == {"version": 1, "a": 7, "d": {"e": 1}}
+    assert r.data == {"version": 1, "a": 7, "d": {"e": 1}, "name": "c"}  # a child is named after its file
     assert not any(k.startswith("a.") for k in r.origins)
     assert r.origins["d.e"].line == 4
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from rlc.runtime import checkpoint as C
 from rlc.contract.runtime_config import CheckpointConfig
 
 
-def _cfg(root, enabled=True, resume=True) -> CheckpointConfig:
-    return CheckpointConfig(enabled=enabled, dir=str(root), every_steps=5, keep_last=2, resume=resume)
+def _cfg(root, enabled=True, resume=True, changed=False) -> CheckpointConfig:
+    return CheckpointConfig(enabled=enabled, dir=str(root), every_steps=5, keep_last=2, resume=resume,
+                            resume_changed_recipe=changed)
 
 
 def test_round_trip(tmp_path) -> None:
@@ -119,3 +121,56 @@ def test_step_dir_format_sorts(tmp_path) -> None:
     assert C.step_dir(tmp_path, 10).name == "step_000010"
     with pytest.raises(ValueError):
         C.step_dir(tmp_path, -1)
+
+
+# ------------------------------------------------------------------ experiments never share state
+
+TINY = Path(__file__).resolve().parents[2] / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
+
+
+def _runtime_config(*sets: str):
+    """The runtime config rlc compiles for the tiny recipe with ``sets`` (as the job reads it)."""
+    from rlc.compiler.api import check
+    from rlc.compiler.resolve import to_runtime_config
+    from rlc.contract.runtime_config import runtime_config_from_dict
+
+    result = check(TINY, list(sets))
+    assert result.ok, result.errors
+    return runtime_config_from_dict(to_runtime_config(result))
+
+
+def _saved_by(root, config) -> None:
+    C.save(root, 4, {"step": 4, C.EXPERIMENT_STATE_KEY: C.experiment(config)})
+
+
+def test_a_checkpoint_of_another_experiment_is_refused_naming_the_keys_and_the_way_out(tmp_path) -> None:
+    """Two recipes that share a checkpoint folder and differ only in lr (or the KL penalty)."""
+    first = _runtime_config("training.optimizer.lr=1.0e-6")
+    second = _runtime_config("training.optimizer.lr=3.0e-6", "loss.kl_penalty=0.01")
+    _saved_by(tmp_path, first)
+    with pytest.raises(C.CheckpointError) as err:
+        C.resume_from_latest(_cfg(tmp_path), current=C.experiment(second))
+    message = str(err.value)
+    assert "was written by a different experiment, refusing to resume from it" in message
+    assert "training.optimizer.lr: 1e-06 -> 3e-06" in message and "loss.kl_penalty: 0.0 -> 0.01" in message
+    assert "checkpointing.resume_changed_recipe: true" in message and "own `name`" in message
+    # on purpose: resumes, and says what changed
+    warnings: list[str] = []
+    found = C.resume_from_latest(_cfg(tmp_path, changed=True), warn=warnings.append, current=C.experiment(second))
+    assert found is not None and found.step == 4
+    assert any("training.optimizer.lr: 1e-06 -> 3e-06" in w for w in warnings)
+
+
+def test_keys_that_may_change_between_restarts_do_not_block_a_resume(tmp_path) -> None:
+    first = _runtime_config()
+    _saved_by(tmp_path, first)
+    later = _runtime_config("grpo.max_steps=500", "checkpointing.every_steps=7", "refit.sleep_level=2",
+                            "generation.gpu_memory_utilization=0.5", "training.micro_batch_size=1")
+    assert C.experiment(later) == C.experiment(first)
+    assert C.resume_from_latest(_cfg(tmp_path), current=C.experiment(later)).step == 4
+
+
+def test_a_checkpoint_without_a_recorded_experiment_is_not_trusted(tmp_path) -> None:
+    C.save(tmp_path, 3, {"step": 3})
+    with pytest.raises(C.CheckpointError, match="records no experiment"):
+        C.resume_from_latest(_cfg(tmp_path), current=C.experiment(_runtime_config()))
