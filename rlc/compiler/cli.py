@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -286,7 +287,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return code
     bundle = _stage("bundle")
     try:
-        built = bundle.build_bundle(result, Path(args.output), force=args.force)
+        built = bundle.build_bundle(result, Path(args.output or default_bundle_dir(result.recipe)), force=args.force)
     except bundle.BundleError as exc:
         diag = Diagnostic("error", str(exc), path=exc.key or "", rule="io" if exc.kind == "io" else None)
         origin = result.loaded.locate(exc.key) if exc.key and result.loaded is not None else None
@@ -298,8 +299,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for warning in built.warnings:
         if warning not in reported:  # the check above printed the bundle stage's own warnings
             sys.stderr.write(f"warning: {warning}\n")
-    print(f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {built.path}")
+    print(f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {shlex.quote(str(built.path))}")
     return EXIT_OK
+
+
+def default_bundle_dir(recipe: dict[str, Any]) -> Path:
+    """Where ``rlc compile RECIPE`` without ``-o`` writes: ``bundles/<name>`` here."""
+    return Path("bundles") / str(recipe.get("name", "rlc-run"))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -494,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("compile", cmd_compile, "compile a recipe into a launch bundle", with_set=True)
     p.add_argument("file", metavar="FILE", help="recipe file or shipped recipe name")
     calibration_flag(p)
-    p.add_argument("-o", "--output", metavar="DIR", required=True, help="bundle folder to write")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="bundle folder to write (default: bundles/<recipe name> in the current folder)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle folder")
 
     p = add("calibrate", cmd_calibrate, "fit the planner's constants for a GPU and software stack from runs",

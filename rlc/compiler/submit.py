@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from rlc.compiler.bundle.lock import read_lock
+from rlc.compiler.bundle.lock import lock_mismatches, read_lock
 
 
 class SubmitError(Exception):
@@ -50,6 +50,11 @@ def submit(bundle_dir: str | Path, test_only: bool = False,
     script = bundle / "launch.sbatch"
     if not script.is_file():
         raise SubmitError(f"{script} is missing; recompile the bundle")
+    changed = lock_mismatches(bundle, lock)
+    if changed:
+        shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+        raise SubmitError(f"{bundle} does not match its bundle.lock.json ({shown}): a bundle is not edited "
+                          "after compiling; change the recipe (or --set) and recompile it with --force")
     sbatch = shutil.which("sbatch", path=(env or os.environ).get("PATH"))
     if sbatch is None:
         raise SubmitError("sbatch not found on PATH: submit from a SLURM login node")

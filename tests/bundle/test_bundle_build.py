@@ -196,3 +196,64 @@ def test_ray_ports_in_the_range_linux_gives_outgoing_connections_warn(tmp_path, 
         "port 46400 lies in Linux's default range for outgoing connections (32768-60999")
     assert warned["cluster.ray.min_worker_port"].startswith("worker ports 32000-33000 reach into")
     assert "cluster.ray.port" not in warned
+
+
+def test_submit_refuses_a_bundle_that_no_longer_matches_its_lock(tmp_path, e2e_recipe, capsys):
+    """An edited runtime.yaml (or an added or removed file) is refused before sbatch is asked."""
+    from rlc.compiler.submit import main
+
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path))
+    with open(out / "runtime.yaml", "a", encoding="utf-8") as f:
+        f.write("# tuned by hand\n")
+    (out / "notes.txt").write_text("x")
+    (out / "plan.svg").unlink()
+    assert main(out) == 2
+    err = capsys.readouterr().err
+    assert f"{out} does not match its bundle.lock.json (" in err
+    assert "plan.svg is missing" in err and "notes.txt was added" in err and "runtime.yaml was changed" in err
+
+
+def test_the_job_checks_its_files_against_the_hashes_in_its_own_script(tmp_path, e2e_recipe):
+    """SLURM runs its own copy of launch.sbatch: a bundle recompiled or edited after submitting
+    fails the job before it starts anything (no job folder, no Ray)."""
+    from bundle_helpers import bash
+
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path))
+    submitted = (out / "launch.sbatch").read_text()
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7"}
+    compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=9"), force=True)  # recompiled meanwhile
+    run = bash(submitted, env=env)
+    assert run.returncode == 1
+    assert f"the bundle {out} is not the one this job was submitted with" in run.stdout + run.stderr
+    assert not (tmp_path / "logs" / "7").exists()
+    # the unchanged bundle passes the check (and goes on until it needs SLURM)
+    same = bash((out / "launch.sbatch").read_text(), env=env)
+    assert "is not the one this job was submitted with" not in same.stdout + same.stderr
+    assert (tmp_path / "logs" / "7").is_dir()
+
+
+def test_compile_without_an_output_folder_writes_bundles_name(tmp_path, e2e_recipe, monkeypatch, capsys):
+    from rlc.compiler.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", str(e2e_recipe), f"--set=cluster.log_dir={tmp_path}/logs"]) == 0
+    out = tmp_path / "bundles" / "rlc-e2e-2node"
+    assert (out / "launch.sbatch").is_file()
+    assert f"submit with: rlc submit {out}\n" in capsys.readouterr().out
+
+
+def test_the_printed_commands_quote_the_bundle_path(tmp_path, e2e_recipe, capsys):
+    """A folder with a space: the "submit with" line and README.txt are commands a user pastes."""
+    import shlex
+
+    from rlc.compiler.cli import main
+
+    out = tmp_path / "my bundle"
+    assert main(["compile", str(e2e_recipe), "-o", str(out), f"--set=cluster.log_dir={tmp_path}/logs"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert shlex.split(line.split("submit with: ", 1)[1]) == ["rlc", "submit", str(out)]
+    readme = (out / "README.txt").read_text()
+    assert f"  or: rlc submit {shlex.quote(str(out))} " in readme
+    assert f"  sbatch {shlex.quote(str(out))}/launch.sbatch\n" in readme

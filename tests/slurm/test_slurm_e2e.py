@@ -57,7 +57,8 @@ def test_probe_job_end_to_end_with_token_auth(slurm, ray_python, tmp_path):
     job_dir = tmp_path / "logs" / job_id
     wait_for_text(job_dir / "driver.log", "probe: holding the cluster", slurm, job_id)
 
-    # The job's secret: fresh, 0600 in a 0700 folder.
+    # The job's secret: fresh, 0600 in a 0700 folder, inside the job's own 0700 folder.
+    assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700 and job_dir.stat().st_uid == os.getuid()
     token_file = job_dir / "ray-auth" / "token"
     assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -141,3 +142,62 @@ def test_a_ray_port_held_on_the_host_fails_the_job_naming_the_port(slurm, ray_py
     assert f"port(s) {held_port} already in use on this host, so Ray cannot start here" in worker_log, worker_log
     assert "a Ray worker step exited" in log and "Ray cluster ready" not in log
     assert leftovers(job_id) == []
+
+
+def _other_user() -> str:
+    """An unprivileged second user on this host (made once, like the hostile tester had)."""
+    name = "rlc-intruder"
+    if subprocess.run(["id", "-u", name], capture_output=True, check=False).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                       check=True, capture_output=True)
+    return name
+
+
+def test_a_job_folder_another_user_made_first_fails_the_job_before_ray_starts(slurm, ray_python, tmp_path):
+    """A shared log folder lets anyone make <log_dir>/<jobid>/ before the job starts and plant a
+    Ray token in it. The job makes its private folder itself and refuses one it did not make."""
+    import shutil
+    import tempfile
+
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    intruder = _other_user()
+    shared = Path(tempfile.mkdtemp(prefix="rlc-shared-logs-", dir="/tmp"))
+    try:
+        shared.chmod(0o777)  # a team's shared log folder, no sticky bit
+        bundle = compile_e2e(tmp_path, ray_python, f"cluster.log_dir={shared}")
+        job_id = slurm.sbatch(bundle / "launch.sbatch", "--hold", env=JOB_ENV)
+        planted = "0" * 64 + "\n"
+        subprocess.run(["runuser", "-u", intruder, "--", "bash", "-c",
+                        f'umask 000; mkdir "$1/{job_id}" "$1/{job_id}/ray-auth" && printf "%s" "$2" >"$1/{job_id}/ray-auth/token"',
+                        "bash", str(shared), planted], check=True, capture_output=True)
+        slurm.run("scontrol", "release", job_id)
+        end = slurm.wait(job_id, timeout=120)
+        log = (shared / f"slurm-{job_id}.out").read_text()
+        assert end.state == "FAILED", log
+        assert f"the job folder {shared}/{job_id} already exists and belongs to user {intruder}" in log, log
+        assert "starting the Ray head" not in log
+        assert (shared / job_id / "ray-auth" / "token").read_text() == planted  # never used, never written
+        assert leftovers(job_id) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_bundle_recompiled_while_the_job_waits_fails_the_job_at_once(slurm, ray_python, tmp_path):
+    """SLURM keeps its own copy of launch.sbatch: after `rlc compile --force` of the queued job's
+    bundle, the job would pair the old script with the new runtime.yaml. It refuses instead."""
+    from rlc.compiler.api import check
+    from rlc.compiler.bundle import build_bundle
+    from slurm_jobs import RECIPE
+
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    bundle = compile_e2e(tmp_path, ray_python)
+    job_id = slurm.sbatch(bundle / "launch.sbatch", "--hold", env=JOB_ENV)
+    result = check(RECIPE, [f"cluster.log_dir={tmp_path}/logs", f"cluster.container.python={ray_python}",
+                            "grpo.max_steps=5"])
+    build_bundle(result, bundle, force=True)
+    slurm.run("scontrol", "release", job_id)
+    end = slurm.wait(job_id, timeout=120)
+    log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
+    assert end.state == "FAILED", log
+    assert f"the bundle {bundle} is not the one this job was submitted with" in log
+    assert not (tmp_path / "logs" / job_id).exists() and "starting the Ray head" not in log

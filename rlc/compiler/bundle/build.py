@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,19 +11,20 @@ import yaml
 
 from rlc.compiler.bundle.context import build_context, log_dir_warnings
 from rlc.compiler.bundle.errors import BundleError
-from rlc.compiler.bundle.lock import make_lock, write_lock
+from rlc.compiler.bundle.lock import make_lock, write_lock, write_manifest
 from rlc.compiler.bundle.mounts import BUNDLE_MOUNT
 from rlc.compiler.bundle.pkgcopy import copy_rlc
 from rlc.compiler.bundle.planfiles import plan_files
 from rlc.compiler.bundle.render import render_script, render_text
 from rlc.compiler.bundle.writer import check_target, commit, discard, staging_dir
+from rlc.compiler.shell import Quoted
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
 
 #: Files every bundle has (besides rlc_pkg/), in the order README.txt lists them.
 BUNDLE_FILES = ("launch.sbatch", "node.sh", "env.sh", "mounts.txt", "runtime.yaml", "plan.txt",
-                "plan.json", "plan.svg", "README.txt", "bundle.lock.json")
+                "plan.json", "plan.svg", "README.txt", "files.sha256", "bundle.lock.json")
 _EXECUTABLE = ("launch.sbatch", "node.sh")
 
 
@@ -89,13 +91,12 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     container = recipe["cluster"]["container"]
     text_values = {
         "name": recipe["name"], "description": recipe["description"],
-        "version": __version__, "bundle_dir": str(out_dir), "log_dir": ctx.log_dir,
+        "version": __version__, "bundle_dir": shlex.quote(str(out_dir)), "log_dir": ctx.log_dir,
         "nodes": recipe["cluster"]["nodes"], "gpus_per_node": recipe["cluster"]["gpus_per_node"],
         "container": container["runtime"], "image": container.get("image", ""),
         "bundle_mount": BUNDLE_MOUNT if container["runtime"] != "none" else str(out_dir),
     }
     contents = {
-        "launch.sbatch": render_script("launch.sbatch.j2", ctx.values),
         "node.sh": render_script("node.sh.j2", ctx.values),
         "env.sh": render_script("env.sh.j2", ctx.values),
         "mounts.txt": "".join(m.spec + "\n" for m in ctx.mounts),
@@ -111,6 +112,11 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
             path.write_text(text, encoding="utf-8")
             path.chmod(0o755 if name in _EXECUTABLE else 0o644)
         copy_rlc(staged / "rlc_pkg")
+        manifest_sha256 = write_manifest(staged, skip=("launch.sbatch",))
+        script = staged / "launch.sbatch"
+        script.write_text(render_script("launch.sbatch.j2", {**ctx.values, "manifest_sha256": Quoted(manifest_sha256)}),
+                          encoding="utf-8")
+        script.chmod(0o755)
         lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
                          overrides=list(loaded.overrides) if loaded is not None else [], container=container,
                          recipe_name=recipe["name"], log_dir=ctx.log_dir)

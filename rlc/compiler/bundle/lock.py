@@ -14,6 +14,9 @@ from rlc.compiler.files import CONFIG_BYTES, read_capped
 
 LOCK_NAME = "bundle.lock.json"
 LOCK_FORMAT = 1
+#: ``sha256sum`` lines of every file the job uses (all but launch.sbatch, this and the lock);
+#: launch.sbatch carries this file's own hash and checks both before it starts anything.
+MANIFEST_NAME = "files.sha256"
 
 
 def sha256_file(path: Path) -> str:
@@ -62,3 +65,28 @@ def read_lock(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("rlc_bundle") == LOCK_FORMAT else None
+
+
+def write_manifest(folder: Path, skip: tuple[str, ...]) -> str:
+    """Write :data:`MANIFEST_NAME` (``sha256sum --check`` format) for the files in ``folder`` but
+    ``skip``; returns the manifest's own sha256, which the job script carries."""
+    lines = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel not in (*skip, MANIFEST_NAME, LOCK_NAME):
+            lines.append(f"{sha256_file(path)}  {rel}\n")
+    manifest = folder / MANIFEST_NAME
+    manifest.write_text("".join(lines), encoding="utf-8")
+    return sha256_file(manifest)
+
+
+def lock_mismatches(folder: Path, lock: dict[str, Any]) -> list[str]:
+    """How ``folder`` differs from what its lock recorded: changed, missing and added files."""
+    recorded = lock.get("files") or {}
+    present = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
+               if p.is_file() and p.relative_to(folder).as_posix() != LOCK_NAME}
+    problems = [f"{rel} is missing" for rel in sorted(set(recorded) - set(present))]
+    problems += [f"{rel} was added" for rel in sorted(set(present) - set(recorded))]
+    problems += [f"{rel} was changed" for rel in sorted(set(recorded) & set(present))
+                 if sha256_file(present[rel]) != recorded[rel]]
+    return problems
