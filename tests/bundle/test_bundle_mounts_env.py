@@ -95,3 +95,16 @@ def test_bundle_owned_env_names_are_rejected(name):
 def test_nul_in_env_value_is_rejected():
     with pytest.raises(BundleError, match=r"cluster\.env\.X: the value contains a NUL byte"):
         env_lines({"X": "a\x00b"})
+
+
+def test_references_to_other_variables_are_expanded_at_job_start_and_nothing_else():
+    env_in = {"PATH": "/opt/conda/bin:$PATH", "HOME_LOGS": "${HOME}/logs", "PRICE": "$$5 and $(id) `id` $",
+              "UNSET": "a${RLC_TEST_SURELY_UNSET}b", "MIXED": "'$HOME'\"x\""}
+    out = _source_env(env_lines(env_in), extra="export PATH=/usr/bin:/bin HOME=/home/u")
+    assert out.returncode == 0, out.stderr
+    env = dict(kv.split("=", 1) for kv in out.stdout.split("\0") if "=" in kv)
+    assert env["PATH"] == "/opt/conda/bin:/usr/bin:/bin"
+    assert env["HOME_LOGS"] == "/home/u/logs"
+    assert env["PRICE"] == "$5 and $(id) `id` $"
+    assert env["UNSET"] == "ab"
+    assert env["MIXED"] == "'/home/u'\"x\""

@@ -10,6 +10,11 @@ Three parts, in this order:
 
 Keys the bundle owns (``RAY_ADDRESS``, ``RAY_AUTH_*``, ``RLC_*``, ``SLURM_*``) are rejected in
 ``cluster.env`` with a message naming the key.
+
+References to other variables are expanded when the job starts, on each node, as a shell would:
+``PATH: /opt/conda/bin:$PATH`` (or ``${PATH}``) prepends to the container's ``PATH`` (an unset
+variable is empty); ``$$`` is a literal ``$``. Nothing else is expanded: ``$(...)``, backticks,
+quotes and every other character stay literal text (see :func:`env_word`).
 """
 from __future__ import annotations
 
@@ -39,6 +44,23 @@ _RESERVED_PREFIXES = {
     "RAY_AUTH_": "the bundle always runs Ray with token authentication",
 }
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def env_word(value: str, key: str) -> Quoted:
+    """``value`` as one bash word: literal text single-quoted, each ``$NAME``/``${NAME}`` a quoted
+    expansion of that variable at job start (``$$`` a literal ``$``)."""
+    parts: list[str] = []
+    pos = 0
+    for m in _REFERENCE.finditer(value):
+        if m.start() > pos:
+            parts.append(quote(value[pos:m.start()], key))
+        name = m.group(1) or m.group(2)
+        parts.append(f'"${{{name}-}}"' if name else "'$'")
+        pos = m.end()
+    if pos < len(value) or not parts:
+        parts.append(quote(value[pos:], key))
+    return Quoted("".join(parts))
 
 
 def env_text(value: Any) -> str:
@@ -85,11 +107,11 @@ def env_lines(env: dict[str, Any], key: str = "cluster.env") -> list[Quoted]:
     for name in sorted(user):
         if name == "PYTHONPATH":
             continue
-        lines.append(Quoted(f"export {name}={quote(user[name], f'{key}.{name}')}"))
+        lines.append(Quoted(f"export {name}={env_word(user[name], f'{key}.{name}')}"))
     lines.append(Quoted("# owned by the bundle: its own rlc first on PYTHONPATH, Ray token authentication"))
     extra = ""
     if user.get("PYTHONPATH"):
-        extra = ":" + quote(user["PYTHONPATH"], f"{key}.PYTHONPATH")
+        extra = ":" + env_word(user["PYTHONPATH"], f"{key}.PYTHONPATH")
     lines.append(Quoted(f'export PYTHONPATH="$RLC_BUNDLE_MNT/rlc_pkg"{extra}${{PYTHONPATH:+":$PYTHONPATH"}}'))
     lines.append(Quoted("export RAY_AUTH_MODE=token"))
     lines.append(Quoted('export RAY_AUTH_TOKEN_PATH="$RLC_JOB_DIR/ray-auth/token"'))
