@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bundle_helpers import compile_recipe
+from bundle_helpers import REPO, compile_recipe
 from rlc.compiler.bundle import BUNDLE_FILES, BundleError
 from rlc.compiler.bundle.lock import sha256_file
 
@@ -257,3 +257,66 @@ def test_the_printed_commands_quote_the_bundle_path(tmp_path, e2e_recipe, capsys
     readme = (out / "README.txt").read_text()
     assert f"  or: rlc submit {shlex.quote(str(out))} " in readme
     assert f"  sbatch {shlex.quote(str(out))}/launch.sbatch\n" in readme
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_compile_cleans_up_after_a_killed_one_and_restores_a_bundle_it_moved_aside(tmp_path, e2e_recipe):
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path))
+    dead = _dead_pid()
+    # a compile killed between its two renames: the old bundle aside, nothing at the target
+    aside = tmp_path / f".b.old-{dead}-x1"
+    aside.mkdir()
+    os.rename(out, aside / "b")
+    (tmp_path / f".b.tmp-{dead}-x2").mkdir()  # and one killed while writing
+    running = tmp_path / f".b.tmp-{os.getpid()}-x3"  # a compile still running: left alone
+    running.mkdir()
+    res = compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=4"), force=True)
+    assert "max_steps: 4" in (out / "runtime.yaml").read_text()
+    assert any("restored the bundle" in w for w in res.warnings)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".b.")) == [running.name]
+
+
+def test_without_force_the_restored_bundle_is_kept(tmp_path, e2e_recipe):
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=2"))
+    aside = tmp_path / f".b.old-{_dead_pid()}-x1"
+    aside.mkdir()
+    os.rename(out, aside / "b")
+    with pytest.raises(BundleError, match="pass --force"):
+        compile_recipe(e2e_recipe, out, _set(tmp_path))
+    assert "max_steps: 2" in (out / "runtime.yaml").read_text() and not aside.exists()
+
+
+@pytest.mark.slow
+def test_a_compile_killed_at_any_moment_leaves_the_old_or_the_new_bundle(tmp_path, e2e_recipe):
+    """SIGKILL `rlc compile --force` at spread-out moments: the target is always a whole bundle
+    (its files match its lock), old or new."""
+    import signal
+    import time
+
+    from rlc.compiler.bundle.lock import lock_mismatches, read_lock
+
+    out = tmp_path / "b"
+    compile_recipe(e2e_recipe, out, _set(tmp_path, "grpo.max_steps=1"))
+    argv = [sys.executable, "-m", "rlc.compiler.cli", "compile", str(e2e_recipe), "-o", str(out), "--force",
+            f"--set=cluster.log_dir={tmp_path}/logs"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.monotonic()
+    subprocess.run([*argv, "--set=grpo.max_steps=2"], env=env, check=True, capture_output=True)
+    full = time.monotonic() - t0
+    for i in range(12):
+        proc = subprocess.Popen([*argv, f"--set=grpo.max_steps={3 + i}"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=full * (i + 1) / 12)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        lock = read_lock(out)
+        assert lock is not None and lock_mismatches(out, lock) == [], f"kill {i}: no whole bundle at {out}"

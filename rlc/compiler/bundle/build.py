@@ -16,7 +16,7 @@ from rlc.compiler.bundle.mounts import BUNDLE_MOUNT
 from rlc.compiler.bundle.pkgcopy import copy_rlc
 from rlc.compiler.bundle.planfiles import plan_files
 from rlc.compiler.bundle.render import render_script, render_text
-from rlc.compiler.bundle.writer import check_target, commit, discard, staging_dir
+from rlc.compiler.bundle.writer import check_target, commit, discard, recover, staging_dir
 from rlc.compiler.shell import Quoted
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
 
         runtime_config = to_runtime_config(result)
     out_dir = Path(os.path.abspath(out_dir))
+    recovered = recover(out_dir)
     check_target(out_dir, force)
     ctx = build_context(recipe, out_dir, runtime_config["cluster"]["log_dir"], __version__)
     loaded = result.loaded
@@ -126,5 +127,6 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     except BaseException:
         discard(staged)
         raise
-    warnings = log_dir_warnings(recipe["cluster"], ctx.log_dir) + ctx.warnings + _ensure_log_dir(ctx.log_dir)
+    warnings = (recovered + log_dir_warnings(recipe["cluster"], ctx.log_dir) + ctx.warnings
+                + _ensure_log_dir(ctx.log_dir))
     return BundleResult(path=out_dir, files=files, warnings=warnings)
