@@ -72,3 +72,11 @@ def test_compiler_modules_import_no_heavy_runtime_libraries():
             "bad=[m for m in ('torch','ray','vllm','megatron','numpy') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_text_names_expert_parallelism_only_for_models_with_experts():
+    dense = api.check(RECIPES / "tiny-qwen3-1gpu.yaml").plan.to_text()
+    moe = api.check(RECIPES / "tiny-moe-mtp-4gpu.yaml").plan.to_text()
+    layout = lambda text: text.split("\n\n")[0].lower()  # noqa: E731
+    assert "expert" not in layout(dense) and " ep" not in layout(dense) and "etp" not in layout(dense)
+    assert "expert dp" in layout(moe) and "experts split 2 ways" in layout(moe) and " ep2" in layout(moe)

@@ -68,6 +68,13 @@ def test_error_rules(base_recipe, qwen397, changes, rule_id, path, words):
     assert not fired(run(base_recipe, qwen397), rule_id, "error")
 
 
+@pytest.mark.parametrize("gbs,micro,hint", [(250, 1, "use 248 or 252"), (2, 1, "use 4"), (2048, 2048, "use 8192")])
+def test_batch_hint_offers_distinct_multiples(base_recipe, qwen397, gbs, micro, hint):
+    """A global batch below one micro batch × DP has one fix to offer, not "use 512 or 512"."""
+    result = run(with_changes(base_recipe, training__global_batch_size=gbs, training__micro_batch_size=micro), qwen397)
+    assert [d.hint for d in fired(result, "RLC107", "error")] == [hint]
+
+
 @pytest.mark.parametrize("changes,rule_id", [
     (dict(training__optimizer_cpu_offload=True), "RLC205"),
     (dict(generation__sampling={"temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_tokens": 8192, "stop": []}), "RLC303"),

@@ -193,9 +193,10 @@ def _refit_math(free: int, recipe: dict[str, Any], largest_name: str, largest: i
 # --------------------------------------------------------------------------- the plan
 
 
-def _layout_dict(tl: TrainLayout, gl: GenerationLayout) -> dict[str, Any]:
+def _layout_dict(tl: TrainLayout, gl: GenerationLayout, moe: bool) -> dict[str, Any]:
     return {
         "world": tl.world,
+        "moe": moe,  # expert parallelism means something only for a model with experts
         "train": {"tp": tl.tp, "pp": tl.pp, "cp": tl.cp, "ep": tl.ep, "etp": tl.etp, "vpp": tl.vpp,
                   "dp": tl.dp, "expert_dp": tl.expert_dp, "first": tl.first, "last": tl.last},
         "generation": {"tp": gl.tp, "pp": gl.pp, "ep": gl.ep, "dp": gl.dp, "expert_shards": gl.expert_shards},
@@ -208,7 +209,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     limit = float(gpu.memory_gib)
     plan = MemoryPlan(model_id=facts.model_id, gpu=gpu.name, gpu_memory_gib=limit, calibration_id=cal.id,
                       graph_uncertainty_gib=cal.vllm_cuda_graph_uncertainty_gib,
-                      layout=_layout_dict(tl, gl))
+                      layout=_layout_dict(tl, gl, facts.is_moe is not False))
     if cal.fallback_note:
         plan.notes.append(cal.fallback_note)
     plan.notes.extend(n for n in facts.notes if "layer order" in n or "evenly mixed" in n)

@@ -15,13 +15,15 @@ def _num(x: Optional[float], width: int = 7) -> str:
 
 def _layout_line(plan: MemoryPlan) -> list[str]:
     t, g = plan.layout["train"], plan.layout["generation"]
+    moe = plan.layout.get("moe", True)  # a dense model has no expert lines
     stages = "/".join(str(s["layers"]) for s in plan.stages) if plan.stages else "unknown"
     return [
-        f"  train:      TP{t['tp']} PP{t['pp']} CP{t['cp']} EP{t['ep']} ETP{t['etp']}"
+        f"  train:      TP{t['tp']} PP{t['pp']} CP{t['cp']}" + (f" EP{t['ep']} ETP{t['etp']}" if moe else "")
         + (f" VPP{t['vpp']}" if t["vpp"] > 1 else "")
-        + f" (DP {t['dp']}, expert DP {t['expert_dp']}; layers per stage {stages})",
-        f"  generation: TP{g['tp']} PP{g['pp']} EP{g['ep']} x {g['dp']} (experts split {g['expert_shards']} ways; "
-        f"weight shard {_num(plan.vllm_weights_gib, 0).strip()} GiB per GPU)",
+        + f" (DP {t['dp']}" + (f", expert DP {t['expert_dp']}" if moe else "") + f"; layers per stage {stages})",
+        f"  generation: TP{g['tp']} PP{g['pp']}" + (f" EP{g['ep']}" if moe else "") + f" x {g['dp']} ("
+        + (f"experts split {g['expert_shards']} ways; " if moe else "")
+        + f"weight shard {_num(plan.vllm_weights_gib, 0).strip()} GiB per GPU)",
     ]
 
 

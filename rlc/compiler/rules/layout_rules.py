@@ -203,7 +203,7 @@ def batch_divides(ctx: Context) -> None:
     if gbs % unit:
         lower = gbs // unit * unit
         ctx.error(f"global batch {gbs} is not a multiple of micro batch {micro} × DP {tl.dp} = {unit}", path,
-                  hint=f"use {lower or unit} or {lower + unit}")
+                  hint=f"use {lower} or {lower + unit}" if lower else f"use {unit}")
     if training.get("global_batch_size") and samples % gbs:
         ctx.warning(f"a GRPO step makes {samples} samples (prompts_per_step × generations_per_prompt), not a "
                     f"multiple of global_batch_size {gbs}", "training.global_batch_size")
