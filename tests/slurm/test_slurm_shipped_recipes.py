@@ -59,7 +59,7 @@ def _order(path: Path):  # group by cluster shape: fewer restarts
 
 
 @pytest.mark.parametrize("recipe_path", sorted(RECIPES, key=_order),
-                         ids=lambda p: p.relative_to(REPO / "rlc" / "recipes").as_posix())
+                         ids=lambda p: p.relative_to(REPO).as_posix())
 def test_launch_sbatch_passes_test_only(slurm, tmp_path, recipe_path):
     script, recipe = _launch_script(recipe_path, tmp_path / "bundle", tmp_path)
     shape = _shape(recipe)
