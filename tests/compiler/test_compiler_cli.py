@@ -194,7 +194,7 @@ def test_lint_github_lines_are_workflow_commands():
 def test_lint_over_worker_processes_reports_the_same_in_the_same_order():
     """Split across forked workers, lint reports exactly what one process reports, in order."""
     paths = [FIXTURES / "valid", FIXTURES / "lintdir", FIXTURES / "extends",
-             REPO / "rlc" / "recipes" / "tests", REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"]
+             REPO / "tests" / "recipes" / "seed000", REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"]
 
     def check(path):
         result = cli.run_check(path, ())

@@ -273,5 +273,6 @@ def test_sequence_packing_on_validates_with_a_warning_naming_the_key(tmp_path):
     """NeMo-RL packs by default; rlc's runtime does not pack yet: the import keeps the setting and
     validation says what to turn off to compile."""
     out = tmp_path / "r.yaml"
-    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU)
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU,
+                       "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0")
     assert code == 0 and "training.sequence_packing.enabled" in err
