@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,18 @@ class SubmitResult:
         return None if self.job_id is None else self.log_dir / self.job_id
 
 
+def _compiled_for(script: Path) -> str | None:
+    """The bundle folder that ``launch.sbatch`` names (its ``readonly RLC_BUNDLE=`` line)."""
+    for line in script.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("readonly RLC_BUNDLE="):
+            try:
+                words = shlex.split(line[len("readonly RLC_BUNDLE="):])
+            except ValueError:
+                return None
+            return words[0] if len(words) == 1 else None
+    return None
+
+
 def submit(bundle_dir: str | Path, test_only: bool = False,
            env: Mapping[str, str] | None = None) -> SubmitResult:
     """Submit ``bundle_dir/launch.sbatch``; ``env`` replaces the environment sbatch sees."""
@@ -50,6 +63,11 @@ def submit(bundle_dir: str | Path, test_only: bool = False,
     script = bundle / "launch.sbatch"
     if not script.is_file():
         raise SubmitError(f"{script} is missing; recompile the bundle")
+    compiled_for = _compiled_for(script)
+    if compiled_for is not None and Path(compiled_for).resolve() != bundle:
+        raise SubmitError(f"{bundle} was compiled into {compiled_for} and moved or copied since; a bundle runs "
+                          "only from the folder it was compiled into (its scripts name it): compile it here "
+                          f"with `rlc compile RECIPE -o {shlex.quote(str(bundle))} --force`")
     changed = lock_mismatches(bundle, lock)
     if changed:
         shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")

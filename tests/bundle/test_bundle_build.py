@@ -320,3 +320,16 @@ def test_a_compile_killed_at_any_moment_leaves_the_old_or_the_new_bundle(tmp_pat
             proc.wait()
         lock = read_lock(out)
         assert lock is not None and lock_mismatches(out, lock) == [], f"kill {i}: no whole bundle at {out}"
+
+
+def test_a_moved_bundle_is_refused_by_submit_and_says_why(tmp_path, e2e_recipe, capsys):
+    """A bundle names its folder (scripts, mounts): moved, it cannot run, and rlc submit says so."""
+    from rlc.compiler.submit import main
+
+    compile_recipe(e2e_recipe, tmp_path / "b", _set(tmp_path))
+    os.rename(tmp_path / "b", tmp_path / "moved")
+    assert main(tmp_path / "moved") == 2
+    err = capsys.readouterr().err
+    assert f"was compiled into {tmp_path / 'b'} and moved or copied since" in err
+    readme = (tmp_path / "moved" / "README.txt").read_text()
+    assert f"This bundle belongs in {tmp_path / 'b'}: launch.sbatch names that folder" in readme
