@@ -134,8 +134,17 @@ def lint(paths: Sequence[str], check: Check, jobs: int | None = None) -> tuple[l
     target = discover(paths)
     diags = [Diagnostic("error", "no such file or folder", "", p, rule="io") for p in target.missing]
     recipes = [str(r) for r in target.recipes]
-    for found in _check_all(recipes, check, job_count(jobs, len(recipes))):
-        diags.extend(found)
+    seen: set[tuple] = set()
+    for recipe, found in zip(recipes, _check_all(recipes, check, job_count(jobs, len(recipes)))):
+        own = os.path.normpath(recipe)
+        for d in found:
+            # the same finding at the same place of the same file (a parent's, met again through
+            # each recipe that extends it) is reported once
+            ident = (d.severity, d.file or own, d.line, d.col, d.path, d.message, d.rule)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            diags.append(d)
     return diags, target
 
 

@@ -22,11 +22,12 @@ GOLDEN = Path(__file__).parent / "golden"
 COMPARED = ("launch.sbatch", "node.sh", "env.sh", "mounts.txt", "README.txt", "runtime.yaml", "bundle.lock.json")
 SCRIPTS = ("launch.sbatch", "node.sh", "env.sh")
 RECIPE_INDEPENDENT = ("node.sh",)
-RECIPES = sorted([*(REPO / "rlc" / "recipes").glob("*.yaml"), *(REPO / "rlc" / "recipes" / "tests").glob("*.yaml")])
+CHAIN = REPO / "tests" / "recipes" / "nemo-rl-2471"  # test fixtures: two fail by design
+RECIPES = sorted([*(REPO / "rlc" / "recipes").glob("*.yaml"), *CHAIN.glob("*.yaml")])
 
 
 def _id(path: Path) -> str:
-    return path.relative_to(REPO / "rlc" / "recipes").with_suffix("").as_posix().replace("/", "__")
+    return f"tests__{path.stem}" if path.parent == CHAIN else path.stem
 
 
 def normalise(name: str, text: str, bundle: Path, cwd: Path) -> str:
@@ -54,7 +55,7 @@ def test_rendered_bundle_matches_golden(recipe, tmp_path, monkeypatch):
 
     result = _check(recipe)
     if not result.ok:
-        assert recipe.parent.name == "tests", f"shipped recipe {recipe.name} has errors: {result.errors}"
+        assert recipe.parent == CHAIN, f"shipped recipe {recipe.name} has errors: {result.errors}"
         pytest.skip(f"{_id(recipe)} is a negative fixture (errors by design: "
                     f"{', '.join(sorted({d.rule or '?' for d in result.errors}))}); no bundle")
     monkeypatch.chdir(tmp_path)

@@ -194,7 +194,7 @@ def test_lint_github_lines_are_workflow_commands():
 def test_lint_over_worker_processes_reports_the_same_in_the_same_order():
     """Split across forked workers, lint reports exactly what one process reports, in order."""
     paths = [FIXTURES / "valid", FIXTURES / "lintdir", FIXTURES / "extends",
-             REPO / "tests" / "recipes" / "seed000", REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"]
+             REPO / "tests" / "recipes" / "nemo-rl-2471", REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"]
 
     def check(path):
         result = cli.run_check(path, ())
@@ -217,12 +217,12 @@ def test_lint_job_count():
 
 def test_lint_ignore_drops_listed_warnings_but_never_errors():
     """lint.ignore is applied once, by the rules engine; validate and lint show its result."""
-    ep128 = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-nemo-rl-2471-3-ep128.yaml")
+    ep128 = str(REPO / "tests" / "recipes" / "nemo-rl-2471" / "qwen35-397b-nemo-rl-2471-3-ep128.yaml")
     plain = run_rlc("validate", ep128)
     assert plain.code == 0 and "[RLC212]" in plain.err
     quiet = run_rlc("validate", ep128, "--set", "lint.ignore=[{rule: RLC212, reason: measured margin here}]")
     assert quiet.code == 0 and "[RLC212]" not in quiet.err and "[RLC203]" in quiet.err
-    defaults = str(REPO / "rlc" / "recipes" / "tests/qwen35-397b-nemo-rl-2471-1-defaults.yaml")
+    defaults = str(REPO / "tests" / "recipes" / "nemo-rl-2471" / "qwen35-397b-nemo-rl-2471-1-defaults.yaml")
     loud = run_rlc("validate", defaults, "--set", "lint.ignore=[{rule: RLC210, reason: trust me please}]")
     assert loud.code == 1 and "[RLC210]" in loud.err
 
@@ -332,3 +332,22 @@ def test_missing_stage_is_a_usage_error(monkeypatch):
     monkeypatch.setattr("importlib.import_module", missing)
     r = run_rlc("submit", "somewhere")
     assert r.code == 2 and "not available in this build" in r.err
+
+
+def test_lint_of_the_shipped_recipes_folder_passes():
+    """rlc/recipes/ holds only recipes that compile (the must-fail fixtures live under tests/)."""
+    r = run_rlc("lint", str(REPO / "rlc" / "recipes"))
+    assert r.code == 0, r.both
+
+
+def test_lint_reports_a_parents_finding_once_not_once_per_child(tmp_path):
+    base = REPO / "tests" / "slurm" / "recipes" / "e2e-2node.yaml"
+    config = REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json"
+    (tmp_path / "parent.yaml").write_text(
+        f"version: 1\nextends: {base}\nmodel: {{config: {config}}}\n"
+        "generation: {sampling: {top_p: 0.9}}\n")  # a warning (RLC303) placed in the parent
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.yaml").write_text(f"version: 1\nextends: parent.yaml\nname: run-{name}\n")
+    r = run_rlc("lint", str(tmp_path))
+    assert r.code == 0, r.both
+    assert r.out.count("generation.sampling.top_p: warning: top_p 0.9") == 1, r.out

@@ -12,7 +12,7 @@ from rlc.compiler.cli import main
 HERE = Path(__file__).resolve().parent
 LOGS = HERE / "logs"
 REPO = HERE.parents[1]
-SEED_RECIPES = REPO / "rlc" / "recipes" / "tests"
+SEED_RECIPES = REPO / "tests" / "recipes" / "nemo-rl-2471"
 FINAL = REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"
 
 

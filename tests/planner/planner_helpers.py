@@ -10,11 +10,13 @@ from rlc.compiler.tree import with_value
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "rlc" / "recipes"
+#: Test fixtures replaying a field report's chronology (two fail by design), not shipped recipes.
+CHAIN_DIR = ROOT / "tests" / "recipes" / "nemo-rl-2471"
 SEED000 = {
-    "defaults": RECIPES / "tests" / "qwen35-397b-nemo-rl-2471-1-defaults.yaml",
-    "ratio05": RECIPES / "tests" / "qwen35-397b-nemo-rl-2471-2-ratio05.yaml",
-    "ep128": RECIPES / "tests" / "qwen35-397b-nemo-rl-2471-3-ep128.yaml",
-    "final": RECIPES / "tests" / "qwen35-397b-nemo-rl-2471-4-final.yaml",
+    "defaults": CHAIN_DIR / "qwen35-397b-nemo-rl-2471-1-defaults.yaml",
+    "ratio05": CHAIN_DIR / "qwen35-397b-nemo-rl-2471-2-ratio05.yaml",
+    "ep128": CHAIN_DIR / "qwen35-397b-nemo-rl-2471-3-ep128.yaml",
+    "final": CHAIN_DIR / "qwen35-397b-nemo-rl-2471-4-final.yaml",
 }
 BASE = RECIPES / "qwen35-397b-grpo-32xh100.yaml"
 ULTRA = RECIPES / "nemotron3-ultra-grpo-64xh200.yaml"

@@ -20,6 +20,19 @@ def compile_e2e(tmp_path: Path, python: str, *extra: str) -> Path:
     return build_bundle(result, tmp_path / "bundle").path
 
 
+def reseal(bundle: Path) -> None:
+    """After a test changed the bundle's own code on purpose (a driver that fails, or reports its
+    environment): record the new file hashes, as a compile would, so the job's check passes."""
+    import re
+
+    from rlc.compiler.bundle.lock import write_manifest
+
+    digest = write_manifest(bundle, skip=("launch.sbatch",))
+    script = bundle / "launch.sbatch"
+    script.write_text(re.sub(r"^readonly RLC_MANIFEST_SHA256=[0-9a-f]{64}$", f"readonly RLC_MANIFEST_SHA256={digest}",
+                             script.read_text(), count=1, flags=re.M))
+
+
 def wait_for_text(path: Path, text: str, slurm, job_id: str, timeout: float = 150) -> None:
     """Wait until ``text`` appears in ``path``; fail with the job's logs if the job ends first."""
     end = time.time() + timeout

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jobs import JOB_ENV, compile_e2e, leftovers, wait_for_text
+from slurm_jobs import JOB_ENV, compile_e2e, leftovers, reseal, wait_for_text
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -105,6 +105,7 @@ def test_failing_driver_fails_the_job_with_its_exit_code(slurm, ray_python, tmp_
     # The job runs the bundle's own rlc: make its driver fail the way a real one would.
     (bundle / "rlc_pkg" / "rlc" / "runtime" / "__main__.py").write_text(
         "import sys\nprint('driver: failing on purpose', flush=True)\nsys.exit(7)\n")
+    reseal(bundle)
     job_id = slurm.sbatch(bundle / "launch.sbatch", env=JOB_ENV)
     end = slurm.wait(job_id, timeout=180)
     batch_log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jobs import JOB_ENV, RECIPE, compile_e2e, leftovers
+from slurm_jobs import JOB_ENV, RECIPE, compile_e2e, leftovers, reseal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -39,6 +39,7 @@ def test_hostile_job_name_and_env_values_run_inert(slurm, ray_python, tmp_path):
         "keys = ['EVIL', 'MULTI', 'SPACES']\n"
         "with open(os.path.join(os.environ['RLC_JOB_DIR'], 'env.json'), 'w') as f:\n"
         "    json.dump({k: os.environ.get(k) for k in keys}, f)\n")
+    reseal(bundle)
     job_id = slurm.sbatch(bundle / "launch.sbatch", env=JOB_ENV)
     assert slurm.job_name(job_id) == job_name  # sbatch read the quoted #SBATCH line as one value
     end = slurm.wait(job_id, timeout=180)

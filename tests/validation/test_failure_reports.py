@@ -1,7 +1,7 @@
 """Known failures from public reports are caught before submission, each by the rule made for it.
 
 Each case is a recipe of a configuration that failed in the field (``failures/`` or the shipped
-field-report chain under ``tests/recipes/seed000``), the severity and rule id that must fire, and, for
+field-report chain under ``tests/recipes/nemo-rl-2471``), the severity and rule id that must fire, and, for
 reports with a published fix, the fixed recipe on which that rule must be silent. A report rlc does
 not catch yet is a strict expected failure with the planner's numbers in the reason, so it turns
 into a failure (and the mark is removed) the day it is caught.
@@ -18,7 +18,7 @@ from rlc.compiler import api
 from validation_helpers import FAILURES, rules
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAIN = ROOT / "tests" / "recipes" / "seed000"
+CHAIN = ROOT / "tests" / "recipes" / "nemo-rl-2471"
 BASE = ROOT / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"
 
 
