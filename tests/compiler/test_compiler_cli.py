@@ -26,7 +26,7 @@ def test_version():
 
 
 @pytest.mark.parametrize("argv", [[], ["frobnicate"], ["validate"], ["lint", "--format", "xml", "."],
-                                  ["compile", "x.yaml"]])
+                                  ["compile"]])
 def test_usage_errors_exit_2_without_traceback(argv):
     r = run_rlc(*argv)
     assert r.code == 2 and "usage:" in r.err and "Traceback" not in r.both
