@@ -344,16 +344,13 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Read a failed job's log; name the rule that would have caught each failure and the fix."""
     from rlc.compiler.doctor import diagnose
+    from rlc.compiler.doctor.logs import LogReadError, read_logs
     from rlc.compiler.doctor.report import render
 
     try:
-        if args.log == "-":
-            text = sys.stdin.read()
-        else:
-            with open(args.log, "rb") as handle:
-                text = handle.read().decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise UsageError(f"cannot read {args.log}: {exc.strerror or exc}") from None
+        logs = read_logs(args.log)
+    except LogReadError as exc:
+        raise UsageError(str(exc)) from None
     result = None
     if args.recipe:
         result, diags, code = _checked(argparse.Namespace(file=args.recipe, set=args.set))
@@ -362,7 +359,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot re-plan: {args.recipe} does not pass the schema (see above)")
     elif args.set:
         raise UsageError("--set needs --recipe")
-    findings = diagnose(text, result)
+    findings = diagnose(logs if len(logs) > 1 or logs[0][0] else logs[0][1], result)
     sys.stdout.write(render(findings, "stdin" if args.log == "-" else args.log, args.recipe))
     return EXIT_OK if findings else EXIT_RECIPE
 
@@ -531,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing recipe file")
 
     p = add("doctor", cmd_doctor, "name the rule and the fix for the failures in a job's log", with_set=True)
-    p.add_argument("log", metavar="LOG", help="the failed job's log (rlc, NeMo-RL, verl, vLLM, Megatron); - for stdin")
+    p.add_argument("log", metavar="LOG", help="the failed job's log (rlc, NeMo-RL, verl, vLLM, Megatron), a folder "
+                   "of logs (read recursively: *.log, *.out, *.err, *.txt), or - for stdin")
     p.add_argument("--recipe", metavar="RECIPE", help="re-plan this recipe with the log's numbers")
     p.epilog = "exit codes: 0 a known failure recognised, 1 nothing recognised, 2 usage or IO errors"
 

@@ -108,3 +108,20 @@ def test_dynamic_sampling_replanned_with_the_measured_hit_rate():
                        stdin=text)
     # 32 prompts per step, batches of 32, hit rate 18.75 % -> 6 batches; the recipe allows 10
     assert code == 0 and "takes 6 batches; the recipe allows 10" in out and "re-plan (fits)" in out
+
+
+def test_a_job_folder_is_read_recursively_and_findings_name_file_and_line(tmp_path):
+    job = tmp_path / "logs" / "4711"
+    job.mkdir(parents=True)
+    (job / "driver.log").write_text((LOGS / "megatron_overlap_stale.log").read_text())
+    (job / "slurm-4711.out").write_text((LOGS / "nemo_rl_mtp_owner.log").read_text())
+    (job / "metrics.jsonl").write_text('{"step": 1, "note": "Object present on multiple PP ranks: [0, 1]"}\n')
+    code, out, _ = rlc("doctor", str(tmp_path / "logs"))
+    assert code == 0 and "[RLC202]" in out and "[RLC201]" in out
+    assert "4711/slurm-4711.out:10: ValueError: Object present on multiple PP ranks: [0, 7]" in out
+    assert "evidence, 4711/driver.log:3:" in out
+    assert "[0, 1]" not in out  # only log files are read, not metrics.jsonl
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = rlc("doctor", str(empty))
+    assert code == 2 and "no log files" in err

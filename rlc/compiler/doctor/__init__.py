@@ -13,15 +13,15 @@ from typing import Any, Optional
 
 from rlc.compiler.doctor.findings import Finding, Match
 from rlc.compiler.doctor.patterns import PATTERNS, Pattern
-from rlc.compiler.doctor.scan import scan
+from rlc.compiler.doctor.scan import scan, scan_files
 
-__all__ = ["Finding", "Match", "PATTERNS", "Pattern", "diagnose", "scan"]
+__all__ = ["Finding", "Match", "PATTERNS", "Pattern", "diagnose", "scan", "scan_files"]
 
 
-def diagnose(text: str, result: Optional[Any] = None) -> list[Finding]:
-    """Findings of ``text``; with ``result`` (``rlc.compiler.api.check`` of the recipe) each carries the
-    re-planned verdict."""
-    findings = scan(text)
+def diagnose(text: str | list[tuple[str, str]], result: Optional[Any] = None) -> list[Finding]:
+    """Findings of a log's ``text`` (or of ``(file name, text)`` logs of one job); with ``result``
+    (``rlc.compiler.api.check`` of the recipe) each carries the re-planned verdict."""
+    findings = scan(text) if isinstance(text, str) else scan_files(text)
     if result is not None:
         from rlc.compiler.doctor.replan import replan
 

@@ -13,6 +13,11 @@ class Match:
     line: int  # 1-based
     text: str  # the matched line, trimmed
     values: dict[str, Any]
+    file: str = ""  # the log file, when several were read
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.file else f"log line {self.line}"
 
 
 @dataclass

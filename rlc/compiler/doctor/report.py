@@ -16,11 +16,11 @@ def render(findings: Sequence[Finding], log_name: str, recipe_name: str | None =
         rule = f.rule or "no compile-time rule"
         lines.append("")
         lines.append(f"{n}. [{rule}] {f.title}")
-        lines.append(f"   log line {f.first.line}: {f.first.text}")
+        lines.append(f"   {f.first.where}: {f.first.text}")
         if f.summary:
             lines.append(f"   found: {f.summary}")
         for e in f.evidence:
-            lines.append(f"   evidence, log line {e.line}: {e.text}")
+            lines.append(f"   evidence, {e.where}: {e.text}")
         if f.candidates:
             lines.append(f"   other possible causes: {', '.join(f.candidates)}")
         lines.append(f"   fix: {f.fix}")

@@ -24,9 +24,24 @@ def _new(p: Pattern) -> Finding:
 
 def scan(text: str) -> list[Finding]:
     """Every recognised failure in ``text`` (empty when nothing is recognised)."""
-    lines = text.splitlines()
+    return scan_files([("", text)])
+
+
+def scan_files(logs: list[tuple[str, str]]) -> list[Finding]:
+    """Every recognised failure in the ``(file name, text)`` logs of one job, merged by pattern."""
     found: dict[str, Finding] = {}
     observed: dict[str, Finding] = {}
+    for name, text in logs:
+        _scan_one(name, text.splitlines(), found, observed)
+    findings = list(found.values())
+    _fold_residue(findings, observed.get("vllm-sleep-residue"), eager="vllm-eager" in observed)
+    _fold_param_gather(findings, observed.get("overlap-param-gather-on"))
+    for f in findings:
+        f.summary = summarize(f)
+    return findings
+
+
+def _scan_one(name: str, lines: list[str], found: dict[str, Finding], observed: dict[str, Finding]) -> None:
     for i, line in enumerate(lines):
         lower = line.lower()
         for p in PATTERNS:
@@ -43,14 +58,8 @@ def scan(text: str) -> list[Finding]:
             if values is None:
                 continue
             target = observed if p.observation else found
-            target.setdefault(p.id, _new(p)).matches.append(Match(i + 1, line.strip()[:400], values))
+            target.setdefault(p.id, _new(p)).matches.append(Match(i + 1, line.strip()[:400], values, name))
             break
-    findings = list(found.values())
-    _fold_residue(findings, observed.get("vllm-sleep-residue"), eager="vllm-eager" in observed)
-    _fold_param_gather(findings, observed.get("overlap-param-gather-on"))
-    for f in findings:
-        f.summary = summarize(f)
-    return findings
 
 
 def _fold_residue(findings: list[Finding], residue: Finding | None, eager: bool) -> None:
