@@ -19,3 +19,19 @@ def test_refit_bandwidth_benchmark_shm(capsys):
     assert summary["buckets"] >= 2  # halves are a quarter of the weights each
     for m in summary["refit_metrics"]:
         assert m["bytes"] == 4 << 20 and m["consumer"]["bytes"] == 4 << 20
+
+
+def test_refit_bandwidth_check_exits_non_zero_below_its_goal(monkeypatch, capsys):
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    import pytest
+    import refit_bandwidth
+
+    assert refit_bandwidth.meets_goal(refit_bandwidth.GOAL_RATIO)
+    assert not refit_bandwidth.meets_goal(refit_bandwidth.GOAL_RATIO - 1e-9)
+    assert not refit_bandwidth.meets_goal(float("nan"))
+    monkeypatch.setattr(refit_bandwidth, "GOAL_RATIO", 1e9)  # no machine reaches this: the measured ratio fails
+    with pytest.raises(SystemExit) as exc:
+        refit_bandwidth.main(["--backend", "shm", "--mib", "2", "--repeats", "1", "--warmup", "0", "--check"])
+    assert "below the goal" in str(exc.value.code)
+    assert "BELOW the goal" in capsys.readouterr().out
