@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, dump, gpu_available, tiny_cfg_dict, write_yaml  # noqa: E402
+from verdicts import resume_verdict  # noqa: E402
 
 GOAL_REWARD, GOAL_GEN_KL = 0.8, 0.01
 
@@ -104,6 +105,12 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
         and s["gen_kl_max"] is not None and s["gen_kl_max"] <= GOAL_GEN_KL
         and s["refits_logged"] == s["steps_logged"]
     )
+    if resume_steps:  # the restart must resume: exit 0, the next steps, rewards of the trained policy
+        resume = res.get("resume", {})
+        res["resume_passed"], res["resume_reasons"] = resume_verdict(
+            res.get("resume_rc"), resume.get("steps", []), resume.get("reward", []), steps=steps,
+            resume_steps=resume_steps)
+        res["passed"] = res["passed"] and res["resume_passed"]
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "calibration.jsonl"):
@@ -128,6 +135,7 @@ def test_grpo_learns_toy_task(tmp_path):
     res = run(str(tmp_path / "tiny"), steps=150)
     s = res["summary"]
     assert res["rc"] == 0
+    assert res["resume_passed"], res["resume_reasons"]
     assert s["step_10mean_reached_goal"] is not None, s
     assert s["gen_kl_max"] <= GOAL_GEN_KL, s
 

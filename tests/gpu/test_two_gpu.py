@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, dump, gpu_available, tiny_cfg_dict  # noqa: E402
+from verdicts import calibration_verdict, foreign_metadata_caught  # noqa: E402
 
 TWO_GPUS = {"cluster.gpus_per_node": 2, "cluster.world_size": 2, "train_parallel.dp": 2, "train_parallel.expert_dp": 2}
 
@@ -203,10 +204,12 @@ def ep2_metadata(root: str) -> dict:
     for i, ref in enumerate(refs):
         try:
             ray.get(ref)
-        except Exception as exc:  # expected on the foreign-metadata GPU
-            errors.append({"who": ("producer" if i < 2 else "consumer") + str(i % 2), "error": str(exc).splitlines()[-1][:400]})
+        except Exception as exc:  # expected on the foreign-metadata GPU: the consumer's manifest error
+            cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the worker's exception
+            errors.append({"who": ("producer" if i < 2 else "consumer") + str(i % 2), "type": type(cause).__name__,
+                           "error": str(cause)[:600]})
     res["legacy_errors"] = errors
-    res["legacy_caught"] = any("consumer" in e["who"] for e in errors)
+    res["legacy_caught"], res["legacy_reasons"] = foreign_metadata_caught(errors)
     ray.get([a.refit_close.remote() for a in actors] + [g.refit_close.remote() for g in gens])
     # per-rank metadata (the fix)
     sess = f"ep2-perrank-{os.getpid()}"
@@ -285,7 +288,8 @@ def calibration(root: str) -> dict:
             ray.get(g.wake_up.remote(None))
         ray.kill(g)
         ray.util.remove_placement_group(pg)
-    return {"records": records, "passed": len(records) == 6}
+    passed, reasons = calibration_verdict(records, gpu_memory_utilization=0.3)
+    return {"records": records, "passed": passed, "reasons": reasons}
 
 
 PROOFS = {"param_sync": param_sync, "ep2_metadata": ep2_metadata, "calibration": calibration}

@@ -1,0 +1,91 @@
+"""CPU checks of the GPU proofs' verdicts: each passes on good evidence and fails on each kind of bad."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GpuStackBroken, gpu_available  # noqa: E402
+from verdicts import (  # noqa: E402
+    FREE_AT_REFIT_TOLERANCE_GIB,
+    RESUME_MIN_REWARD,
+    calibration_verdict,
+    foreign_metadata_caught,
+    free_at_refit_verdict,
+    resume_verdict,
+)
+
+
+def _records(start=90.0, s1=130.0, s2=130.6, total=140.0):
+    out = []
+    for eager in (True, False):
+        for phase, level, free in (("vllm_started", 0, start), ("refit_free", 1, s1), ("refit_free", 2, s2)):
+            out.append({"phase": phase, "sleep_level": level, "enforce_eager": eager, "free_gib": free,
+                        "total_gib": total})
+    return out
+
+
+def test_calibration_passes_on_measured_sleep_figures():
+    assert calibration_verdict(_records(), gpu_memory_utilization=0.3) == (True, [])
+
+
+@pytest.mark.parametrize("records, words", [
+    (_records(s1=100.0), "sleep(1) freed 10.00 GiB"),  # 10 GiB freed < 0.5 x 42 GiB budget
+    (_records(s2=128.0), "free after sleep(2)"),
+    (_records()[:5], "missing records"),
+    (_records(start=float("nan")), "not in (0, total_gib"),
+    (_records(s2=150.0), "not in (0, total_gib"),
+])
+def test_calibration_fails_on_each_bad_figure(records, words):
+    passed, reasons = calibration_verdict(records, gpu_memory_utilization=0.3)
+    assert not passed and any(words in r for r in reasons), reasons
+
+
+def test_foreign_metadata_needs_the_manifest_error_from_a_consumer():
+    good = [{"who": "consumer1", "type": "RefitManifestError",
+             "error": "consumer of producer rank 1 (GPU GPU-1), refit 1: bucket 0 carries slicing metadata from "
+                      "producer rank 0 (GPU GPU-0)"}]
+    assert foreign_metadata_caught(good) == (True, [])
+    for bad in ([], [{"who": "consumer1", "type": "TimeoutError", "error": "refit receive timed out"}],
+                [{"who": "producer0", "type": "RefitManifestError", "error": good[0]["error"]}],
+                [{"who": "consumer0", "type": "RefitManifestError", "error": "bucket 3 arrived, expected bucket 2"}]):
+        passed, reasons = foreign_metadata_caught(bad)
+        assert not passed and "no consumer raised RefitManifestError" in reasons[0]
+
+
+def test_resume_needs_exit_zero_the_next_steps_and_trained_rewards():
+    assert resume_verdict(0, [151, 152, 153], [0.9, 0.95, 0.92], steps=150, resume_steps=3) == (True, [])
+    assert "exit code 1" in resume_verdict(1, [151, 152, 153], [0.9] * 3, steps=150, resume_steps=3)[1][0]
+    assert "expected [151, 152, 153]" in resume_verdict(0, [1, 2, 3], [0.9] * 3, steps=150, resume_steps=3)[1][0]
+    chance = resume_verdict(0, [151, 152, 153], [0.1, 0.12, 0.09], steps=150, resume_steps=3)
+    assert not chance[0] and f"< {RESUME_MIN_REWARD}" in chance[1][0]
+    assert not resume_verdict(None, [], [], steps=150, resume_steps=3)[0]  # the restart never ran
+
+
+def test_free_at_refit_is_compared_with_the_plan():
+    assert free_at_refit_verdict(117.0, 119.0) == (True, [])
+    assert free_at_refit_verdict(119.0 - FREE_AT_REFIT_TOLERANCE_GIB, 119.0)[0]  # the boundary passes
+    off = free_at_refit_verdict(110.0, 119.0)
+    assert not off[0] and "off by -9.00 GiB" in off[1][0]
+    assert not free_at_refit_verdict(None, 119.0)[0]
+    assert not free_at_refit_verdict(float("nan"), 119.0)[0]
+
+
+def test_gpu_tests_skip_only_off_a_gpu_host():
+    def broken(name):
+        if name == "vllm":
+            raise ImportError("libcudart.so.12: cannot open shared object file")
+        return __import__("types").SimpleNamespace(cuda=__import__("types").SimpleNamespace(is_available=lambda: True))
+
+    assert gpu_available(gpu_host=False, importer=broken) is False  # CI: the GPU tests skip
+    with pytest.raises(GpuStackBroken, match="vllm does not import: ImportError: libcudart"):
+        gpu_available(gpu_host=True, importer=broken)  # a GPU host: they fail
+    no_cuda = lambda name: __import__("types").SimpleNamespace(  # noqa: E731
+        cuda=__import__("types").SimpleNamespace(is_available=lambda: False))
+    with pytest.raises(GpuStackBroken, match="cuda.is_available"):
+        gpu_available(gpu_host=True, importer=no_cuda)
+    fine = lambda name: __import__("types").SimpleNamespace(  # noqa: E731
+        cuda=__import__("types").SimpleNamespace(is_available=lambda: True))
+    assert gpu_available(gpu_host=True, importer=fine) is True
