@@ -85,6 +85,16 @@ class Context:
             node = node[part]
         return node
 
+    def setting(self, path: str) -> Any:
+        """The value of a key the schema gives a default (rules run on schema-filled recipes)."""
+        node: Any = self.recipe
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise KeyError(f"{path}: not in the recipe; rules run on recipes with schema defaults filled "
+                               "(rlc.compiler.schema.with_defaults)")
+            node = node[part]
+        return node
+
     def user_set(self, path: str) -> Optional[bool]:
         """Whether the recipe itself set ``path`` (``None`` when the caller gave no raw recipe)."""
         if self.raw is None:
@@ -155,7 +165,7 @@ def _indent(text: str) -> str:
 
 
 def _ignores(ctx: Context) -> list[tuple[int, str, str]]:
-    items = ctx.get("lint.ignore", []) or []
+    items = ctx.setting("lint.ignore") or []
     out = []
     for i, item in enumerate(items if isinstance(items, list) else []):
         if isinstance(item, dict) and isinstance(item.get("rule"), str):

@@ -45,7 +45,7 @@ def runtime_cannot(ctx: Context) -> None:
       seed="Megatron-core OptimizerConfig: 'use_precision_aware_optimizer requires use_distributed_optimizer'.",
       fixes="Set training.use_distributed_optimizer: true, or use_precision_aware_optimizer: false.")
 def precision_aware_needs_distributed(ctx: Context) -> None:
-    if ctx.get("training.use_precision_aware_optimizer") and not ctx.get("training.use_distributed_optimizer", True):
+    if ctx.get("training.use_precision_aware_optimizer") and not ctx.setting("training.use_distributed_optimizer"):
         ctx.error("use_precision_aware_optimizer needs use_distributed_optimizer: true",
                   "training.use_precision_aware_optimizer", hint="training.use_distributed_optimizer: true")
 
@@ -57,12 +57,12 @@ def precision_aware_needs_distributed(ctx: Context) -> None:
       seed="Megatron-core TransformerConfig (moe_enable_deepep requires moe_token_dispatcher_type 'flex').",
       fixes="Set training.moe.token_dispatcher: flex with deepep: true; EP > 1 for a MoE model.")
 def deepep(ctx: Context) -> None:
-    moe = ctx.get("training.moe", {}) or {}
+    moe = ctx.setting("training.moe") or {}
     if not moe.get("deepep"):
         return
     if moe.get("token_dispatcher") != "flex":
         ctx.error(f"training.moe.deepep needs token_dispatcher: flex (not {moe.get('token_dispatcher')!r})",
                   "training.moe.token_dispatcher", hint="training.moe.token_dispatcher: flex")
-    if ctx.facts is not None and (not ctx.facts.is_moe or ctx.get("parallelism.train.ep", 1) == 1):
+    if ctx.facts is not None and (not ctx.facts.is_moe or ctx.setting("parallelism.train.ep") == 1):
         ctx.info("training.moe.deepep has no effect: " + ("the model is dense" if not ctx.facts.is_moe else "EP is 1"),
                  "training.moe.deepep")

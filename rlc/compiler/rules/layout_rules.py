@@ -237,7 +237,7 @@ def vllm_world(ctx: Context) -> None:
         ctx.error(f"vLLM TP{gl.tp} × PP{gl.pp} = {gl.tp * gl.pp} does not divide the world of {_world_text(ctx)}",
                   f"{G}.tp")
         return
-    if ctx.get("colocated", True) and gl.gpus != world:
+    if ctx.setting("colocated") and gl.gpus != world:
         ctx.error(f"colocated vLLM uses TP{gl.tp} × PP{gl.pp} × {gl.dp} engines = {gl.gpus} GPUs, but the trainer "
                   f"uses all {world}", f"{G}.dp", hint=f"set parallelism.generation.dp: {world // (gl.tp * gl.pp)} "
                   "or leave it unset")

@@ -81,7 +81,7 @@ def staging_site(ctx: Context) -> None:
 def graph_margin(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
-    if r is None or ctx.get("generation.enforce_eager", False) or r.tolerance_gib is None:
+    if r is None or ctx.setting("generation.enforce_eager") or r.tolerance_gib is None:
         return
     if r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
@@ -102,7 +102,7 @@ def graph_margin(ctx: Context) -> None:
 def sleep_level(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
-    if r is None or ctx.get("refit.sleep_level", 1) != 1 or not ctx.get("generation.enforce_eager", False):
+    if r is None or ctx.setting("refit.sleep_level") != 1 or not ctx.setting("generation.enforce_eager"):
         return  # with enforce_eager off RLC212 already names sleep_level 2
     if r.tolerance_gib is None or r.tolerance_gib >= plan.graph_uncertainty_gib:
         return

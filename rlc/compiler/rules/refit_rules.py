@@ -76,8 +76,8 @@ def mtp_dedupe(ctx: Context) -> None:
            "overlap_param_gather=True; native-planner destinations differ before the gather, equal after).",
       fixes="Leave refit.sync_params_before_refit at auto (or on), or turn overlap_param_gather off.")
 def sync_params(ctx: Context) -> None:
-    dist = ctx.get("training.use_distributed_optimizer", True)
-    overlap = ctx.get("training.overlap_param_gather", False)
+    dist = ctx.setting("training.use_distributed_optimizer")
+    overlap = ctx.setting("training.overlap_param_gather")
     needed = bool(dist and overlap)
     why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
            "forward (NeMo-RL #4086)") if needed else "overlap_param_gather is off (parameters are current after the step)"
@@ -147,7 +147,7 @@ def fp32_params(ctx: Context) -> None:
       seed="NeMo-RL #2471 attempt 3: 'Step 2 after-offload GPU residency went 12.72 GB (off) → 15.86 GB (on)'.",
       fixes="Set training.optimizer_cpu_offload: false and keep refit.offload_optimizer_for_refit: true.")
 def cpu_offload(ctx: Context) -> None:
-    if ctx.get("training.optimizer_cpu_offload", False) and ctx.get("colocated", True):
+    if ctx.setting("training.optimizer_cpu_offload") and ctx.setting("colocated"):
         extra = ""
         if ctx.plan is not None and "refit" in ctx.plan.phases:
             try:
@@ -169,7 +169,7 @@ def buffer_exclusive(ctx: Context) -> None:
         return
     set_ratio = ctx.user_set("refit.buffer_memory_ratio")
     if set_ratio is None:  # no raw recipe: a non-default ratio can only have come from the recipe
-        set_ratio = ctx.get("refit.buffer_memory_ratio", 0.3) != 0.3
+        set_ratio = ctx.setting("refit.buffer_memory_ratio") != 0.3
     if set_ratio:
         ctx.error(f"both refit.buffer_gb ({ctx.get('refit.buffer_gb')}) and refit.buffer_memory_ratio "
                   f"({ctx.get('refit.buffer_memory_ratio')}) are set", "refit.buffer_gb",
@@ -183,8 +183,8 @@ def buffer_exclusive(ctx: Context) -> None:
       seed="rlc runtime design (rlc/runtime/refit: CUDA IPC or shm buffers per GPU).",
       fixes="Keep colocated: true with transport cuda_ipc.")
 def transport(ctx: Context) -> None:
-    t = ctx.get("refit.transport", "cuda_ipc")
-    if t == "cuda_ipc" and not ctx.get("colocated", True):
+    t = ctx.setting("refit.transport")
+    if t == "cuda_ipc" and not ctx.setting("colocated"):
         ctx.error("refit.transport cuda_ipc needs colocated: true (IPC handles are only valid on the same GPU)",
                   "refit.transport", hint="set colocated: true")
     elif t == "shm" and train_layout(ctx.recipe).world > 1:
@@ -198,6 +198,6 @@ def transport(ctx: Context) -> None:
       seed="Megatron-core DistributedDataParallelConfig (overlap_param_gather requires use_distributed_optimizer).",
       fixes="Set training.use_distributed_optimizer: true or overlap_param_gather: false.")
 def overlap_needs_dist(ctx: Context) -> None:
-    if ctx.get("training.overlap_param_gather", False) and not ctx.get("training.use_distributed_optimizer", True):
+    if ctx.setting("training.overlap_param_gather") and not ctx.setting("training.use_distributed_optimizer"):
         ctx.error("overlap_param_gather needs use_distributed_optimizer: true", "training.overlap_param_gather",
                   hint="set training.overlap_param_gather: false")
