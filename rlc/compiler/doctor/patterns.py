@@ -52,7 +52,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "mtp-duplicate-owner", "RLC201", "a parameter owned by two pipeline stages (MTP shared embedding)",
         _rx(r"Object present on multiple PP ranks:\s*(?:\[|[\w.]+ on PP ranks \[).*"), x.ranks,
         "refit.dedupe_mtp_embedding: auto (or on): the last stage drops its MTP replica of the word embedding",
-        ("NeMo-RL GRPO on Qwen3.5-397B-A17B with PP 8: 'ValueError: Object present on multiple PP ranks: [0, 7]' "
+        ("NeMo-RL #2471 (Qwen3.5-397B-A17B, PP 8): 'ValueError: Object present on multiple PP ranks: [0, 7]' "
          "(Megatron-Bridge build_conversion_tasks does not skip the MTP-replicated embedding)",),
         hints=('multiple pp ranks',)),
     Pattern(
@@ -67,7 +67,7 @@ PATTERNS: tuple[Pattern, ...] = (
         x.buffer_sizes,
         "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
         "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
-        ("NeMo-RL Qwen3.5-397B-A17B field report: 'AssertionError: Parameter "
+        ("NeMo-RL #2471: 'AssertionError: Parameter "
          "model.language_model.layers.0.mlp.experts.gate_up_proj too large for buffer: 8589934592 > 6263046144'",),
         hints=('too large for buffer',)),
     Pattern(
@@ -106,7 +106,7 @@ PATTERNS: tuple[Pattern, ...] = (
         _rx(rf"{_OOM}.*"), x.oom,
         "lower refit.buffer_memory_ratio into the window `rlc plan` names (the two halves leave too little for "
         "the stack), or free memory first (refit.sleep_level: 2, a larger generation EP, enforce_eager)",
-        ("NeMo-RL Qwen3.5-397B-A17B field report, ratio 0.5: 'torch.OutOfMemoryError: CUDA out of memory. Tried "
+        ("NeMo-RL #2471, ratio 0.5: 'torch.OutOfMemoryError: CUDA out of memory. Tried "
          "to allocate 8.00 GiB' in model_bridge.py _accumulate_grouped_export (torch.stack of 512 experts)",),
         near=_EXPORT, window=25,
         hints=('out of memory', 'outofmemoryerror')),
@@ -120,7 +120,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "expandable-segments", "RLC301", "expandable_segments with vLLM's memory pool",
         _rx(r"Expandable segments are not compatible with memory pool.*"), x.nothing,
         "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env",
-        ("NeMo-RL Qwen3.5-397B-A17B field report (vllm cumem.py:132 'AssertionError: Expandable segments are "
+        ("NeMo-RL #2471 (vllm cumem.py:132 'AssertionError: Expandable segments are "
          "not compatible with memory pool'); pytorch/pytorch #147851",),
         hints=('expandable segments',)),
     Pattern(
@@ -128,7 +128,7 @@ PATTERNS: tuple[Pattern, ...] = (
         _rx(r"carries slicing metadata from producer rank (?P<got>[0-9]+) \(GPU [^)]*\), not from this GPU's "
             r"producer rank (?P<own>[0-9]+)"), x.metadata_ranks,
         "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
-        ("SkyRL Nemotron-3-Ultra GRPO (TP8/PP4/EP16): rank-0 metadata on every GPU, post-sync logprob diff 2.0 "
+        ("SkyRL #1816 (Nemotron-3-Ultra, TP8/PP4/EP16): rank-0 metadata on every GPU, post-sync logprob diff 2.0 "
          "-> 0.15 once per-GPU metadata was sent",),
         hints=('slicing metadata',)),
     Pattern(
@@ -136,7 +136,7 @@ PATTERNS: tuple[Pattern, ...] = (
         _rx(r"has tensor '(?P<name>[^']+)', which producer rank (?P<rank>[0-9]+) did not announce at prepare"),
         x.metadata_ranks,
         "refit.per_rank_ipc_metadata: auto (or on): every trainer rank sends its own slicing metadata",
-        ("SkyRL Nemotron-3-Ultra GRPO (rank-0 metadata reused on every GPU)",),
+        ("SkyRL #1816 (rank-0 metadata reused on every GPU)",),
         hints=('did not announce',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
@@ -144,15 +144,15 @@ PATTERNS: tuple[Pattern, ...] = (
         x.gen_kl,
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204); keep grpo.max_gen_kl > 0 so it stops early",
-        ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather); "
-         "SkyRL per-GPU refit metadata",),
+        ("NeMo-RL #4086 (stale shards with overlap_param_gather); "
+         "SkyRL #1816 (per-GPU refit metadata)",),
         hints=('gen-kl',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(rf"\bgen_kl_error\b\W{{0,4}}{_NUM}"), x.threshold("gen_kl_error", 0.05),
         "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
         "(RLC203), refit.fp32_params (RLC204)",
-        ("NeMo-RL GRPO metric gen_kl_error (the Qwen3.5-397B field report saw 'KL Error' 1.97-2.18)",),
+        ("NeMo-RL GRPO metric gen_kl_error (NeMo-RL #2471 saw 'KL Error' 1.97-2.18)",),
         hints=('gen_kl_error',)),
     Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
@@ -218,7 +218,7 @@ PATTERNS: tuple[Pattern, ...] = (
         x.sleep_residue,
         "refit.sleep_level: 2 (drops the weights refit re-sends anyway) and generation.enforce_eager: true "
         "(CUDA-graph buffers survive sleep and grow after the first step)",
-        ("vLLM gpu_worker 'Sleep mode freed … still in use'; NeMo-RL Qwen3.5-397B-A17B field report (residue "
+        ("vLLM gpu_worker 'Sleep mode freed … still in use'; NeMo-RL #2471 (residue "
          "~24 GB -> ~7 GB with sleep level 2 + enforce_eager; step 2 refit failing after step 1 passed)",),
         observation=True,
         hints=('sleep mode freed',)),
@@ -230,7 +230,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "overlap-param-gather-on", "RLC202", "distributed optimizer overlaps its parameter all-gather",
         _rx(r"overlap_param_gather['\"]?\s*[:=.]+\s*True\b"), x.nothing,
         "refit.sync_params_before_refit: auto (or on), or training.overlap_param_gather: false",
-        ("NeMo-RL 'synchronize parameters before inference refit' (stale shards with overlap_param_gather=True)",),
+        ("NeMo-RL #4086 (stale shards with overlap_param_gather=True)",),
         observation=True,
         hints=('overlap_param_gather',)),
 )
