@@ -78,7 +78,7 @@ def test_plan_predicts_free_memory_at_refit_on_the_mtp_stage(result):
     # vLLM 0.22 (the GPU host's): the after-sleep residue growth reported for MoE models is planned too
     assert {k: c.ok for k, c in plan.checks.items()} == {"generate_fit": True, "train_fit": True,
                                                          "train_late_fit": True, "buffer": True, "stack": True}
-    assert "free at refit" in plan.render()
+    assert "free at refit" in plan.to_text()
 
 
 @pytest.mark.parametrize("switch,rule", [("dedupe_mtp_embedding", "RLC201"), ("per_rank_ipc_metadata", "RLC203")])

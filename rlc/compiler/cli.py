@@ -250,7 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return code
     _print_diags(diags)
     if plan is not None:
-        print(plan.render())
+        print(plan.to_text())
     elif code == EXIT_OK:
         print(f"{args.file}: no memory plan (see the messages above)", file=sys.stderr)
     return code

@@ -11,7 +11,7 @@ from rlc.compiler import api
 from planner_helpers import BASE, RECIPES, SEED000, ULTRA
 
 
-def test_text_has_a_table_per_phase_and_the_refit_math():
+def test_text_has_a_table_per_phase_and_the_refit_math(capsys):
     plan = api.check(str(SEED000["defaults"])).plan
     text = plan.to_text()
     for title in ("train step", "generation (vLLM awake)", "refit (before the IPC buffer)", "export staging site",
@@ -20,7 +20,10 @@ def test_text_has_a_table_per_phase_and_the_refit_math():
     assert "buffer check       FAIL" in text and "8589934592 bytes" in text
     assert "sleep_level: 2: frees ≈ 12.6 GiB" in text
     assert "generation EP 128 halves the expert shard" in text
-    assert plan.render() == text
+    from rlc.compiler.cli import main
+
+    main(["plan", str(SEED000["defaults"])])  # what `rlc plan` prints is this text
+    assert text in capsys.readouterr().out
 
 
 def test_json_is_plain_data():
@@ -28,7 +31,8 @@ def test_json_is_plain_data():
     data = json.loads(json.dumps(plan.to_json()))
     assert data["refit"]["largest"] == 8589934592 and data["checks"]["buffer"]["ok"] is True
     assert data["phases"]["stack"]["request"]["label"].startswith("torch.stack")
-    assert data == plan.to_dict()
+    assert data["refit"]["per_side"] == plan.refit.per_side and data["refit"]["free_at_refit"] == plan.refit.free_at_refit
+    assert set(data["phases"]) == set(plan.phases) and set(data["checks"]) == set(plan.checks)
 
 
 def test_svg_is_well_formed_with_limit_and_segments():

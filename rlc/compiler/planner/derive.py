@@ -3,7 +3,7 @@
 Some constants in ``calibration.yaml`` are a measured figure minus first-principles figures of the
 same configuration (e.g. the Megatron residual = "after offload" measured − bf16 params − fp32
 master shard of the worst stage). :func:`derive_constants` recomputes them with the planner's own
-accounting, so the stored values can be checked (tests/planner/test_calibration.py) and refit
+accounting, so the stored values can be checked (tests/planner/test_calibration_table.py) and refit
 when the accounting or the measurements change.
 """
 from __future__ import annotations

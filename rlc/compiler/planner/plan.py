@@ -209,16 +209,10 @@ class MemoryPlan:
                             "ratio_window": list(r.ratio_window) if r.ratio_window else None}
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.to_json()
-
     def to_text(self) -> str:
         from rlc.compiler.planner.render_text import render_text
 
         return render_text(self)
-
-    def render(self) -> str:
-        return self.to_text()
 
     def to_svg(self) -> str:
         from rlc.compiler.planner.render_svg import render_svg
