@@ -286,6 +286,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if code != EXIT_OK:
         return code
     bundle = _stage("bundle")
+    assert result.recipe is not None  # no errors: the schema accepted it
     try:
         built = bundle.build_bundle(result, Path(args.output or default_bundle_dir(result.recipe)), force=args.force)
     except bundle.BundleError as exc:

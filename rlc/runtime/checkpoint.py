@@ -255,7 +255,7 @@ EXPERIMENT_STATE_KEY = "experiment"
 def experiment(config: Any) -> dict[str, Any]:
     """The values of :data:`EXPERIMENT_KEYS` in ``config`` (a ``RuntimeConfig`` or its mapping),
     flattened to dotted keys, plus their ``sha256``: what a checkpoint records."""
-    tree = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    tree = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
     values: dict[str, Any] = {}
 
     def flatten(prefix: str, value: Any) -> None:
