@@ -186,3 +186,59 @@ def test_dead_consumer_is_an_error_not_a_hang(pool):
     assert not result["ok"] and result["error_type"] == "RefitTimeoutError"
     assert "died" in result["error"] and "its consumer" in result["error"]
     assert elapsed < 25  # noticed through the pid check, well before the 30 s timeout
+
+
+def test_buffers_and_handles_are_created_once_and_reused_across_refits(pool, shared):
+    """Only the first refit allocates the ping-pong halves and opens their handles; later refits reuse
+    both (one-off buffers for tensors larger than a half stay per refit) and stay bit-exact."""
+    s = _session()
+    steps = 4
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": r, "steps": steps} for r in (0, 1)],
+        [{"session": s, "device": r, "steps": steps} for r in (0, 1)],
+    )
+    _drain(shared["log"])
+    for rank, (p, c) in enumerate(zip(prods, cons)):
+        _ok(p), _ok(c)
+        assert c["mismatches"] == [] and len(c["loaded"]) == steps  # new values every refit, all bit-exact
+        oneoffs = [m["num_oneoff_buckets"] for m in p["metrics"]]
+        assert oneoffs == [rank] * steps  # rank 1's fused expert tensor busts a half every time
+        allocated = [m["buffers_allocated"] for m in p["metrics"]]
+        opened = [m["buffers_opened"] for m in c["metrics"]]
+        assert allocated == opened == [2 + rank] + [rank] * (steps - 1), (allocated, opened)
+        assert [m["consumer"]["buffers_opened"] for m in p["metrics"]] == opened
+        assert p["shm_left_after_close"] == []  # kept halves are released when the producer closes
+
+
+def test_buffers_are_reallocated_when_the_plan_outgrows_them_and_reused_when_they_still_fit(pool, shared):
+    """Ratio sizing with less free memory at the second refit shrinks the halves (new buffers, new
+    handles); at the third refit the smaller kept halves are within the budget again and are reused."""
+    s = _session()
+    ratio = {"buffer_memory_ratio": 0.5, "buffer_gb": None}
+    free = [32768, 24576, 32768]
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": 0, "world_size": 1, "steps": 3, "cfg": ratio, "free_bytes_by_step": free}],
+        [{"session": s, "device": 0, "steps": 3}],
+    )
+    _drain(shared["log"])
+    p, c = _ok(prods[0]), _ok(cons[0])
+    assert c["mismatches"] == []
+    assert [m["half_bytes"] for m in p["metrics"]] == [8192, 6144, 6144]
+    assert [m["buffers_allocated"] for m in p["metrics"]] == [2, 2, 0]
+    assert [m["buffers_opened"] for m in c["metrics"]] == [2, 2, 0]
+
+
+def test_buffers_above_the_keep_limit_are_released_after_every_refit(pool, shared):
+    s = _session()
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": 0, "world_size": 1, "steps": 3, "keep_buffers_max_bytes": 0}],
+        [{"session": s, "device": 0, "steps": 3}],
+    )
+    _drain(shared["log"])
+    p, c = _ok(prods[0]), _ok(cons[0])
+    assert c["mismatches"] == []
+    assert [m["buffers_allocated"] for m in p["metrics"]] == [2, 2, 2]
+    assert [m["buffers_opened"] for m in c["metrics"]] == [2, 2, 2]

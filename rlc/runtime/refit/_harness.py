@@ -27,6 +27,7 @@ from rlc.runtime.refit.specs import TensorSpec
 _SHARED: dict[str, Any] = {}
 
 FP32_PATTERNS = ["*.mlp.gate.e_score_correction_bias", "*.expert_bias"]
+_SHM_DIR = "/dev/shm"
 
 
 def init_worker(seq: Any, log: Any, gate: Any) -> None:
@@ -152,11 +153,15 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
                 del t
 
         for step in range(job.get("steps", 1)):
+            if job.get("free_bytes_by_step"):  # free memory at refit time differs between refits
+                producer.free_bytes = job["free_bytes_by_step"][step]
             order = list(specs)
             if job.get("drop_last"):
                 order = order[:-1]
             metrics.append(producer.send(exporter(order, step)).to_dict())
-        return {"ok": True, "metrics": metrics, "pid": os.getpid(), "held_previous": held}
+        producer.close()
+        leftover = [n for n in os.listdir(_SHM_DIR) if n.startswith(f"rlc-refit-{os.getpid()}-")]
+        return {"ok": True, "metrics": metrics, "pid": os.getpid(), "held_previous": held, "shm_left_after_close": leftover}
     except BaseException as e:  # report to the test, which asserts on it
         return _error(e)
     finally:

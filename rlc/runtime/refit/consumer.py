@@ -228,6 +228,7 @@ class _ConsumerRun:
                     old.close()
                 self.buffers[msg.open.slot] = self._open(msg.open, payload, f"slot{msg.open.slot}/refit{refit_id}")
                 m.open_seconds += time.perf_counter() - t0
+                m.buffers_opened += 1
             buf = self.buffers.get(own.slot)
             if buf is None:
                 raise RefitProtocolError(f"{c.name}: bucket {own.index} uses slot {own.slot}, which was never opened")

@@ -38,6 +38,7 @@ class ConsumerMetrics:
     load_seconds: float = 0.0  # inside load_weights (+ device sync)
     wait_seconds: float = 0.0  # waiting for the next bucket
     open_seconds: float = 0.0  # opening / closing the producer's buffers (CUDA IPC map/unmap)
+    buffers_opened: int = 0  # buffer handles opened in this refit (CUDA IPC: cudaIpcOpenMemHandle)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,6 +68,7 @@ class RefitMetrics:
     alloc_seconds: float = 0.0  # allocating / exporting / freeing the buffers
     wait_ack_seconds: float = 0.0  # blocked on the consumer (ping-pong stall)
     export_seconds: float = 0.0  # waiting on the exporter's iterator
+    buffers_allocated: int = 0  # buffers allocated (and handles exported) in this refit, one-offs included
     fp32_tensors: int = 0
     precision_lost: list[str] = field(default_factory=list)  # fp32 on the wire but exported in 16 bit
     fixes: dict[str, Any] = field(default_factory=dict)

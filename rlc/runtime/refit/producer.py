@@ -325,6 +325,7 @@ class _ProducerRun:
         t0 = time.perf_counter()
         buf, payload = self.p.backend.allocate(nbytes, f"{label}/refit{self.refit_id}/rank{self.p.rank}")
         self.metrics.alloc_seconds += time.perf_counter() - t0
+        self.metrics.buffers_allocated += 1
         if slot == SLOT_ONEOFF:
             self.oneoff = (bucket_index, buf)
         else:
