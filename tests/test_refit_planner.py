@@ -255,3 +255,17 @@ def test_planner_and_manifest_import_without_torch():
         "assert 'torch' not in {k for k, v in sys.modules.items() if v is not None}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kept_halves_are_reused_while_they_fit_the_plan():
+    specs = [TensorSpec(f"w{i}", (1024,), "bfloat16") for i in range(8)] + [TensorSpec("big", (3000,), "bfloat16")]
+    knobs = dict(buffer_memory_ratio=0.5, buffer_gb=None, alignment_bytes=256)
+    fresh = plan_refit(specs, 32768, **knobs)
+    assert fresh.sizing.half_bytes == 8192 and fresh.num_oneoff == 0
+    kept = plan_refit(specs, 32768, **knobs, keep_half_bytes=6144)  # smaller kept halves, still no one-off
+    assert kept.sizing.half_bytes == 6144 and kept.num_oneoff == 0 and "kept from the previous refit" in kept.sizing.source
+    assert _flat(kept) and [e.spec.name for e in _flat(kept)] == [s.name for s in specs]
+    # kept halves too small for "big" (6000 bytes) would add a one-off buffer: plan fresh halves instead
+    assert plan_refit(specs, 32768, **knobs, keep_half_bytes=4096).sizing.half_bytes == 8192
+    # kept halves bigger than the knobs allow now (less free memory): plan fresh, smaller halves
+    assert plan_refit(specs, 24576, **knobs, keep_half_bytes=8192).sizing.half_bytes == 6144

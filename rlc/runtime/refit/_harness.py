@@ -137,6 +137,7 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
             event_hook=_hook("producer", rank),
             metadata_source_rank=job.get("metadata_source_rank"),
             metadata_subscribers=job.get("metadata_subscribers"),
+            **({"keep_buffers_max_bytes": job["keep_buffers_max_bytes"]} if "keep_buffers_max_bytes" in job else {}),
         )
         producer.prepare(specs)
         metrics = []

@@ -22,7 +22,7 @@ size comes from ``rlc.contract.refit_buffer``, the formula the compiler's memory
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from rlc.contract.refit_buffer import GIB, align_up, buffer_total_bytes, half_bytes, half_holds
@@ -271,11 +271,14 @@ def plan_refit(
     buffer_gb: float | None,
     alignment_bytes: int,
     reserve_bytes: int = 0,
+    keep_half_bytes: int | None = None,
 ) -> RefitPlan:
     """Plan a refit of the wire ``specs`` (in export order) with ``free_bytes`` of device memory.
 
     ``reserve_bytes`` is memory that must stay free besides the refit buffers (e.g. for the
     exporter's all-gather + ``torch.stack`` of the largest fused expert tensor, NeMo-RL #2471 attempt 1).
+    ``keep_half_bytes``: the size of halves kept from the previous refit; they are used as they are
+    when they do not exceed the half the knobs allow now (no new buffers, no new handles).
     Raises ``RefitPlanError`` before any transfer when a tensor cannot be placed.
     """
     alignment = effective_alignment(alignment_bytes, specs)
@@ -288,6 +291,13 @@ def plan_refit(
         total_export_bytes=total,
         reserve_bytes=reserve_bytes,
     )
+    if (
+        keep_half_bytes
+        and 0 < keep_half_bytes < sizing.half_bytes
+        and keep_half_bytes % alignment == 0
+        and not any(keep_half_bytes < s.nbytes <= sizing.half_bytes for s in specs)  # no new one-off buffers
+    ):
+        sizing = replace(sizing, half_bytes=keep_half_bytes, source=f"{sizing.source}; halves kept from the previous refit")
     if sizing.half_bytes <= 0:
         raise RefitPlanError(
             f"the ping-pong halves are empty ({sizing.source}, alignment {alignment}); "

@@ -10,7 +10,9 @@ Usage (inside the vLLM worker extension)::
 against the manifest its own producer announced at ``prepare`` (provenance, names, shapes, bytes,
 bounds), calls ``load_weights`` with zero-copy views, waits for the device, verifies that no view
 outlived ``load_weights`` (the half is overwritten two buckets later), and acks. At the end it
-checks that every expected tensor arrived exactly once and releases every buffer mapping.
+checks that every expected tensor arrived exactly once and closes every buffer mapping except those
+of the halves the producer keeps for the next refit (``End.kept_slots``): their handles are opened
+once and reused. ``close`` releases them.
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class RefitConsumer:
         self._expected: list[TensorSpec] = []
         self._last_refit_id = 0
         self._broken: str | None = None
+        self._kept: dict[int, Buffer] = {}  # mappings of the producer's kept halves (slot -> buffer)
 
     @property
     def expected(self) -> list[TensorSpec]:
@@ -175,11 +178,21 @@ class RefitConsumer:
         except BaseException as e:
             self._broken = f"refit failed: {e}"
             run.release_all(check=False)
+            self._release_kept()
             if not isinstance(e, RefitRemoteError):
                 self._chan.try_send_error(str(e), where=self.name)
             raise
 
+    def _release_kept(self) -> None:
+        kept, self._kept = self._kept, {}
+        for buf in kept.values():
+            try:
+                buf.close()
+            except RefitError:
+                pass
+
     def close(self) -> None:
+        self._release_kept()
         for chan in (self._chan, self._meta_chan):
             if chan is not None:
                 chan.close()
@@ -195,7 +208,9 @@ class _ConsumerRun:
         self.chan: Channel = consumer._chan
         self.hello = consumer._hello
         self.load_weights = load_weights
-        self.buffers: dict[int, Buffer] = {}
+        # Mappings kept from the previous refit belong to this one until it ends well.
+        self.buffers: dict[int, Buffer] = consumer._kept
+        consumer._kept = {}
 
     def execute(self) -> ConsumerMetrics:
         c, hello = self.c, self.hello
@@ -259,8 +274,16 @@ class _ConsumerRun:
             m.bytes += loaded
         if msg.refit_id != refit_id:
             raise RefitProtocolError(f"{c.name}: end of refit {msg.refit_id} during refit {refit_id}")
+        unknown = [s for s in msg.kept_slots if s not in (0, 1) or s not in self.buffers]
+        if unknown:
+            raise RefitProtocolError(f"{c.name}: the producer keeps slot(s) {unknown}, which this consumer has not opened")
         t0 = time.perf_counter()
+        kept = {s: self.buffers.pop(s) for s in msg.kept_slots}
         self.release_all(check=True)
+        for buf in kept.values():
+            buf.check_no_live_views(c.name)
+        c._kept = kept
+        m.buffers_kept = len(kept)
         m.open_seconds += time.perf_counter() - t0
         tracker.finish(msg.num_buckets, msg.num_tensors, msg.total_bytes)
         m.seconds = time.perf_counter() - t_start

@@ -39,6 +39,7 @@ class ConsumerMetrics:
     wait_seconds: float = 0.0  # waiting for the next bucket
     open_seconds: float = 0.0  # opening / closing the producer's buffers (CUDA IPC map/unmap)
     buffers_opened: int = 0  # buffer handles opened in this refit (CUDA IPC: cudaIpcOpenMemHandle)
+    buffers_kept: int = 0  # mappings kept open for the next refit (the producer keeps those halves)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,7 +59,7 @@ class RefitMetrics:
     bytes: int = 0
     seconds: float = 0.0
     gbps: float = 0.0  # bytes / seconds / 1e9
-    free_before_bytes: int = 0
+    free_before_bytes: int = 0  # free device memory at refit time, counting the halves kept from the last refit
     free_after_bytes: int = 0
     min_free_bytes: int = 0  # tightest free memory observed during the refit
     half_bytes: int = 0
@@ -69,6 +70,7 @@ class RefitMetrics:
     wait_ack_seconds: float = 0.0  # blocked on the consumer (ping-pong stall)
     export_seconds: float = 0.0  # waiting on the exporter's iterator
     buffers_allocated: int = 0  # buffers allocated (and handles exported) in this refit, one-offs included
+    buffers_kept: int = 0  # ping-pong halves kept allocated for the next refit
     fp32_tensors: int = 0
     precision_lost: list[str] = field(default_factory=list)  # fp32 on the wire but exported in 16 bit
     fixes: dict[str, Any] = field(default_factory=dict)

@@ -13,6 +13,13 @@ be placed), then streams: each tensor is copied into the current ping-pong half 
 buffer) in the wire dtype; a full bucket is sent with its metadata while the next one is packed
 into the other half; a half is reused only after the consumer acked the bucket that used it.
 At the end the consumer verifies its manifest and answers ``Done`` (or an error, raised here).
+
+The two halves (and the consumer's mappings of them) are created once and kept for the next refit
+while both together are at most ``keep_buffers_max_bytes`` (default 2 GiB): no allocation, no IPC
+handle export or open per refit. They are replaced when the plan needs bigger halves than the kept
+ones, and released by ``close``. Buffers above the limit, and one-off buffers for tensors larger
+than a half, are allocated per refit and freed at its end, so large buffers never stay resident
+while the generation engine is awake.
 """
 from __future__ import annotations
 
@@ -55,6 +62,10 @@ from rlc.runtime.refit.specs import TensorSpec, specs_to_json, wire_specs
 
 EventHook = Callable[[str, int], None]
 
+#: Both ping-pong halves together up to this size stay allocated (and mapped by the consumer) between
+#: refits; larger halves are allocated per refit. Resident while the generation engine is awake.
+KEEP_BUFFERS_MAX_BYTES = 2 << 30
+
 
 class RefitProducer:
     """Streams one trainer rank's weights to the generation worker on the same GPU."""
@@ -78,6 +89,7 @@ class RefitProducer:
         metadata_source_rank: int | None = None,
         metadata_subscribers: int | None = None,
         empty_cache: bool = True,
+        keep_buffers_max_bytes: int = KEEP_BUFFERS_MAX_BYTES,
     ) -> None:
         """
         Args:
@@ -102,6 +114,9 @@ class RefitProducer:
             empty_cache: after each refit, return the allocator's cached blocks to the device
                 (``torch.cuda.empty_cache``) so the waking generation engine, whose allocations
                 bypass this process's caching allocator, can use the memory the buffers used.
+            keep_buffers_max_bytes: keep both halves allocated (and mapped by the consumer) from one
+                refit to the next while together they are at most this many bytes; 0 releases them
+                after every refit.
         """
         self.cfg = refit_cfg
         self.session = session
@@ -123,6 +138,8 @@ class RefitProducer:
         self.metadata_source_rank = metadata_source_rank
         self.metadata_subscribers = metadata_subscribers
         self.empty_cache = empty_cache
+        self.keep_buffers_max_bytes = keep_buffers_max_bytes
+        self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
         self.name = f"refit producer rank {rank} (GPU {self.device_key})"
         self._chan: Channel | None = None
         self._relay: zmq.Socket | None = None
@@ -222,19 +239,50 @@ class RefitProducer:
     # ------------------------------------------------------------------ refit
 
     def plan(self, free_bytes: int | None = None) -> RefitPlan:
-        """The plan ``send`` would use now (free memory measured unless given)."""
-        free = self._free() if free_bytes is None else free_bytes
+        """The plan ``send`` would use now (free memory measured unless given).
+
+        Measured free memory does not include the halves this producer keeps from the previous
+        refit; they are counted as available (a refit reuses them), so keeping them does not shrink
+        the plan. Kept halves are reused when they are no bigger than the halves the knobs allow now.
+        """
+        return self._plan(self._available(self._kept) if free_bytes is None else free_bytes, self._kept)
+
+    def _available(self, kept: dict[int, Buffer]) -> int:
+        """Memory a refit can plan with: measured free memory plus the ``kept`` halves it reuses (a
+        fixed ``free_bytes`` given at construction is taken as it is)."""
+        if self.free_bytes is not None:
+            return self.free_bytes
+        return self.backend.free_memory() + sum(b.nbytes for b in kept.values())
+
+    def _plan(self, free_bytes: int, kept: dict[int, Buffer]) -> RefitPlan:
+        """``plan_refit`` with this producer's knobs; ``kept`` halves are reused when they fit the plan."""
         return plan_refit(
             self._specs,
-            free,
+            free_bytes,
             buffer_memory_ratio=self.cfg.buffer_memory_ratio,
             buffer_gb=self.cfg.buffer_gb,
             alignment_bytes=self.cfg.alignment_bytes,
             reserve_bytes=self.reserve_bytes,
+            keep_half_bytes=next(iter(kept.values())).nbytes if kept else None,
         )
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the halves kept allocated between refits."""
+        return sum(b.nbytes for b in self._kept.values())
 
     def _free(self) -> int:
         return self.free_bytes if self.free_bytes is not None else self.backend.free_memory()
+
+    def release_buffers(self) -> None:
+        """Free the kept halves (their mappings on the consumer side close at its next refit or close)."""
+        kept, self._kept = self._kept, {}
+        for buf in kept.values():
+            buf.close()
+        if kept:
+            self.backend.collect()
+            if self.empty_cache:
+                self.backend.release_cached()
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitMetrics:
         """Stream one refit; returns its metrics. Raises (and tells the consumer) on any failure."""
@@ -254,7 +302,11 @@ class RefitProducer:
             run.release_all()
 
     def close(self) -> None:
-        """Close sockets (buffers are already released at the end of every refit)."""
+        """Release the kept halves and close the sockets."""
+        try:
+            self.release_buffers()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass
         if self._chan is not None:
             self._chan.close()
             self._chan = None
@@ -271,14 +323,16 @@ class _ProducerRun:
         assert producer._chan is not None  # the caller checked prepare() ran
         self.chan: Channel = producer._chan
         self.refit_id = refit_id
-        self.halves: dict[int, Buffer] = {}
+        # The kept halves belong to this refit until it ends well (then they are kept again).
+        self.halves: dict[int, Buffer] = producer._kept
+        producer._kept = {}
         self.last_bucket_of: dict[int, int] = {0: -1, 1: -1}
         self.oneoff: tuple[int, Buffer] | None = None
         self.acked = -1
         self.sent = -1
         self.pending_open: dict[int, tuple[BufferRef, bytes]] = {}  # slot -> handle not yet sent
-        self.allocated_bytes = 0
-        self.peak_bytes = 0
+        self.allocated_bytes = sum(b.nbytes for b in self.halves.values())
+        self.peak_bytes = self.allocated_bytes
         self.released = False
         self.metrics = RefitMetrics(
             refit_id=refit_id,
@@ -320,6 +374,19 @@ class _ProducerRun:
         if slot not in self.halves:
             return self._allocate(slot, nbytes, f"half{slot}", bucket_index)
         return self.halves[slot]
+
+    def _drop_mismatched_halves(self, half_bytes: int) -> None:
+        """Kept halves of another size than this refit's plan are freed (new ones replace them)."""
+        stale = [slot for slot, buf in self.halves.items() if buf.nbytes != half_bytes]
+        if not stale:
+            return
+        t0 = time.perf_counter()
+        for slot in stale:
+            buf = self.halves.pop(slot)
+            self.allocated_bytes -= buf.nbytes
+            buf.close()
+        self.p.backend.collect()
+        self.metrics.alloc_seconds += time.perf_counter() - t0
 
     def _allocate(self, slot: int, nbytes: int, label: str, bucket_index: int) -> Buffer:
         t0 = time.perf_counter()
@@ -375,9 +442,10 @@ class _ProducerRun:
     def execute(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitMetrics:
         p, m = self.p, self.metrics
         t_start = time.perf_counter()
-        m.free_before_bytes = p._free()
+        m.free_before_bytes = p._available(self.halves)
         m.min_free_bytes = m.free_before_bytes
-        plan = p.plan(m.free_before_bytes)  # raises RefitPlanError before any transfer
+        plan = p._plan(m.free_before_bytes, self.halves)  # raises RefitPlanError before any transfer
+        self._drop_mismatched_halves(plan.sizing.half_bytes)
         m.half_bytes = plan.sizing.half_bytes
         m.buffer_source = plan.sizing.source
         m.warnings.extend(plan.warnings)
@@ -432,14 +500,20 @@ class _ProducerRun:
                 "the current export list"
             )
         self._wait_ack(self.sent)
-        self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors, total_bytes=m.bytes))
+        keep = sorted(self.halves) if 2 * plan.sizing.half_bytes <= p.keep_buffers_max_bytes else []
+        self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
+                           total_bytes=m.bytes, kept_slots=keep))
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
         if not isinstance(msg, Done) or msg.refit_id != self.refit_id:
             raise RefitProtocolError(f"{p.name}: expected done for refit {self.refit_id}, got {msg}")
         m.consumer = dict(msg.consumer_metrics)
+        m.buffers_kept = len(keep)
+        m.peak_buffer_bytes = self.peak_bytes
+        for slot in keep:  # the next refit reuses them; the consumer keeps its mappings of them
+            p._kept[slot] = self.halves.pop(slot)
+            self.allocated_bytes -= p._kept[slot].nbytes
         self.release_all()
         m.free_after_bytes = p._free()
-        m.peak_buffer_bytes = self.peak_bytes
         m.seconds = time.perf_counter() - t_start
         m.gbps = m.bytes / m.seconds / 1e9 if m.seconds > 0 else 0.0
         if m.precision_lost:

@@ -12,7 +12,9 @@ Conversation, per producer/consumer pair::
     refit:    P -> C  Begin
               P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
               C -> P  Ack(k)                                                    ...
-              P -> C  End(totals)                  C -> P  Done(ok | error, consumer metrics)
+              P -> C  End(totals, kept slots)      C -> P  Done(ok | error, consumer metrics)
+    next refit: buffers of the kept slots are reused on both sides (a bucket opens a buffer only
+              when its slot has none or its size changed)
     failure:  either side may send Error(message) instead; the other side raises it.
 
 Per-bucket metadata (``BucketMeta``) always names the producer rank and GPU key it was made by,
@@ -26,7 +28,7 @@ from typing import Any, ClassVar
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,9 @@ class End(Message):
     num_buckets: int
     num_tensors: int
     total_bytes: int
+    #: Ping-pong slots whose buffers the producer keeps for the next refit: the consumer keeps their
+    #: mappings open (no new handle next time); every other mapping is closed at the end of the refit.
+    kept_slots: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
