@@ -197,6 +197,9 @@ def _main(argv: list[str] | None) -> dict:
     for label, secs, gbps in rows:
         rate = f"{gbps:>9.1f}" if gbps is not None else " " * 9
         print(f"| {label:<52} | {secs:>9.4f} | {rate} |")
+    allocated = [m.buffers_allocated for m in refits]
+    opened = [c["buffers_opened"] for c in result["metrics"]]
+    print(f"buffers allocated per refit (warm-up first): {allocated}; handles opened by the consumer: {opened}")
     verdict = "meets" if meets_goal(ratio) else "BELOW"
     print(
         f"ratio refit/copy = {ratio:.3f} ({verdict} the goal >= {GOAL_RATIO}; a refit copies every byte twice, so 0.5 is "
@@ -216,6 +219,8 @@ def _main(argv: list[str] | None) -> dict:
         "meets_goal": meets_goal(ratio),
         "buckets": m0.num_buckets,
         "half_bytes": m0.half_bytes,
+        "buffers_allocated": allocated,
+        "handles_opened": opened,
         "refit_metrics": [m.to_dict() for m in measured],
     }
     if a.json:

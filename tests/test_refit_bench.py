@@ -17,6 +17,8 @@ def test_refit_bandwidth_benchmark_shm(capsys):
     assert summary["bytes"] == 4 << 20 and summary["tensors"] == 32
     assert summary["refit_gbps"] > 0 and summary["copy_gbps"] > 0
     assert summary["buckets"] >= 2  # halves are a quarter of the weights each
+    # the halves and their handles are made by the first refit and reused by the second
+    assert summary["buffers_allocated"] == summary["handles_opened"] == [2, 0]
     for m in summary["refit_metrics"]:
         assert m["bytes"] == 4 << 20 and m["consumer"]["bytes"] == 4 << 20
 
