@@ -130,3 +130,32 @@ def test_specs_from_an_exporter_pass_keep_order_and_dtypes():
         ("a.e_score_correction_bias", (4,), "float32", 16),
         ("a.counts", (2,), "int64", 16),
     ]
+
+
+def test_typed_views_alias_the_right_bytes_for_every_dtype_and_offset():
+    backend = ShmBackend("shm-views")
+    owned, payload = backend.allocate(4096, "half0")
+    opened = backend.open(BufferRef(0, 4096, "shm", "shm-views"), payload, "half0")
+    src = {
+        (0, torch.float32, (4, 8)): torch.arange(32, dtype=torch.float32),
+        (256, torch.bfloat16, (3, 5)): torch.arange(15, dtype=torch.float32).to(torch.bfloat16),
+        (512, torch.int64, (2,)): torch.tensor([7, -9], dtype=torch.int64),
+        (1024, torch.bfloat16, ()): torch.tensor(3.5, dtype=torch.bfloat16),
+        (1030, torch.uint8, (3,)): torch.tensor([1, 2, 3], dtype=torch.uint8),  # unaligned to 8: still right
+    }
+    for (offset, dtype, shape), values in src.items():
+        nbytes = values.numel() * values.element_size()
+        w = owned.view(offset, nbytes, shape, dtype, "w", track=False)
+        w.copy_(values.view(shape))
+        del w
+    raw = opened.tensor
+    for (offset, dtype, shape), values in src.items():
+        nbytes = values.numel() * values.element_size()
+        got = opened.view(offset, nbytes, shape, dtype, "r")
+        assert got.shape == torch.Size(shape) and got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, values.view(shape))
+        assert torch.equal(raw[offset:offset + nbytes], values.reshape(-1).view(torch.uint8))
+        del got
+    assert owned.live_views() == []  # untracked producer views
+    opened.close()
+    owned.close()

@@ -112,7 +112,7 @@ def test_missing_tensor_is_caught_at_the_end():
 def test_wrong_byte_count_or_dtype_is_caught():
     _, metas = _metas(0)
     e = metas[0].entries[0]
-    for bad in (dataclasses.replace(e, nbytes=e.nbytes - 2), dataclasses.replace(e, dtype="float16")):
+    for bad in (e._replace(nbytes=e.nbytes - 2), e._replace(dtype="float16")):
         m = dataclasses.replace(metas[0], entries=[bad, *metas[0].entries[1:]])
         with pytest.raises(RefitManifestError, match="was announced as bfloat16"):
             _tracker(0).check_bucket(m, HALF)
@@ -121,11 +121,11 @@ def test_wrong_byte_count_or_dtype_is_caught():
 def test_overlap_and_out_of_bounds_are_caught():
     _, metas = _metas(0)
     a, b = metas[0].entries[:2]
-    overlapping = dataclasses.replace(metas[0], entries=[a, dataclasses.replace(b, offset=a.offset + 2)])
+    overlapping = dataclasses.replace(metas[0], entries=[a, b._replace(offset=a.offset + 2)])
     with pytest.raises(RefitManifestError, match="overlaps"):
         _tracker(0).check_bucket(overlapping, HALF)
     last = metas[0].entries[-1]
-    past = dataclasses.replace(metas[0], entries=[*metas[0].entries[:-1], dataclasses.replace(last, offset=HALF - 256)])
+    past = dataclasses.replace(metas[0], entries=[*metas[0].entries[:-1], last._replace(offset=HALF - 256)])
     with pytest.raises(RefitManifestError, match="runs past"):
         _tracker(0).check_bucket(past, HALF)
     with pytest.raises(RefitManifestError, match="describes a 4096-byte buffer"):

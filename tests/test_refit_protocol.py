@@ -242,3 +242,13 @@ def test_buffers_above_the_keep_limit_are_released_after_every_refit(pool, share
     assert c["mismatches"] == []
     assert [m["buffers_allocated"] for m in p["metrics"]] == [2, 2, 2]
     assert [m["buffers_opened"] for m in c["metrics"]] == [2, 2, 2]
+
+
+def test_bucket_messages_round_trip_through_the_wire_encoding():
+    from rlc.runtime.refit.protocol import BucketMeta, BucketMsg, BufferRef, EntryMeta, decode, encode
+
+    meta = BucketMeta(3, 1, 0, 1, "GPU-x", 8192, [EntryMeta("a.weight", 0, [4, 8], "bfloat16", 64),
+                                                   EntryMeta("b.bias", 256, [8], "float32", 32)])
+    for msg in (BucketMsg(meta=meta, open=BufferRef(0, 8192, "shm", "GPU-x")), BucketMsg(meta=meta)):
+        back, payload = decode(encode(msg, b"h" if msg.open else None))
+        assert back == msg and payload == (b"h" if msg.open else None)

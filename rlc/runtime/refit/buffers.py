@@ -16,6 +16,8 @@ Closing a segment while a view is alive raises, which is how CI catches view lea
 """
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import pickle
@@ -75,6 +77,17 @@ def cuda_device_uuid(device: int | str | torch.device | None = None) -> str:
     return str(torch.cuda.get_device_properties(cuda_index(device)).uuid)
 
 
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """Element count and contiguous strides of ``shape`` (shapes repeat: every expert has the same)."""
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return math.prod(shape), tuple(reversed(strides))
+
+
 class Buffer:
     """A byte buffer (1-D uint8 tensor) with typed, zero-copy views."""
 
@@ -83,9 +96,12 @@ class Buffer:
         self.nbytes = nbytes
         self.label = label
         self._views: list[tuple[str, weakref.ref]] = []
+        self._typed: dict[torch.dtype, torch.Tensor | None] = {}  # the whole buffer as each dtype
 
-    def view(self, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype, name: str = "") -> torch.Tensor:
-        """A tensor of ``shape``/``dtype`` aliasing ``[offset, offset + nbytes)``; tracked for leaks."""
+    def view(self, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype, name: str = "",
+             track: bool = True) -> torch.Tensor:
+        """A tensor of ``shape``/``dtype`` aliasing ``[offset, offset + nbytes)``; tracked for leaks
+        unless ``track`` is False (the producer's own short-lived copy targets)."""
         if self.tensor is None:
             raise RefitProtocolError(f"buffer {self.label} is closed")
         if offset < 0 or offset + nbytes > self.nbytes:
@@ -93,16 +109,33 @@ class Buffer:
                 f"tensor {name!r}: slice [{offset}, {offset + nbytes}) is outside buffer {self.label} "
                 f"({self.nbytes} bytes)"
             )
-        t = self.tensor[offset : offset + nbytes].view(dtype).view(tuple(shape))
-        self._views.append((name, weakref.ref(t)))
+        t = self._strided(offset, nbytes, tuple(shape), dtype)
+        if t is None:
+            t = self.tensor[offset : offset + nbytes].view(dtype).view(tuple(shape))
+        if track:
+            self._views.append((name, weakref.ref(t)))
         return t
+
+    def _strided(self, offset: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The view as one ``as_strided`` call on the buffer viewed as ``dtype`` (a few µs instead of a
+        slice and two views: a 30B MoE refit slices ~19,000 tensors per GPU); None when not aligned."""
+        itemsize = dtype.itemsize
+        numel, strides = _contiguous(shape)
+        if offset % itemsize or numel * itemsize != nbytes:
+            return None
+        if dtype not in self._typed:
+            assert self.tensor is not None
+            base = self.tensor
+            aligned = base.numel() % itemsize == 0 and base.storage_offset() % itemsize == 0
+            self._typed[dtype] = base.view(dtype) if aligned else None
+        typed = self._typed[dtype]
+        if typed is None:
+            return None
+        return typed.as_strided(shape, strides, typed.storage_offset() + offset // itemsize)
 
     def live_views(self) -> list[str]:
         """Names of views handed out by ``view`` that are still referenced somewhere."""
         return [n for n, ref in self._views if ref() is not None]
-
-    def forget_views(self) -> None:
-        self._views = []
 
     def check_no_live_views(self, who: str) -> None:
         live = self.live_views()
@@ -171,6 +204,7 @@ class _ShmBuffer(Buffer):
     def close(self) -> None:
         live = self.live_views()
         self.tensor = None
+        self._typed = {}
         self.mm = None
         if self.unlink_name is not None:
             name, self.unlink_name = self.unlink_name, None
@@ -241,6 +275,7 @@ _REBUILD_DEVICE_ARG = 6  # index of storage_device in reduce_tensor's rebuild_cu
 class _CudaBuffer(Buffer):
     def close(self) -> None:
         self.tensor = None
+        self._typed = {}
 
 
 class CudaIpcBackend(BufferBackend):

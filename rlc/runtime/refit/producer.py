@@ -473,10 +473,9 @@ class _ProducerRun:
             else:
                 buf = self.halves[pl.slot]
             t1 = time.perf_counter()
-            view = buf.view(pl.offset, spec.nbytes, spec.shape, torch_dtype(spec.dtype), spec.name)
+            view = buf.view(pl.offset, spec.nbytes, spec.shape, torch_dtype(spec.dtype), spec.name, track=False)
             view.copy_(tensor.detach())
             del view
-            buf.forget_views()
             m.pack_seconds += time.perf_counter() - t1
             done.add(name)
             m.num_tensors += 1

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
 PROTOCOL_VERSION = 2
 
 
-@dataclass(frozen=True)
-class EntryMeta:
-    """Where one tensor sits in its bucket's buffer."""
+class EntryMeta(NamedTuple):
+    """Where one tensor sits in its bucket's buffer (a named tuple: ~19,000 per refit at 30B MoE scale)."""
 
     name: str
     offset: int
@@ -62,10 +61,37 @@ class BucketMeta:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data; the entries travel as columns (one list per field), which JSON encodes and
+        decodes several times faster than one object per tensor (~19,000 per refit at 30B MoE scale)."""
+        e = self.entries
+        return {
+            "refit_id": self.refit_id,
+            "index": self.index,
+            "slot": self.slot,
+            "producer_rank": self.producer_rank,
+            "device_key": self.device_key,
+            "buffer_bytes": self.buffer_bytes,
+            "entries": {
+                "name": [x.name for x in e],
+                "offset": [x.offset for x in e],
+                "shape": [list(x.shape) for x in e],
+                "dtype": [x.dtype for x in e],
+                "nbytes": [x.nbytes for x in e],
+            },
+        }
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BucketMeta":
         d = dict(d)
-        d["entries"] = [EntryMeta(**e) for e in d["entries"]]
+        cols = d["entries"]
+        try:
+            columns = [cols[f] for f in EntryMeta._fields]
+        except (KeyError, TypeError) as exc:
+            raise RefitProtocolError(f"bucket metadata entries are not in the column layout: {exc}") from exc
+        if len({len(c) for c in columns}) > 1:
+            raise RefitProtocolError("bucket metadata entry columns have different lengths")
+        d["entries"] = [EntryMeta._make(row) for row in zip(*columns)]
         return cls(**d)
 
 
@@ -171,9 +197,17 @@ _KINDS: dict[str, type[Message]] = {
 }
 
 
+def _plain(msg: Message) -> dict[str, Any]:
+    """The message's fields as plain data. A bucket's metadata is built by ``BucketMeta.to_dict``:
+    ``asdict`` deep-copies every field and costs more than the transfer for ~19,000 tensors per refit."""
+    if isinstance(msg, BucketMsg):
+        return {"meta": msg.meta.to_dict(), "open": None if msg.open is None else asdict(msg.open)}
+    return asdict(msg)
+
+
 def encode(msg: Message, payload: bytes | None = None) -> list[bytes]:
     """Message (+ optional handle payload) -> ZMQ frames."""
-    body = {"kind": msg.kind, **asdict(msg)}
+    body = {"kind": msg.kind, **_plain(msg)}
     frames = [json.dumps(body, separators=(",", ":")).encode("utf-8")]
     if payload is not None:
         frames.append(payload)
