@@ -269,3 +269,17 @@ def test_kept_halves_are_reused_while_they_fit_the_plan():
     assert plan_refit(specs, 32768, **knobs, keep_half_bytes=4096).sizing.half_bytes == 8192
     # kept halves bigger than the knobs allow now (less free memory): plan fresh, smaller halves
     assert plan_refit(specs, 24576, **knobs, keep_half_bytes=8192).sizing.half_bytes == 6144
+
+
+def test_a_previous_plan_is_reused_only_for_the_same_halves_and_when_its_one_offs_still_fit():
+    specs = [TensorSpec(f"w{i}", (1024,), "bfloat16") for i in range(8)] + [TensorSpec("big", (6000,), "bfloat16")]
+    knobs = dict(buffer_memory_ratio=None, buffer_gb=8192 / GIB, alignment_bytes=256)
+    first = plan_refit(specs, 65536, **knobs)
+    assert first.num_oneoff == 1 and first.sizing.half_bytes == 4096
+    again = plan_refit(specs, 60000, **knobs, previous=first)
+    assert again.buckets is first.buckets and again.sizing.free_bytes == 60000  # same buckets, new sizing
+    bigger = plan_refit(specs, 65536, **{**knobs, "buffer_gb": 16384 / GIB}, previous=first)
+    assert bigger.buckets is not first.buckets and bigger.sizing.half_bytes == 8192
+    assert [b.names for b in bigger.buckets] == [b.names for b in plan_refit(specs, 65536, **{**knobs, "buffer_gb": 16384 / GIB}).buckets]
+    with pytest.raises(RefitPlanError, match="'big'"):  # the one-off no longer fits: the full check names it
+        plan_refit(specs, 8192 + 12000, **knobs, previous=first)

@@ -271,6 +271,7 @@ def plan_refit(
     alignment_bytes: int,
     reserve_bytes: int = 0,
     keep_half_bytes: int | None = None,
+    previous: RefitPlan | None = None,
 ) -> RefitPlan:
     """Plan a refit of the wire ``specs`` (in export order) with ``free_bytes`` of device memory.
 
@@ -278,6 +279,9 @@ def plan_refit(
     exporter's all-gather + ``torch.stack`` of the largest fused expert tensor, NeMo-RL #2471 attempt 1).
     ``keep_half_bytes``: the size of halves kept from the previous refit; they are used as they are
     when they do not exceed the half the knobs allow now (no new buffers, no new handles).
+    ``previous``: the last plan made for these same ``specs``; when the halves come out the same
+    size and its one-off buffers still fit, its buckets are reused instead of packing every tensor
+    again (the packing is the same code, so the result would be identical).
     Raises ``RefitPlanError`` before any transfer when a tensor cannot be placed.
     """
     alignment = effective_alignment(alignment_bytes, specs)
@@ -302,6 +306,13 @@ def plan_refit(
             f"the ping-pong halves are empty ({sizing.source}, alignment {alignment}); "
             "raise refit.buffer_memory_ratio or refit.buffer_gb"
         )
+    if (
+        previous is not None
+        and (previous.sizing.half_bytes, previous.sizing.alignment) == (sizing.half_bytes, alignment)
+        and (previous.num_tensors, previous.total_bytes) == (len(specs), total)
+        and (not previous.num_oneoff or 2 * sizing.half_bytes + previous.max_oneoff_bytes + reserve_bytes <= free_bytes)
+    ):
+        return replace(previous, sizing=sizing)
     packer = BucketPacker(sizing.half_bytes, alignment)
     buckets: list[Bucket] = []
     warnings: list[str] = []

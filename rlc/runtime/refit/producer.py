@@ -140,6 +140,7 @@ class RefitProducer:
         self.empty_cache = empty_cache
         self.keep_buffers_max_bytes = keep_buffers_max_bytes
         self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
+        self._last_plan: RefitPlan | None = None  # for the current export list (reset by prepare)
         self.name = f"refit producer rank {rank} (GPU {self.device_key})"
         self._chan: Channel | None = None
         self._relay: zmq.Socket | None = None
@@ -211,6 +212,7 @@ class RefitProducer:
             raise
         self._specs = wire
         self._expected = {s.name: s for s in wire}
+        self._last_plan = None
 
     def _accept_subscribers(self) -> None:
         self._subscriber_ids = []
@@ -255,8 +257,9 @@ class RefitProducer:
         return self.backend.free_memory() + sum(b.nbytes for b in kept.values())
 
     def _plan(self, free_bytes: int, kept: dict[int, Buffer]) -> RefitPlan:
-        """``plan_refit`` with this producer's knobs; ``kept`` halves are reused when they fit the plan."""
-        return plan_refit(
+        """``plan_refit`` with this producer's knobs; ``kept`` halves are reused when they fit the plan,
+        and the previous plan's buckets when the halves have the same size (same export list)."""
+        plan = plan_refit(
             self._specs,
             free_bytes,
             buffer_memory_ratio=self.cfg.buffer_memory_ratio,
@@ -264,7 +267,10 @@ class RefitProducer:
             alignment_bytes=self.cfg.alignment_bytes,
             reserve_bytes=self.reserve_bytes,
             keep_half_bytes=next(iter(kept.values())).nbytes if kept else None,
+            previous=self._last_plan,
         )
+        self._last_plan = plan
+        return plan
 
     @property
     def kept_bytes(self) -> int:
