@@ -8,6 +8,7 @@ that skips a tensor. Processes come from one spawn pool per module (torch import
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import uuid
@@ -208,6 +209,7 @@ def test_buffers_and_handles_are_created_once_and_reused_across_refits(pool, sha
         opened = [m["buffers_opened"] for m in c["metrics"]]
         assert allocated == opened == [2 + rank] + [rank] * (steps - 1), (allocated, opened)
         assert [m["consumer"]["buffers_opened"] for m in p["metrics"]] == opened
+        assert [m["buffers_kept"] for m in p["metrics"]] == [m["buffers_kept"] for m in c["metrics"]] == [2] * steps
         assert p["shm_left_after_close"] == []  # kept halves are released when the producer closes
 
 
@@ -252,3 +254,18 @@ def test_bucket_messages_round_trip_through_the_wire_encoding():
     for msg in (BucketMsg(meta=meta, open=BufferRef(0, 8192, "shm", "GPU-x")), BucketMsg(meta=meta)):
         back, payload = decode(encode(msg, b"h" if msg.open else None))
         assert back == msg and payload == (b"h" if msg.open else None)
+
+
+def test_a_failed_refit_after_reused_buffers_releases_them_on_both_sides(pool, shared):
+    s = _session()
+    prods, cons = _run(
+        pool,
+        [{"session": s, "rank": 1, "world_size": 1, "steps": 2, "drop_last_at_step": 1}],
+        [{"session": s, "device": 1, "steps": 2}],
+    )
+    _drain(shared["log"])
+    p, c = prods[0], cons[0]
+    assert not p["ok"] and "without yielding 1 announced tensor(s): 'lm_head.weight'" in p["error"]
+    assert len(p["metrics"]) == 1 and p["metrics"][0]["buffers_kept"] == 2  # refit 1 kept its halves
+    assert not c["ok"] and c["error_type"] == "RefitRemoteError" and c["mismatches"] == []
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"rlc-refit-{p['pid']}-")] == []

@@ -124,6 +124,7 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
     rank = job["rank"]
     specs = rank_specs(rank)
     producer = None
+    metrics: list[dict[str, Any]] = []
     try:
         producer = RefitProducer(
             refit_config(**job.get("cfg", {})),
@@ -140,7 +141,6 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
             **({"keep_buffers_max_bytes": job["keep_buffers_max_bytes"]} if "keep_buffers_max_bytes" in job else {}),
         )
         producer.prepare(specs)
-        metrics = []
         held = []  # exported tensors still referenced when the exporter was asked for the next one
 
         def exporter(order: list[TensorSpec], step: int):
@@ -157,14 +157,14 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
             if job.get("free_bytes_by_step"):  # free memory at refit time differs between refits
                 producer.free_bytes = job["free_bytes_by_step"][step]
             order = list(specs)
-            if job.get("drop_last"):
+            if job.get("drop_last") or step == job.get("drop_last_at_step"):
                 order = order[:-1]
             metrics.append(producer.send(exporter(order, step)).to_dict())
         producer.close()
         leftover = [n for n in os.listdir(_SHM_DIR) if n.startswith(f"rlc-refit-{os.getpid()}-")]
         return {"ok": True, "metrics": metrics, "pid": os.getpid(), "held_previous": held, "shm_left_after_close": leftover}
     except BaseException as e:  # report to the test, which asserts on it
-        return _error(e)
+        return {**_error(e), "pid": os.getpid(), "metrics": metrics}
     finally:
         if producer is not None:
             producer.close()
