@@ -531,6 +531,11 @@ def render_plan(plans: dict[str, Any]) -> str:
         for label, gib in budget.rows():
             lines.append(f"| {label:<52} | {gib:>7.1f} |")
         lines.append("budget: fits" if budget.fits else "budget: DOES NOT FIT: " + "; ".join(budget.problems))
+        half = lay.buffer_gb * GIB / 2
+        if mb.largest_tensor > half:
+            lines.append(f"note: the largest tensor ({mb.largest_tensor / GIB:.2f} GiB, the embedding) is larger than a "
+                         f"ping-pong half ({half / GIB:.2f} GiB): such tensors travel in one-off buffers allocated "
+                         "every refit")
         kinds = sorted({c.kind for c in p["checks"]})
         lines.append(f"bit-exact spot checks: {len(p['checks'])} tensors ({', '.join(kinds)})"
                      + (f"; {'; '.join(p['notes'])}" if p["notes"] else ""))
