@@ -298,7 +298,8 @@ def plan_refit(
         keep_half_bytes
         and 0 < keep_half_bytes < sizing.half_bytes
         and keep_half_bytes % alignment == 0
-        and not any(keep_half_bytes < s.nbytes <= sizing.half_bytes for s in specs)  # no new one-off buffers
+        # no tensor that the fresh halves hold may need a one-off buffer with the kept ones
+        and not any(half_holds(sizing.half_bytes, s.nbytes) and not half_holds(keep_half_bytes, s.nbytes) for s in specs)
     ):
         sizing = replace(sizing, half_bytes=keep_half_bytes, source=f"{sizing.source}; halves kept from the previous refit")
     if sizing.half_bytes <= 0:
