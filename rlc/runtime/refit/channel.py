@@ -69,11 +69,16 @@ class Channel:
         self.peer_name = "peer"
         self.inbox: deque[tuple[Message, bytes | None]] = deque()
 
-    def _wait(self, flags: int, what: str, timeout_s: float | None, check: Callable[[], None] | None = None) -> None:
-        """Block until ``flags`` (POLLIN/POLLOUT) is ready. While waiting to send, incoming messages are
-        moved to the inbox, so a peer's ``Error`` surfaces even when the peer stopped reading."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
+    def _limit(self, timeout_s: float | None) -> tuple[float, float]:
+        """(the timeout in seconds, its deadline on the monotonic clock)."""
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        return limit, time.monotonic() + limit
+
+    def _wait(self, flags: int, what: str, limit: float, deadline: float,
+              check: Callable[[], None] | None = None) -> None:
+        """Block until ``flags`` (POLLIN/POLLOUT) is ready or ``deadline`` passes (``limit``: the timeout it
+        stands for, for the message). While waiting to send, incoming messages are moved to the inbox, so
+        a peer's ``Error`` surfaces even when the peer stopped reading."""
         while True:
             if flags == zmq.POLLIN and self.inbox:
                 return
@@ -96,15 +101,36 @@ class Channel:
                 )
 
     def _take(self) -> None:
-        """Read one message into the inbox; a peer ``Error`` raises right away."""
-        msg, payload = decode(self.sock.recv_multipart(flags=zmq.NOBLOCK))
+        """Read one message into the inbox; a peer ``Error`` raises right away. A readiness that vanished
+        before the read (``zmq.Again``) reads nothing: the caller waits again."""
+        try:
+            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        msg, payload = decode(frames)
         if isinstance(msg, Error):
             raise RefitRemoteError(f"{self.name}: {self.peer_name} failed ({msg.where}): {msg.message}")
         self.inbox.append((msg, payload))
 
     def send(self, msg: Message, payload: bytes | None = None, *, timeout_s: float | None = None) -> None:
-        self._wait(zmq.POLLOUT, f"sending {msg.kind!r}", timeout_s)
-        self.sock.send_multipart(encode(msg, payload), flags=zmq.NOBLOCK)
+        """Send within the deadline. The peer can go away between the poll that said "writable" and the
+        send (it failed, sent its ``Error`` and closed): the send then raises ``zmq.Again``, and the peer's
+        reason, already queued here, is raised instead (``RefitRemoteError``)."""
+        limit, deadline = self._limit(timeout_s)
+        frames = encode(msg, payload)
+        while True:
+            self._wait(zmq.POLLOUT, f"sending {msg.kind!r}", limit, deadline)
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                while self.sock.poll(0, zmq.POLLIN):
+                    self._take()  # a peer Error raises here
+                if time.monotonic() > deadline:
+                    raise RefitTimeoutError(
+                        f"{self.name}: could not send {msg.kind!r} within {limit:g} s: {self.peer_name} (pid "
+                        f"{self.peer_pid or 'unknown'}) stopped receiving") from None
+                time.sleep(POLL_SLICE_S)
 
     def recv(
         self,
@@ -114,10 +140,15 @@ class Channel:
         check: Callable[[], None] | None = None,
     ) -> tuple[Message, bytes | None]:
         """Next message; a peer ``Error`` is raised as ``RefitRemoteError``."""
-        self._wait(zmq.POLLIN, what, timeout_s, check)
-        if not self.inbox:
-            self._take()
-        return self.inbox.popleft()
+        limit, deadline = self._limit(timeout_s)
+        while True:
+            self._wait(zmq.POLLIN, what, limit, deadline, check)
+            if not self.inbox:
+                self._take()
+            if self.inbox:
+                return self.inbox.popleft()
+            if time.monotonic() > deadline:
+                raise RefitTimeoutError(f"{self.name}: nothing to read for {what} within {limit:g} s ({self.peer_name})")
 
     def try_send_error(self, message: str, where: str) -> None:
         """Best effort: tell the peer why we stop, without blocking."""
