@@ -21,16 +21,20 @@ import json
 import logging
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
 from rlc.contract.runtime_config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
-from rlc.runtime.metrics import JsonlFile, MetricsLogger
-from rlc.runtime.workers import WorkerGroup
+from rlc.contract.refit_buffer import GIB
+from rlc.runtime.metrics import JsonlFile, MetricsLogger, PhaseTimer
+from rlc.runtime.worker_groups import GenerationGroup, Memory, PolicyGroup, RankCoords, RefitSent
+
+if TYPE_CHECKING:
+    from rlc.runtime.grpo.data import PromptCursor
+    from rlc.runtime.grpo.rewards import RewardScorer
 
 log = logging.getLogger("rlc.runtime.driver")
 
@@ -55,9 +59,20 @@ class GrpoRun:
         self.cfg_dict = runtime_config_to_dict(cfg)
         self.cfg_path = cfg_path
         self.session = f"{cfg.name}-{os.environ.get('SLURM_JOB_ID', os.getpid())}-{uuid.uuid4().hex[:6]}"
-        self._policy: WorkerGroup | None = None
-        self._generation: WorkerGroup | None = None
+        self._policy: PolicyGroup | None = None
+        self._generation: GenerationGroup | None = None
         self._metrics: MetricsLogger | None = None
+        self.timer = PhaseTimer()  # every phase's wall time, drained into the step's metrics
+        self.refits_done = 0
+        self.checkpoint_failures = 0  # in a row; three stop the run
+        self.coords: list[RankCoords] = []  # each trainer rank's place in the layout (start_workers)
+        self.eos_token_id: int | None = None
+        self.pad_id = 0
+        # Set by start_workers(), before any phase runs:
+        self.tokenizer: Any
+        self.scorer: RewardScorer
+        self.cursor: PromptCursor
+        self.pg: Any  # the Ray placement group
         logs = Path(cfg.logging.dir)
         self.calibration = JsonlFile(logs / "calibration.jsonl")
         self.ranks_log = JsonlFile(logs / "refit_ranks.jsonl")  # one line per trainer rank and refit
@@ -68,13 +83,13 @@ class GrpoRun:
     # Workers and the metrics logger exist once started; using them earlier is a driver bug.
 
     @property
-    def policy(self) -> WorkerGroup:
+    def policy(self) -> PolicyGroup:
         if self._policy is None:
             raise RuntimeError("policy workers used before start_workers()")
         return self._policy
 
     @property
-    def generation(self) -> WorkerGroup:
+    def generation(self) -> GenerationGroup:
         if self._generation is None:
             raise RuntimeError("generation workers used before start_workers()")
         return self._generation
@@ -93,16 +108,17 @@ class GrpoRun:
         start_step = self.resume()
         self.open_logs(start_step)
         self.refit(step=start_step)  # vLLM gets the trainer's weights (fresh start or checkpoint)
+        self.timer.drain()  # the initial refit is not part of step 1
         self.log_calibration(start_step, "after_initial_refit")
         for step in range(start_step + 1, cfg.grpo.max_steps + 1):
             self.step_metrics = {}
-            t_step = time.perf_counter()
-            groups = self.rollout(step)
-            self.sleep_generation(step)
-            batch = self.trainer_logprobs(step, groups)
-            self.train(step, batch)
-            self.refit(step)
-            self.step_metrics["timing/step_s"] = time.perf_counter() - t_step
+            with self.timer("step"):
+                groups = self.rollout(step)
+                self.sleep_generation(step)
+                batch = self.trainer_logprobs(step, groups)
+                self.train(step, batch)
+                self.refit(step)
+            self.step_metrics.update(self.timer.drain())
             self.metrics.log(step, self.step_metrics)
             if self.cfg.checkpointing.enabled and self._should_save(step):
                 self.checkpoint(step)
@@ -116,65 +132,58 @@ class GrpoRun:
         from rlc.runtime.grpo.dynamic_sampling import DynamicSampler  # noqa: PLC0415
 
         sampler: DynamicSampler[Group] = DynamicSampler.from_config(self.cfg.grpo, logger=log.info)
-        t0 = time.perf_counter()
         gen_tokens = 0
-        gen_seconds = 0.0
 
-        def generate_batch(num_prompts: int):
-            nonlocal gen_tokens, gen_seconds
-            prompts = self.cursor.next_batch(num_prompts)
-            groups, seconds = self.generate(prompts)
-            gen_seconds += seconds
+        def generate_batch(num_prompts: int) -> tuple[list[Group], list[list[float]]]:
+            nonlocal gen_tokens
+            groups = self.generate(self.cursor.next_batch(num_prompts))
             gen_tokens += sum(len(g["token_ids"]) for grp in groups for g in grp.generations)
             return groups, [grp.rewards for grp in groups]
 
-        groups, rewards = sampler.collect(step, generate_batch)
+        with self.timer("generate"):
+            groups, rewards = sampler.collect(step, generate_batch)
         self.step_metrics.update(reward_metrics(rewards))
         self.step_metrics.update(self.scorer.take_metrics())
         self.step_metrics.update(sampler.metrics())
-        self.step_metrics["timing/generate_s"] = time.perf_counter() - t0
         self.step_metrics["throughput/generated_tokens"] = gen_tokens
-        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(gen_seconds, 1e-9)
+        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(self.timer.seconds("vllm_generate"),
+                                                                                 1e-9)
         lengths = [len(g["token_ids"]) for grp in groups for g in grp.generations]
         self.step_metrics["response_length/mean"] = sum(lengths) / max(len(lengths), 1)
         self.step_metrics["response_length/max"] = max(lengths) if lengths else 0
         self.sample_memory("generate")
         return groups
 
-    def generate(self, prompts: list) -> tuple[list[Group], float]:
+    def generate(self, prompts: list) -> list[Group]:
         """Split prompts over the engines; score each generation with the reward function."""
         n = self.cfg.grpo.generations_per_prompt
         ids = [self.encode(p.prompt) for p in prompts]
         engines = len(self.generation)
         per = (len(ids) + engines - 1) // engines
         chunks = [(e, ids[e * per : (e + 1) * per]) for e in range(engines)]
-        chunks = [(e, c) for e, c in chunks if c]
-        t0 = time.perf_counter()
-        refs = [(e, self.generation.actors[e].generate.remote(c, n)) for e, c in chunks]
-        results = self.generation.wait(refs, "generate")
-        seconds = time.perf_counter() - t0
+        with self.timer("vllm_generate"):
+            results = self.generation.generate([(e, c) for e, c in chunks if c], n)
         samples = [s for r in results for s in r["samples"]]
         groups = []
         for prompt, pids, gens in zip(prompts, ids, samples):
             rewards = self.scorer.score([prompt.prompt] * len(gens), [g["text"] for g in gens],
                                         [prompt.answer] * len(gens))
             groups.append(Group(prompt, pids, gens, rewards))
-        return groups, seconds
+        return groups
 
     def sleep_generation(self, step: int) -> None:
         """vLLM releases its memory for the trainer (refit.sleep_level)."""
-        t0 = time.perf_counter()
-        res = self.generation.call("sleep", self.cfg.refit.sleep_level)
-        self.step_metrics["timing/sleep_s"] = time.perf_counter() - t0
-        self.step_metrics["memory/sleep_freed_gib"] = res[0]["freed_gib"]
-        self.sample_memory("after_sleep", res[0]["memory"])
+        with self.timer("sleep"):
+            slept = self.generation.sleep(self.cfg.refit.sleep_level)[0]
+        self.step_metrics["memory/sleep_freed_gib"] = slept.freed_gib
+        self.sample_memory("after_sleep", slept.memory)
         if step <= 2 or step % 50 == 0:
-            self.log_calibration(step, "after_sleep", res[0]["memory"])
+            self.log_calibration(step, "after_sleep", slept.memory)
 
     def trainer_logprobs(self, step: int, groups: list[Group]) -> dict:
         """Advantages, the packed batch, the trainer's logprobs (+ reference); checks gen-KL."""
         from rlc.runtime.grpo.advantages import group_advantages  # noqa: PLC0415
-        from rlc.runtime.grpo.loss import check_gen_kl, gen_kl_metrics  # noqa: PLC0415
+        from rlc.runtime.grpo.loss import GenKLExceeded, check_gen_kl, gen_kl_metrics  # noqa: PLC0415
         from rlc.runtime.policy.batches import pack_rollouts  # noqa: PLC0415
 
         g = self.cfg.grpo
@@ -191,85 +200,79 @@ class GrpoRun:
         batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, advantages, pad_id=self.pad_id,
                               pad_to_multiple=16 * tp.tp * tp.cp,
                               max_length=self.cfg.training.max_sequence_length)
-        t0 = time.perf_counter()
-        old = self.gather_output(self.policy.call("compute_logprobs", self._put(batch)))
-        batch["old_logprobs"] = old
-        if self.cfg.loss.kl_penalty > 0:
-            batch["ref_logprobs"] = self.gather_output(self.policy.call("compute_ref_logprobs", self._put(batch)))
-        self.step_metrics["timing/logprobs_s"] = time.perf_counter() - t0
+        with self.timer("logprobs"):
+            old = self.gather_output(self.policy.compute_logprobs(self._put(batch)))
+            batch["old_logprobs"] = old
+            if self.cfg.loss.kl_penalty > 0:
+                batch["ref_logprobs"] = self.gather_output(self.policy.compute_ref_logprobs(self._put(batch)))
         kl = gen_kl_metrics(batch["gen_logprobs"], old, batch["mask"])
         self.step_metrics.update(kl)
         self.sample_memory("logprobs")
         try:
             check_gen_kl(kl["gen_kl"], step=step, threshold=g.max_gen_kl, detail=kl)
-        except Exception:
-            self.metrics.log(step, self.step_metrics)
+        except GenKLExceeded:
+            self.metrics.log(step, {**self.step_metrics, **self.timer.drain()})  # the step that stopped the run
             raise
         self.step_metrics["throughput/train_tokens"] = float(batch["mask"].sum())
         return batch
 
     def train(self, step: int, batch: dict) -> None:
         """Optimizer step(s) on the batch; merges the output ranks' loss metrics."""
-        t0 = time.perf_counter()
-        results = [r for r in self.policy.call("train_step", self._put(batch), step) if r is not None]
-        seconds = time.perf_counter() - t0
-        self.step_metrics["timing/train_s"] = seconds
+        with self.timer("train"):
+            results = self.policy.train_step(self._put(batch), step)
         self.step_metrics.update(merge_train_metrics(results))
-        self.step_metrics["throughput/train_tokens_per_s"] = self.step_metrics["throughput/train_tokens"] / max(seconds, 1e-9)
+        self.step_metrics["throughput/train_tokens_per_s"] = (self.step_metrics["throughput/train_tokens"]
+                                                              / max(self.timer.seconds("train"), 1e-9))
         self.sample_memory("train")
 
     def refit(self, step: int) -> None:
         """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        off = self.policy.call("refit_offload")
-        self.sample_memory("refit_offload", off[0]["memory"])
-        t1 = time.perf_counter()
-        self.generation.call("wake_up", ["weights"])
-        t_wake_w = time.perf_counter() - t1
         from rlc.runtime.workers import wait_all  # noqa: PLC0415
 
-        t2 = time.perf_counter()
-        pending = [(self.policy, i, r) for i, r in self.policy.submit("refit_send")]
-        pending += [(self.generation, i, r) for i, r in self.generation.submit("refit_receive")]
-        results = wait_all(pending, "refit")
-        t_send = time.perf_counter() - t2
-        sent = results[: len(self.policy)]
-        t3 = time.perf_counter()
-        woke = self.generation.call("wake_up", ["kv_cache"])
-        self.generation.call("reset_prefix_cache")
-        t_wake_kv = time.perf_counter() - t3
+        cfg = self.cfg
+        with self.timer("refit"):
+            offloaded = self.policy.refit_offload()[0]
+            self.sample_memory("refit_offload", offloaded.memory)
+            with self.timer("wake_weights"):
+                self.generation.wake_up(["weights"])
+            with self.timer("refit_transfer"):
+                pending = [(self.policy.group, i, r) for i, r in self.policy.submit_refit_send()]
+                pending += [(self.generation.group, i, r) for i, r in self.generation.submit_refit_receive()]
+                results = wait_all(pending, "refit")
+            sent = [RefitSent.from_dict(r) for r in results[: len(self.policy)]]
+            with self.timer("wake_kv"):
+                woke = self.generation.wake_up(["kv_cache"])[0]
+                self.generation.reset_prefix_cache()
         self.log_refit_ranks(step, sent)
         r0 = sent[0]
-        worst = min(sent, key=lambda r: r["free_before_bytes"])  # the tightest GPU decides OOM
+        worst = min(sent, key=lambda r: r.free_before_bytes)  # the tightest GPU decides OOM
         m = self.step_metrics
-        m["refit/seconds"] = t_send
-        m["refit/bytes"] = r0["bytes"]
-        m["refit/gbps"] = r0["gbps"]
-        m["refit/buckets"] = r0["num_buckets"]
-        m["refit/tensors"] = r0["num_tensors"]
-        m["refit/free_before_gib"] = worst["free_before_bytes"] / (1 << 30)
-        m["refit/min_free_gib"] = min(r["min_free_bytes"] for r in sent) / (1 << 30)
-        m["refit/half_gib"] = r0["half_bytes"] / (1 << 30)
+        m["refit/seconds"] = self.timer.seconds("refit_transfer")
+        m["refit/bytes"] = r0.bytes
+        m["refit/gbps"] = r0.gbps
+        m["refit/buckets"] = r0.num_buckets
+        m["refit/tensors"] = r0.num_tensors
+        m["refit/free_before_gib"] = worst.free_before_bytes / GIB
+        m["refit/min_free_gib"] = min(r.min_free_bytes for r in sent) / GIB
+        m["refit/half_gib"] = r0.half_bytes / GIB
         m["refit/sleep_level"] = cfg.refit.sleep_level
-        m["refit/synced_params"] = float(bool(off[0]["synced_params"]))
-        m["refit/offloaded_optimizer"] = float(bool(off[0]["offloaded"]))
-        m["timing/refit_s"] = time.perf_counter() - t0
-        m["timing/wake_weights_s"] = t_wake_w
-        m["timing/wake_kv_s"] = t_wake_kv
+        m["refit/synced_params"] = float(offloaded.synced_params)
+        m["refit/offloaded_optimizer"] = float(offloaded.offloaded)
         if cfg.refit.verify_every and self.refits_done % cfg.refit.verify_every == 0:
             self.verify_refit(step)
         self.refits_done += 1
-        self.sample_memory("after_wake", woke[0]["memory"])
+        self.sample_memory("after_wake", woke)
         if step <= 2 or step % 50 == 0:
-            self.log_calibration(step, "refit_free", {
-                "free_gib": r0["free_before_bytes"] / (1 << 30),
-                "used_gib": off[0]["memory"]["total_gib"] - r0["free_before_bytes"] / (1 << 30),
-                "total_gib": off[0]["memory"]["total_gib"],
-            }, extra={"half_gib": r0["half_bytes"] / (1 << 30), "offload_optimizer": cfg.refit.offload_optimizer_for_refit})
-            self.log_calibration(step, "after_wake", woke[0]["memory"])
+            total = offloaded.memory.total_gib
+            self.log_calibration(step, "refit_free", Memory(free_gib=r0.free_before_bytes / GIB,
+                                                            used_gib=total - r0.free_before_bytes / GIB,
+                                                            total_gib=total),
+                                 extra={"half_gib": r0.half_bytes / GIB,
+                                        "offload_optimizer": cfg.refit.offload_optimizer_for_refit})
+            self.log_calibration(step, "after_wake", woke)
         if step == 0 or self.refits_done <= 1:
-            log.info("refit %d: %s", self.refits_done, json.dumps({k: r0[k] for k in ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")}))
+            keys = ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")
+            log.info("refit %d: %s", self.refits_done, json.dumps({k: r0.raw.get(k) for k in keys}))
 
     def verify_refit(self, step: int) -> None:
         """``refit.verify_every``: every vLLM worker checks its parameters bit for bit against vLLM's own
@@ -278,27 +281,26 @@ class GrpoRun:
 
         from rlc.runtime.refit.verify import RefitVerifyError, verify_error_text  # noqa: PLC0415
 
-        t0 = time.perf_counter()
         export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
-        self.policy.call("refit_dump_export", export_dir)  # collective: every trainer rank exports
-        reports = [r for engine in self.generation.call("refit_verify", export_dir) for r in engine]
+        with self.timer("refit_verify"):
+            self.policy.dump_export(export_dir)
+            reports = self.generation.verify_refit(export_dir)
         for worker, report in enumerate(reports):
             self.verify_log.write({"step": step, "worker": worker, **report})
         mismatches = sum(len(r["mismatches"]) for r in reports)
         self.step_metrics["refit/verify_mismatches"] = mismatches
         self.step_metrics["refit/verify_params"] = sum(r["params_compared"] for r in reports)
-        self.step_metrics["timing/refit_verify_s"] = time.perf_counter() - t0
         if mismatches or not all(r["params_compared"] for r in reports):
             raise RefitVerifyError(verify_error_text(step, reports))
         log.info("refit %d verified bit-exact: %d parameters on %d vLLM workers", step,
                  sum(r["params_compared"] for r in reports), len(reports))
 
-    def log_refit_ranks(self, step: int, sent: list[dict]) -> None:
+    def log_refit_ranks(self, step: int, sent: list[RefitSent]) -> None:
         """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
         (tensors, bytes, buckets), free memory and active fixes, so a rank that sent another rank's
         metadata (SkyRL #1816) or ran out of room is visible by rank, not only rank 0."""
         for rank, metrics in enumerate(sent):
-            self.ranks_log.write({"step": step, "rank": rank, **metrics})
+            self.ranks_log.write({"step": step, "rank": rank, **metrics.raw})
 
     def checkpoint(self, step: int) -> None:
         """Policy shards (megatron-core dist checkpoint) + driver state (step, data cursor).
@@ -308,22 +310,23 @@ class GrpoRun:
         """
         from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
 
-        t0 = time.perf_counter()
         root = self.cfg.checkpointing.dir
         try:
-            folder = ckpt.begin(root, step)
-            self.policy.call("save_checkpoint", str(Path(folder) / "policy"))
-            ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session,
-                                   ckpt.EXPERIMENT_STATE_KEY: ckpt.experiment(self.cfg)},
-                      keep_last=self.cfg.checkpointing.keep_last)
-        except Exception as exc:
-            self.checkpoint_failures = getattr(self, "checkpoint_failures", 0) + 1
+            with self.timer("checkpoint"):
+                folder = ckpt.begin(root, step)
+                self.policy.save_checkpoint(str(Path(folder) / "policy"))
+                ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session,
+                                       ckpt.EXPERIMENT_STATE_KEY: ckpt.experiment(self.cfg)},
+                          keep_last=self.cfg.checkpointing.keep_last)
+        except Exception as exc:  # any failure to save: training goes on from the previous checkpoint
+            self.timer.drain()
+            self.checkpoint_failures += 1
             log.error("checkpoint at step %d failed (%d in a row): %s", step, self.checkpoint_failures, exc)
             if self.checkpoint_failures >= 3:
                 raise
             return
         self.checkpoint_failures = 0
-        log.info("checkpoint step %d saved to %s in %.1f s", step, folder, time.perf_counter() - t0)
+        log.info("checkpoint step %d saved to %s in %.1f s", step, folder, self.timer.drain()["timing/checkpoint_s"])
 
     def resume(self) -> int:
         """Latest complete checkpoint -> policy state + cursor; returns the step to continue after."""
@@ -332,7 +335,7 @@ class GrpoRun:
         found = ckpt.resume_from_latest(self.cfg.checkpointing, warn=log.warning, current=ckpt.experiment(self.cfg))
         if found is None:
             return 0
-        self.policy.call("load_checkpoint", str(Path(found.path) / "policy"))
+        self.policy.load_checkpoint(str(Path(found.path) / "policy"))
         self.cursor.load_state_dict(found.state["cursor"])
         log.info("resumed from %s (step %d)", found.path, found.step)
         return int(found.step)
@@ -348,7 +351,6 @@ class GrpoRun:
         from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
 
         cfg = self.cfg
-        self.refits_done = 0
         self.versions = W.library_versions()  # the driver runs in the workers' container
         self.load_tokenizer()
         self.scorer = RewardScorer(make_reward_fn(cfg.reward.function, cfg.reward.kwargs),
@@ -360,7 +362,6 @@ class GrpoRun:
         log.info("%s", W.connect(cfg.cluster.ray, env))
         pg, order = W.reserve_gpus(placement)
         self.pg = pg
-        t0 = time.perf_counter()
         per_engine = placement.gpus_per_engine
         gen_actors = []
         for e, bundles in enumerate(placement.engine_bundles):
@@ -369,24 +370,25 @@ class GrpoRun:
                 VllmGenerationWorker, pg=pg, bundle=phys[0],
                 num_gpus=placement.gpu_fraction if per_engine == 1 else 0.0,
                 env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
-        self._generation = W.WorkerGroup("generation", gen_actors)
-        self.generation.infos = [W.WorkerInfo(**d) for d in self.generation.call("info")]
-        started = self.generation.call("start")
-        self.eos_token_id = started[0]["eos_token_id"]
-        log.info("vLLM engines up in %.1f s", time.perf_counter() - t0)
-        self.log_memory_line("vllm_started", started[0]["memory"])
-        self.generation.call("sleep", cfg.refit.sleep_level)
+        self._generation = GenerationGroup(W.WorkerGroup("generation", gen_actors))
+        self.generation.describe()
+        started = self.generation.start()[0]
+        self.eos_token_id = started.eos_token_id
+        log.info("vLLM engines up in %.1f s", started.seconds)
+        self.log_memory_line("vllm_started", started.memory)
+        self.generation.sleep(cfg.refit.sleep_level)
         policy_env = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
         pol = [W.spawn(MegatronPolicyWorker, pg=pg, bundle=order[b], num_gpus=placement.gpu_fraction, env=policy_env,
                        name=f"{self.session}-policy{r}", args=(self.cfg_dict, r, placement.world_size, order[b]))
                for r, b in enumerate(placement.policy_bundles)]
-        self._policy = W.WorkerGroup("policy", pol)
-        self.policy.infos = [W.WorkerInfo(**d) for d in self.policy.call("info")]
-        master = self.policy.call("master_address", ranks=[0])[0]
-        t1 = time.perf_counter()
-        self.coords = self.policy.call("setup", tuple(master), self.total_optimizer_steps())
-        log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", time.perf_counter() - t1, len(pol), self.coords[0]["dp_size"])
-        self.log_memory_line("policy_started", self.coords[0]["memory"])
+        self._policy = PolicyGroup(W.WorkerGroup("policy", pol))
+        self.policy.describe()
+        master = self.policy.master_address()
+        with self.timer("policy_setup"):
+            self.coords = self.policy.setup(master, self.total_optimizer_steps())
+        log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", self.timer.drain()["timing/policy_setup_s"],
+                 len(pol), self.coords[0].dp_size)
+        self.log_memory_line("policy_started", self.coords[0].memory)
         self.prepare_refit(placement)
 
     def prepare_refit(self, placement: Any) -> None:
@@ -399,9 +401,8 @@ class GrpoRun:
         for info in self.policy.infos:
             local.append(node_rank.get(info.node_ip, 0))
             node_rank[info.node_ip] = local[-1] + 1
-        pending = [(self.policy, r, self.policy.actors[r].refit_prepare.remote(self.session, local[r], gpn))
-                   for r in range(len(self.policy))]
-        pending += [(self.generation, e, ref) for e, ref in self.generation.submit("refit_prepare", self.session)]
+        pending = [(self.policy.group, r, ref) for r, ref in self.policy.submit_refit_prepare(self.session, local, gpn)]
+        pending += [(self.generation.group, e, ref) for e, ref in self.generation.submit_refit_prepare(self.session)]
         res = wait_all(pending, "refit prepare")
         log.info("refit paired: %s", json.dumps(res[0]))
 
@@ -428,27 +429,27 @@ class GrpoRun:
         self._metrics = MetricsLogger.from_config(self.cfg.logging, total_steps=self.cfg.grpo.max_steps,
                                                   start_step=start_step)
 
-    def log_memory_line(self, phase: str, memory: dict) -> None:
-        log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory["free_gib"], memory["used_gib"])
-        rec = CalibrationRecord.from_memory(phase, memory, step=0, sleep_level=self.cfg.refit.sleep_level,
+    def log_memory_line(self, phase: str, memory: Memory) -> None:
+        log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory.free_gib, memory.used_gib)
+        rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=0, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0")
         self.calibration.write(rec.to_dict())
 
-    def log_calibration(self, step: int, phase: str, memory: dict | None = None, extra: dict | None = None) -> None:
+    def log_calibration(self, step: int, phase: str, memory: Memory | None = None, extra: dict | None = None) -> None:
         if memory is None:
-            memory = self.policy.call("memory", ranks=[0])[0]
-        rec = CalibrationRecord.from_memory(phase, memory, step=step, sleep_level=self.cfg.refit.sleep_level,
+            memory = self.policy.memory()
+        rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=step, sleep_level=self.cfg.refit.sleep_level,
                                  enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
                                  versions=self.versions, worker="rank0", extra=extra)
         self.calibration.write(rec.to_dict())
 
-    def sample_memory(self, phase: str, memory: dict | None = None) -> None:
+    def sample_memory(self, phase: str, memory: Memory | None = None) -> None:
         """GPU 0's free/used GiB at the end of a phase, into the step's metrics."""
         if memory is None:
-            memory = self.policy.call("memory", ranks=[0])[0]
-        for figure in ("free_gib", "used_gib"):
-            self.step_metrics[memory_metric_key(phase, figure)] = memory[figure]
+            memory = self.policy.memory()
+        self.step_metrics[memory_metric_key(phase, "free_gib")] = memory.free_gib
+        self.step_metrics[memory_metric_key(phase, "used_gib")] = memory.used_gib
 
     def _should_save(self, step: int) -> bool:
         from rlc.runtime.checkpoint import should_save  # noqa: PLC0415
@@ -459,7 +460,7 @@ class GrpoRun:
         """Concatenate the output ranks' tensors in data-parallel order."""
         import torch  # noqa: PLC0415
 
-        parts = sorted(((c["dp_rank"], r) for c, r in zip(self.coords, results) if c["is_output"]), key=lambda x: x[0])
+        parts = sorted(((c.dp_rank, r) for c, r in zip(self.coords, results) if c.is_output), key=lambda x: x[0])
         return torch.cat([r for _, r in parts], dim=0)
 
     def _put(self, obj: Any) -> Any:
@@ -468,7 +469,7 @@ class GrpoRun:
         return ray.put(obj)
 
     def shutdown(self) -> None:
-        groups = [g for g in (self._generation, self._policy) if g is not None]
+        groups = [g.group for g in (self._generation, self._policy) if g is not None]
         if groups:
             from rlc.runtime.workers import stop_groups  # noqa: PLC0415
 
@@ -514,6 +515,18 @@ def merge_train_metrics(results: list[dict]) -> dict[str, float]:
     return out
 
 
+def exit_code_for(exc: BaseException) -> int:
+    """The process exit code of a run that stopped with ``exc``."""
+    from rlc.runtime.grpo.loss import GenKLExceeded  # noqa: PLC0415  (torch: the runtime has it)
+    from rlc.runtime.workers import WorkerFailure  # noqa: PLC0415
+
+    if isinstance(exc, WorkerFailure):
+        return EXIT_WORKER_FAILED
+    if isinstance(exc, GenKLExceeded):
+        return EXIT_GEN_KL
+    return 1
+
+
 def stop_report(exc: BaseException) -> str:
     """The report that ends a failed run's log (what ``rlc doctor`` reads first)."""
     return f"\nrlc.runtime: run stopped ({type(exc).__name__}):\n{exc}\n"
@@ -538,15 +551,8 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
     try:
         return run.run()
     except Exception as exc:  # every failure ends with one clear report, then the traceback in the log
-        from rlc.runtime.workers import WorkerFailure  # noqa: PLC0415
-
-        kind = type(exc).__name__
         log.exception("run failed")
         print(stop_report(exc), file=sys.stderr)
-        if isinstance(exc, WorkerFailure):
-            return EXIT_WORKER_FAILED
-        if kind == "GenKLExceeded":
-            return EXIT_GEN_KL
-        return 1
+        return exit_code_for(exc)
     finally:
         run.shutdown()

@@ -119,6 +119,10 @@ class PhaseTimer:
             self._sampler_failed = True
             self._warn(f"metrics: memory sampler failed after phase {phase!r} ({exc!r}); memory sampling disabled")
 
+    def seconds(self, phase: str) -> float:
+        """Wall time of ``phase`` so far (since the last ``drain``)."""
+        return self._pending.get(f"timing/{phase}_s", 0.0)
+
     def drain(self) -> dict[str, float]:
         out, self._pending = self._pending, {}
         return out

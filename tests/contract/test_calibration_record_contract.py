@@ -12,6 +12,7 @@ from rlc.contract.calibration_record import (PHASES, STEP_MEMORY_PHASES, Calibra
                                              CalibrationRecordError, memory_metric_key)
 from rlc.contract.runtime_config import load_runtime_config
 from rlc.runtime.driver import GrpoRun
+from rlc.runtime.worker_groups import Memory
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN_RECORDS = ROOT / "docs/results/tiny-qwen3-h200-grpo/calibration.jsonl"
@@ -31,10 +32,10 @@ def _driver(tmp_path):
 
 def test_records_the_driver_writes_are_read_by_the_compiler(tmp_path):
     run = _driver(tmp_path)
-    run.log_memory_line("vllm_started", MEMORY)  # before the log folder is open: kept, written later
+    run.log_memory_line("vllm_started", Memory.from_dict(MEMORY))  # before the log folder is open
     run.open_logs(0)
-    run.log_calibration(1, "after_sleep", MEMORY)
-    run.log_calibration(1, "refit_free", {"free_gib": 135.7, "used_gib": 4.1, "total_gib": 139.8},
+    run.log_calibration(1, "after_sleep", Memory.from_dict(MEMORY))
+    run.log_calibration(1, "refit_free", Memory(free_gib=135.7, used_gib=4.1, total_gib=139.8),
                         extra={"half_gib": 0.25, "offload_optimizer": True})
     run.shutdown()
     lines = (tmp_path / "calibration.jsonl").read_text().splitlines()
