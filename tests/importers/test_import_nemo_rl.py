@@ -276,3 +276,19 @@ def test_sequence_packing_on_validates_with_a_warning_naming_the_key(tmp_path):
     code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU,
                        "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0")
     assert code == 0 and "training.sequence_packing.enabled" in err
+
+
+def test_trainer_only_expandable_segments_is_listed_not_applied_to_every_task(tmp_path):
+    """NeMo-RL's Megatron env_vars reach only the trainer; in cluster.env expandable segments would also
+    reach vLLM, whose sleep-mode pool cannot use them (RLC301), so the import lists it instead."""
+    import shutil
+
+    shutil.copytree(CONFIGS, tmp_path / "configs")  # the child with its defaults: chain
+    cfg = tmp_path / "configs" / CHILD.relative_to(CONFIGS)
+    text = cfg.read_text(encoding="utf-8").replace("expandable_segments:False", "expandable_segments:True")
+    assert "expandable_segments:True" in text
+    cfg.write_text(text, encoding="utf-8")
+    out = import_nemo_rl(str(cfg))
+    assert "cluster.env.PYTORCH_CUDA_ALLOC_CONF" not in mapped(out)
+    (listed,) = [u for u in out.unmapped if u.key.endswith("env_vars.PYTORCH_CUDA_ALLOC_CONF")]
+    assert "RLC301" in listed.reason and listed.value == "expandable_segments:True"

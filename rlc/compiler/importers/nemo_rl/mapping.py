@@ -303,6 +303,7 @@ MEGATRON_PASS_THROUGH = ("apply_rope_fusion", "bias_activation_fusion", "moe_per
 
 # NeMo-RL env vars with an rlc key of their own (NeMo-RL reads them in its refit code).
 ENV_KEYS = {"NRL_REFIT_BUFFER_MEMORY_RATIO": ("refit.buffer_memory_ratio", number)}
+EXPANDABLE_SEGMENTS = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
 
 
 # --------------------------------------------------------------------------- the mapper
@@ -598,6 +599,13 @@ def _env_vars(m: _Mapper, prefix: str) -> None:
             continue
         text = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
                                                       else str(value))
+        if name == "PYTORCH_CUDA_ALLOC_CONF" and EXPANDABLE_SEGMENTS.search(text):
+            # NeMo-RL gives it to the Megatron workers only; cluster.env reaches vLLM too, whose
+            # sleep-mode pool cannot use expandable segments (RLC301 would reject the recipe).
+            m.out.unmapped.append(Unmapped(key, value, "trainer-only in NeMo-RL; rlc's cluster.env reaches every "
+                                           "process, and vLLM's sleep-mode memory pool cannot use expandable "
+                                           "segments (RLC301)"))
+            continue
         m.put(f"cluster.env.{name}", text, (key,), "NeMo-RL sets it for the trainer; rlc for every task")
 
 
