@@ -141,3 +141,25 @@ ALL = {
     "dynamic-sampling": dynamic_sampling_exhausted,
     "worker-lost": worker_died,
 }
+
+
+def refit_not_bit_exact(rounded: bool) -> tuple[BaseException, str]:
+    """The stop of ``refit.verify_every``: the real comparison and message (fp32 bias sent as bf16, or a
+    bf16 tensor with one flipped bit)."""
+    import torch
+
+    from rlc.runtime.refit.verify import RefitVerifyError, compare_parameters, verify_error_text
+
+    name = "model.layers.1.mlp.gate.e_score_correction_bias" if rounded else "model.embed_tokens.weight"
+    ref = ((30 + 0.05 * torch.randn(8, generator=torch.Generator().manual_seed(0))).float() if rounded
+           else torch.ones(4, 4, dtype=torch.bfloat16))
+    got = ref.to(torch.bfloat16).to(torch.float32) if rounded else ref.clone()
+    if not rounded:
+        got.view(torch.int16)[1, 2] ^= 1
+    report = compare_parameters({name: got}, {name: ref})
+    exc = RefitVerifyError(verify_error_text(4, [report.to_dict()]))
+    return exc, _log(exc)
+
+
+ALL["RLC204/verify"] = lambda: refit_not_bit_exact(rounded=True)
+ALL["RLC306/verify"] = lambda: refit_not_bit_exact(rounded=False)

@@ -117,3 +117,14 @@ def test_protocol_plan_error_names_rlc210_on_both_sides(pool):
         f = _only(f"{side['error_type']}: {side['error']}\n")
         assert f.rule == "RLC210" and f.values["name"] == "model.layers.1.mlp.experts.gate_up_proj"
         assert f.values["free_bytes"] == pytest.approx(40000, rel=1e-3)  # printed as "39.06 KiB"
+
+
+def test_refit_verify_stop_names_rlc204_when_an_fp32_parameter_was_rounded():
+    f = _only(R.refit_not_bit_exact(rounded=True)[1])
+    assert f.rule == "RLC204" and f.values["bits"] == 16 and f.values["worker"] == 0
+    assert f.values["name"] == "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def test_refit_verify_stop_without_rounding_points_at_the_refit_switches():
+    f = _only(R.refit_not_bit_exact(rounded=False)[1])
+    assert f.rule == "RLC306" and f.values["step"] == 4

@@ -139,6 +139,22 @@ PATTERNS: tuple[Pattern, ...] = (
         ("SkyRL #1816 (rank-0 metadata reused on every GPU)",),
         hints=('did not announce',)),
     Pattern(
+        "fp32-param-rounded", "RLC204", "an fp32 parameter reached vLLM rounded to bf16",
+        _rx(r"worker (?P<worker>[0-9]+): (?P<name>\S+) \(float32, (?P<elements>[0-9]+) elements\): rounded to bf16, "
+            r"(?P<bits>[0-9]+) mantissa bits lost"), x.metadata_ranks,
+        "refit.fp32_params: auto (the router biases the model keeps in fp32 travel as fp32), or list the "
+        "parameter's name pattern",
+        ("SkyRL #1816 (Nemotron-3-Ultra: fp32 router bias cast to bf16 on the wire)",),
+        hints=('mantissa bits lost',)),
+    Pattern(
+        "refit-not-bit-exact", "RLC306", "a refit left vLLM's weights different from the trainer's export",
+        _rx(r"refit (?P<step>[0-9]+) is not bit-exact"), x.metadata_ranks,
+        "find which refit fix is off: refit.per_rank_ipc_metadata (RLC203), refit.dedupe_mtp_embedding (RLC201), "
+        "refit.fp32_params (RLC204); the lines after it name the parameters",
+        ("rlc's refit.verify_every check",),
+        not_near=_rx(r"mantissa bits lost"), window=12,
+        hints=('not bit-exact',)),
+    Pattern(
         "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
         _rx(r"gen-KL (?P<kl>[0-9.eE+-]+|nan) at step (?P<step>[0-9]+) exceeds grpo\.max_gen_kl=(?P<thr>[0-9.eE+-]+)"),
         x.gen_kl,
