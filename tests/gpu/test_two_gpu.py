@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, dump, gpu_available, tiny_cfg_dict  # noqa: E402
 from verdicts import calibration_verdict, foreign_metadata_caught  # noqa: E402
 
+CALIBRATION_GPU_MEMORY_UTILIZATION = 0.3  # vLLM's budget in the sleep calibration (the verdict scales by it)
 TWO_GPUS = {"cluster.gpus_per_node": 2, "cluster.world_size": 2, "train_parallel.dp": 2, "train_parallel.expert_dp": 2}
 
 
@@ -269,7 +270,8 @@ def calibration(root: str) -> dict:
     build_toy_model(f"{root}/qwen3", config=MEDIUM)
     records = []
     for eager in (True, False):
-        cfg_dict = tiny_cfg_dict(root, **{"generation.enforce_eager": eager, "generation.gpu_memory_utilization": 0.3})
+        cfg_dict = tiny_cfg_dict(root, **{"generation.enforce_eager": eager,
+                                          "generation.gpu_memory_utilization": CALIBRATION_GPU_MEMORY_UTILIZATION})
         env = worker_env(runtime_config_from_dict(cfg_dict))
         pg = _ray_start(env, gpus=1)
         g = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name=f"cal{int(eager)}-{os.getpid()}",
@@ -288,7 +290,7 @@ def calibration(root: str) -> dict:
             ray.get(g.wake_up.remote(None))
         ray.kill(g)
         ray.util.remove_placement_group(pg)
-    passed, reasons = calibration_verdict(records, gpu_memory_utilization=0.3)
+    passed, reasons = calibration_verdict(records, gpu_memory_utilization=CALIBRATION_GPU_MEMORY_UTILIZATION)
     return {"records": records, "passed": passed, "reasons": reasons}
 
 
