@@ -96,8 +96,8 @@ class RefitSent:
                    int(d["half_bytes"]), int(d["free_before_bytes"]), int(d["min_free_bytes"]), dict(d))
 
 
-class PolicyGroup:
-    """The Megatron policy ranks, one per GPU."""
+class _TypedGroup:
+    """A ``WorkerGroup`` with typed methods; ``describe`` names each worker (role, rank, node, GPU)."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
@@ -110,6 +110,10 @@ class PolicyGroup:
         self.infos = [WorkerInfo(**d) for d in self.group.call("info")]
         self.group.infos = self.infos
         return self.infos
+
+
+class PolicyGroup(_TypedGroup):
+    """The Megatron policy ranks, one per GPU."""
 
     def master_address(self) -> tuple[str, int]:
         host, port = self.group.call("master_address", ranks=[0])[0]
@@ -158,20 +162,8 @@ class PolicyGroup:
         self.group.call("load_checkpoint", folder)
 
 
-class GenerationGroup:
+class GenerationGroup(_TypedGroup):
     """The vLLM engines, one per generation data-parallel rank."""
-
-    def __init__(self, group: WorkerGroup) -> None:
-        self.group = group
-        self.infos: list[WorkerInfo] = []
-
-    def __len__(self) -> int:
-        return len(self.group)
-
-    def describe(self) -> list[WorkerInfo]:
-        self.infos = [WorkerInfo(**d) for d in self.group.call("info")]
-        self.group.infos = self.infos
-        return self.infos
 
     def start(self) -> list[EngineStarted]:
         return [EngineStarted(float(d["start_s"]), Memory.from_dict(d["memory"]), d["eos_token_id"])
