@@ -3,6 +3,8 @@
 * :mod:`rlc.contract.runtime_config` — the resolved ``runtime.yaml`` as typed, frozen dataclasses.
 * :mod:`rlc.contract.calibration_record` — the memory record the runtime writes per phase and the
   compiler's ``rlc calibrate`` reads.
+* :mod:`rlc.contract.engine_options` — the vLLM and Megatron options rlc sets from typed keys, which
+  the pass-through blocks may not set (the compiler refuses them; the runtime refuses them again).
 * :mod:`rlc.contract.refit_buffer` — how the refit ping-pong buffer is sized from free memory; the
   planner predicts with it and the runtime allocates with it.
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from rlc.compiler.rules.engine import Context, rule
-from rlc.compiler.runtime_support import MEGATRON_OWNED, VLLM_OWNED, runtime_gaps
+from rlc.compiler.runtime_support import runtime_gaps
+from rlc.contract.engine_options import MEGATRON_OWNED, VLLM_OWNED
 from rlc.compiler.suggest import closest
 
 

@@ -7,16 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Provider attributes the runtime sets from typed keys; ``megatron_kwargs`` may not set them
-#: (the compiler rejects them first, RLC310; this is the runtime's own guard for hand-edited bundles).
-RUNTIME_SET = frozenset({
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "params_dtype", "bf16", "fp16",
-    "pipeline_dtype", "gradient_accumulation_fusion", "hidden_dropout", "attention_dropout",
-    "recompute_granularity", "recompute_method", "recompute_num_layers", "fp8", "fp8_recipe", "fp8_param",
-    "fp8_param_gather", "moe_token_dispatcher_type", "moe_enable_deepep", "moe_router_dtype", "mtp_loss_scaling_factor",
-})
+from rlc.contract.engine_options import MEGATRON_OWNED
 
 
 def typed_provider_settings(cfg: Any) -> dict[str, Any]:
@@ -48,7 +39,7 @@ def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
     for key, value in applied.items():
         setattr(provider, key, value)
     for key, value in cfg.training.megatron_kwargs.items():
-        if key in RUNTIME_SET:
+        if key in MEGATRON_OWNED:
             raise ValueError(f"training.megatron_kwargs.{key}: set by the runtime from a typed recipe key; "
                              "recompile the bundle without it")
         if not hasattr(provider, key):

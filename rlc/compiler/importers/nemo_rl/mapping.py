@@ -473,7 +473,7 @@ def _expert_parallel_flag(m: _Mapper) -> None:
 def _vllm_kwargs(m: _Mapper) -> None:
     """``policy.generation.vllm_kwargs``: ``kv_cache_memory_bytes`` has a typed rlc key; the rest goes
     to ``generation.vllm_kwargs`` unchanged, except options rlc sets from typed keys."""
-    from rlc.compiler.runtime_support import VLLM_OWNED
+    from rlc.contract.engine_options import VLLM_OWNED
 
     prefix = "policy.generation.vllm_kwargs."
     if m.leaves.get(prefix[:-1]) == {}:
