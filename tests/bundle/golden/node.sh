@@ -150,7 +150,20 @@ save_logs() { # keep Ray's own logs: the temp dir is node-local and removed
 stop_ray() {
   trap - TERM INT HUP
   log "stopping Ray"
+  local tmp="/tmp/rlc-${SLURM_JOB_ID}-${idx}" waited=0
   kill -TERM "$ray_pid" 2>/dev/null || true
+  # `ray start` still connecting to a GCS that is gone can ignore TERM for minutes; the job's teardown
+  # then kills this step before the temp dir is removed. Bounded: 10 s, then kill Ray and every process
+  # of its session (their command lines name the session folder under the temp dir).
+  while kill -0 "$ray_pid" 2>/dev/null && [ "$waited" -lt 20 ]; do
+    sleep 0.5
+    waited=$((waited + 1))
+  done
+  if kill -0 "$ray_pid" 2>/dev/null; then
+    log "Ray did not stop within 10 s; killing it"
+    kill -KILL "$ray_pid" 2>/dev/null || true
+  fi
+  if command -v pkill >/dev/null; then pkill -KILL -f -- "$tmp/" 2>/dev/null || true; fi
   wait "$ray_pid" 2>/dev/null || true
   save_logs
   log "Ray stopped"
