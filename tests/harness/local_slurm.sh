@@ -223,6 +223,9 @@ cmd_start() {
   stop_slurm
   for ((g = 0; g < gpus; g++)); do ln -sfn /dev/null "$D/dev/nvidia$g"; done
   rm -rf "${D:?}/state/"* "${D:?}/spool/"* "${D:?}/tmp/"*
+  # Job ids restart at 1 with the fresh state: per-job temp dirs an earlier cluster's jobs left in
+  # /tmp (rlc-<jobid>-<node>) would otherwise pass for this cluster's jobs of the same id.
+  rm -rf /tmp/rlc-[0-9]*-[0-9]*
   rm -f "$LOG"/slurmctld.log "$LOG"/slurmd-*.log "$LOG/jobcomp.txt"
   for ((i = 1; i <= nodes; i++)); do mkdir -p "$D/tmp/node$i" "$D/spool/node$i"; done
   mv -f "$ETC/slurm.conf.new" "$CONF"
