@@ -351,3 +351,16 @@ def test_lint_reports_a_parents_finding_once_not_once_per_child(tmp_path):
     r = run_rlc("lint", str(tmp_path))
     assert r.code == 0, r.both
     assert r.out.count("generation.sampling.top_p: warning: top_p 0.9") == 1, r.out
+
+
+def test_validate_and_lint_do_not_load_the_bundle_renderer():
+    """Every command runs the bundle-stage checks, but only ``compile`` renders: jinja2 stays unloaded."""
+    script = """
+import sys
+from rlc.compiler.cli import main
+print("CODES", main(["validate", "valid/full.yaml"]), main(["lint", "valid/full.yaml"]))
+print("JINJA", "jinja2" in sys.modules, "rlc.compiler.bundle.build" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True, timeout=120)
+    assert "CODES 0 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "JINJA False False" in proc.stdout, proc.stdout
