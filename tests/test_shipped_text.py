@@ -1,4 +1,4 @@
-"""What ships to users (rlc/, docs/, README.md) speaks about the product: no process text.
+"""What ships to users (rlc/ and the component folders it links, docs/, README.md) speaks about the product: no process text.
 
 Sources are cited by their public names (``NeMo-RL #2471``, ``SkyRL #1816``); internal tracker
 numbers, team roles, development tools and private paths have no meaning to a user.
@@ -27,8 +27,12 @@ FORBIDDEN = [
 ]
 
 
+#: The top-level folders that ship inside the ``rlc`` package (``rlc/`` links them).
+SHIPPED_COMPONENTS = ("compiler", "runtime", "contract", "recipes", "templates", "schemas")
+
+
 def shipped_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "rlc", "docs", "README.md"], cwd=ROOT, capture_output=True,
+    listed = subprocess.run(["git", "ls-files", "rlc", *SHIPPED_COMPONENTS, "docs", "README.md"], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.split()
     return [ROOT / p for p in listed if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file()]
 
