@@ -16,6 +16,7 @@ Cases:
   engine    ``refit_bandwidth.py --backend cuda_ipc --gib 2``: the engine alone vs a same-run
             device-to-device copy (goal: ratio >= 0.4).
   dense-8b  Qwen3-8B, one GPU, trainer TP=1, vLLM TP=1.
+  moe-1gpu  Qwen3-30B-A3B, one GPU, trainer TP=1, vLLM TP=1 (all 61 GB through one producer/consumer).
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2 (goal: total refit <= 1.5 s).
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -56,7 +57,7 @@ import refit_scale_plan as P  # noqa: E402
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
-GPU_CASES = ("dense-8b", "moe-ep2", "moe-tp2")
+GPU_CASES = ("dense-8b", "moe-1gpu", "moe-ep2", "moe-tp2")
 ALL_CASES = ("engine", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--buffer-gb", type=float, default=2.0, help="refit.buffer_gb: both ping-pong halves, GiB")
     ap.add_argument("--moe-vllm-util", type=float, default=0.4, help="vLLM gpu_memory_utilization, 30B-A3B")
+    ap.add_argument("--moe-1gpu-vllm-util", type=float, default=0.48,
+                    help="vLLM gpu_memory_utilization, 30B-A3B on one GPU")
     ap.add_argument("--dense-vllm-util", type=float, default=0.3, help="vLLM gpu_memory_utilization, 8B")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--engine-gib", type=float, default=2.0, help="size of the engine-only case")
@@ -105,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def layouts_for(a: argparse.Namespace) -> list[P.Layout]:
     """The GPU cases asked for, in run order (the dense case first: one GPU, quickest to fail)."""
-    all_layouts = P.default_layouts(moe_util=a.moe_vllm_util, dense_util=a.dense_vllm_util, buffer_gb=a.buffer_gb)
+    all_layouts = P.default_layouts(moe_util=a.moe_vllm_util, dense_util=a.dense_vllm_util, buffer_gb=a.buffer_gb,
+                                     moe_one_gpu_util=a.moe_1gpu_vllm_util)
     return [all_layouts[n] for n in GPU_CASES if n in a.case_list]
 
 

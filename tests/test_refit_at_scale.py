@@ -237,6 +237,19 @@ def test_goals_and_check_verdict():
     assert not failed_case[0].measured
 
 
+def test_whole_30b_on_one_gpu_fits_only_in_a_narrow_vllm_window():
+    """Trainer and vLLM each hold all 57 GiB: vLLM's share must cover its weights + 2 GiB and still leave
+    the trainer room at generation; outside that window the budget names the problem."""
+    gpu = int(139.8 * P.GIB)
+    mb = P.model_bytes(P.load_hf_config("qwen3-30b-a3b"))
+    one = P.default_layouts()["moe-1gpu"]
+    assert one.gpus == 1 and P.trainer_bytes(mb, one) == mb.total
+    assert P.memory_budget(mb, one, gpu).fits
+    too_small = P.memory_budget(mb, P.Layout("x", "qwen3-30b-a3b", 1, vllm_util=0.40), gpu)
+    too_big = P.memory_budget(mb, P.Layout("x", "qwen3-30b-a3b", 1, vllm_util=0.60), gpu)
+    assert "raise it" in too_small.problems[0] and "at generation" in too_big.problems[0]
+
+
 def test_arguments():
     a = S.parse_args([])
     assert a.case_list == ["engine", "dense-8b", "moe-ep2", "moe-tp2"] and (a.refits, a.warmup) == (10, 1)

@@ -51,6 +51,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       --out "$OUT/engine_options" --steps 4 --resume-steps 0 --timeout 240 --smoke \
       --set training.use_precision_aware_optimizer=true --set generation.kv_cache_memory_bytes=2147483648 \
       --set generation.vllm_kwargs.enable_prefix_caching=true --set loss.importance_sampling_correction=true ;;
+    moe_sleep) run_stage moe_sleep 400 python3 "$REPO"/tests/gpu/test_moe_sleep_memory.py --out "$OUT" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     *) log "unknown stage $stage" ;;
