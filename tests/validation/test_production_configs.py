@@ -11,6 +11,8 @@ error may hide behind it.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from rlc.compiler import api
@@ -45,6 +47,17 @@ def test_the_suite_covers_at_least_twelve_published_configurations():
     models = {api.check(str(p)).recipe["model"]["id"] for p in SUITE}
     assert {"deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-32B",
             "meta-llama/Llama-3.1-8B"} <= models
+
+
+#: Frameworks whose published configurations the suite holds, with the fewest recipes each must keep.
+FRAMEWORKS = {"NVIDIA-NeMo/RL": 12, "volcengine/verl": 2}
+
+
+def test_the_suite_spans_several_frameworks():
+    """Not only one framework's own benchmarks: each framework keeps its share of the suite."""
+    repositories = Counter(provenance(p).get("repository") for p in SUITE)
+    assert set(repositories) <= set(FRAMEWORKS), repositories
+    assert all(repositories[repo] >= least for repo, least in FRAMEWORKS.items()), repositories
 
 
 @pytest.mark.parametrize("path", SUITE, ids=lambda p: p.stem)
