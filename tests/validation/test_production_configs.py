@@ -50,7 +50,7 @@ def test_the_suite_covers_at_least_twelve_published_configurations():
 
 
 #: Frameworks whose published configurations the suite holds, with the fewest recipes each must keep.
-FRAMEWORKS = {"NVIDIA-NeMo/RL": 12, "volcengine/verl": 2}
+FRAMEWORKS = {"NVIDIA-NeMo/RL": 12, "volcengine/verl": 2, "THUDM/slime": 2, "NovaSky-AI/SkyRL": 2}
 
 
 def test_the_suite_spans_several_frameworks():
