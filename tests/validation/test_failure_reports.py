@@ -47,6 +47,10 @@ REPORTS = [
            fixed=('cluster.env.PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6"',)),
     Report("nemo-rl-2619-residue-growth", FAILURES / "nemo-rl-2619-qwen3.5-35b-a3b-tp1-ep16.yaml", "warning",
            "RLC220", fixed=FAILURES / "nemo-rl-2619-qwen3.5-35b-a3b-tp2-fixed.yaml"),
+    # The report's own fix streams the grouped export per expert (an exporter change, not a setting); the fix
+    # checked here is the one rlc proposes for the same layout, generation EP 32 with a ratio in its window.
+    Report("verl-6691-fused-expert-export", FAILURES / "verl-6691-qwen3.5-397b-h20-fused-experts.yaml", "error",
+           "RLC210", fixed=("parallelism.generation.ep=32", "refit.buffer_memory_ratio=0.45")),
     Report("nemo-rl-pr2523-host-memory", FAILURES / "nemo-rl-pr2523-nemotron-super-host-memory.yaml", "error",
            "RLC219", fixed=("refit.sleep_level=2",),
            not_caught="the plan puts 445 GiB per node in host memory at sleep level 1 (227 GiB weight copy, "
