@@ -154,6 +154,24 @@ def plan_to_json(plans: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the GPU side (Ray actors)
 
 
+def _plan_tasks_from_config(bridge: Any) -> None:
+    """Let a bridge built from a bare HF config plan its conversion tasks.
+
+    ``AutoBridge.get_conversion_tasks`` wants a checkpoint path when the bridge holds only a config
+    (it reads the checkpoint's key order), but the model bridge underneath plans from a config alone
+    (Megatron-Bridge 0.6: ``build_conversion_tasks`` accepts a ``PretrainedConfig``). The benchmark has no
+    checkpoint, so the bridge plans from its config: the task list is the one a checkpoint of the same
+    architecture gives, in the model's own parameter order.
+    """
+    import types  # noqa: PLC0415
+
+    def get_conversion_tasks(self: Any, megatron_model: Any, hf_path: Any = None) -> Any:
+        models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+        return self._model_bridge.build_conversion_tasks(self.hf_pretrained, models)
+
+    bridge.get_conversion_tasks = types.MethodType(get_conversion_tasks, bridge)
+
+
 class RandomInitTrainer(MegatronPolicyWorker):
     """A Megatron policy rank built from an HF config with random weights; no optimizer, no DDP."""
 
@@ -179,11 +197,12 @@ class RandomInitTrainer(MegatronPolicyWorker):
         init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
         torch.manual_seed(self.cfg.training.seed)
         bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
+        _plan_tasks_from_config(bridge)
         provider = make_provider(bridge, self.cfg, load_weights=False)
         model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=True, fp16=False)
         for chunk in model:
             chunk.eval()
-        self.pm = PolicyModel(bridge=bridge, provider=provider, model=model, optimizer=None, ddp_config=None)
+        self._pm = PolicyModel(bridge=bridge, provider=provider, model=model, optimizer=None, ddp_config=None)
         torch.cuda.synchronize()
         params = [p for m in model for p in m.parameters()]
         return {
