@@ -66,7 +66,7 @@ PATTERNS: tuple[Pattern, ...] = (
         _rx(r"Parameter (?P<name>\S+)\s+too large for buffer: (?P<tensor>[0-9]+) > (?P<half>[0-9]+)"),
         x.buffer_sizes,
         "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
-        "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
+        "(a larger generation EP, generation.enforce_eager: true)",
         ("NeMo-RL #2471: 'AssertionError: Parameter "
          "model.language_model.layers.0.mlp.experts.gate_up_proj too large for buffer: 8589934592 > 6263046144'",),
         hints=('too large for buffer',)),
@@ -76,7 +76,7 @@ PATTERNS: tuple[Pattern, ...] = (
             rf"\((?P<half>{SIZE}) =.*?> (?P<free>{SIZE}) free at refit time"),
         x.buffer_sizes,
         "raise refit.buffer_memory_ratio so free × ratio / 2 holds the tensor, or free memory first "
-        "(refit.sleep_level: 2, a larger generation EP, generation.enforce_eager: true)",
+        "(a larger generation EP, generation.enforce_eager: true)",
         ("rlc refit bucket planner (plans the transfer before any byte moves)",),
         hints=('larger than a ping-pong half',)),
     Pattern(
@@ -105,7 +105,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "export-stack-oom", "RLC211", "CUDA OOM while the exporter stacks a fused tensor",
         _rx(rf"{_OOM}.*"), x.oom,
         "lower refit.buffer_memory_ratio into the window `rlc plan` names (the two halves leave too little for "
-        "the stack), or free memory first (refit.sleep_level: 2, a larger generation EP, enforce_eager)",
+        "the stack), or free memory first (a larger generation EP, enforce_eager)",
         ("NeMo-RL #2471, ratio 0.5: 'torch.OutOfMemoryError: CUDA out of memory. Tried "
          "to allocate 8.00 GiB' in model_bridge.py _accumulate_grouped_export (torch.stack of 512 experts)",),
         near=_EXPORT, window=25,
@@ -232,8 +232,8 @@ PATTERNS: tuple[Pattern, ...] = (
         "vllm-sleep-residue", "RLC213", "memory vLLM keeps while asleep",
         _rx(r"Sleep mode freed (?P<freed>[0-9.]+) GiB memory, (?P<used>[0-9.]+) GiB memory is still in use"),
         x.sleep_residue,
-        "refit.sleep_level: 2 (drops the weights refit re-sends anyway) and generation.enforce_eager: true "
-        "(CUDA-graph buffers survive sleep and grow after the first step)",
+        "generation.enforce_eager: true (CUDA-graph buffers survive sleep and grow after the first step); "
+        "sleep level 2 does not lower it (both levels unmap the weights; level 2 only skips the host copy)",
         ("vLLM gpu_worker 'Sleep mode freed … still in use'; NeMo-RL #2471 (residue "
          "~24 GB -> ~7 GB with sleep level 2 + enforce_eager; step 2 refit failing after step 1 passed)",),
         observation=True,

@@ -64,7 +64,7 @@ def _scan_one(name: str, lines: list[str], found: dict[str, Finding], observed: 
 
 def _fold_residue(findings: list[Finding], residue: Finding | None, eager: bool) -> None:
     """vLLM's sleep residue is a finding when it grows over steps or when a memory failure happened
-    next to it (the memory sleep level 2 would give back, RLC213). Growth with CUDA graphs on is their
+    next to it (vLLM's memory while asleep, RLC213). Growth with CUDA graphs on is their
     residue (RLC212); with vLLM in eager mode, or ending in an OOM outside refit and wake-up (the
     logprob / loss pass), it is the vLLM version's own residue growth (RLC220)."""
     if residue is None:

@@ -38,6 +38,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
 RATIO_STEP = 0.001
 RATIO_MAX = 0.9
+NO_OP_GIB = 0.01  # a lever that frees less memory at the refit than this changes nothing there
 
 
 def _g(x: float) -> int:
@@ -441,6 +442,8 @@ def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any
         if alt.refit is None:
             continue
         freed = (alt.refit.free_at_refit - math.free_at_refit) / GIB
+        if abs(freed) < NO_OP_GIB:
+            continue  # e.g. sleep_level 2: the refit wakes the weights at either level
         window = alt.refit.ratio_window
         fixes.append(Fix(key, value, f"{desc}: frees ≈ {freed:.1f} GiB; {_window_text(window)}", freed,
                          window is not None, cost))

@@ -29,8 +29,8 @@ def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
                 "by the architecture: a larger vLLM EP does not shrink them (the exporter stacks all experts).",
       seed="NeMo-RL #2471 failure 2: 'AssertionError: Parameter model.language_model.layers.0.mlp.experts.gate_up_proj "
            "too large for buffer: 8589934592 > 6263046144' (ratio 0.3; the // 2 ping-pong split was missed).",
-      fixes="Raise buffer_memory_ratio within the window the plan names, or free memory first: sleep_level 2, a "
-            "larger generation EP, enforce_eager (see `rlc plan`).")
+      fixes="Raise buffer_memory_ratio within the window the plan names, or free memory first: a larger "
+            "generation EP, enforce_eager (see `rlc plan`).")
 def buffer_half(ctx: Context) -> None:
     plan = ctx.plan
     check = plan.checks.get("buffer")
@@ -53,8 +53,7 @@ def buffer_half(ctx: Context) -> None:
       seed="NeMo-RL #2471 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
            "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
            "model_bridge.py:815 _accumulate_grouped_export; attempt 5 (ratio 0.45): fragmentation 7.04 GB.",
-      fixes="Use a ratio inside the plan's window, or free memory (sleep_level 2, larger generation EP, "
-            "enforce_eager).")
+      fixes="Use a ratio inside the plan's window, or free memory (larger generation EP, enforce_eager).")
 def staging_site(ctx: Context) -> None:
     plan = ctx.plan
     check, buffer = plan.checks.get("stack"), plan.checks.get("buffer")
@@ -76,8 +75,8 @@ def staging_site(ctx: Context) -> None:
                 "passes with less margin than that variation fails intermittently from step 2 on.",
       seed="NeMo-RL #2471 failure 3: 'Step 1 refit ran cleaner than Step 2' with EP 128 / ratio 0.4; CUDA graphs add "
            "'~10–15 GB of non-cumem buffers that CuMemAllocator.sleep() cannot release'.",
-      fixes="enforce_eager: true (costs ~30–40% generation throughput) and/or sleep_level: 2; or widen the margin "
-            "(larger generation EP).")
+      fixes="enforce_eager: true (costs ~30–40% generation throughput); or widen the margin (larger generation "
+            "EP).")
 def graph_margin(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
@@ -92,23 +91,29 @@ def graph_margin(ctx: Context) -> None:
                 "generation.enforce_eager", hint="; or ".join(levers) or "enforce_eager: true")
 
 
-@rule("RLC213", "tight refit with sleep level 1: level 2 frees the weight shard", severities=("warning",),
-      needs=("plan",),
-      rationale="Sleep level 1 backs vLLM's weights up and keeps the shard's allocation; level 2 discards them. "
-                "In colocated RL the next refit re-streams every weight anyway, so the backup is wasted and level "
-                "2 frees the whole shard for the refit buffer and the export staging.",
-      seed="NeMo-RL #2471 failure 3: sleep(level=2) + enforce_eager took vLLM's residue from ~24 GB to ~7 GB.",
-      fixes="refit.sleep_level: 2.")
+@rule("RLC213", "tight refit with sleep level 1 where level 2 would free GPU memory at the refit",
+      severities=("warning",), needs=("plan",),
+      rationale="Sleep level 1 backs vLLM's weights up in host memory, level 2 discards them. Whether that frees "
+                "GPU memory at the refit depends on what the refit wakes first: NeMo-RL and the bundled runtime "
+                "wake the weights (wake_up(tags=['weights'])) before sizing the buffer, and vLLM re-creates the "
+                "discarded allocations then, so in every vLLM version of the sleep table the shard is on the GPU "
+                "at the refit at either level and this rule stays silent (level 2 still saves the host copy, "
+                "RLC219). It warns only where the planned version's level 2 leaves the shard off the GPU.",
+      seed="NeMo-RL #2471 failure 3: sleep(level=2) + enforce_eager took vLLM's residue from ~24 GB to ~7 GB "
+           "(measured while asleep).",
+      fixes="refit.sleep_level: 2, where the plan shows it frees memory at the refit.")
 def sleep_level(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
     if r is None or ctx.setting("refit.sleep_level") != 1 or not ctx.setting("generation.enforce_eager"):
-        return  # with enforce_eager off RLC212 already names sleep_level 2
+        return  # with enforce_eager off RLC212 already names the levers
     if r.tolerance_gib is None or r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
-    freed = plan.vllm_weights_gib
+    lever = next((f for f in plan.fixes if f.key == "refit.sleep_level"), None)
+    if lever is None:
+        return  # level 2 frees nothing at the refit in this vLLM version (the weights are woken first)
     ctx.warning(f"refit margin is only {r.tolerance_gib:.2f} GiB of free memory with sleep_level 1",
-                "refit.sleep_level", hint=f"sleep_level: 2 frees ≈ {freed:.1f} GiB" if freed else "sleep_level: 2")
+                "refit.sleep_level", hint=lever.text.split(";")[0])
 
 
 @rule("RLC214", "vLLM's weights must fit in gpu_memory_utilization", severities=("error",), needs=("plan",),
@@ -134,12 +139,13 @@ def generation_fits(ctx: Context) -> None:
                 "parameter of fp32 master + Adam moments sharded over DP (experts over expert-DP) while vLLM "
                 "sleeps on the same GPU. If that alone exceeds the GPU, no activation memory is left.",
       seed="First principles; residues from the calibration table.",
-      fixes="More pipeline / expert parallelism, more data parallelism for the optimizer shards, or sleep_level 2.")
+      fixes="More pipeline / expert parallelism, or more data parallelism for the optimizer shards (vLLM's sleep "
+            "level does not change the train step: both levels take the weight shard off the GPU).")
 def train_fits(ctx: Context) -> None:
     check = ctx.plan.checks.get("train_fit")
     if check is not None and check.ok is False:
         ctx.error(check.text + " (activations not yet counted)", "parallelism.train",
-                  hint="raise PP / EP or DP, or sleep_level: 2")
+                  hint="raise PP / EP or DP")
 
 
 #: The HF config.json key that states each architecture fact (for the "set this key" hint).

@@ -65,17 +65,20 @@ def test_buffer_too_small_replanned_at_the_logs_free_memory_finds_a_ratio_that_f
 
 def test_stack_oom_replanned_says_no_ratio_fits_and_names_the_lever():
     """Ratio 0.5 OOMed at the stack with 6.76 GiB free: no ratio passes at that free memory; the
-    planner's lever (sleep level 2) is named."""
+    planner's lever (the larger generation EP) is named, not sleep level 2 (it frees nothing at the refit)."""
     code, out, _ = rlc("doctor", str(LOGS / "megatron_bridge_stack_oom.log"),
                        "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-2-ratio05.yaml"))
     assert code == 0
-    assert "re-plan (does not fit)" in out and "staging site too small" in out and "sleep_level: 2" in out
+    assert "re-plan (does not fit)" in out and "staging site too small" in out
+    assert "planned: generation EP 128" in out and "sleep_level: 2" not in out
 
 
 def test_residue_growth_replanned_with_the_levers():
     code, out, _ = rlc("doctor", str(LOGS / "vllm_sleep_residue_growth.log"),
                        "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-3-ep128.yaml"))
     assert code == 0 and "[RLC212]" in out and "residue grew 12.20 GiB" in out and "re-plan (fits)" in out
+    # the growth is the CUDA graphs' own: enforce_eager removes it (sleep level 2 would not change it)
+    assert "no CUDA graphs to grow" in out and "sleep_level: 2" not in out
 
 
 @pytest.mark.parametrize("log, recipe_sets, verdict", [
