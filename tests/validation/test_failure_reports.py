@@ -54,13 +54,21 @@ REPORTS = [
     Report("nemo-rl-pr2523-host-memory", FAILURES / "nemo-rl-pr2523-nemotron-super-host-memory.yaml", "error",
            "RLC219", fixed=("refit.sleep_level=2",),
            not_caught="the plan puts 445 GiB per node in host memory at sleep level 1 (227 GiB weight copy, "
-                      "90 GiB process baseline, 129 GiB offloaded optimizer) against 736 GiB (95 % of 775): "
-                      "the report does not give the failing node's memory nor what else used it"),
+                      "90 GiB process baseline, 129 GiB offloaded optimizer) against 736 GiB (95 % of 775). The "
+                      "thread gives neither the failing node's memory (only '~50gb difference in total available "
+                      "memory per node' between two clusters) nor what used it (the author 'haven't looked too "
+                      "much into what was eating up cpu memory'; a maintainer estimates ~900 GB of host memory per "
+                      "GB200 node and asks whether a NUMA issue explains it), so nothing sourced closes the 291 GiB "
+                      "gap"),
     Report("nemo-rl-pr3280-vllm-0.25-pool", FAILURES / "nemo-rl-pr3280-llama3.1-8b-vllm-0.25.yaml", "error",
            "RLC214", fixed=("generation.kv_cache_memory_bytes=21474836480",),
-           not_caught="the plan sizes vLLM's pool as gpu_memory_utilization x memory (47.47 GiB) for every "
-                      "version; vLLM 0.25 sizes the KV cache larger than 0.20 at the same setting, which the "
-                      "sleep table does not hold yet"),
+           not_caught="the PR says 'vLLM 0.25's profiling sizes the KV cache' larger at the same "
+                      "gpu_memory_utilization (the merged recipes: this engine got 36.13 GiB on 0.20; Moonlight-16B "
+                      "FP8 ~20 -> ~34 GiB) but names no vLLM change, and the one documented sizing change between "
+                      "0.20 and 0.25 (CUDA-graph memory counted inside gpu_memory_utilization since vLLM 0.21.0) "
+                      "makes the KV cache smaller. The plan's wake-up (generate phase) is 61.60 of 79.11 GiB at 0.6 "
+                      "(pool 47.47 + CUDA graphs 7.79 + offloaded Megatron 6.34); an OOM there at 0.6 and at 0.5 "
+                      "needs 17.5 to 25 GiB the public figures do not account for"),
 ]
 
 
