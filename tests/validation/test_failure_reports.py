@@ -51,6 +51,10 @@ REPORTS = [
     # checked here is the one rlc proposes for the same layout, generation EP 32 with a ratio in its window.
     Report("verl-6691-fused-expert-export", FAILURES / "verl-6691-qwen3.5-397b-h20-fused-experts.yaml", "error",
            "RLC210", fixed=("parallelism.generation.ep=32", "refit.buffer_memory_ratio=0.45")),
+    # The PR's own fix is code (an oversized parameter gets a one-off buffer); the setting checked is a larger
+    # NRL_REFIT_BUFFER_MEMORY_RATIO, rlc's buffer_memory_ratio.
+    Report("nemo-rl-pr3356-deepseek-v3-refit-assert", FAILURES / "nemo-rl-pr3356-deepseek-v3-32n8g-refit-assert.yaml",
+           "error", "RLC210", fixed=("refit.buffer_memory_ratio=0.4",)),
     Report("nemo-rl-pr2523-host-memory", FAILURES / "nemo-rl-pr2523-nemotron-super-host-memory.yaml", "error",
            "RLC219", fixed=("refit.sleep_level=2",),
            not_caught="the plan puts 445 GiB per node in host memory at sleep level 1 (227 GiB weight copy, "
