@@ -91,6 +91,18 @@ def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Cal
 # --------------------------------------------------------------------------- vLLM
 
 
+def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, recipe: dict[str, Any],
+                      bpp: int) -> int:
+    """vLLM's weight bytes on one GPU of a stage. FP8 generation stores the linear layers (attention,
+    MLP, experts) in 1 byte; the embedding and ``lm_head`` stay in the model dtype (vLLM's Fp8Config
+    quantizes LinearBase and FusedMoE layers; VocabParallelEmbedding / ParallelLMHead keep the
+    unquantized method), as do the norms and the MoE router, which are not counted apart (small)."""
+    if recipe["generation"]["precision"] != "fp8":
+        return shard.params * bpp
+    vocab = shard.vocab_copies * (facts.vocab or 0) * (facts.hidden or 0) // gl.tp
+    return (shard.params - vocab) * 1 + vocab * bpp
+
+
 def vllm_asleep_items(recipe: dict[str, Any], weights: Optional[int], cal: Calibration) -> list[Item]:
     """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
@@ -223,8 +235,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
         plan.unknown.append("vLLM weight shard: needs " + _missing(facts))
     figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
     plan.stages = figs
-    v_bpp = 1 if recipe["generation"]["precision"] == "fp8" else bpp
-    v_weights = max(s.params for s in vllm) * v_bpp if vllm else None
+    v_weights = max(_vllm_shard_bytes(s, facts, gl, recipe, bpp) for s in vllm) if vllm else None
     plan.vllm_weights_gib = gib(v_weights)
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     plan.vllm_version = planned_vllm_version(recipe, cal.versions)

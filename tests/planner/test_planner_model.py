@@ -246,3 +246,19 @@ def test_fragmentation_scales_with_the_largest_tensor():
     assert cal.fragmentation_tensor_gib == 8.0
     assert cal.fragmentation_gib(x0, 8.0) == pytest.approx(y0)  # the seed's own 8 GiB tensor: as measured
     assert cal.fragmentation_gib(x0, 1.73) == pytest.approx(y0 * 1.73 / 8.0)  # a DeepSeek-V3 embedding
+
+
+# ------------------------------------------------------------------ FP8 generation
+
+
+def test_fp8_generation_keeps_the_embedding_and_lm_head_in_bf16(tmp_path):
+    """vLLM's FP8 quantizes the linear layers only: Llama-3.1-8B (untied, vocab 128256 x hidden 4096) keeps
+    2 x 0.53 B embedding / lm_head parameters at 2 bytes, the rest at 1 byte."""
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "validation" / "failures" /
+                             "nemo-rl-pr3280-llama3.1-8b-vllm-0.25.yaml").read_text(encoding="utf-8"))
+    fp8 = check(tmp_path, recipe).plan
+    bf16 = check(tmp_path, recipe, "generation.precision=auto").plan
+    vocab = 2 * 128256 * 4096
+    params = bf16.vllm_weights_gib * (1 << 30) / 2
+    assert fp8.vllm_weights_gib * (1 << 30) == pytest.approx((params - vocab) + 2 * vocab, rel=1e-9)
+    assert 8.4 < fp8.vllm_weights_gib < 8.5 < bf16.vllm_weights_gib / 1.7  # 7.48 GiB if all were 1 byte
