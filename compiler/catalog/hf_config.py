@@ -170,7 +170,8 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V3 / Kimi-K2: MLA, first-k dense layers, routed + shared experts, MTP."""
+    """DeepSeek-V2 / V3 / Kimi-K2: MLA (V2-Lite: full q_proj, no q LoRA), first-k dense layers, routed + shared
+    experts (V2: softmax routing without expert bias, ``topk_method: greedy``), MTP (V3)."""
     out = _common(cfg)
     n = out["num_layers"]
     first_k = _int(cfg, "first_k_dense_replace") or 0
@@ -184,6 +185,8 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         expert_bias = topk == "noaux_tc"
     mtp = _int(cfg, "num_nextn_predict_layers")
+    if mtp is None and cfg.get("model_type") == "deepseek_v2":
+        mtp = 0  # the DeepSeek-V2 architecture has no MTP module (its config.json has no such key)
     out.update(
         kv_heads=out["kv_heads"] or out["heads"],
         num_experts=_int(cfg, "n_routed_experts"),
@@ -351,7 +354,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _dense, "qwen2": _dense, "qwen3": _dense, "mistral": _dense,
     "qwen3_moe": _qwen3_moe,
     "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe, "qwen3_next": _qwen3_5_moe,
-    "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
+    "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
     "nemotron_h": _nemotron_h,
     "gpt_oss": _gpt_oss,
     "glm4_moe": _glm4_moe,
@@ -370,7 +373,7 @@ def family_of(cfg: dict[str, Any]) -> str:
         return _CANONICAL.get(word, word)
     archs = " ".join(cfg.get("architectures") or [])
     for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_moe", "Qwen3Moe"),
-                      ("deepseek_v3", "DeepseekV3"), ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"),
+                      ("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"), ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"),
                       ("llama", "Llama")):
         if arch in archs:
             return key

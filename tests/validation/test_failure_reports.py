@@ -55,6 +55,11 @@ REPORTS = [
     # NRL_REFIT_BUFFER_MEMORY_RATIO, rlc's buffer_memory_ratio.
     Report("nemo-rl-pr3356-deepseek-v3-refit-assert", FAILURES / "nemo-rl-pr3356-deepseek-v3-32n8g-refit-assert.yaml",
            "error", "RLC210", fixed=("refit.buffer_memory_ratio=0.4",)),
+    Report("nemo-rl-630-refit-bucket-packed-twice", FAILURES / "nemo-rl-630-deepseek-v2-lite-refit-bucket.yaml",
+           "error", "RLC211", fixed=("refit.buffer_memory_ratio=0.4",),
+           not_caught="with both copies of the 0.4 bucket counted (buffer_memory_ratio 0.8: 19.77 of the 24.71 GiB "
+                      "free at the refit) the plan still leaves 2.99 GiB at the staging site, 2.60 GiB more than the "
+                      "0.39 GiB embedding; the report gives no memory figure to say which term the plan lacks"),
     Report("nemo-rl-pr2523-host-memory", FAILURES / "nemo-rl-pr2523-nemotron-super-host-memory.yaml", "error",
            "RLC219", fixed=("refit.sleep_level=2",),
            not_caught="the plan puts 445 GiB per node in host memory at sleep level 1 (227 GiB weight copy, "
