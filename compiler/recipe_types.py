@@ -1,0 +1,725 @@
+"""The typed recipe: frozen dataclasses built once from a recipe the schema accepted.
+
+The schema (``rlc/schemas/recipe.schema.json``) is the one source of every default. After
+validation the compiler fills those defaults (:func:`rlc.compiler.schema.with_defaults`) and
+builds a :class:`Recipe` from the filled mapping (:func:`recipe_from_data`); every later stage
+(planner, rules, resolver, bundle writer, doctor) reads attributes of it and restates no default.
+
+So the classes here state no defaults either: every field is required, and a field is ``None``
+only where the schema has no default and the key is optional (``model.checkpoint``,
+``parallelism.generation.dp``, ...) or where ``null`` is an allowed value. A test walks the schema
+and these classes together, so a key added to one and not the other fails CI.
+
+Lists become tuples (the recipe is shared by every re-plan of a candidate fix, so nothing may
+change it in place). Free-form blocks (``model.overrides``, ``cluster.env``,
+``generation.vllm_kwargs``, ``training.megatron_kwargs``, ``reward.kwargs``, ``extensions``) stay
+mappings: rlc hands them on without reasoning about their keys. Treat them as read-only.
+
+Values that the schema cannot give as a default because they depend on other keys (the checkpoint
+defaulting to ``model.id``, the global batch to one GRPO step's samples, ...) are derived by
+properties here, once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal, Mapping, Optional, TypeVar, Union
+
+from rlc.compiler.diagnostics import PathPart, parse_path
+
+T = TypeVar("T")
+
+#: Top-level recipe keys that are no recipe setting: the loader consumes ``extends``; ``$schema``
+#: is a pointer for editors.
+NOT_SETTINGS = frozenset({"$schema", "extends"})
+
+Switch = Literal["auto", "on", "off"]
+
+
+class RecipeTypeError(ValueError):
+    """The mapping does not have the shape of a validated recipe (a bug: validate it first)."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy model."""
+
+    id: str
+    """Hugging Face model id or catalog name."""
+    config: Optional[str]
+    """Local HF ``config.json`` to take the architecture facts from (None: the shipped catalog)."""
+    overrides: Mapping[str, Any]
+    """HF ``config.json`` keys replacing the catalog's facts (free-form)."""
+    checkpoint: Optional[str]
+    """Checkpoint directory the job loads; None means the model id (see :attr:`checkpoint_path`)."""
+    tokenizer: Optional[str]
+    """Tokenizer directory or id; None means the checkpoint (see :attr:`tokenizer_path`)."""
+    dtype: Literal["bfloat16", "float16", "float32"]
+    """Parameter dtype of trainer and generation engine."""
+    trust_remote_code: bool
+    """Pass ``trust_remote_code=True`` to HF/vLLM loaders."""
+
+    @property
+    def checkpoint_path(self) -> str:
+        """The checkpoint the job loads: ``checkpoint``, else the model id."""
+        return self.id if self.checkpoint is None else self.checkpoint
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The tokenizer the job loads: ``tokenizer``, else the checkpoint."""
+        return self.checkpoint_path if self.tokenizer is None else self.tokenizer
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class SlurmSection:
+    """SLURM submission options."""
+
+    partition: Optional[str]
+    """``#SBATCH --partition`` (None: the cluster's default)."""
+    account: Optional[str]
+    """``#SBATCH --account``."""
+    qos: Optional[str]
+    """``#SBATCH --qos``."""
+    time: str
+    """Wall-clock limit in SLURM's format."""
+    reservation: Optional[str]
+    """``#SBATCH --reservation``."""
+    exclusive: bool
+    """Request whole nodes."""
+    requeue: bool
+    """Let SLURM requeue the job on node failure (the runtime resumes from its checkpoint)."""
+    job_name: Optional[str]
+    """``#SBATCH --job-name``; None means the recipe's ``name``."""
+    extra_flags: tuple[str, ...]
+    """More ``#SBATCH`` options, each ``--flag`` or ``--flag=value``."""
+
+
+@dataclass(frozen=True)
+class ContainerSection:
+    """The container every task runs in."""
+
+    runtime: Literal["pyxis", "apptainer", "none"]
+    """Container runtime (``none``: host Python)."""
+    image: Optional[str]
+    """Image reference (required unless ``runtime`` is ``none``; the bundle checks say so)."""
+    workdir: str
+    """Working directory inside the container."""
+    mount_home: bool
+    """Mount the user's home into the container."""
+    python: str
+    """Python interpreter inside the container."""
+    mounts: tuple[str, ...]
+    """Bind mounts, each ``src:dst`` or ``src:dst:ro|rw``."""
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """The Ray cluster the sbatch script starts across the allocation."""
+
+    port: int
+    """GCS port of the head."""
+    node_manager_port: int
+    """Raylet port on each node."""
+    object_manager_port: int
+    """Object manager port on each node."""
+    dashboard_port: int
+    """Dashboard port of the head (0: no dashboard)."""
+    min_worker_port: int
+    """Lowest port of Ray worker processes."""
+    max_worker_port: int
+    """Highest port of Ray worker processes."""
+    join_timeout_s: int
+    """Seconds to wait for every GPU to join before failing the job."""
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    """Where the job runs: allocation, container, environment, Ray."""
+
+    nodes: int
+    """SLURM nodes."""
+    gpus_per_node: int
+    """GPUs per node."""
+    gpu: str
+    """GPU type from the shipped catalog."""
+    calibration: Optional[str]
+    """Planner calibration file or shipped name (None: the shipped table)."""
+    gpu_type_gres: Optional[str]
+    """GRES type for ``--gpus-per-node=TYPE:N`` (None: untyped)."""
+    cpus_per_node: Optional[int]
+    """``--cpus-per-task`` (None: not requested)."""
+    mem_per_node: Optional[str]
+    """``--mem`` (None: not requested)."""
+    host_memory_gib: Optional[float]
+    """Host memory per node the job may use (None: from ``mem_per_node`` or the GPU's typical node)."""
+    slurm: SlurmSection
+    """SLURM submission options."""
+    container: ContainerSection
+    """The container."""
+    env: Mapping[str, Union[str, int, float, bool]]
+    """Environment of every task (free-form)."""
+    log_dir: str
+    """Folder of SLURM output and per-job logs (relative: to where ``rlc compile`` runs)."""
+    shared_fs_roots: tuple[str, ...]
+    """Shared-filesystem roots; a mount source outside them warns."""
+    ray: RaySection
+    """Ray ports and join timeout."""
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the allocation: nodes × gpus_per_node."""
+        return self.nodes * self.gpus_per_node
+
+
+# --------------------------------------------------------------------------- parallelism
+
+
+@dataclass(frozen=True)
+class TrainParallelism:
+    """Megatron-core parallelism of the trainer."""
+
+    tp: int
+    """Tensor parallel size."""
+    pp: int
+    """Pipeline parallel size."""
+    ep: int
+    """Expert parallel size."""
+    etp: int
+    """Expert tensor parallel size."""
+    cp: int
+    """Context parallel size."""
+    vpp: int
+    """Virtual pipeline stages per pipeline rank (1: none)."""
+    sequence_parallel: bool
+    """Megatron sequence parallelism."""
+    num_layers_in_first_pipeline_stage: Optional[int]
+    """Layers on the first stage of an uneven pipeline (None: even split)."""
+    num_layers_in_last_pipeline_stage: Optional[int]
+    """Layers on the last stage of an uneven pipeline (None: even split)."""
+
+
+@dataclass(frozen=True)
+class GenerationParallelism:
+    """vLLM parallelism of each generation engine."""
+
+    tp: int
+    """vLLM tensor parallel size."""
+    pp: int
+    """vLLM pipeline parallel size."""
+    ep: int
+    """vLLM expert parallel size (1: off)."""
+    dp: Optional[int]
+    """vLLM engines (None: world / (tp × pp); ``planner.layout.generation_layout`` derives it)."""
+
+
+@dataclass(frozen=True)
+class ParallelismSection:
+    """How trainer and generation engine split the model."""
+
+    train: TrainParallelism
+    """The trainer's layout."""
+    generation: GenerationParallelism
+    """The generation engine's layout."""
+
+
+# --------------------------------------------------------------------------- refit
+
+
+@dataclass(frozen=True)
+class RefitSection:
+    """Moving updated weights from the trainer into vLLM every step."""
+
+    buffer_memory_ratio: float
+    """Fraction of free memory at refit for both ping-pong halves (unused when ``buffer_gb`` is set)."""
+    buffer_gb: Optional[float]
+    """Fixed size of both halves together in GiB (None: sized by the ratio)."""
+    alignment_bytes: int
+    """Alignment of each tensor in the buffer."""
+    sleep_level: Literal[1, 2]
+    """vLLM sleep level after generation."""
+    offload_optimizer_for_refit: bool
+    """Optimizer state and grads to host memory during the refit."""
+    sync_params_before_refit: Switch
+    """Synchronous parameter all-gather before the export (``auto``: the rules decide)."""
+    dedupe_mtp_embedding: Switch
+    """Drop the MTP-replicated embedding on the last pipeline stage (``auto``: the rules decide)."""
+    per_rank_ipc_metadata: Switch
+    """Every trainer rank sends its own slicing metadata (``auto``: the rules decide)."""
+    fp32_params: Union[Literal["auto"], tuple[str, ...]]
+    """Parameter name patterns kept fp32 on the wire, or ``auto`` (the model's known ones)."""
+    verify_every: int
+    """Bit-for-bit refit check every N refits (0: never)."""
+    transport: Literal["cuda_ipc", "shm"]
+    """Buffer transport."""
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    """Sampling parameters of rollouts."""
+
+    temperature: float
+    """Sampling temperature."""
+    top_p: float
+    """Nucleus threshold (1: off)."""
+    top_k: int
+    """Top-k (-1: off)."""
+    max_tokens: int
+    """Generated tokens per sample at most."""
+    stop: tuple[str, ...]
+    """Stop strings."""
+    stop_token_ids: tuple[int, ...]
+    """Token ids that end a sample besides EOS."""
+
+
+@dataclass(frozen=True)
+class GenerationSection:
+    """The rollout engine."""
+
+    backend: Literal["vllm"]
+    """Generation backend."""
+    vllm_version: Optional[str]
+    """vLLM version of the job's container (None: the calibration entry's)."""
+    enforce_eager: bool
+    """Disable CUDA graphs."""
+    gpu_memory_utilization: float
+    """Fraction of GPU memory vLLM may use while awake."""
+    kv_cache_memory_bytes: Optional[int]
+    """Fixed KV-cache size (None: sized by ``gpu_memory_utilization``)."""
+    precision: Literal["auto", "fp8"]
+    """Rollout weight precision (``auto``: ``model.dtype``)."""
+    max_model_len: int
+    """Prompt + generation tokens at most."""
+    sampling: SamplingSection
+    """Sampling parameters."""
+    vllm_kwargs: Mapping[str, Any]
+    """vLLM engine options handed on unchanged (free-form)."""
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """Optimizer settings."""
+
+    name: Literal["adam", "sgd"]
+    """Optimizer."""
+    lr: float
+    """Peak learning rate."""
+    min_lr: float
+    """Final learning rate of decaying schedules."""
+    weight_decay: float
+    """Decoupled weight decay."""
+    adam_beta1: float
+    """Adam beta1."""
+    adam_beta2: float
+    """Adam beta2."""
+    adam_eps: float
+    """Adam epsilon."""
+
+
+@dataclass(frozen=True)
+class LrScheduleSection:
+    """Learning-rate schedule."""
+
+    name: Literal["constant", "cosine", "linear"]
+    """Shape after warm-up."""
+    warmup_steps: int
+    """Linear warm-up steps."""
+
+
+@dataclass(frozen=True)
+class Fp8Section:
+    """FP8 training (Transformer Engine)."""
+
+    enabled: bool
+    """Run linear layers in FP8."""
+    format: Literal["e4m3", "hybrid"]
+    """FP8 format."""
+    recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"]
+    """Scaling recipe."""
+    param_gather: bool
+    """Keep all-gathered parameters in FP8."""
+
+
+@dataclass(frozen=True)
+class MoeSection:
+    """Mixture-of-experts execution in the trainer."""
+
+    token_dispatcher: Literal["alltoall", "allgather", "flex"]
+    """Megatron token dispatcher."""
+    deepep: bool
+    """DeepEP kernels (needs the flex dispatcher)."""
+    router_dtype: Literal["fp32", "fp64", "auto"]
+    """Router computation dtype (``auto``: the model provider's)."""
+
+
+@dataclass(frozen=True)
+class SequencePackingSection:
+    """Packing rollouts into one sequence instead of padding."""
+
+    enabled: bool
+    """Pack rollouts."""
+    algorithm: str
+    """Bin-packing algorithm (NeMo-RL's names)."""
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """The trainer (Megatron-core through Megatron-Bridge)."""
+
+    optimizer: OptimizerSection
+    """Optimizer settings."""
+    lr_schedule: LrScheduleSection
+    """Learning-rate schedule."""
+    grad_clip: float
+    """Gradient-norm clip (0: off)."""
+    micro_batch_size: int
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: Optional[int]
+    """Sequences per optimizer step (None: one GRPO step's samples; see :attr:`Recipe.global_batch_size`)."""
+    use_distributed_optimizer: bool
+    """Shard optimizer state over data-parallel ranks."""
+    use_precision_aware_optimizer: bool
+    """fp32 master weights live in the optimizer state (TE FusedAdam)."""
+    overlap_param_gather: bool
+    """Overlap the parameter all-gather with the next forward."""
+    overlap_grad_reduce: bool
+    """Overlap the gradient reduce-scatter with backward."""
+    optimizer_cpu_offload: bool
+    """Megatron's hybrid CPU optimizer."""
+    optimizer_offload_fraction: float
+    """Share of the optimizer state offloaded with ``optimizer_cpu_offload``."""
+    mtp_loss_scale: float
+    """Weight of the MTP block's loss (0: policy loss only)."""
+    activation_checkpointing: Literal["none", "selective", "full"]
+    """Activation recomputation granularity."""
+    max_sequence_length: Optional[int]
+    """Longest prompt + response the trainer packs (None: ``generation.max_model_len``)."""
+    seed: int
+    """Trainer random seed."""
+    fp8: Fp8Section
+    """FP8 training."""
+    moe: MoeSection
+    """MoE execution."""
+    sequence_packing: SequencePackingSection
+    """Sequence packing."""
+    megatron_kwargs: Mapping[str, Any]
+    """Megatron options handed on unchanged (free-form)."""
+
+
+# --------------------------------------------------------------------------- algorithm, data, outputs
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSection:
+    """Dropping groups whose rewards are all equal and generating more."""
+
+    enabled: bool
+    """Turn dynamic sampling on."""
+    max_gen_batches: int
+    """Generation batches per step before giving up."""
+    batch_multiplier: float
+    """Prompts per batch as a multiple of ``prompts_per_step``."""
+
+
+@dataclass(frozen=True)
+class GrpoSection:
+    """The GRPO algorithm."""
+
+    prompts_per_step: int
+    """Prompts (groups) per step."""
+    generations_per_prompt: int
+    """Samples per prompt (group size)."""
+    max_steps: int
+    """GRPO steps to run."""
+    normalize_advantages: bool
+    """Divide advantages by the group's reward std."""
+    leave_one_out: bool
+    """Baseline each sample with the mean of the others of its group."""
+    dynamic_sampling: DynamicSamplingSection
+    """Dynamic sampling."""
+    max_gen_kl: float
+    """Stop when vLLM's and the trainer's logprobs diverge more than this (0: never)."""
+    seed: int
+    """Seed of prompt order and sampling."""
+
+    @property
+    def samples_per_step(self) -> int:
+        """Rollouts of one GRPO step: prompts_per_step × generations_per_prompt."""
+        return self.prompts_per_step * self.generations_per_prompt
+
+
+@dataclass(frozen=True)
+class LossSection:
+    """The clipped policy-gradient loss."""
+
+    ratio_clip_low: float
+    """Lower clip of the importance ratio."""
+    ratio_clip_high: float
+    """Upper clip of the importance ratio."""
+    kl_penalty: float
+    """KL penalty to the reference policy (0: no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"]
+    """KL estimator."""
+    token_level: bool
+    """Average over all tokens of the batch (else per sequence first)."""
+    clip_ratio_c: Optional[float]
+    """Dual-clip constant for negative advantages (None: off)."""
+    max_log_ratio: float
+    """Clamp of |log(new / old)| before exponentiating."""
+    importance_sampling_correction: bool
+    """Weight tokens by the truncated trainer/rollout probability ratio."""
+    importance_sampling_cap: float
+    """Upper bound of that weight."""
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompts."""
+
+    train: str
+    """Training prompts (JSONL)."""
+    val: Optional[str]
+    """Validation prompts (None: none)."""
+    prompt_key: str
+    """JSONL field of the prompt."""
+    answer_key: str
+    """JSONL field of the reference answer."""
+    prompt_template: str
+    """Template around each prompt (``{prompt}``)."""
+    max_prompt_length: int
+    """Longer prompts (tokens) are skipped."""
+    shuffle: bool
+    """Shuffle prompts each epoch."""
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """How completions are scored."""
+
+    function: str
+    """Built-in reward name or ``module:function``."""
+    failure_reward: float
+    """Reward of a sample the function fails on."""
+    kwargs: Mapping[str, Any]
+    """Keyword arguments of the function (free-form)."""
+
+
+@dataclass(frozen=True)
+class CheckpointingSection:
+    """Checkpoints and resuming."""
+
+    enabled: bool
+    """Save checkpoints."""
+    dir: Optional[str]
+    """Checkpoint folder (None: ``<log_dir>/checkpoints/<name>``, derived by the resolver)."""
+    every_steps: int
+    """Save every this many steps."""
+    keep_last: int
+    """Checkpoints kept."""
+    resume: bool
+    """Resume from the latest complete checkpoint of the same experiment."""
+    resume_changed_recipe: bool
+    """Resume even from another experiment's checkpoint."""
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """Metrics and logs."""
+
+    dir: Optional[str]
+    """Metrics folder (None: ``<log_dir>/metrics/<name>``, derived by the resolver)."""
+    jsonl: bool
+    """One JSON object per step in ``metrics.jsonl``."""
+    tensorboard: bool
+    """TensorBoard events."""
+    progress_bar: bool
+    """Progress bar on the driver."""
+
+
+@dataclass(frozen=True)
+class LintIgnore:
+    """One silenced warning."""
+
+    rule: str
+    """Rule id."""
+    reason: str
+    """Why the warning does not apply."""
+
+
+@dataclass(frozen=True)
+class LintSection:
+    """Lint settings of this recipe."""
+
+    ignore: tuple[LintIgnore, ...]
+    """Warnings to silence, each with a reason."""
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe the schema accepted, with every schema default filled."""
+
+    version: int
+    """Recipe format version."""
+    name: str
+    """Run name (job name, log and checkpoint folders)."""
+    description: str
+    """Free text for ``rlc plan`` and the bundle README."""
+    model: ModelSection
+    """The policy model."""
+    cluster: ClusterSection
+    """Where the job runs."""
+    parallelism: ParallelismSection
+    """How the model is split."""
+    colocated: bool
+    """Trainer and generation engine share the GPUs."""
+    refit: RefitSection
+    """Weights from trainer to vLLM."""
+    generation: GenerationSection
+    """The rollout engine."""
+    training: TrainingSection
+    """The trainer."""
+    grpo: GrpoSection
+    """The algorithm."""
+    loss: LossSection
+    """The loss."""
+    data: DataSection
+    """Prompts."""
+    reward: RewardSection
+    """Scoring."""
+    checkpointing: CheckpointingSection
+    """Checkpoints."""
+    logging: LoggingSection
+    """Metrics and logs."""
+    lint: LintSection
+    """Lint settings."""
+    extensions: Mapping[str, Any]
+    """Free-form settings for custom code."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: ``training.global_batch_size``, else one GRPO step's samples."""
+        stated = self.training.global_batch_size
+        return self.grpo.samples_per_step if stated is None else stated
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The trainer's sequence length: ``training.max_sequence_length``, else ``generation.max_model_len``."""
+        stated = self.training.max_sequence_length
+        return self.generation.max_model_len if stated is None else stated
+
+
+# --------------------------------------------------------------------------- building
+
+
+@lru_cache(maxsize=None)
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) is Union and type(None) in typing.get_args(tp)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """``value`` (from the filled mapping) as the field type ``tp`` wants it."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin is Union:  # Optional[X], or alternatives such as 'auto' | a list
+        for alternative in typing.get_args(tp):
+            if (typing.get_origin(alternative) is tuple and isinstance(value, (list, tuple))) or \
+                    (dataclasses.is_dataclass(alternative) and isinstance(value, Mapping)):
+                return _convert(alternative, value, path)
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise RecipeTypeError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is tuple:
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise RecipeTypeError(f"{path}: expected a list, got {type(value).__name__}")
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
+    values: dict[str, Any] = {}
+    for name, tp in _fields(cls):
+        where = f"{path}.{name}" if path else name
+        if name in data:
+            values[name] = _convert(tp, data[name], where)
+        elif _optional(tp):
+            values[name] = None  # an optional key without a schema default, left unset
+        else:
+            raise RecipeTypeError(f"{where}: missing; the typed recipe is built from a recipe the schema "
+                                  "accepted, with its defaults filled (rlc.compiler.schema.with_defaults)")
+    extra = set(data) - set(values) - (NOT_SETTINGS if not path else set())
+    if extra:
+        raise RecipeTypeError(f"{path or 'recipe'}: no typed field for {', '.join(sorted(extra))} "
+                              "(the schema and rlc.compiler.recipe_types disagree)")
+    return cls(**values)
+
+
+def recipe_from_data(data: Mapping[str, Any]) -> Recipe:
+    """The typed recipe of ``data``: a recipe the schema accepted, with its defaults filled."""
+    return _build(Recipe, data, "")
+
+
+def section_from_data(cls: type[T], data: Mapping[str, Any], path: str) -> T:
+    """One typed section (e.g. :class:`ClusterSection` at ``cluster``) from its filled mapping,
+    for stages that run when only that part of the recipe passed the schema."""
+    return _build(cls, data, path)
+
+
+def with_value(recipe: T, path: str, value: Any) -> T:
+    """``recipe`` (or a section) with the setting at dotted key ``path`` replaced by ``value``.
+
+    The sections on the path are rebuilt, everything else is shared: the planner re-plans a
+    recipe once per candidate fix. A list value is stored as a tuple, as the builder does.
+    """
+    return _replaced(recipe, list(parse_path(path)), value, path)
+
+
+def _replaced(node: Any, parts: list[PathPart], value: Any, path: str) -> Any:
+    head, rest = parts[0], parts[1:]
+    if not dataclasses.is_dataclass(node) or not isinstance(head, str) or \
+            head not in {f.name for f in dataclasses.fields(node)}:
+        raise RecipeTypeError(f"{path}: not a setting of the typed recipe")
+    if rest:
+        new = _replaced(getattr(node, head), rest, value, path)
+    else:
+        tp = dict(_fields(type(node)))[head]
+        new = _convert(tp, value, path)
+    return dataclasses.replace(node, **{head: new})
+
+
+def typed_fields(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation of a typed-recipe class (for the schema parity test)."""
+    return dict(_fields(cls))
+
+
+__all__ = ["NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerSection", "DataSection",
+           "DynamicSamplingSection", "Fp8Section", "GenerationParallelism", "GenerationSection", "GrpoSection",
+           "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "ModelSection",
+           "MoeSection", "OptimizerSection", "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError",
+           "RefitSection", "RewardSection", "SamplingSection", "SequencePackingSection", "SlurmSection",
+           "Switch", "TrainParallelism", "TrainingSection", "recipe_from_data",
+           "section_from_data", "typed_fields", "with_value"]
