@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the stages are imported when they run; only their types are
     from rlc.compiler.planner.calibration import Calibration
     from rlc.compiler.planner.plan import MemoryPlan
     from rlc.compiler.recipe import LoadedRecipe
+    from rlc.compiler.recipe_types import Recipe
 
 
 @dataclass
@@ -29,7 +30,7 @@ class CheckResult:
     """Everything the compiler learned about one recipe."""
 
     loaded: LoadedRecipe | None  # None when loading failed
-    recipe: dict[str, Any] | None  # schema defaults filled; None when the schema rejected it
+    recipe: Recipe | None  # typed, schema defaults filled; None when the schema rejected it
     diagnostics: list[Diagnostic] = field(default_factory=list)
     facts: ModelFacts | None = None
     gpu: GpuSpec | None = None
@@ -63,6 +64,7 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     """Run every compiler stage on ``path`` with ``--set`` ``overrides``; never raises for bad input."""
     from rlc.compiler import recipe as recipe_mod
     from rlc.compiler import schema
+    from rlc.compiler.recipe_types import recipe_from_data
 
     try:
         loaded = recipe_mod.load_recipe(path, overrides)
@@ -74,22 +76,23 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
         diags.append(Diagnostic("info", f"named {loaded.named_after_file!r} after its file (it sets no `name` of its "
                                 "own): its checkpoints and metrics get their own folders", path="name"))
     schema_errors = [d for d in diags if d.severity == "error"]
-    recipe = schema.with_defaults(loaded.data)
+    filled = schema.with_defaults(loaded.data)
     if not any(_below(d.path, root) for d in schema_errors for root in _bundle_keys()):
-        diags += _bundle_stage(recipe)
+        diags += _bundle_stage(filled)
     if schema_errors:
         return CheckResult(loaded=loaded, recipe=None, diagnostics=_place(diags, loaded))
+    recipe = recipe_from_data(filled)  # the one place defaults enter: every later stage reads this
     result = CheckResult(loaded=loaded, recipe=recipe, diagnostics=diags)
 
     from rlc.compiler import catalog
 
     recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
     try:
-        result.facts = catalog.model_facts(recipe["model"], recipe_dir)
+        result.facts = catalog.model_facts(recipe.model.id, recipe_dir, recipe.model.config, recipe.model.overrides)
     except catalog.CatalogError as exc:
         result.diagnostics.append(Diagnostic("error", str(exc), path=_catalog_path(recipe), rule="RLC001"))
     try:
-        result.gpu = catalog.gpu_spec(recipe["cluster"]["gpu"])
+        result.gpu = catalog.gpu_spec(recipe.cluster.gpu)
     except catalog.CatalogError as exc:
         result.diagnostics.append(Diagnostic("error", str(exc), path="cluster.gpu", rule="RLC001"))
 
@@ -110,10 +113,10 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     return result
 
 
-def _calibration_table(recipe: dict[str, Any], loaded: Any, diags: list[Diagnostic]) -> Any:
+def _calibration_table(recipe: Recipe, loaded: Any, diags: list[Diagnostic]) -> Any:
     """The entries of ``cluster.calibration`` (relative to the file that set it), () when unset,
     False after adding the error when the file cannot be used."""
-    ref = recipe["cluster"].get("calibration")
+    ref = recipe.cluster.calibration
     if ref is None:
         return ()
     from rlc.compiler.planner.calibration import CalibrationError, calibration_path, load_table
@@ -139,13 +142,16 @@ def _bundle_keys() -> tuple[str, ...]:
     return KEYS_READ
 
 
-def _bundle_stage(recipe: dict[str, Any]) -> list[Diagnostic]:
-    """The bundle writer's checks (ports, mounts, env, sbatch flags, script-safe values)."""
+def _bundle_stage(filled: dict[str, Any]) -> list[Diagnostic]:
+    """The bundle writer's checks (ports, mounts, env, sbatch flags, script-safe values), on the
+    parts of the recipe they read (the schema accepted those, maybe not the rest)."""
     from rlc import __version__
     from rlc.compiler.bundle.checks import bundle_diagnostics
+    from rlc.compiler.recipe_types import ClusterSection, section_from_data
 
-    return bundle_diagnostics(recipe, __version__)
+    return bundle_diagnostics(section_from_data(ClusterSection, filled["cluster"], "cluster"), filled["name"],
+                              __version__)
 
 
-def _catalog_path(recipe: dict[str, Any]) -> str:
-    return "model.config" if "config" in recipe.get("model", {}) else "model.id"
+def _catalog_path(recipe: Recipe) -> str:
+    return "model.config" if recipe.model.config is not None else "model.id"

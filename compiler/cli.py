@@ -37,6 +37,7 @@ from rlc.compiler.diagnostics import (
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
+    from rlc.compiler.recipe_types import Recipe
 
 EXIT_OK, EXIT_RECIPE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -304,9 +305,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def default_bundle_dir(recipe: dict[str, Any]) -> Path:
+def default_bundle_dir(recipe: Recipe) -> Path:
     """Where ``rlc compile RECIPE`` without ``-o`` writes: ``bundles/<name>`` here."""
-    return Path("bundles") / str(recipe.get("name", "rlc-run"))
+    return Path("bundles") / recipe.name
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 
 from rlc.compiler.diagnostics import PathPart, parse_path
@@ -42,11 +41,40 @@ class RecipeTypeError(ValueError):
     """The mapping does not have the shape of a validated recipe (a bug: validate it first)."""
 
 
+class _Section:
+    """``repr`` and ``==`` of the typed-recipe classes, by their fields.
+
+    Written once here instead of generated per class: ``dataclass`` compiles each generated method
+    separately, and with ~30 classes that was half of this module's import time, which every
+    ``rlc validate`` and ``rlc lint`` pays."""
+
+    __slots__ = ()
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return f"{type(self).__name__}({inner})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Section)
+        return self._values() == other._values()
+
+    __hash__ = None  # type: ignore[assignment]  # sections hold mappings
+
+
+#: Frozen dataclass whose repr and equality come from :class:`_Section`.
+section = dataclass(frozen=True, repr=False, eq=False)
+
+
 # --------------------------------------------------------------------------- model
 
 
-@dataclass(frozen=True)
-class ModelSection:
+@section
+class ModelSection(_Section):
     """The policy model."""
 
     id: str
@@ -78,8 +106,8 @@ class ModelSection:
 # --------------------------------------------------------------------------- cluster
 
 
-@dataclass(frozen=True)
-class SlurmSection:
+@section
+class SlurmSection(_Section):
     """SLURM submission options."""
 
     partition: Optional[str]
@@ -102,8 +130,8 @@ class SlurmSection:
     """More ``#SBATCH`` options, each ``--flag`` or ``--flag=value``."""
 
 
-@dataclass(frozen=True)
-class ContainerSection:
+@section
+class ContainerSection(_Section):
     """The container every task runs in."""
 
     runtime: Literal["pyxis", "apptainer", "none"]
@@ -120,8 +148,8 @@ class ContainerSection:
     """Bind mounts, each ``src:dst`` or ``src:dst:ro|rw``."""
 
 
-@dataclass(frozen=True)
-class RaySection:
+@section
+class RaySection(_Section):
     """The Ray cluster the sbatch script starts across the allocation."""
 
     port: int
@@ -140,8 +168,8 @@ class RaySection:
     """Seconds to wait for every GPU to join before failing the job."""
 
 
-@dataclass(frozen=True)
-class ClusterSection:
+@section
+class ClusterSection(_Section):
     """Where the job runs: allocation, container, environment, Ray."""
 
     nodes: int
@@ -182,8 +210,8 @@ class ClusterSection:
 # --------------------------------------------------------------------------- parallelism
 
 
-@dataclass(frozen=True)
-class TrainParallelism:
+@section
+class TrainParallelism(_Section):
     """Megatron-core parallelism of the trainer."""
 
     tp: int
@@ -206,8 +234,8 @@ class TrainParallelism:
     """Layers on the last stage of an uneven pipeline (None: even split)."""
 
 
-@dataclass(frozen=True)
-class GenerationParallelism:
+@section
+class GenerationParallelism(_Section):
     """vLLM parallelism of each generation engine."""
 
     tp: int
@@ -220,8 +248,8 @@ class GenerationParallelism:
     """vLLM engines (None: world / (tp × pp); ``planner.layout.generation_layout`` derives it)."""
 
 
-@dataclass(frozen=True)
-class ParallelismSection:
+@section
+class ParallelismSection(_Section):
     """How trainer and generation engine split the model."""
 
     train: TrainParallelism
@@ -233,8 +261,8 @@ class ParallelismSection:
 # --------------------------------------------------------------------------- refit
 
 
-@dataclass(frozen=True)
-class RefitSection:
+@section
+class RefitSection(_Section):
     """Moving updated weights from the trainer into vLLM every step."""
 
     buffer_memory_ratio: float
@@ -264,8 +292,8 @@ class RefitSection:
 # --------------------------------------------------------------------------- generation
 
 
-@dataclass(frozen=True)
-class SamplingSection:
+@section
+class SamplingSection(_Section):
     """Sampling parameters of rollouts."""
 
     temperature: float
@@ -282,8 +310,8 @@ class SamplingSection:
     """Token ids that end a sample besides EOS."""
 
 
-@dataclass(frozen=True)
-class GenerationSection:
+@section
+class GenerationSection(_Section):
     """The rollout engine."""
 
     backend: Literal["vllm"]
@@ -309,8 +337,8 @@ class GenerationSection:
 # --------------------------------------------------------------------------- training
 
 
-@dataclass(frozen=True)
-class OptimizerSection:
+@section
+class OptimizerSection(_Section):
     """Optimizer settings."""
 
     name: Literal["adam", "sgd"]
@@ -329,8 +357,8 @@ class OptimizerSection:
     """Adam epsilon."""
 
 
-@dataclass(frozen=True)
-class LrScheduleSection:
+@section
+class LrScheduleSection(_Section):
     """Learning-rate schedule."""
 
     name: Literal["constant", "cosine", "linear"]
@@ -339,8 +367,8 @@ class LrScheduleSection:
     """Linear warm-up steps."""
 
 
-@dataclass(frozen=True)
-class Fp8Section:
+@section
+class Fp8Section(_Section):
     """FP8 training (Transformer Engine)."""
 
     enabled: bool
@@ -353,8 +381,8 @@ class Fp8Section:
     """Keep all-gathered parameters in FP8."""
 
 
-@dataclass(frozen=True)
-class MoeSection:
+@section
+class MoeSection(_Section):
     """Mixture-of-experts execution in the trainer."""
 
     token_dispatcher: Literal["alltoall", "allgather", "flex"]
@@ -365,8 +393,8 @@ class MoeSection:
     """Router computation dtype (``auto``: the model provider's)."""
 
 
-@dataclass(frozen=True)
-class SequencePackingSection:
+@section
+class SequencePackingSection(_Section):
     """Packing rollouts into one sequence instead of padding."""
 
     enabled: bool
@@ -375,8 +403,8 @@ class SequencePackingSection:
     """Bin-packing algorithm (NeMo-RL's names)."""
 
 
-@dataclass(frozen=True)
-class TrainingSection:
+@section
+class TrainingSection(_Section):
     """The trainer (Megatron-core through Megatron-Bridge)."""
 
     optimizer: OptimizerSection
@@ -422,8 +450,8 @@ class TrainingSection:
 # --------------------------------------------------------------------------- algorithm, data, outputs
 
 
-@dataclass(frozen=True)
-class DynamicSamplingSection:
+@section
+class DynamicSamplingSection(_Section):
     """Dropping groups whose rewards are all equal and generating more."""
 
     enabled: bool
@@ -434,8 +462,8 @@ class DynamicSamplingSection:
     """Prompts per batch as a multiple of ``prompts_per_step``."""
 
 
-@dataclass(frozen=True)
-class GrpoSection:
+@section
+class GrpoSection(_Section):
     """The GRPO algorithm."""
 
     prompts_per_step: int
@@ -461,8 +489,8 @@ class GrpoSection:
         return self.prompts_per_step * self.generations_per_prompt
 
 
-@dataclass(frozen=True)
-class LossSection:
+@section
+class LossSection(_Section):
     """The clipped policy-gradient loss."""
 
     ratio_clip_low: float
@@ -485,8 +513,8 @@ class LossSection:
     """Upper bound of that weight."""
 
 
-@dataclass(frozen=True)
-class DataSection:
+@section
+class DataSection(_Section):
     """Prompts."""
 
     train: str
@@ -505,8 +533,8 @@ class DataSection:
     """Shuffle prompts each epoch."""
 
 
-@dataclass(frozen=True)
-class RewardSection:
+@section
+class RewardSection(_Section):
     """How completions are scored."""
 
     function: str
@@ -517,8 +545,8 @@ class RewardSection:
     """Keyword arguments of the function (free-form)."""
 
 
-@dataclass(frozen=True)
-class CheckpointingSection:
+@section
+class CheckpointingSection(_Section):
     """Checkpoints and resuming."""
 
     enabled: bool
@@ -535,8 +563,8 @@ class CheckpointingSection:
     """Resume even from another experiment's checkpoint."""
 
 
-@dataclass(frozen=True)
-class LoggingSection:
+@section
+class LoggingSection(_Section):
     """Metrics and logs."""
 
     dir: Optional[str]
@@ -549,8 +577,8 @@ class LoggingSection:
     """Progress bar on the driver."""
 
 
-@dataclass(frozen=True)
-class LintIgnore:
+@section
+class LintIgnore(_Section):
     """One silenced warning."""
 
     rule: str
@@ -559,8 +587,8 @@ class LintIgnore:
     """Why the warning does not apply."""
 
 
-@dataclass(frozen=True)
-class LintSection:
+@section
+class LintSection(_Section):
     """Lint settings of this recipe."""
 
     ignore: tuple[LintIgnore, ...]
@@ -570,8 +598,8 @@ class LintSection:
 # --------------------------------------------------------------------------- the recipe
 
 
-@dataclass(frozen=True)
-class Recipe:
+@section
+class Recipe(_Section):
     """A recipe the schema accepted, with every schema default filled."""
 
     version: int
@@ -627,14 +655,24 @@ class Recipe:
 # --------------------------------------------------------------------------- building
 
 
-@lru_cache(maxsize=None)
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
 def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    """(name, resolved type) of each field of a typed-recipe class, worked out once per class."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    return found
 
 
 def _optional(tp: Any) -> bool:
     return typing.get_origin(tp) is Union and type(None) in typing.get_args(tp)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
@@ -645,10 +683,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin is Union:  # Optional[X], or alternatives such as 'auto' | a list
         for alternative in typing.get_args(tp):
             if (typing.get_origin(alternative) is tuple and isinstance(value, (list, tuple))) or \
-                    (dataclasses.is_dataclass(alternative) and isinstance(value, Mapping)):
+                    (_is_section(alternative) and isinstance(value, Mapping)):
                 return _convert(alternative, value, path)
         return value
-    if dataclasses.is_dataclass(tp):
+    if _is_section(tp):
         if not isinstance(value, Mapping):
             raise RecipeTypeError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
         return _build(tp, value, path)
@@ -700,8 +738,7 @@ def with_value(recipe: T, path: str, value: Any) -> T:
 
 def _replaced(node: Any, parts: list[PathPart], value: Any, path: str) -> Any:
     head, rest = parts[0], parts[1:]
-    if not dataclasses.is_dataclass(node) or not isinstance(head, str) or \
-            head not in {f.name for f in dataclasses.fields(node)}:
+    if not _is_section(type(node)) or not isinstance(head, str) or head not in dict(_fields(type(node))):
         raise RecipeTypeError(f"{path}: not a setting of the typed recipe")
     if rest:
         new = _replaced(getattr(node, head), rest, value, path)

@@ -1,4 +1,4 @@
-"""Recipe (schema defaults filled) + rule decisions → the resolved ``runtime.yaml`` contents.
+"""Typed recipe + rule decisions → the resolved ``runtime.yaml`` contents.
 
 The runtime reads only this (``rlc.contract.runtime_config``), so every default is explicit,
 derived sizes are computed here, and each ``auto`` refit switch is replaced by the rule decision
@@ -6,7 +6,6 @@ that settled it, with the reason kept in ``refit.decisions``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import posixpath
@@ -34,6 +33,9 @@ from rlc.contract.runtime_config import (
     section_from_dict,
 )
 
+from rlc.compiler.planner.layout import generation_layout, train_layout
+from rlc.compiler.recipe_types import Recipe, RefitSection
+
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
 
@@ -47,8 +49,8 @@ class ResolveError(ValueError):
     """The recipe cannot be turned into a runtime config (should have been a rule error)."""
 
 
-def _switch(refit: dict[str, Any], key: str, decisions: dict[str, tuple[Any, str]]) -> tuple[bool, str]:
-    value = refit[key]
+def _switch(refit: RefitSection, key: str, decisions: dict[str, tuple[Any, str]]) -> tuple[bool, str]:
+    value = getattr(refit, key)
     decided = decisions.get(f"refit.{key}")
     if value == "on":
         return True, "set in recipe"
@@ -60,9 +62,9 @@ def _switch(refit: dict[str, Any], key: str, decisions: dict[str, tuple[Any, str
     return bool(flag), reason
 
 
-def _fp32_params(refit: dict[str, Any], decisions: dict[str, tuple[Any, str]]) -> tuple[list[str], str]:
-    if refit["fp32_params"] != "auto":
-        return list(refit["fp32_params"]), "set in recipe"
+def _fp32_params(refit: RefitSection, decisions: dict[str, tuple[Any, str]]) -> tuple[list[str], str]:
+    if refit.fp32_params != "auto":
+        return list(refit.fp32_params), "set in recipe"
     decided = decisions.get("refit.fp32_params")
     if decided is None:
         return [], "auto: model has no known fp32 parameters"
@@ -70,37 +72,43 @@ def _fp32_params(refit: dict[str, Any], decisions: dict[str, tuple[Any, str]]) -
     return list(patterns), reason
 
 
-def _section(cls: type[T], source: Mapping[str, Any], path: str, **given: Any) -> T:
-    """``cls`` (a runtime config section) from the recipe section ``source`` at ``path``.
+def _plain(value: Any) -> Any:
+    """A typed-recipe value as runtime-config data: tuples as lists, mappings copied."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
-    A field takes the recipe key of the same name (schema defaults already filled); a nested section
-    is built the same way from the sub-mapping of that name; ``given`` supplies the fields the
-    compiler derives or renames. A field with no key and no given value is a resolver bug, named.
+
+def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
+    """``cls`` (a runtime config section) from the typed recipe section ``source`` at ``path``.
+
+    A field takes the recipe setting of the same name; a nested section is built the same way from
+    the typed sub-section of that name; ``given`` supplies the fields the compiler derives or
+    renames. A field with no setting and no given value is a resolver bug, named.
     """
     values: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass type
         if f.name in given:
             values[f.name] = given[f.name]
-        elif f.name in source:
-            value = source[f.name]
+        elif hasattr(source, f.name):
+            value = getattr(source, f.name)
             nested = hints[f.name]
-            if dataclasses.is_dataclass(nested) and isinstance(value, Mapping):
-                value = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))  # type: ignore[arg-type]
-            values[f.name] = copy.deepcopy(value)
-        elif _optional(hints[f.name]):
-            values[f.name] = None  # an optional recipe key left unset
+            if dataclasses.is_dataclass(nested) and dataclasses.is_dataclass(value):
+                values[f.name] = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))  # type: ignore[arg-type]
+            else:
+                values[f.name] = _plain(value)
         else:
-            raise ResolveError(f"{path}.{f.name}: the runtime needs it and the recipe has no such key "
-                               "(schema and runtime config disagree)")
+            raise ResolveError(f"{path}.{f.name}: the runtime needs it and the recipe has no such setting "
+                               "(recipe types and runtime config disagree)")
     try:
         return section_from_dict(cls, values, path)
     except RuntimeConfigError as exc:
         raise ResolveError(str(exc)) from None
-
-
-def _optional(tp: Any) -> bool:
-    return type(None) in typing.get_args(tp)
 
 
 def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
@@ -108,57 +116,52 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
     if not result.ok or result.recipe is None or result.facts is None or result.gpu is None:
         raise ResolveError("cannot resolve a recipe with errors")
     r, facts, decisions = result.recipe, result.facts, result.decisions
-    cluster, train, gen = r["cluster"], r["parallelism"]["train"], r["parallelism"]["generation"]
-    world = cluster["nodes"] * cluster["gpus_per_node"]
-    name = r["name"]
+    cluster, tl, gl = r.cluster, train_layout(r), generation_layout(r)
+    name = r.name
     # A relative log_dir means "beside where rlc compile ran" (shipped recipes live inside the
     # installed package, so the recipe's own folder would be the wrong anchor).
-    log_dir = os.path.abspath(cluster["log_dir"])
+    log_dir = os.path.abspath(cluster.log_dir)
 
-    refit = r["refit"]
+    refit = r.refit
     switches = {k: _switch(refit, k, decisions) for k in AUTO_SWITCHES}
     fp32, fp32_reason = _fp32_params(refit, decisions)
     refit_decisions = {k: reason for k, (_, reason) in switches.items()}
     refit_decisions["fp32_params"] = fp32_reason
 
-    grpo, training, generation, model, data = r["grpo"], r["training"], r["generation"], r["model"], r["data"]
-    checkpoint = model.get("checkpoint", model["id"])  # derived defaults: the schema cannot express them
+    model, data = r.model, r.data
     return RuntimeConfig(
         version=RUNTIME_CONFIG_VERSION,
         name=name,
-        model=_section(ModelConfig, model, "model", name=model["id"], checkpoint=checkpoint,
-                       tokenizer=model.get("tokenizer", checkpoint), num_layers=facts.num_layers,
+        model=_section(ModelConfig, model, "model", name=model.id, checkpoint=model.checkpoint_path,
+                       tokenizer=model.tokenizer_path, num_layers=facts.num_layers,
                        num_experts=facts.num_experts or 0, mtp_num_layers=facts.mtp_num_layers or 0,
                        mtp_shared_embedding=bool(facts.mtp_shared_embedding)),
-        cluster=_section(ClusterConfig, cluster, "cluster", world_size=world, gpu_type=cluster["gpu"],
+        cluster=_section(ClusterConfig, cluster, "cluster", world_size=cluster.world_size, gpu_type=cluster.gpu,
                          gpu_memory_gib=float(result.gpu.memory_gib), log_dir=log_dir,
                          ray={"address": "auto", "namespace": f"rlc-{name}",
-                              "join_timeout_s": cluster["ray"]["join_timeout_s"]}),
-        train_parallel=_section(TrainParallelConfig, train, "parallelism.train",
-                                dp=world // (train["tp"] * train["pp"] * train["cp"]),
-                                expert_dp=world // (train["ep"] * train["etp"] * train["pp"])),
-        generation_parallel=_section(GenerationParallelConfig, gen, "parallelism.generation",
-                                     dp=gen.get("dp", world // (gen["tp"] * gen["pp"]))),
-        colocated=r["colocated"],
+                              "join_timeout_s": cluster.ray.join_timeout_s}),
+        train_parallel=_section(TrainParallelConfig, r.parallelism.train, "parallelism.train",
+                                dp=tl.dp, expert_dp=tl.expert_dp),
+        generation_parallel=_section(GenerationParallelConfig, r.parallelism.generation, "parallelism.generation",
+                                     dp=gl.dp),
+        colocated=r.colocated,
         refit=_section(RefitConfig, refit, "refit",
-                       buffer_memory_ratio=None if refit.get("buffer_gb") is not None else refit["buffer_memory_ratio"],
+                       buffer_memory_ratio=None if refit.buffer_gb is not None else refit.buffer_memory_ratio,
                        fp32_params=fp32, decisions=refit_decisions,
                        **{k: flag for k, (flag, _) in switches.items()}),
-        generation=_section(GenerationConfig, generation, "generation", vllm_version=_vllm_version(result, r)),
-        training=_section(TrainingConfig, training, "training",
-                          global_batch_size=training.get("global_batch_size",
-                                                         grpo["prompts_per_step"] * grpo["generations_per_prompt"]),
-                          max_sequence_length=training.get("max_sequence_length", generation["max_model_len"])),
-        grpo=_section(GrpoConfig, grpo, "grpo"),
-        loss=_section(LossConfig, r["loss"], "loss"),
-        data=_section(DataConfig, data, "data", train_path=data["train"], val_path=data.get("val")),
-        reward=_section(RewardConfig, r["reward"], "reward"),
-        checkpointing=_section(CheckpointConfig, r["checkpointing"], "checkpointing", dir=os.path.abspath(
-            r["checkpointing"].get("dir", posixpath.join(log_dir, "checkpoints", name)))),
-        logging=_section(LoggingConfig, r["logging"], "logging", dir=os.path.abspath(
-            r["logging"].get("dir", posixpath.join(log_dir, "metrics", name)))),
-        env={k: _env_str(v) for k, v in cluster["env"].items()},
-        extensions=dict(r["extensions"]),
+        generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r)),
+        training=_section(TrainingConfig, r.training, "training", global_batch_size=r.global_batch_size,
+                          max_sequence_length=r.max_sequence_length),
+        grpo=_section(GrpoConfig, r.grpo, "grpo"),
+        loss=_section(LossConfig, r.loss, "loss"),
+        data=_section(DataConfig, data, "data", train_path=data.train, val_path=data.val),
+        reward=_section(RewardConfig, r.reward, "reward"),
+        checkpointing=_section(CheckpointConfig, r.checkpointing, "checkpointing", dir=os.path.abspath(
+            r.checkpointing.dir if r.checkpointing.dir is not None else posixpath.join(log_dir, "checkpoints", name))),
+        logging=_section(LoggingConfig, r.logging, "logging", dir=os.path.abspath(
+            r.logging.dir if r.logging.dir is not None else posixpath.join(log_dir, "metrics", name))),
+        env={k: _env_str(v) for k, v in cluster.env.items()},
+        extensions=_plain(r.extensions),
     )
 
 
@@ -167,7 +170,7 @@ def to_runtime_config(result: CheckResult) -> dict[str, Any]:
     return runtime_config_to_dict(resolve_runtime_config(result))
 
 
-def _vllm_version(result: CheckResult, recipe: dict[str, Any]) -> str:
+def _vllm_version(result: CheckResult, recipe: Recipe) -> str:
     """The vLLM version the plan assumed: the recipe's, else the calibration entry's for the GPU."""
     plan = result.plan
     if plan is not None and plan.vllm_version:
@@ -175,7 +178,7 @@ def _vllm_version(result: CheckResult, recipe: dict[str, Any]) -> str:
     from rlc.compiler.planner.calibration import calibration_for
     from rlc.compiler.planner.vllm_sleep import planned_vllm_version
 
-    entry = calibration_for(recipe["cluster"]["gpu"], table=result.calibration or None)
+    entry = calibration_for(recipe.cluster.gpu, table=result.calibration or None)
     return planned_vllm_version(recipe, entry.versions)
 
 

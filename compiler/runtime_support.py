@@ -11,8 +11,10 @@ One source of truth for two things the compiler checks before writing a bundle:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from rlc.compiler.recipe_types import Recipe
 
 
 @dataclass(frozen=True)
@@ -23,20 +25,19 @@ class Gap:
     message: str
 
 
-def runtime_gaps(recipe: dict[str, Any]) -> list[Gap]:
-    """Settings of ``recipe`` (schema defaults filled) that this runtime cannot run yet."""
+def runtime_gaps(recipe: Recipe) -> list[Gap]:
+    """Settings of ``recipe`` that this runtime cannot run yet."""
     gaps = []
-    generation, training = recipe.get("generation", {}), recipe.get("training", {})
-    if generation.get("precision", "auto") == "fp8":
+    generation, training = recipe.generation, recipe.training
+    if generation.precision == "fp8":
         gaps.append(Gap("generation.precision",
                         "FP8 rollouts need a refit that quantizes every delivered weight into vLLM's FP8 "
                         "parameters; the bundled runtime's refit writes bf16 weights"))
-    if (training.get("sequence_packing") or {}).get("enabled", False):
+    if training.sequence_packing.enabled:
         gaps.append(Gap("training.sequence_packing.enabled",
                         "the bundled runtime pads each rollout to the longest of its micro batch; it does not "
                         "pack sequences yet"))
-    fp8 = training.get("fp8") or {}
-    if fp8.get("enabled") and fp8.get("param_gather"):
+    if training.fp8.enabled and training.fp8.param_gather:
         gaps.append(Gap("training.fp8.param_gather",
                         "FP8 parameters would reach the refit exporter as FP8; the bundled runtime exports "
                         "bf16 weights only"))

@@ -176,6 +176,14 @@ def with_defaults(data: dict[str, Any]) -> dict[str, Any]:
     return filled
 
 
+def default_at(path: str) -> Any:
+    """The schema's default of the key at dotted ``path`` (``KeyError`` when it has none)."""
+    node = _resolve(_schema())
+    for part in path.split("."):
+        node = _resolve(node.get("properties", {})[part])
+    return copy.deepcopy(node["default"])
+
+
 def _fill(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
     if not present:
         if "default" in node:

@@ -87,15 +87,15 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     out_dir = Path(os.path.abspath(out_dir))
     recovered = recover(out_dir)
     check_target(out_dir, force)
-    ctx = build_context(recipe, out_dir, runtime_config["cluster"]["log_dir"], __version__)
+    ctx = build_context(recipe.cluster, recipe.name, out_dir, runtime_config["cluster"]["log_dir"], __version__)
     loaded = result.loaded
-    container = recipe["cluster"]["container"]
+    container = recipe.cluster.container
     text_values = {
-        "name": recipe["name"], "description": recipe["description"],
+        "name": recipe.name, "description": recipe.description,
         "version": __version__, "bundle_dir": shlex.quote(str(out_dir)), "log_dir": ctx.log_dir,
-        "nodes": recipe["cluster"]["nodes"], "gpus_per_node": recipe["cluster"]["gpus_per_node"],
-        "container": container["runtime"], "image": container.get("image", ""),
-        "bundle_mount": BUNDLE_MOUNT if container["runtime"] != "none" else str(out_dir),
+        "nodes": recipe.cluster.nodes, "gpus_per_node": recipe.cluster.gpus_per_node,
+        "container": container.runtime, "image": container.image or "",
+        "bundle_mount": BUNDLE_MOUNT if container.runtime != "none" else str(out_dir),
     }
     contents = {
         "node.sh": render_script("node.sh.j2", ctx.values),
@@ -120,13 +120,13 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
         script.chmod(0o755)
         lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
                          overrides=list(loaded.overrides) if loaded is not None else [], container=container,
-                         recipe_name=recipe["name"], log_dir=ctx.log_dir)
+                         recipe_name=recipe.name, log_dir=ctx.log_dir)
         write_lock(staged, lock)
         files = sorted([*lock["files"], "bundle.lock.json"])
         commit(staged, out_dir, force)
     except BaseException:
         discard(staged)
         raise
-    warnings = (recovered + log_dir_warnings(recipe["cluster"], ctx.log_dir) + ctx.warnings
+    warnings = (recovered + log_dir_warnings(recipe.cluster, ctx.log_dir) + ctx.warnings
                 + _ensure_log_dir(ctx.log_dir))
     return BundleResult(path=out_dir, files=files, warnings=warnings)

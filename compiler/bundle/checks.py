@@ -9,19 +9,19 @@ writer's own (:func:`rlc.compiler.bundle.context.build_context`), run without an
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from rlc.compiler.bundle.context import build_context
 from rlc.compiler.bundle.errors import Problems
 from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.recipe_types import ClusterSection
 
 #: Recipe keys the bundle checks read: they run when the schema found nothing wrong below these.
 KEYS_READ = ("cluster", "name")
 
 
-def absolute_log_dir(cluster: dict[str, Any]) -> str:
+def absolute_log_dir(cluster: ClusterSection) -> str:
     """``cluster.log_dir`` made absolute the way the resolver does (against the current folder)."""
-    return os.path.abspath(cluster["log_dir"])
+    return os.path.abspath(cluster.log_dir)
 
 
 def _strip_key(message: str, key: str | None) -> str:
@@ -29,10 +29,10 @@ def _strip_key(message: str, key: str | None) -> str:
     return message[len(prefix):] if prefix and message.startswith(prefix) else message
 
 
-def bundle_diagnostics(recipe: dict[str, Any], version: str) -> list[Diagnostic]:
-    """Every bundle-stage error and warning of ``recipe`` (schema defaults filled), unplaced."""
+def bundle_diagnostics(cluster: ClusterSection, name: str, version: str) -> list[Diagnostic]:
+    """Every bundle-stage error and warning of a recipe's ``cluster`` section and ``name``, unplaced."""
     problems = Problems()
-    context = build_context(recipe, None, absolute_log_dir(recipe["cluster"]), version, problems)
+    context = build_context(cluster, name, None, absolute_log_dir(cluster), version, problems)
     diags = [Diagnostic("error", _strip_key(str(p), p.key), path=p.key or "") for p in problems]
     for warning in context.warnings:
         key, sep, rest = warning.partition(": ")

@@ -14,6 +14,7 @@ from typing import Any
 from rlc.compiler.bundle.env import check_env, env_lines
 from rlc.compiler.bundle.errors import BundleError, Problems
 from rlc.compiler.bundle.mounts import BUNDLE_MOUNT, Mount, check_mounts
+from rlc.compiler.recipe_types import ClusterSection, RaySection
 from rlc.compiler.shell import Quoted, UnsafeValue, quote
 
 #: ``#SBATCH`` options the bundle sets from dedicated recipe keys; extra_flags may not repeat them.
@@ -46,10 +47,10 @@ def _q(value: Any, key: str, context: str = "shell") -> Quoted:
         raise BundleError(str(exc), exc.key) from None
 
 
-def log_dir_warnings(cluster: dict[str, Any], log_dir: str) -> list[str]:
+def log_dir_warnings(cluster: ClusterSection, log_dir: str) -> list[str]:
     """A relative ``cluster.log_dir`` was taken from the folder ``rlc compile`` ran in (by
     ``rlc.compiler.resolve``); say where it went, since every node must see it."""
-    raw = cluster["log_dir"]
+    raw = cluster.log_dir
     if posixpath.isabs(raw):
         return []
     return [f"cluster.log_dir: relative path {raw!r} resolved against the current folder: "
@@ -68,9 +69,8 @@ def _extra_flag(flag: Any, key: str) -> Quoted:
     return Quoted(f"--{name}={_q(value, key, 'sbatch')}" if eq else f"--{name}")
 
 
-def _sbatch_lines(recipe: dict[str, Any], log_dir: str, problems: Problems) -> list[Quoted]:
-    cluster = recipe["cluster"]
-    slurm = cluster["slurm"]
+def _sbatch_lines(cluster: ClusterSection, name: str, log_dir: str, problems: Problems) -> list[Quoted]:
+    slurm = cluster.slurm
     lines: list[Quoted] = []
 
     def opt(flag: str, value: Any, key: str, ctx: str = "sbatch") -> None:
@@ -78,33 +78,36 @@ def _sbatch_lines(recipe: dict[str, Any], log_dir: str, problems: Problems) -> l
         if quoted is not None:
             lines.append(Quoted(f"--{flag}={quoted}"))
 
-    job_key = "cluster.slurm.job_name" if "job_name" in slurm else "name"
-    opt("job-name", slurm.get("job_name", recipe["name"]), job_key)
-    opt("nodes", cluster["nodes"], "cluster.nodes")
+    if slurm.job_name is not None:
+        opt("job-name", slurm.job_name, "cluster.slurm.job_name")
+    else:
+        opt("job-name", name, "name")
+    opt("nodes", cluster.nodes, "cluster.nodes")
     lines.append(Quoted("--ntasks-per-node=1"))
-    gpus = cluster["gpus_per_node"]
-    gtype = cluster.get("gpu_type_gres")
+    gpus = cluster.gpus_per_node
+    gtype = cluster.gpu_type_gres
     opt("gpus-per-node", f"{gtype}:{gpus}" if gtype else gpus,
         "cluster.gpu_type_gres" if gtype else "cluster.gpus_per_node")
-    if "cpus_per_node" in cluster:
-        opt("cpus-per-task", cluster["cpus_per_node"], "cluster.cpus_per_node")
-    if "mem_per_node" in cluster:
-        opt("mem", cluster["mem_per_node"], "cluster.mem_per_node")
-    opt("time", slurm["time"], "cluster.slurm.time")
-    for name in ("partition", "account", "qos", "reservation"):
-        if name in slurm:
-            opt(name, slurm[name], f"cluster.slurm.{name}")
-    if slurm["exclusive"]:
+    if cluster.cpus_per_node is not None:
+        opt("cpus-per-task", cluster.cpus_per_node, "cluster.cpus_per_node")
+    if cluster.mem_per_node is not None:
+        opt("mem", cluster.mem_per_node, "cluster.mem_per_node")
+    opt("time", slurm.time, "cluster.slurm.time")
+    for flag, value in (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos),
+                        ("reservation", slurm.reservation)):
+        if value is not None:
+            opt(flag, value, f"cluster.slurm.{flag}")
+    if slurm.exclusive:
         lines.append(Quoted("--exclusive"))
     logs = problems.attempt(_q, log_dir, "cluster.log_dir", "sbatch_path")
     if logs is not None:
         lines.append(Quoted(f"--output={logs}/slurm-%j.out"))
         lines.append(Quoted(f"--error={logs}/slurm-%j.out"))
-    if slurm["requeue"]:  # a requeued job keeps its earlier output
+    if slurm.requeue:  # a requeued job keeps its earlier output
         lines += [Quoted("--requeue"), Quoted("--open-mode=append")]
     else:
         lines.append(Quoted("--no-requeue"))
-    for i, flag in enumerate(slurm["extra_flags"]):
+    for i, flag in enumerate(slurm.extra_flags):
         extra = problems.attempt(_extra_flag, flag, f"cluster.slurm.extra_flags[{i}]")
         if extra is not None:
             lines.append(extra)
@@ -116,30 +119,35 @@ def _sbatch_lines(recipe: dict[str, Any], log_dir: str, problems: Problems) -> l
 EPHEMERAL_PORTS = (32768, 60999)
 
 
-def ephemeral_port_warnings(ray: dict[str, Any]) -> list[str]:
+def _fixed_ports(ray: RaySection) -> dict[str, int]:
+    """The Ray ports that must be free on every node, by key (the dashboard's only when it is on)."""
+    fixed = {"port": ray.port, "node_manager_port": ray.node_manager_port,
+             "object_manager_port": ray.object_manager_port}
+    if ray.dashboard_port:
+        fixed["dashboard_port"] = ray.dashboard_port
+    return fixed
+
+
+def ephemeral_port_warnings(ray: RaySection) -> list[str]:
     """A warning for each fixed Ray port (and the worker range) inside :data:`EPHEMERAL_PORTS`."""
     lo, hi = EPHEMERAL_PORTS
-    fixed = ["port", "node_manager_port", "object_manager_port"] + (["dashboard_port"] if ray["dashboard_port"] else [])
-    found = [(f"cluster.ray.{name}", f"port {ray[name]} lies in") for name in fixed if lo <= ray[name] <= hi]
-    if ray["min_worker_port"] <= hi and ray["max_worker_port"] >= lo:
+    found = [(f"cluster.ray.{name}", f"port {port} lies in") for name, port in _fixed_ports(ray).items()
+             if lo <= port <= hi]
+    if ray.min_worker_port <= hi and ray.max_worker_port >= lo:
         found.append(("cluster.ray.min_worker_port",
-                      f"worker ports {ray['min_worker_port']}-{ray['max_worker_port']} reach into"))
+                      f"worker ports {ray.min_worker_port}-{ray.max_worker_port} reach into"))
     return [f"{key}: {what} Linux's default range for outgoing connections ({lo}-{hi}, "
             "net.ipv4.ip_local_port_range): any connection on the node can hold such a port when Ray starts, and Ray "
             f"then fails to start there; use ports below {lo} (Ray's defaults are)" for key, what in found]
 
 
-def _check_ports(ray: dict[str, Any], problems: Problems) -> None:
-    lo, hi = ray["min_worker_port"], ray["max_worker_port"]
+def _check_ports(ray: RaySection, problems: Problems) -> None:
+    lo, hi = ray.min_worker_port, ray.max_worker_port
     if lo > hi:
         problems.append(BundleError("cluster.ray.min_worker_port: larger than cluster.ray.max_worker_port; "
                                     "swap them", "cluster.ray.min_worker_port"))
-    fixed = {"port": ray["port"], "node_manager_port": ray["node_manager_port"],
-             "object_manager_port": ray["object_manager_port"]}
-    if ray["dashboard_port"]:
-        fixed["dashboard_port"] = ray["dashboard_port"]
     seen: dict[int, str] = {}
-    for name, port in fixed.items():
+    for name, port in _fixed_ports(ray).items():
         key = f"cluster.ray.{name}"
         if port in seen:
             problems.append(BundleError(f"{key}: port {port} is also cluster.ray.{seen[port]}; "
@@ -162,22 +170,21 @@ def _check_image(runtime: str, image: Any) -> None:
                           "cluster.container.image")
 
 
-def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str, version: str,
+def build_context(cluster: ClusterSection, name: str, bundle_dir: Path | None, log_dir: str, version: str,
                   problems: Problems | None = None) -> BundleContext:
     """Check the recipe's cluster section and quote every value the templates print.
 
-    ``recipe`` has the schema's defaults filled; ``log_dir`` is the absolute log folder that
+    ``cluster`` and ``name`` are the typed recipe's; ``log_dir`` is the absolute log folder that
     ``runtime.yaml`` names (``cluster.log_dir``, made absolute by the resolver). Every check runs:
     each problem is added to ``problems``, or, when that is ``None``, the first one is raised as a
     :class:`BundleError` once all have run. ``bundle_dir`` ``None`` (no output folder yet: the
     checks every command runs) skips the checks of the output folder's path.
     """
     found = Problems() if problems is None else problems
-    cluster = recipe["cluster"]
-    container = cluster["container"]
-    ray = cluster["ray"]
-    runtime = container["runtime"]
-    image = container.get("image")
+    container = cluster.container
+    ray = cluster.ray
+    runtime = container.runtime
+    image = container.image
     if not posixpath.isabs(log_dir):
         raise BundleError(f"cluster.log_dir: {log_dir!r} must be absolute by now (a bug in rlc's resolver)",
                           "cluster.log_dir")
@@ -189,7 +196,7 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str,
     mounts: list[Mount] = []
     mount_text = ""
     if runtime == "none":
-        if container.get("mounts"):
+        if container.mounts:
             warnings.append("cluster.container.mounts: ignored with cluster.container.runtime: none")
         if image:
             warnings.append("cluster.container.image: ignored with cluster.container.runtime: none")
@@ -200,15 +207,14 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str,
         found.attempt(_q, log_dir, "cluster.log_dir (mounted into the container)", "mount")
         reserved = {BUNDLE_MOUNT: "the bundle (its own rlc, runtime.yaml, env.sh)",
                     log_dir: "cluster.log_dir (logs and the job's Ray token)"}
-        mounts, w = check_mounts(list(container["mounts"]),
-                                 list(cluster["shared_fs_roots"]), reserved, problems=found)
+        mounts, w = check_mounts(list(container.mounts), list(cluster.shared_fs_roots), reserved, problems=found)
         warnings += w
         mounts = mounts + [Mount(bundle, BUNDLE_MOUNT, "ro"), Mount(log_dir, log_dir, None)]
         mount_text = ",".join(m.spec for m in mounts)
-        found.attempt(_q, container["workdir"], "cluster.container.workdir", "mount")
-    sbatch_lines = _sbatch_lines(recipe, log_dir, found)
-    check_env(dict(cluster["env"]), problems=found)
-    python = found.attempt(_q, container["python"], "cluster.container.python", "word")
+        found.attempt(_q, container.workdir, "cluster.container.workdir", "mount")
+    sbatch_lines = _sbatch_lines(cluster, name, log_dir, found)
+    check_env(dict(cluster.env), problems=found)
+    python = found.attempt(_q, container.python, "cluster.container.python", "word")
     if problems is None:
         found.raise_first()
     if found:  # collecting only: the values below would carry the problems
@@ -216,26 +222,26 @@ def build_context(recipe: dict[str, Any], bundle_dir: Path | None, log_dir: str,
 
     values: dict[str, Any] = {
         "version": _q(version, "rlc version"),
-        "name": _q(recipe["name"], "name"),
+        "name": _q(name, "name"),
         "sbatch_lines": sbatch_lines,
         "bundle_dir": _q(bundle, "-o/--output (the bundle folder)"),
         "log_dir": _q(log_dir, "cluster.log_dir"),
-        "nodes": int(cluster["nodes"]),
-        "gpus_per_node": int(cluster["gpus_per_node"]),
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
         "container_runtime": _q(runtime, "cluster.container.runtime", "word"),
         "image": _q(image or "", "cluster.container.image"),
         "mounts": _q(mount_text, "cluster.container.mounts"),
-        "workdir": _q(container["workdir"], "cluster.container.workdir"),
-        "mount_home": 1 if container.get("mount_home", False) else 0,
+        "workdir": _q(container.workdir, "cluster.container.workdir"),
+        "mount_home": 1 if container.mount_home else 0,
         "python": python,
         "bundle_mount": _q(BUNDLE_MOUNT if runtime != "none" else bundle, "bundle mount"),
-        "ray_port": int(ray["port"]),
-        "ray_node_manager_port": int(ray["node_manager_port"]),
-        "ray_object_manager_port": int(ray["object_manager_port"]),
-        "ray_dashboard_port": int(ray["dashboard_port"]),
-        "ray_min_worker_port": int(ray["min_worker_port"]),
-        "ray_max_worker_port": int(ray["max_worker_port"]),
-        "join_timeout_s": int(ray["join_timeout_s"]),
-        "env_lines": env_lines(dict(cluster["env"])),
+        "ray_port": ray.port,
+        "ray_node_manager_port": ray.node_manager_port,
+        "ray_object_manager_port": ray.object_manager_port,
+        "ray_dashboard_port": ray.dashboard_port,
+        "ray_min_worker_port": ray.min_worker_port,
+        "ray_max_worker_port": ray.max_worker_port,
+        "join_timeout_s": ray.join_timeout_s,
+        "env_lines": env_lines(dict(cluster.env)),
     }
     return BundleContext(values=values, mounts=mounts, log_dir=log_dir, warnings=warnings)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlc.compiler.files import CONFIG_BYTES, read_capped
+from rlc.compiler.recipe_types import ContainerSection
 
 LOCK_NAME = "bundle.lock.json"
 LOCK_FORMAT = 1
@@ -28,7 +29,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: dict[str, Any],
+def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: ContainerSection,
               recipe_name: str, log_dir: str) -> dict[str, Any]:
     """The lock mapping for the files now in ``folder`` (the lock file itself excluded)."""
     from rlc import RECIPE_VERSION, RUNTIME_CONFIG_VERSION, __version__
@@ -46,7 +47,7 @@ def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], c
             "overrides": list(overrides),
         },
         "log_dir": log_dir,
-        "container": {"runtime": container.get("runtime", "pyxis"), "image": container.get("image")},
+        "container": {"runtime": container.runtime, "image": container.image},
         "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files},
     }
 

@@ -7,19 +7,20 @@ from typing import Any
 from rlc.compiler.planner.render_svg import escape_text
 
 from rlc.compiler.planner.plan import MemoryPlan
+from rlc.compiler.recipe_types import Recipe
 
 
-def _summary(recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, Any]:
-    cluster = runtime_config.get("cluster", {})
+def _summary(recipe: Recipe, runtime_config: dict[str, Any]) -> dict[str, Any]:
+    cluster = runtime_config["cluster"]
     return {
-        "model": recipe.get("model", {}).get("id"),
-        "nodes": cluster.get("nodes"),
-        "gpus_per_node": cluster.get("gpus_per_node"),
-        "world_size": cluster.get("world_size"),
-        "gpu": cluster.get("gpu_type"),
-        "gpu_memory_gib": cluster.get("gpu_memory_gib"),
-        "train_parallel": runtime_config.get("train_parallel"),
-        "generation_parallel": runtime_config.get("generation_parallel"),
+        "model": recipe.model.id,
+        "nodes": cluster["nodes"],
+        "gpus_per_node": cluster["gpus_per_node"],
+        "world_size": cluster["world_size"],
+        "gpu": cluster["gpu_type"],
+        "gpu_memory_gib": cluster["gpu_memory_gib"],
+        "train_parallel": runtime_config["train_parallel"],
+        "generation_parallel": runtime_config["generation_parallel"],
     }
 
 
@@ -30,7 +31,7 @@ def _summary_svg(lines: list[str]) -> str:
             f'font-family="monospace" font-size="13">{rows}</svg>\n')
 
 
-def plan_files(plan: MemoryPlan | None, recipe: dict[str, Any], runtime_config: dict[str, Any]) -> dict[str, str]:
+def plan_files(plan: MemoryPlan | None, recipe: Recipe, runtime_config: dict[str, Any]) -> dict[str, str]:
     """The three plan files' contents, by file name."""
     if plan is not None:
         return {

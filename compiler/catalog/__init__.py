@@ -1,6 +1,6 @@
 """The shipped catalog: real model configs (``models/``) and GPU types (``gpus.yaml``).
 
-``model_facts(model_section, recipe_dir)`` gives the :class:`~rlc.compiler.model.ModelFacts` of a
+``model_facts(model_id, recipe_dir, config, overrides)`` gives the :class:`~rlc.compiler.model.ModelFacts` of a
 recipe's model (catalog id, or ``model.config`` for a local ``config.json``); ``gpu_spec(name)``
 the usable memory of a ``cluster.gpu``; ``model_ids()`` the catalog's HF ids. Unknown names raise
 :class:`CatalogError` whose message lists close entries.

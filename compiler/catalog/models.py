@@ -14,7 +14,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.catalog.hf_config import ConfigFormatError, facts_from_config
@@ -129,17 +129,17 @@ def _with_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[s
     return out
 
 
-def model_facts(model_section: Mapping[str, Any], recipe_dir: Path) -> ModelFacts:
-    """Architecture facts for a recipe's ``model`` section.
+def model_facts(model_id: str, recipe_dir: Path, config: Optional[str] = None,
+                overrides: Optional[Mapping[str, Any]] = None) -> ModelFacts:
+    """Architecture facts of a recipe's model (``model.id``, ``model.config``, ``model.overrides``).
 
-    ``model.config`` (relative to ``recipe_dir`` or absolute) wins over the catalog; otherwise
-    ``model.id`` must be a catalog id, or an Instruct / Base / FP8 variant of one (its base entry
-    is used and a note says so). ``model.overrides`` is applied on top of either. Raises
+    ``config`` (relative to ``recipe_dir`` or absolute) wins over the catalog; otherwise
+    ``model_id`` must be a catalog id, or an Instruct / Base / FP8 variant of one (its base entry
+    is used and a note says so). ``overrides`` are applied on top of either. Raises
     :class:`CatalogError` with close ids for unknown ones.
     """
-    model_id = str(model_section.get("id", ""))
-    local = model_section.get("config")
-    overrides = dict(model_section.get("overrides") or {})
+    local = config
+    overrides = dict(overrides or {})
     notes: list[str] = []
     if overrides:
         notes.append("model.overrides: " + ", ".join(f"{k}={v!r}" for k, v in overrides.items()))

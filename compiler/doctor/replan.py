@@ -35,7 +35,7 @@ def _refit_verdict(result: Any, free: int, name: str, tensor: int, how: str) -> 
     from rlc.compiler.planner.measured import refit_at_free
 
     recipe = result.recipe
-    m = refit_at_free(recipe, recipe["cluster"]["gpu"], free, name, tensor)
+    m = refit_at_free(recipe, recipe.cluster.gpu, free, name, tensor)
     now = ("passes" if m.per_side >= tensor and m.free_at_stack >= tensor else
            "half too small" if m.per_side < tensor else "staging site too small")
     head = (f"re-planned at the log's {gib(free)} free at refit ({how}) for {name} ({gib(tensor)}): the recipe's "
@@ -58,9 +58,9 @@ def _judge_buffer(f: Finding, result: Any) -> Verdict:
     name = v.get("name") or "the largest tensor"
     if "free_bytes" in v:
         return _refit_verdict(result, v["free_bytes"], name, tensor, "from the log")
-    refit = result.recipe.get("refit", {})
-    ratio = refit.get("buffer_memory_ratio")
-    if refit.get("buffer_gb") is not None or not ratio:
+    refit = result.recipe.refit
+    ratio = refit.buffer_memory_ratio
+    if refit.buffer_gb is not None or not ratio:
         return (f"the log's half is {gib(half)}; the tensor needs {gib(tensor)}: a buffer_gb of at least "
                 f"{2 * tensor / GIB:.2f} GiB (both halves)", None)
     free = int(2 * half / ratio)
@@ -76,7 +76,7 @@ def _judge_stack(f: Finding, result: Any) -> Verdict:
     tensor = v["ask_bytes"]
     name = result.plan.refit.largest_name if abs(result.plan.refit.largest - tensor) < GIB // 8 else "the stacked tensor"
     gpu_bytes = int(result.plan.gpu_memory_gib * GIB)
-    free = free_at_refit_for_stack(result.recipe, result.recipe["cluster"]["gpu"], v["free_bytes"], name, tensor,
+    free = free_at_refit_for_stack(result.recipe, result.recipe.cluster.gpu, v["free_bytes"], name, tensor,
                                    gpu_bytes)
     if free is None:
         return (f"no free memory at refit leads to {gib(v['free_bytes'])} at the staging site with this recipe; "
@@ -86,7 +86,7 @@ def _judge_stack(f: Finding, result: Any) -> Verdict:
 
 def _judge_residue(f: Finding, result: Any) -> Verdict:
     from rlc.compiler.planner import plan_memory
-    from rlc.compiler.tree import with_value
+    from rlc.compiler.recipe_types import with_value
 
     used = [m.values["in_use_gib"] for m in f.matches]
     growth = max(used) - used[0]
@@ -102,7 +102,7 @@ def _judge_residue(f: Finding, result: Any) -> Verdict:
             f"{growth:.2f} GiB")
     if tol is None:
         return text + "; with enforce_eager the plan still fails the refit checks", False
-    if f.rule == "RLC212" and not result.recipe["generation"]["enforce_eager"]:
+    if f.rule == "RLC212" and not result.recipe.generation.enforce_eager:
         # the growth is the CUDA graphs' own: enforce_eager removes it together with the graphs
         return (text + f"; with generation.enforce_eager: true there are no CUDA graphs to grow and the refit "
                 f"tolerates {tol:.2f} GiB (enough)"), True
@@ -133,8 +133,8 @@ def _cause_ruled_out(rule: str, result: Any) -> Optional[bool]:
     """Whether this recipe rules the cause of ``rule`` out (None: cannot tell)."""
     value, _ = result.decisions.get(_SWITCHES[rule], (None, ""))
     if rule == "RLC202":
-        training = result.recipe.get("training", {})
-        overlapped = training.get("use_distributed_optimizer", True) and training.get("overlap_param_gather", False)
+        training = result.recipe.training
+        overlapped = training.use_distributed_optimizer and training.overlap_param_gather
         return bool(value) or not overlapped
     if rule == "RLC203":
         return value is True if value is not None else None
@@ -149,7 +149,7 @@ def _judge_mismatch(f: Finding, result: Any) -> Verdict:
         value, _ = result.decisions.get(_SWITCHES[rule], (None, ""))
         shown = "on" if value is True else "off" if value is False else repr(value)
         parts.append(f"{_SWITCHES[rule]}: {shown} ({rule})")
-    kl = result.recipe.get("grpo", {}).get("max_gen_kl", 0.05)
+    kl = result.recipe.grpo.max_gen_kl
     guard = f"grpo.max_gen_kl {kl:g}" + (" (the guard is off: RLC306)" if kl == 0 else "")
     fits = _cause_ruled_out(f.rule, result) if f.rule in _SWITCHES else None
     return f"this recipe decides {'; '.join(parts)}; {guard}", fits
@@ -177,29 +177,29 @@ def _judge_wake(f: Finding, result: Any) -> Verdict:
 
 def _judge_ds(f: Finding, result: Any) -> Verdict:
     v = f.values
-    ds = result.recipe.get("grpo", {}).get("dynamic_sampling", {})
-    pps = result.recipe.get("grpo", {}).get("prompts_per_step", 32)
+    ds = result.recipe.grpo.dynamic_sampling
+    pps = result.recipe.grpo.prompts_per_step
     if "hit_rate" not in v or not v["hit_rate"]:
-        return (f"the recipe allows {ds.get('max_gen_batches')} batches of "
-                f"{math.ceil(pps * ds.get('batch_multiplier', 1))} prompts; the log gives no hit rate to re-plan with",
+        return (f"the recipe allows {ds.max_gen_batches} batches of "
+                f"{math.ceil(pps * ds.batch_multiplier)} prompts; the log gives no hit rate to re-plan with",
                 None)
-    per_batch = max(1, math.ceil(pps * ds.get("batch_multiplier", 1) - 1e-9))
+    per_batch = max(1, math.ceil(pps * ds.batch_multiplier - 1e-9))
     need = math.ceil(pps / (v["hit_rate"] * per_batch) - 1e-9)
-    allowed = ds.get("max_gen_batches", 10)
-    fits = ds.get("enabled", False) and need <= allowed
+    allowed = ds.max_gen_batches
+    fits = ds.enabled and need <= allowed
     return (f"at the log's hit rate {v['hit_rate']:.1%} filling {pps} groups with batches of {per_batch} prompts "
             f"takes {need} batches; the recipe allows {allowed}" + ("" if fits else " (not enough)")), fits
 
 
 def _judge_worker(f: Finding, result: Any) -> Verdict:
     r = result.recipe
-    requeue = r.get("cluster", {}).get("slurm", {}).get("requeue", False)
-    ckpt = r.get("checkpointing", {})
-    if requeue and ckpt.get("enabled", True):
-        return (f"the recipe requeues and resumes from the latest checkpoint (every {ckpt.get('every_steps')} "
+    requeue = r.cluster.slurm.requeue
+    ckpt = r.checkpointing
+    if requeue and ckpt.enabled:
+        return (f"the recipe requeues and resumes from the latest checkpoint (every {ckpt.every_steps} "
                 "steps)", True)
     return ("the recipe does not resume after a lost node: set cluster.slurm.requeue: true"
-            + ("" if ckpt.get("enabled", True) else " and checkpointing.enabled: true"), False)
+            + ("" if ckpt.enabled else " and checkpointing.enabled: true"), False)
 
 
 _JUDGES: dict[str, Callable[[Finding, Any], Verdict]] = {

@@ -16,9 +16,10 @@ from rlc.compiler.planner.layout import generation_layout, train_layout
 from rlc.compiler.planner.memory import DTYPE_BYTES, _stage_figures
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.planner.shards import megatron_stage_shards, vllm_stage_shards
+from rlc.compiler.recipe_types import Recipe
 
 
-def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: ModelFacts, gpu_memory_gib: float,
+def derive_constants(measured: dict[str, Any], recipe: Recipe, facts: ModelFacts, gpu_memory_gib: float,
                      cal: Calibration) -> dict[str, Any]:
     """Constants implied by ``measured`` on the reference ``recipe`` (GiB).
 
@@ -28,7 +29,7 @@ def derive_constants(measured: dict[str, Any], recipe: dict[str, Any], facts: Mo
     level 1, graphs on), ``fragmentation`` (ratio -> GiB at the staging site).
     """
     tl, gl = train_layout(recipe), generation_layout(recipe)
-    bpp = DTYPE_BYTES[recipe["model"]["dtype"]]
+    bpp = DTYPE_BYTES[recipe.model.dtype]
     mega, vllm = megatron_stage_shards(facts, tl), vllm_stage_shards(facts, gl)
     if mega is None or vllm is None:
         raise ValueError(f"reference model {facts.model_id}: per-GPU shards need facts it lacks ({facts.unknown})")

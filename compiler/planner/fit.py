@@ -35,6 +35,7 @@ from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, vllm_asleep_ite
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.planner.runs import RunMeasurements
 from rlc.compiler.planner.shards import vllm_stage_shards
+from rlc.compiler.recipe_types import Recipe
 
 #: Phases compared before and after the fit, with the measurement each is compared to.
 COMPARED = {
@@ -78,10 +79,10 @@ def _per_run(runs: Sequence[RunMeasurements], get: Callable[[RunMeasurements], O
     return _median([v for v in (get(r) for r in runs) if v is not None], what)
 
 
-def check_runs(runs: Sequence[RunMeasurements], recipe: dict[str, Any]) -> None:
+def check_runs(runs: Sequence[RunMeasurements], recipe: Recipe) -> None:
     """The runs were made on the recipe's GPU, with its sleep level and eager setting, on one stack."""
-    gpu = recipe["cluster"]["gpu"]
-    level, eager = recipe["refit"]["sleep_level"], recipe["generation"]["enforce_eager"]
+    gpu = recipe.cluster.gpu
+    level, eager = recipe.refit.sleep_level, recipe.generation.enforce_eager
     versions = runs[0].versions
     for run in runs:
         if run.gpu_type != gpu:
@@ -119,22 +120,22 @@ def _context(run: RunMeasurements) -> Optional[float]:
     return policy.used_gib - policy.torch_reserved_gib - asleep
 
 
-def _vllm_weights(recipe: dict[str, Any], facts: ModelFacts) -> Optional[int]:
+def _vllm_weights(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
     shards = vllm_stage_shards(facts, generation_layout(recipe))
     if not shards:
         return None
-    return max(s.params for s in shards) * DTYPE_BYTES.get(recipe["model"]["dtype"], 2)
+    return max(s.params for s in shards) * DTYPE_BYTES[recipe.model.dtype]
 
 
-def fit(runs: Sequence[RunMeasurements], recipe: dict[str, Any], facts: ModelFacts, gpu: Any,
+def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu: Any,
         base: Calibration, entry_id: str) -> tuple[Calibration, list[Fitted]]:
     """A calibration entry for ``gpu`` and the runs' versions: ``base`` with the fitted constants replaced."""
     if not runs:
         raise CalibrationError("no runs given")
     check_runs(runs, recipe)
-    eager = recipe["generation"]["enforce_eager"]
+    eager = recipe.generation.enforce_eager
     limit = float(gpu.memory_gib)
-    pool = float(recipe["generation"]["gpu_memory_utilization"]) * limit
+    pool = float(recipe.generation.gpu_memory_utilization) * limit
     fitted: list[Fitted] = []
 
     asleep = _per_run(runs, _vllm_asleep, "vllm_started record and memory/sleep_freed_gib metric")
@@ -191,14 +192,14 @@ def fit(runs: Sequence[RunMeasurements], recipe: dict[str, Any], facts: ModelFac
     for f in fitted:
         sources[f.name] = f"rlc calibrate: {run_names}"
     cal = dataclasses.replace(cal, id=entry_id, gpu=gpu.name, versions=runs[0].versions,
-                              source=f"rlc calibrate from {run_names} ({recipe['name']})",
+                              source=f"rlc calibrate from {run_names} ({recipe.name})",
                               sources=sources, meanings=meanings, fallback_note=None,
-                              reference={"recipe": recipe["name"], "model": facts.model_id},
+                              reference={"recipe": recipe.name, "model": facts.model_id},
                               measured={})
     return cal, fitted
 
 
-def _refit_used(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[float]:
+def _refit_used(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[float]:
     return _core_plan(recipe, facts, gpu, cal).phase_used_gib("refit")
 
 

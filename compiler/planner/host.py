@@ -23,6 +23,7 @@ import yaml
 
 from rlc.compiler.planner.plan import GIB, Item, gib
 from rlc.compiler.planner.residency import PhaseResidency
+from rlc.compiler.recipe_types import Recipe
 
 HOST_FILE = Path(__file__).with_name("host_memory.yaml")
 _SLURM_UNITS = {"K": 1 / (1 << 20), "M": 1 / 1024, "G": 1.0, "T": 1024.0, "": 1 / 1024}  # -> GiB (SLURM: MiB default)
@@ -72,12 +73,12 @@ class HostPlan:
         return sum(i.gib or 0.0 for i in self.items if i.label == label)
 
 
-def node_memory(recipe: Mapping[str, Any], gpu_name: str) -> tuple[Optional[float], str]:
+def node_memory(recipe: Recipe, gpu_name: str) -> tuple[Optional[float], str]:
     """(host GiB per node, where the figure comes from)."""
-    cluster = recipe.get("cluster", {})
-    if cluster.get("host_memory_gib") is not None:
-        return float(cluster["host_memory_gib"]), "cluster.host_memory_gib"
-    mem = str(cluster.get("mem_per_node", "") or "")
+    cluster = recipe.cluster
+    if cluster.host_memory_gib is not None:
+        return float(cluster.host_memory_gib), "cluster.host_memory_gib"
+    mem = cluster.mem_per_node or ""
     m = re.fullmatch(r"([0-9]+)([KMGT]?)", mem)
     if m and int(m.group(1)) > 0:
         return int(m.group(1)) * _SLURM_UNITS[m.group(2)], f"cluster.mem_per_node {mem}"
@@ -87,10 +88,10 @@ def node_memory(recipe: Mapping[str, Any], gpu_name: str) -> tuple[Optional[floa
     return node[0], f"typical {gpu_name} node: {node[1]}"
 
 
-def host_plan(recipe: Mapping[str, Any], figs: Sequence[Mapping[str, Any]], vllm_weights: Optional[int],
+def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: Optional[int],
               table: Mapping[str, PhaseResidency], gpu: Any) -> HostPlan:
     """The host memory of one node in its worst phase (train or refit)."""
-    per_node = int(recipe.get("cluster", {}).get("gpus_per_node", 1))
+    per_node = recipe.cluster.gpus_per_node
     ht = host_table()
     node_gib, node_source = node_memory(recipe, gpu.name)
     limit = None if node_gib is None else node_gib * ht.threshold

@@ -1,14 +1,16 @@
 """The parallel layout a recipe asks for: world size, data-parallel sizes, pipeline stages.
 
 Shared by the memory planner and the layout rules so both see the same stage split. Everything
-here is integer arithmetic on the recipe (schema defaults filled) and, for the stage split, the
+here is integer arithmetic on the typed recipe and, for the stage split, the
 model's layer count; nothing is validated here (the RLC1xx rules do that), so a layout that does
 not divide evenly still gets a best-effort split (floors, remainder to the first stages).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+from rlc.compiler.recipe_types import Recipe
 
 
 @dataclass(frozen=True)
@@ -121,23 +123,22 @@ class GenerationLayout:
         return out
 
 
-def world_size(recipe: dict[str, Any]) -> int:
-    cluster = recipe["cluster"]
-    return int(cluster["nodes"]) * int(cluster["gpus_per_node"])
+def world_size(recipe: Recipe) -> int:
+    return recipe.cluster.world_size
 
 
-def train_layout(recipe: dict[str, Any]) -> TrainLayout:
-    t = recipe["parallelism"]["train"]
+def train_layout(recipe: Recipe) -> TrainLayout:
+    t = recipe.parallelism.train
     return TrainLayout(
-        world=world_size(recipe), tp=t["tp"], pp=t["pp"], cp=t["cp"], ep=t["ep"],
-        etp=t["etp"], vpp=t["vpp"], first=t.get("num_layers_in_first_pipeline_stage"),
-        last=t.get("num_layers_in_last_pipeline_stage"), sequence_parallel=bool(t["sequence_parallel"]),
+        world=world_size(recipe), tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, etp=t.etp, vpp=t.vpp,
+        first=t.num_layers_in_first_pipeline_stage, last=t.num_layers_in_last_pipeline_stage,
+        sequence_parallel=t.sequence_parallel,
     )
 
 
-def generation_layout(recipe: dict[str, Any]) -> GenerationLayout:
-    g = recipe["parallelism"]["generation"]
+def generation_layout(recipe: Recipe) -> GenerationLayout:
+    """vLLM's layout; ``parallelism.generation.dp`` unset means world / (TP × PP) engines."""
+    g = recipe.parallelism.generation
     world = world_size(recipe)
-    tp, pp = g["tp"], g["pp"]
-    dp = g.get("dp") or max(1, world // (tp * pp))
-    return GenerationLayout(world=world, tp=tp, pp=pp, ep=g["ep"], dp=dp)
+    dp = g.dp if g.dp is not None else max(1, world // (g.tp * g.pp))
+    return GenerationLayout(world=world, tp=g.tp, pp=g.pp, ep=g.ep, dp=dp)

@@ -8,22 +8,23 @@ does the half hold the tensor and does the staging site have room, and which rat
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from rlc.compiler.planner.calibration import calibration_for
 from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.planner.memory import _refit_math
 from rlc.compiler.planner.plan import RefitMath
+from rlc.compiler.recipe_types import Recipe
 
 
-def refit_at_free(recipe: dict[str, Any], gpu_name: str, free_bytes: int, largest_name: str,
+def refit_at_free(recipe: Recipe, gpu_name: str, free_bytes: int, largest_name: str,
                   largest_bytes: int) -> RefitMath:
     """The planner's refit math at ``free_bytes`` for a largest tensor of ``largest_bytes``."""
     cal = calibration_for(gpu_name)
     return _refit_math(int(free_bytes), recipe, largest_name, int(largest_bytes), train_layout(recipe), cal)
 
 
-def free_at_refit_for_stack(recipe: dict[str, Any], gpu_name: str, free_at_stack: int, largest_name: str,
+def free_at_refit_for_stack(recipe: Recipe, gpu_name: str, free_at_stack: int, largest_name: str,
                             largest_bytes: int, gpu_bytes: int) -> Optional[int]:
     """The free memory at refit that leaves ``free_at_stack`` at the staging site (None if none does)."""
     lo, hi = int(free_at_stack), int(gpu_bytes)

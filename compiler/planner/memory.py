@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlc.contract import refit_buffer
 from rlc.compiler.model import ModelFacts
-from rlc.compiler.tree import with_value
+from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.host import host_plan
@@ -48,9 +48,8 @@ def _g(x: float) -> int:
 # --------------------------------------------------------------------------- Megatron per stage
 
 
-def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: dict[str, Any], bpp: int) -> dict[str, Any]:
-    training = recipe["training"]
-    distributed = training["use_distributed_optimizer"]
+def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: int) -> dict[str, Any]:
+    distributed = recipe.training.use_distributed_optimizer
     dense_div = layout.dense_optimizer_shards if distributed else 1
     expert_div = layout.expert_dp if distributed else 1
     sharded = shard.dense / dense_div + shard.expert / expert_div  # optimizer-state elements on this GPU
@@ -91,32 +90,31 @@ def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Cal
 # --------------------------------------------------------------------------- vLLM
 
 
-def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, recipe: dict[str, Any],
+def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, recipe: Recipe,
                       bpp: int) -> int:
     """vLLM's weight bytes on one GPU of a stage. FP8 generation stores the linear layers (attention,
     MLP, experts) in 1 byte; the embedding and ``lm_head`` stay in the model dtype (vLLM's Fp8Config
     quantizes LinearBase and FusedMoE layers; VocabParallelEmbedding / ParallelLMHead keep the
     unquantized method), as do the norms and the MoE router, which are not counted apart (small)."""
-    if recipe["generation"]["precision"] != "fp8":
+    if recipe.generation.precision != "fp8":
         return shard.params * bpp
     vocab = shard.vocab_copies * (facts.vocab or 0) * (facts.hidden or 0) // gl.tp
     return (shard.params - vocab) * 1 + vocab * bpp
 
 
-def vllm_asleep_items(recipe: dict[str, Any], weights: Optional[int], cal: Calibration) -> list[Item]:
+def vllm_asleep_items(recipe: Recipe, weights: Optional[int], cal: Calibration) -> list[Item]:
     """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal)
 
 
-def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], where: VllmResident,
+def _vllm_residue(recipe: Recipe, weights: Optional[int], where: VllmResident,
                   cal: Calibration) -> list[Item]:
-    generation = recipe["generation"]
     items = []
     if where.weights:
         items.append(Item("vLLM weight shard", gib(weights), "vllm", "params", where.why))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
-    if not generation["enforce_eager"]:
+    if not recipe.generation.enforce_eager:
         items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib",
                           "non-releasable, after step 1 (enforce_eager off)"))
     return items
@@ -125,14 +123,13 @@ def _vllm_residue(recipe: dict[str, Any], weights: Optional[int], where: VllmRes
 # --------------------------------------------------------------------------- refit math
 
 
-def _per_side(free: int, recipe: dict[str, Any], ratio: Optional[float] = None) -> tuple[int, Optional[float], str]:
-    refit = recipe["refit"]
-    align = max(1, int(refit["alignment_bytes"]))
-    if ratio is None and refit.get("buffer_gb") is not None:
-        gb = float(refit["buffer_gb"])
+def _per_side(free: int, refit: RefitSection, ratio: Optional[float] = None) -> tuple[int, Optional[float], str]:
+    align = max(1, int(refit.alignment_bytes))
+    if ratio is None and refit.buffer_gb is not None:
+        gb = float(refit.buffer_gb)
         half = refit_buffer.half_bytes(free, buffer_memory_ratio=None, buffer_gb=gb, alignment=align)
         return half, None, f"buffer_gb {gb:g} GiB (both halves)"
-    r = float(ratio if ratio is not None else refit["buffer_memory_ratio"])
+    r = float(ratio if ratio is not None else refit.buffer_memory_ratio)
     half = refit_buffer.half_bytes(free, buffer_memory_ratio=r, buffer_gb=None, alignment=align)
     return half, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
 
@@ -152,7 +149,7 @@ def _ratio_at(k: int) -> float:
     return round(k * RATIO_STEP, 3)
 
 
-def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
+def ratio_window(free: int, recipe: Recipe, largest: int, gathered: int,
                  cal: Calibration) -> Optional[tuple[float, float]]:
     """The widest contiguous range of ``buffer_memory_ratio`` (grid ``RATIO_STEP`` up to ``RATIO_MAX``)
     passing both refit checks at ``free``.
@@ -164,7 +161,7 @@ def ratio_window(free: int, recipe: dict[str, Any], largest: int, gathered: int,
     steps = int(RATIO_MAX / RATIO_STEP)
 
     def per_side(k: int) -> int:
-        return _per_side(free, recipe, _ratio_at(k))[0]
+        return _per_side(free, recipe.refit, _ratio_at(k))[0]
 
     def stack_ok(k: int) -> bool:
         return _stack_free(free, per_side(k), largest, gathered, cal)[0] >= largest
@@ -183,9 +180,9 @@ def _gathered(name: str, largest: int, tl: TrainLayout) -> int:
     return largest if ranks > 1 else 0
 
 
-def _refit_math(free: int, recipe: dict[str, Any], largest_name: str, largest: int, tl: TrainLayout,
+def _refit_math(free: int, recipe: Recipe, largest_name: str, largest: int, tl: TrainLayout,
                 cal: Calibration) -> RefitMath:
-    per_side, ratio, source = _per_side(free, recipe)
+    per_side, ratio, source = _per_side(free, recipe.refit)
     gathered = _gathered(largest_name, largest, tl)
     stack, frag, headroom = _stack_free(free, per_side, largest, gathered, cal)
     window = ratio_window(free, recipe, largest, gathered, cal)
@@ -216,9 +213,9 @@ def _layout_dict(tl: TrainLayout, gl: GenerationLayout, moe: bool) -> dict[str, 
     }
 
 
-def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
+def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
     tl, gl = train_layout(recipe), generation_layout(recipe)
-    bpp = DTYPE_BYTES.get(recipe["model"]["dtype"], 2)
+    bpp = DTYPE_BYTES[recipe.model.dtype]
     limit = float(gpu.memory_gib)
     plan = MemoryPlan(model_id=facts.model_id, gpu=gpu.name, gpu_memory_gib=limit, calibration_id=cal.id,
                       graph_uncertainty_gib=cal.vllm_cuda_graph_uncertainty_gib,
@@ -245,7 +242,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
     residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
                     "calibration:megatron_refit_residual_gib")
-    generation = recipe["generation"]
+    generation = recipe.generation
 
     # ---- train
     if figs:
@@ -270,8 +267,8 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
                                      tuple(items + [residual, ctx] + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
     # ---- generate
-    util = float(generation["gpu_memory_utilization"])
-    kv_bytes = generation.get("kv_cache_memory_bytes")
+    util = float(generation.gpu_memory_utilization)
+    kv_bytes = generation.kv_cache_memory_bytes
     if kv_bytes is not None and v_weights is not None:
         pool = (v_weights + int(kv_bytes)) / GIB
         g_items = [Item("vLLM weights + KV cache (kv_cache_memory_bytes)", pool, "vllm",
@@ -282,7 +279,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     if cal.vllm_awake_extra_gib:
         g_items.append(Item("vLLM outside its budget", cal.vllm_awake_extra_gib, "vllm",
                             "calibration:vllm_awake_extra_gib"))
-    if not generation["enforce_eager"]:
+    if not generation.enforce_eager:
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
     g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
@@ -360,7 +357,7 @@ def _core_plan(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibra
     return plan
 
 
-def _late_train(plan: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, sleep: SleepSemantics,
+def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics,
                 tl: TrainLayout) -> None:
     """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
     with the logprob pass's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
@@ -368,11 +365,10 @@ def _late_train(plan: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, sle
     train = plan.phases["train"]
     if growth is None or (growth.moe_only and not facts.is_moe) or facts.vocab is None or train.used_gib is None:
         return
-    if not recipe.get("colocated", True):
+    if not recipe.colocated:
         return
-    training, generation = recipe["training"], recipe["generation"]
-    mbs = int(training["micro_batch_size"])
-    seq = int(training.get("max_sequence_length") or generation["max_model_len"])
+    mbs = recipe.training.micro_batch_size
+    seq = recipe.max_sequence_length
     # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
     logits = 2 * mbs * seq * facts.vocab * 4 // tl.tp
     items = train.items + (
@@ -401,15 +397,15 @@ def _missing(facts: ModelFacts) -> str:
 # --------------------------------------------------------------------------- fixes
 
 
-def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
+def _levers(recipe: Recipe, facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
     """Candidate levers: (recipe key, new value, cost, description)."""
     out = []
-    refit, gen, training = recipe["refit"], recipe["generation"], recipe["training"]
-    if refit["sleep_level"] == 1:
+    refit, gen, training = recipe.refit, recipe.generation, recipe.training
+    if refit.sleep_level == 1:
         out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
-    if not refit["offload_optimizer_for_refit"]:
+    if not refit.offload_optimizer_for_refit:
         out.append(("refit.offload_optimizer_for_refit", True, 1, "offload_optimizer_for_refit: true"))
-    if training["optimizer_cpu_offload"]:
+    if training.optimizer_cpu_offload:
         out.append(("training.optimizer_cpu_offload", False, 1, "optimizer_cpu_offload: false"))
     gl = generation_layout(recipe)
     experts = facts.num_experts or 0
@@ -418,7 +414,7 @@ def _levers(recipe: dict[str, Any], facts: ModelFacts) -> list[tuple[str, Any, i
         if experts % new_ep == 0 and new_ep % gl.tp == 0 and gl.world % (new_ep * gl.pp) == 0:
             out.append(("parallelism.generation.ep", new_ep, 2,
                         f"generation EP {new_ep} halves the expert shard"))
-    if not gen["enforce_eager"]:
+    if not gen.enforce_eager:
         out.append(("generation.enforce_eager", True, 3, "enforce_eager: true (costs ~30–40% generation throughput)"))
     return out
 
@@ -429,12 +425,12 @@ def _window_text(window: Optional[tuple[float, float]]) -> str:
     return f"then buffer_memory_ratio {window[0]:.3f}–{window[1]:.3f} passes both checks"
 
 
-def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> list[Fix]:
+def _fixes(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> list[Fix]:
     math = base.refit
     if math is None:
         return []
     fixes: list[Fix] = []
-    using_gb = recipe["refit"].get("buffer_gb") is not None
+    using_gb = recipe.refit.buffer_gb is not None
     if math.ratio_window:
         lo, hi = math.ratio_window
         if using_gb:
@@ -472,9 +468,9 @@ def _fixes(base: MemoryPlan, recipe: dict[str, Any], facts: ModelFacts, gpu: Any
     return fixes
 
 
-def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any,
+def plan_memory(recipe: Recipe, facts: ModelFacts, gpu: Any,
                 calibration: Optional[Sequence[Calibration]] = None) -> MemoryPlan:
-    """The memory plan of ``recipe`` (schema defaults filled) for ``facts`` on ``gpu`` (a GpuSpec).
+    """The memory plan of the typed ``recipe`` for ``facts`` on ``gpu`` (a GpuSpec).
 
     ``calibration`` is the table to take the constants from (a ``--calibration`` or
     ``cluster.calibration`` file); the shipped table when None.
@@ -493,7 +489,7 @@ def plan_memory(recipe: dict[str, Any], facts: ModelFacts, gpu: Any,
     return plan
 
 
-def _wider_tp(recipe: dict[str, Any], facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[Fix]:
+def _wider_tp(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[Fix]:
     """Twice the trainer TP (sequence parallel on, ETP 1), re-planned: it splits the dense weights and the
     loss's vocabulary logits (the fix of NeMo-RL #2619). ``None`` when the layout cannot take it."""
     tl = train_layout(recipe)

@@ -22,10 +22,10 @@ offloads moved there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.vllm_sleep import SleepSemantics
+from rlc.compiler.recipe_types import Recipe
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,15 @@ class PhaseResidency:
     host: HostResident
 
 
-def residency(recipe: Mapping[str, Any], sleep: SleepSemantics, cal: Calibration) -> dict[str, PhaseResidency]:
-    """The residency table of ``recipe`` (schema defaults filled) for the ``train`` and ``refit`` phases."""
-    refit, training = recipe.get("refit", {}), recipe.get("training", {})
-    level_no = int(refit.get("sleep_level", 1))
+def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[str, PhaseResidency]:
+    """The residency table of ``recipe`` for the ``train`` and ``refit`` phases."""
+    refit, training = recipe.refit, recipe.training
+    level_no = refit.sleep_level
     level = sleep.level(level_no)
-    cpu_offload = bool(training.get("optimizer_cpu_offload", False))
-    off = float(training.get("optimizer_offload_fraction", 1.0)) if cpu_offload else 0.0
-    offload_for_refit = bool(refit.get("offload_optimizer_for_refit", True))
-    precision_aware = bool(training.get("use_precision_aware_optimizer", False))
+    cpu_offload = training.optimizer_cpu_offload
+    off = float(training.optimizer_offload_fraction) if cpu_offload else 0.0
+    offload_for_refit = refit.offload_optimizer_for_refit
+    precision_aware = training.use_precision_aware_optimizer
     host_copy = 1.0 if level.host_copy else 0.0
 
     train = PhaseResidency(

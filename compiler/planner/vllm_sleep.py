@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import yaml
 
+from rlc.compiler.recipe_types import Recipe
 from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
 SLEEP_FILE = Path(__file__).with_name("vllm_sleep.yaml")
@@ -142,9 +143,9 @@ def sleep_semantics(version: str) -> SleepSemantics:
     return chosen
 
 
-def planned_vllm_version(recipe: Mapping[str, Any], calibration_versions: Mapping[str, str]) -> str:
+def planned_vllm_version(recipe: Recipe, calibration_versions: Mapping[str, str]) -> str:
     """``generation.vllm_version``, else the calibration entry's vLLM version."""
-    stated = (recipe.get("generation") or {}).get("vllm_version")
+    stated = recipe.generation.vllm_version
     if stated:
         return str(stated)
     version = calibration_versions.get("vllm")

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rlc.compiler.diagnostics import Diagnostic, Severity
+
+if TYPE_CHECKING:
+    from rlc.compiler.recipe_types import Recipe
 
 
 @dataclass(frozen=True)
@@ -67,33 +70,15 @@ class RulesResult:
 
 @dataclass
 class Context:
-    """What a rule sees: the recipe (schema defaults filled), facts and plan (``None`` if unknown)."""
+    """What a rule sees: the typed recipe (schema defaults filled), facts and plan (``None`` if unknown)."""
 
-    recipe: dict[str, Any]
+    recipe: Recipe
     facts: Any
     plan: Any
     raw: Optional[dict[str, Any]] = None  # the recipe before defaults, when the caller has it
     current: str = ""
     diagnostics: list[Diagnostic] = field(default_factory=list)
     decisions: dict[str, tuple[Any, str]] = field(default_factory=dict)
-
-    def get(self, path: str, default: Any = None) -> Any:
-        node: Any = self.recipe
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return default
-            node = node[part]
-        return node
-
-    def setting(self, path: str) -> Any:
-        """The value of a key the schema gives a default (rules run on schema-filled recipes)."""
-        node: Any = self.recipe
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise KeyError(f"{path}: not in the recipe; rules run on recipes with schema defaults filled "
-                               "(rlc.compiler.schema.with_defaults)")
-            node = node[part]
-        return node
 
     def user_set(self, path: str) -> Optional[bool]:
         """Whether the recipe itself set ``path`` (``None`` when the caller gave no raw recipe)."""
@@ -164,17 +149,8 @@ def _indent(text: str) -> str:
     return "\n  ".join(text.splitlines())
 
 
-def _ignores(ctx: Context) -> list[tuple[int, str, str]]:
-    items = ctx.setting("lint.ignore") or []
-    out = []
-    for i, item in enumerate(items if isinstance(items, list) else []):
-        if isinstance(item, dict) and isinstance(item.get("rule"), str):
-            out.append((i, item["rule"], str(item.get("reason", ""))))
-    return out
-
-
-def run_rules(recipe: dict[str, Any], facts: Any, plan: Any, raw: Optional[dict[str, Any]] = None) -> RulesResult:
-    """Run every rule on ``recipe`` (schema defaults filled); ``facts``/``plan`` may be ``None``.
+def run_rules(recipe: Recipe, facts: Any, plan: Any, raw: Optional[dict[str, Any]] = None) -> RulesResult:
+    """Run every rule on the typed ``recipe``; ``facts``/``plan`` may be ``None``.
 
     Rules that need facts or a plan are skipped without them (the stage that failed to produce
     them already reported why). ``raw`` (the recipe before defaults) lets RLC206 tell a
@@ -192,8 +168,8 @@ def run_rules(recipe: dict[str, Any], facts: Any, plan: Any, raw: Optional[dict[
     diags = ctx.diagnostics
     ignored: dict[str, str] = {}
     extra: list[Diagnostic] = []
-    for i, rule_id, reason in _ignores(ctx):
-        path = f"lint.ignore[{i}].rule"
+    for i, item in enumerate(recipe.lint.ignore):
+        rule_id, reason, path = item.rule, item.reason, f"lint.ignore[{i}].rule"
         known = _REGISTRY.get(rule_id)
         if known is None:
             close = difflib.get_close_matches(rule_id, list(_REGISTRY), n=1, cutoff=0.5)

@@ -15,8 +15,10 @@ from rlc.compiler.suggest import closest
       seed="Design: one source of truth per setting; typed keys where rlc reasons about a value.",
       fixes="Move the option to the typed key the message names, or drop it.")
 def owned_options(ctx: Context) -> None:
-    for block, owned in (("generation.vllm_kwargs", VLLM_OWNED), ("training.megatron_kwargs", MEGATRON_OWNED)):
-        for key in (ctx.get(block, {}) or {}):
+    blocks = (("generation.vllm_kwargs", ctx.recipe.generation.vllm_kwargs, VLLM_OWNED),
+              ("training.megatron_kwargs", ctx.recipe.training.megatron_kwargs, MEGATRON_OWNED))
+    for block, options, owned in blocks:
+        for key in options:
             if key in owned:
                 ctx.error(f"{block}.{key} is set by rlc from {owned[key]}", f"{block}.{key}",
                           hint=f"use {owned[key]} instead")
@@ -46,7 +48,8 @@ def runtime_cannot(ctx: Context) -> None:
       seed="Megatron-core OptimizerConfig: 'use_precision_aware_optimizer requires use_distributed_optimizer'.",
       fixes="Set training.use_distributed_optimizer: true, or use_precision_aware_optimizer: false.")
 def precision_aware_needs_distributed(ctx: Context) -> None:
-    if ctx.get("training.use_precision_aware_optimizer") and not ctx.setting("training.use_distributed_optimizer"):
+    training = ctx.recipe.training
+    if training.use_precision_aware_optimizer and not training.use_distributed_optimizer:
         ctx.error("use_precision_aware_optimizer needs use_distributed_optimizer: true",
                   "training.use_precision_aware_optimizer", hint="training.use_distributed_optimizer: true")
 
@@ -58,12 +61,12 @@ def precision_aware_needs_distributed(ctx: Context) -> None:
       seed="Megatron-core TransformerConfig (moe_enable_deepep requires moe_token_dispatcher_type 'flex').",
       fixes="Set training.moe.token_dispatcher: flex with deepep: true; EP > 1 for a MoE model.")
 def deepep(ctx: Context) -> None:
-    moe = ctx.setting("training.moe") or {}
-    if not moe.get("deepep"):
+    moe = ctx.recipe.training.moe
+    if not moe.deepep:
         return
-    if moe.get("token_dispatcher") != "flex":
-        ctx.error(f"training.moe.deepep needs token_dispatcher: flex (not {moe.get('token_dispatcher')!r})",
+    if moe.token_dispatcher != "flex":
+        ctx.error(f"training.moe.deepep needs token_dispatcher: flex (not {moe.token_dispatcher!r})",
                   "training.moe.token_dispatcher", hint="training.moe.token_dispatcher: flex")
-    if ctx.facts is not None and (not ctx.facts.is_moe or ctx.setting("parallelism.train.ep") == 1):
+    if ctx.facts is not None and (not ctx.facts.is_moe or ctx.recipe.parallelism.train.ep == 1):
         ctx.info("training.moe.deepep has no effect: " + ("the model is dense" if not ctx.facts.is_moe else "EP is 1"),
                  "training.moe.deepep")

@@ -17,9 +17,9 @@ _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
       fixes="Remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF in cluster.env "
             "(garbage_collection_threshold:0.6 is fine).")
 def expandable_segments(ctx: Context) -> None:
-    if not ctx.setting("colocated"):
+    if not ctx.recipe.colocated:
         return
-    for key, value in (ctx.setting("cluster.env") or {}).items():
+    for key, value in ctx.recipe.cluster.env.items():
         if isinstance(value, str) and _EXPANDABLE.search(value):
             ctx.error(f"{key}={value} enables expandable segments, which vLLM's CuMemAllocator rejects with "
                       "colocated generation (pytorch#147851)", f"cluster.env.{key}",
@@ -32,9 +32,9 @@ def expandable_segments(ctx: Context) -> None:
       seed="NeMo-RL #2471 bonus (dynamic sampling with batch_multiplier 2, max_gen_batches 10).",
       fixes="Set grpo.dynamic_sampling.enabled: true or batch_multiplier: 1.")
 def multiplier(ctx: Context) -> None:
-    ds = ctx.setting("grpo.dynamic_sampling") or {}
-    if ds.get("batch_multiplier", 1) > 1 and not ds.get("enabled", False):
-        ctx.error(f"batch_multiplier {ds['batch_multiplier']} without dynamic sampling",
+    ds = ctx.recipe.grpo.dynamic_sampling
+    if ds.batch_multiplier > 1 and not ds.enabled:
+        ctx.error(f"batch_multiplier {ds.batch_multiplier} without dynamic sampling",
                   "grpo.dynamic_sampling.batch_multiplier", hint="enable dynamic_sampling or set batch_multiplier: 1")
 
 
@@ -45,12 +45,12 @@ def multiplier(ctx: Context) -> None:
       seed="GRPO/PPO practice; rlc's max_gen_kl guard compares the two logprobs after every refit.",
       fixes="Use top_p: 1.0 and top_k: -1 for rollouts.")
 def truncation(ctx: Context) -> None:
-    s = ctx.setting("generation.sampling") or {}
-    if s.get("top_p", 1.0) < 1.0:
-        ctx.warning(f"top_p {s['top_p']} truncates sampling: vLLM and trainer logprobs will disagree",
+    s = ctx.recipe.generation.sampling
+    if s.top_p < 1.0:
+        ctx.warning(f"top_p {s.top_p} truncates sampling: vLLM and trainer logprobs will disagree",
                     "generation.sampling.top_p", hint="top_p: 1.0")
-    if s.get("top_k", -1) > 0:
-        ctx.warning(f"top_k {s['top_k']} truncates sampling: vLLM and trainer logprobs will disagree",
+    if s.top_k > 0:
+        ctx.warning(f"top_k {s.top_k} truncates sampling: vLLM and trainer logprobs will disagree",
                     "generation.sampling.top_k", hint="top_k: -1")
 
 
@@ -60,7 +60,7 @@ def truncation(ctx: Context) -> None:
       seed="NeMo-RL #2471 bonus: only ~18% of groups had non-zero reward spread at temperature 1 on DAPO math.",
       fixes="Use temperature ≥ 0.7 (1.0 is the usual choice).")
 def temperature(ctx: Context) -> None:
-    t = ctx.setting("generation.sampling.temperature")
+    t = ctx.recipe.generation.sampling.temperature
     if t < 0.5:
         ctx.warning(f"temperature {t} makes a group's samples nearly identical (zero advantage)",
                     "generation.sampling.temperature", hint="temperature: 1.0")
@@ -78,9 +78,9 @@ def temperature(ctx: Context) -> None:
       fixes="Raise generation.max_model_len above data.max_prompt_length (and training.max_sequence_length to "
             "max_model_len), or lower data.max_prompt_length.")
 def lengths(ctx: Context) -> None:
-    prompt = ctx.setting("data.max_prompt_length")
-    tokens = ctx.setting("generation.sampling.max_tokens")
-    model_len = ctx.setting("generation.max_model_len")
+    prompt = ctx.recipe.data.max_prompt_length
+    tokens = ctx.recipe.generation.sampling.max_tokens
+    model_len = ctx.recipe.generation.max_model_len
     if prompt > model_len:
         ctx.error(f"data.max_prompt_length {prompt} exceeds generation.max_model_len {model_len}: vLLM rejects "
                   "prompts longer than max_model_len", "generation.max_model_len",
@@ -91,7 +91,7 @@ def lengths(ctx: Context) -> None:
                  f"{model_len}: responses to long prompts stop at {model_len} tokens in total "
                  "(finish_reason 'length')", "generation.sampling.max_tokens")
     longest = min(prompt + tokens, model_len)
-    seq = ctx.get("training.max_sequence_length")
+    seq = ctx.recipe.training.max_sequence_length  # None: max_model_len, which caps the sample anyway
     if seq is not None and seq < longest:
         ctx.warning(f"training.max_sequence_length {seq} < the longest sample {longest} (prompt + response, capped "
                     "by max_model_len): long responses are truncated in the loss", "training.max_sequence_length",
@@ -104,5 +104,5 @@ def lengths(ctx: Context) -> None:
       seed="NeMo-RL #4086 and SkyRL #1816 (silent wrong weights after refit).",
       fixes="Keep grpo.max_gen_kl > 0 (default 0.05).")
 def gen_kl(ctx: Context) -> None:
-    if ctx.setting("grpo.max_gen_kl") == 0:
+    if ctx.recipe.grpo.max_gen_kl == 0:
         ctx.info("max_gen_kl: 0 turns off the check that catches wrong weights after refit", "grpo.max_gen_kl")

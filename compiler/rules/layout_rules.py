@@ -11,8 +11,8 @@ G = "parallelism.generation"
 
 
 def _world_text(ctx: Context) -> str:
-    c = ctx.recipe["cluster"]
-    return f"{world_size(ctx.recipe)} GPUs (nodes {c['nodes']} × gpus_per_node {c['gpus_per_node']})"
+    c = ctx.recipe.cluster
+    return f"{world_size(ctx.recipe)} GPUs (nodes {c.nodes} × gpus_per_node {c.gpus_per_node})"
 
 
 @rule("RLC101", "trainer layout must tile the world: TP × PP × CP × DP = world", severities=("error",),
@@ -194,17 +194,16 @@ def kv_heads(ctx: Context) -> None:
       fixes="Make training.global_batch_size a multiple of micro_batch_size × DP (the message gives both).")
 def batch_divides(ctx: Context) -> None:
     tl = train_layout(ctx.recipe)
-    grpo, training = ctx.recipe.get("grpo", {}), ctx.recipe.get("training", {})
-    samples = grpo.get("prompts_per_step", 32) * grpo.get("generations_per_prompt", 8)
-    gbs = training.get("global_batch_size") or samples
-    micro = training.get("micro_batch_size", 1)
+    samples, gbs = ctx.recipe.grpo.samples_per_step, ctx.recipe.global_batch_size
+    stated = ctx.recipe.training.global_batch_size is not None
+    micro = ctx.recipe.training.micro_batch_size
     unit = micro * tl.dp
-    path = "training.global_batch_size" if training.get("global_batch_size") else "grpo.prompts_per_step"
+    path = "training.global_batch_size" if stated else "grpo.prompts_per_step"
     if gbs % unit:
         lower = gbs // unit * unit
         ctx.error(f"global batch {gbs} is not a multiple of micro batch {micro} × DP {tl.dp} = {unit}", path,
                   hint=f"use {lower} or {lower + unit}" if lower else f"use {unit}")
-    if training.get("global_batch_size") and samples % gbs:
+    if stated and samples % gbs:
         ctx.warning(f"a GRPO step makes {samples} samples (prompts_per_step × generations_per_prompt), not a "
                     f"multiple of global_batch_size {gbs}", "training.global_batch_size")
 
@@ -237,7 +236,7 @@ def vllm_world(ctx: Context) -> None:
         ctx.error(f"vLLM TP{gl.tp} × PP{gl.pp} = {gl.tp * gl.pp} does not divide the world of {_world_text(ctx)}",
                   f"{G}.tp")
         return
-    if ctx.setting("colocated") and gl.gpus != world:
+    if ctx.recipe.colocated and gl.gpus != world:
         ctx.error(f"colocated vLLM uses TP{gl.tp} × PP{gl.pp} × {gl.dp} engines = {gl.gpus} GPUs, but the trainer "
                   f"uses all {world}", f"{G}.dp", hint=f"set parallelism.generation.dp: {world // (gl.tp * gl.pp)} "
                   "or leave it unset")

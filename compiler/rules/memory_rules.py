@@ -11,7 +11,7 @@ from rlc.compiler.rules.engine import Context, rule
 
 
 def _buffer_path(ctx: Context) -> str:
-    return "refit.buffer_gb" if ctx.get("refit.buffer_gb") is not None else "refit.buffer_memory_ratio"
+    return "refit.buffer_gb" if ctx.recipe.refit.buffer_gb is not None else "refit.buffer_memory_ratio"
 
 
 def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
@@ -80,7 +80,7 @@ def staging_site(ctx: Context) -> None:
 def graph_margin(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
-    if r is None or ctx.setting("generation.enforce_eager") or r.tolerance_gib is None:
+    if r is None or ctx.recipe.generation.enforce_eager or r.tolerance_gib is None:
         return
     if r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
@@ -105,7 +105,7 @@ def graph_margin(ctx: Context) -> None:
 def sleep_level(ctx: Context) -> None:
     plan = ctx.plan
     r = plan.refit
-    if r is None or ctx.setting("refit.sleep_level") != 1 or not ctx.setting("generation.enforce_eager"):
+    if r is None or ctx.recipe.refit.sleep_level != 1 or not ctx.recipe.generation.enforce_eager:
         return  # with enforce_eager off RLC212 already names the levers
     if r.tolerance_gib is None or r.tolerance_gib >= plan.graph_uncertainty_gib:
         return

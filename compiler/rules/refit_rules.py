@@ -8,6 +8,8 @@ from __future__ import annotations
 import fnmatch
 
 from rlc.compiler.planner.layout import train_layout
+from rlc.compiler.recipe_types import Switch
+from rlc.compiler.schema import default_at
 from rlc.compiler.rules.engine import Context, rule
 
 R = "refit"
@@ -21,7 +23,7 @@ def decide_switch(ctx: Context, name: str, *, needed: bool, why: str, off_error:
     ``off`` where it is needed is an error (``off_error``, fixed by ``hint``); ``on`` is always allowed.
     """
     key = f"{R}.{name}"
-    value = ctx.get(key, "auto")
+    value: Switch = getattr(ctx.recipe.refit, name)
     if value == "auto":
         on = needed or on_by_default
         ctx.decide(key, on, ("on: " if on else "off: ") + why)
@@ -76,8 +78,8 @@ def mtp_dedupe(ctx: Context) -> None:
            "overlap_param_gather=True; native-planner destinations differ before the gather, equal after).",
       fixes="Leave refit.sync_params_before_refit at auto (or on), or turn overlap_param_gather off.")
 def sync_params(ctx: Context) -> None:
-    dist = ctx.setting("training.use_distributed_optimizer")
-    overlap = ctx.setting("training.overlap_param_gather")
+    dist = ctx.recipe.training.use_distributed_optimizer
+    overlap = ctx.recipe.training.overlap_param_gather
     needed = bool(dist and overlap)
     why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
            "forward (NeMo-RL #4086)") if needed else "overlap_param_gather is off (parameters are current after the step)"
@@ -116,7 +118,7 @@ def per_rank_metadata(ctx: Context) -> None:
       fixes="Use refit.fp32_params: auto, or add the missing pattern (e.g. '*e_score_correction_bias*').")
 def fp32_params(ctx: Context) -> None:
     key, path = "refit.fp32_params", f"{R}.fp32_params"
-    value = ctx.get(path, "auto")
+    value = ctx.recipe.refit.fp32_params
     f = ctx.facts
     known = list(f.fp32_params) if f is not None else []
     if value == "auto":
@@ -130,13 +132,11 @@ def fp32_params(ctx: Context) -> None:
         else:
             ctx.decide(key, [], f"auto: {f.model_id} has no known fp32 parameters")
         return
-    if not isinstance(value, list):
-        return
     missed = [p for p in known if not any(fnmatch.fnmatchcase(p.example, pat) for pat in value)]
     hf_missed = [p for p in missed if not p.example.startswith("decoder.")]
     if hf_missed:
         names = ", ".join(f"{p.example} ({p.pattern})" for p in hf_missed)
-        ctx.error(f"fp32_params {value} misses the model's fp32 parameter(s) {names}: {hf_missed[0].why}", path,
+        ctx.error(f"fp32_params {list(value)} misses the model's fp32 parameter(s) {names}: {hf_missed[0].why}", path,
                   hint=f"use fp32_params: auto, or add {', '.join(repr(p.pattern) for p in hf_missed)}")
 
 
@@ -147,7 +147,7 @@ def fp32_params(ctx: Context) -> None:
       seed="NeMo-RL #2471 attempt 3: 'Step 2 after-offload GPU residency went 12.72 GB (off) → 15.86 GB (on)'.",
       fixes="Set training.optimizer_cpu_offload: false and keep refit.offload_optimizer_for_refit: true.")
 def cpu_offload(ctx: Context) -> None:
-    if ctx.setting("training.optimizer_cpu_offload") and ctx.setting("colocated"):
+    if ctx.recipe.training.optimizer_cpu_offload and ctx.recipe.colocated:
         extra = ""
         if ctx.plan is not None and "refit" in ctx.plan.phases:
             try:
@@ -165,14 +165,15 @@ def cpu_offload(ctx: Context) -> None:
       seed="rlc refit contract (rlc/runtime/refit/bucket_planner.py: exactly one of the two).",
       fixes="Remove one of refit.buffer_gb / refit.buffer_memory_ratio.")
 def buffer_exclusive(ctx: Context) -> None:
-    if ctx.get("refit.buffer_gb") is None:
+    refit = ctx.recipe.refit
+    if refit.buffer_gb is None:
         return
     set_ratio = ctx.user_set("refit.buffer_memory_ratio")
     if set_ratio is None:  # no raw recipe: a non-default ratio can only have come from the recipe
-        set_ratio = ctx.setting("refit.buffer_memory_ratio") != 0.3
+        set_ratio = refit.buffer_memory_ratio != default_at("refit.buffer_memory_ratio")
     if set_ratio:
-        ctx.error(f"both refit.buffer_gb ({ctx.get('refit.buffer_gb')}) and refit.buffer_memory_ratio "
-                  f"({ctx.get('refit.buffer_memory_ratio')}) are set", "refit.buffer_gb",
+        ctx.error(f"both refit.buffer_gb ({refit.buffer_gb}) and refit.buffer_memory_ratio "
+                  f"({refit.buffer_memory_ratio}) are set", "refit.buffer_gb",
                   hint="keep one of them")
 
 
@@ -183,8 +184,8 @@ def buffer_exclusive(ctx: Context) -> None:
       seed="rlc runtime design (rlc/runtime/refit: CUDA IPC or shm buffers per GPU).",
       fixes="Keep colocated: true with transport cuda_ipc.")
 def transport(ctx: Context) -> None:
-    t = ctx.setting("refit.transport")
-    if t == "cuda_ipc" and not ctx.setting("colocated"):
+    t = ctx.recipe.refit.transport
+    if t == "cuda_ipc" and not ctx.recipe.colocated:
         ctx.error("refit.transport cuda_ipc needs colocated: true (IPC handles are only valid on the same GPU)",
                   "refit.transport", hint="set colocated: true")
     elif t == "shm" and train_layout(ctx.recipe).world > 1:
@@ -198,6 +199,6 @@ def transport(ctx: Context) -> None:
       seed="Megatron-core DistributedDataParallelConfig (overlap_param_gather requires use_distributed_optimizer).",
       fixes="Set training.use_distributed_optimizer: true or overlap_param_gather: false.")
 def overlap_needs_dist(ctx: Context) -> None:
-    if ctx.setting("training.overlap_param_gather") and not ctx.setting("training.use_distributed_optimizer"):
+    if ctx.recipe.training.overlap_param_gather and not ctx.recipe.training.use_distributed_optimizer:
         ctx.error("overlap_param_gather needs use_distributed_optimizer: true", "training.overlap_param_gather",
                   hint="set training.overlap_param_gather: false")

@@ -106,9 +106,10 @@ def test_build_bundle_refuses_a_bad_cluster_section_it_is_handed(tmp_path, e2e_r
     """build_bundle checks again (a caller may skip rlc.compiler.api.check or change the recipe)."""
     from rlc.compiler.api import check
     from rlc.compiler.bundle import build_bundle
+    from rlc.compiler.recipe_types import with_value
 
     result = check(e2e_recipe, _set(tmp_path))
-    result.recipe["cluster"]["container"]["runtime"] = "pyxis"
+    result.recipe = with_value(result.recipe, "cluster.container.runtime", "pyxis")
     with pytest.raises(BundleError) as err:
         build_bundle(result, tmp_path / "b")
     assert str(err.value).startswith("cluster.container.image: required with cluster.container.runtime: pyxis")

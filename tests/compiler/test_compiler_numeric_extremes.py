@@ -126,7 +126,7 @@ def test_lint_reports_a_bug_on_one_file_and_lints_the_others(tmp_path, monkeypat
     real = planner.plan_memory
 
     def plan_memory(recipe, *args, **kwargs):
-        if recipe["grpo"]["max_steps"] == 77:
+        if recipe.grpo.max_steps == 77:
             raise ZeroDivisionError("simulated bug")
         return real(recipe, *args, **kwargs)
 

@@ -105,13 +105,13 @@ def test_a_child_recipe_without_its_own_name_is_named_after_its_file(tmp_path):
     low = check(_child(tmp_path, "lr-low.yaml", "training: {optimizer: {lr: 1.0e-6}}\n"))
     high = check(_child(tmp_path, "lr high!.yaml", "training: {optimizer: {lr: 3.0e-6}}\n"))
     assert low.ok and high.ok
-    assert (low.recipe["name"], high.recipe["name"]) == ("lr-low", "lr-high")
+    assert (low.recipe.name, high.recipe.name) == ("lr-low", "lr-high")
     dirs = [to_runtime_config(r)["checkpointing"]["dir"] for r in (low, high)]
     assert dirs[0] != dirs[1] and dirs[0].endswith("/checkpoints/lr-low")
     assert any(d.severity == "info" and d.path == "name" and "named 'lr-low' after its file" in d.message
                for d in low.diagnostics)
     named = check(_child(tmp_path, "named.yaml", "name: mine\n"))
-    assert named.recipe["name"] == "mine" and not any(d.path == "name" for d in named.diagnostics)
+    assert named.recipe.name == "mine" and not any(d.path == "name" for d in named.diagnostics)
 
 
 def test_lint_warns_when_two_recipes_share_output_folders(tmp_path):

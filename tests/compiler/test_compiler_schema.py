@@ -9,7 +9,6 @@ from compiler_testing import FIXTURES
 from rlc.compiler import schema
 from rlc.compiler.recipe import load_recipe, shipped_recipe_names, shipped_recipe_path
 from rlc.compiler.schema import check_key_path, describe, load_schema, validate, validate_data, with_defaults
-from rlc.compiler.tree import with_value
 
 MINIMAL = {
     "version": 1,
@@ -24,7 +23,14 @@ def messages(data) -> dict[str, str]:
 
 
 def with_change(path: str, value):
-    return with_value(MINIMAL, path, value)
+    """A deep copy of MINIMAL with the dotted ``path`` set (missing mappings created): raw recipe data."""
+    out = copy.deepcopy(MINIMAL)
+    node = out
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return out
 
 
 def test_the_schema_is_a_valid_2020_12_schema():

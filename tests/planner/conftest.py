@@ -10,7 +10,7 @@ from planner_helpers import BASE, RECIPES, load
 
 @pytest.fixture(scope="session")
 def qwen397():
-    return catalog.model_facts({"id": "Qwen/Qwen3.5-397B-A17B"}, RECIPES)
+    return catalog.model_facts("Qwen/Qwen3.5-397B-A17B", RECIPES)
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from rlc.compiler.recipe import load_recipe
+from rlc.compiler.recipe_types import Recipe, recipe_from_data, with_value
 from rlc.compiler.schema import validate, with_defaults
-from rlc.compiler.tree import with_value
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "rlc" / "recipes"
@@ -25,15 +25,15 @@ GB = 1e9
 GIB = 1 << 30
 
 
-def load(path: Path, overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(recipe with schema defaults filled, raw merged recipe); fails the test on schema errors."""
+def load(path: Path, overrides: tuple[str, ...] = ()) -> tuple[Recipe, dict[str, Any]]:
+    """(typed recipe, raw merged recipe); fails the test on schema errors."""
     loaded = load_recipe(path, overrides)
     errors = [d for d in validate(loaded) if d.severity == "error"]
     assert not errors, [f"{d.path}: {d.message}" for d in errors]
-    return with_defaults(loaded.data), loaded.data
+    return recipe_from_data(with_defaults(loaded.data)), loaded.data
 
 
-def with_changes(recipe: dict[str, Any], **changes: Any) -> dict[str, Any]:
+def with_changes(recipe: Recipe, **changes: Any) -> Recipe:
     """A copy of ``recipe`` with dotted keys (``__`` for ``.``) set, e.g. ``refit__sleep_level=2``."""
     for key, value in changes.items():
         recipe = with_value(recipe, key.replace("__", "."), value)

@@ -26,26 +26,26 @@ def test_every_catalog_config_carries_its_provenance():
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3.5-397B-A17B", "qwen/qwen3.5-397b-a17b", "Qwen3.5-397B-A17B"])
 def test_model_lookup_by_id_case_or_short_name(name):
-    facts = catalog.model_facts({"id": name}, RECIPES)
+    facts = catalog.model_facts(name, RECIPES)
     assert facts.model_id == "Qwen/Qwen3.5-397B-A17B"
     assert "catalog Qwen__Qwen3.5-397B-A17B.json" in facts.source
 
 
 def test_unknown_model_lists_close_ids():
     with pytest.raises(catalog.CatalogError) as err:
-        catalog.model_facts({"id": "Qwen/Qwen3.5-397B"}, RECIPES)
+        catalog.model_facts("Qwen/Qwen3.5-397B", RECIPES)
     assert "Qwen/Qwen3.5-397B-A17B" in str(err.value) and "model.config" in str(err.value)
 
 
 def test_local_config_overrides_catalog(tmp_path):
-    facts = catalog.model_facts({"id": "rlc/tiny-qwen3", "config": "models/tiny-qwen3/config.json"}, RECIPES)
+    facts = catalog.model_facts("rlc/tiny-qwen3", RECIPES, config="models/tiny-qwen3/config.json")
     assert (facts.num_layers, facts.hidden, facts.vocab, facts.num_experts) == (2, 128, 23, 0)
     bad = tmp_path / "config.json"
     bad.write_text('{"model_type": "made_up"}')
     with pytest.raises(catalog.CatalogError, match="made_up"):
-        catalog.model_facts({"id": "x", "config": str(bad)}, tmp_path)
+        catalog.model_facts("x", tmp_path, config=str(bad))
     with pytest.raises(catalog.CatalogError, match="cannot read"):
-        catalog.model_facts({"id": "x", "config": "missing.json"}, tmp_path)
+        catalog.model_facts("x", tmp_path, config="missing.json")
 
 
 def test_gpu_specs():

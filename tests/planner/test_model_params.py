@@ -25,7 +25,7 @@ PUBLISHED = {
 
 
 def facts(model_id):
-    return catalog.model_facts({"id": model_id}, RECIPES)
+    return catalog.model_facts(model_id, RECIPES)
 
 
 @pytest.mark.parametrize("model_id", sorted(PUBLISHED))

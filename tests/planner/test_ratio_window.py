@@ -28,7 +28,7 @@ def stepped_window(free, recipe, largest, gathered, cal):
     best, start, prev = None, None, None
     for k in range(1, int(memory.RATIO_MAX / memory.RATIO_STEP) + 1):
         r = round(k * memory.RATIO_STEP, 3)
-        per_side = memory._per_side(free, recipe, r)[0]
+        per_side = memory._per_side(free, recipe.refit, r)[0]
         stack = memory._stack_free(free, per_side, largest, gathered, cal)[0]
         ok = per_side >= largest and stack >= largest
         if ok and start is None:

@@ -6,6 +6,7 @@ import pytest
 from rlc.compiler import catalog
 from rlc.compiler.planner import plan_memory
 from rlc.compiler.rules import run_rules
+from rlc.compiler.recipe_types import recipe_from_data
 from rlc.compiler.schema import with_defaults
 
 from planner_helpers import RECIPES, with_changes
@@ -77,8 +78,8 @@ def test_batch_hint_offers_distinct_multiples(base_recipe, qwen397, gbs, micro, 
 
 @pytest.mark.parametrize("changes,rule_id", [
     (dict(training__optimizer_cpu_offload=True), "RLC205"),
-    (dict(generation__sampling={"temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_tokens": 8192, "stop": []}), "RLC303"),
-    (dict(generation__sampling={"temperature": 0.2, "top_p": 1.0, "top_k": -1, "max_tokens": 8192, "stop": []}), "RLC304"),
+    (dict(generation__sampling__top_p=0.9), "RLC303"),
+    (dict(generation__sampling__temperature=0.2), "RLC304"),
     (dict(refit__transport="shm"), "RLC207"),
     (dict(training__max_sequence_length=4096), "RLC305"),
 ])
@@ -104,16 +105,18 @@ def test_auto_switches_decide_and_explain(base_recipe, qwen397):
 
 
 def test_dedupe_not_needed_without_mtp(base_recipe):
-    dense = catalog.model_facts({"id": "Qwen/Qwen3-8B"}, RECIPES)
+    dense = catalog.model_facts("Qwen/Qwen3-8B", RECIPES)
     decisions = run_rules(base_recipe, dense, None).decisions
     assert decisions["refit.dedupe_mtp_embedding"] == (False, "RLC201: off: the model has no MTP layers")
 
 
 def test_fp32_params_auto_and_explicit_lists():
-    nano = catalog.model_facts({"id": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B"}, RECIPES)
-    recipe = with_defaults({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
-                            "parallelism": {"train": {"tp": 1, "pp": 1, "ep": 8}, "generation": {"tp": 1}},
-                            "refit": {"fp32_params": "auto"}})
+    nano = catalog.model_facts("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", RECIPES)
+    recipe = recipe_from_data(with_defaults({
+        "version": 1, "model": {"id": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B"}, "data": {"train": "/d.jsonl"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80gb"},
+        "parallelism": {"train": {"tp": 1, "pp": 1, "ep": 8}, "generation": {"tp": 1}},
+        "refit": {"fp32_params": "auto"}}))
     auto = run_rules(recipe, nano, None)
     assert auto.decisions["refit.fp32_params"][0] == ["*e_score_correction_bias*", "*expert_bias*"]
     missing = run_rules(with_changes(recipe, refit__fp32_params=["*expert_bias*"]), nano, None)
@@ -132,7 +135,7 @@ def test_buffer_exclusivity_uses_the_raw_recipe_when_given(base_recipe, qwen397)
 
 def test_kv_heads_replication_is_info_and_uneven_is_error(base_recipe, qwen397):
     assert fired(run(base_recipe, qwen397), "RLC106", "info")
-    llama = catalog.model_facts({"id": "meta-llama/Llama-3.1-8B"}, RECIPES)  # 8 KV heads
+    llama = catalog.model_facts("meta-llama/Llama-3.1-8B", RECIPES)  # 8 KV heads
     recipe = with_changes(base_recipe, parallelism__generation__tp=16, parallelism__generation__ep=1)
     assert not fired(run_rules(recipe, llama, None), "RLC106", "error")
     recipe = with_changes(base_recipe, parallelism__train__tp=3, cluster__nodes=3, parallelism__train__pp=1)

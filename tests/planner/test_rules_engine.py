@@ -8,7 +8,7 @@ import pytest
 from rlc.compiler import api
 from rlc.compiler.rules import UnknownRuleError, all_rules, explain, run_rules
 
-from planner_helpers import SEED000, load
+from planner_helpers import SEED000, load, with_changes
 
 
 def test_registry_ids_and_metadata():
@@ -51,13 +51,13 @@ def test_ignoring_an_error_is_itself_an_error():
 
 
 def test_ignoring_an_error_only_rule_that_did_not_fire_is_still_an_error(base_recipe, qwen397):
-    recipe = dict(base_recipe, lint={"ignore": [{"rule": "RLC301", "reason": "we know"}]})
+    recipe = with_changes(base_recipe, lint__ignore=[{"rule": "RLC301", "reason": "we know"}])
     result = run_rules(recipe, qwen397, None)
     assert [d.rule for d in result.diagnostics if d.severity == "error"] == ["RLC002"]
 
 
 def test_ignoring_an_unknown_rule_warns(base_recipe, qwen397):
-    recipe = dict(base_recipe, lint={"ignore": [{"rule": "RLC299", "reason": "typo"}]})
+    recipe = with_changes(base_recipe, lint__ignore=[{"rule": "RLC299", "reason": "typo"}])
     hits = [d for d in run_rules(recipe, qwen397, None).diagnostics if d.rule == "RLC003"]
     assert hits and hits[0].severity == "warning"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,14 +24,15 @@ def _mem_mb(text: str | None) -> int:
     return max(64000, int(int(m.group(1)) * scale))
 
 
-def _shape(recipe: dict) -> dict:
-    c = recipe["cluster"]
-    return {"nodes": c["nodes"], "gpus": c["gpus_per_node"], "gpu_type": c.get("gpu_type_gres", ""),
-            "cpus": max(4, c.get("cpus_per_node", 4)), "mem_mb": _mem_mb(c.get("mem_per_node")),
-            "partitions": c.get("slurm", {}).get("partition", "debug")}
+def _shape(recipe) -> dict:
+    """The local cluster a typed recipe asks for (the harness's own choices where the recipe says nothing)."""
+    c = recipe.cluster
+    return {"nodes": c.nodes, "gpus": c.gpus_per_node, "gpu_type": c.gpu_type_gres or "",
+            "cpus": max(4, c.cpus_per_node or 4), "mem_mb": _mem_mb(c.mem_per_node),
+            "partitions": c.slurm.partition or "debug"}
 
 
-def _launch_script(recipe_path: Path, out: Path, tmp_path: Path) -> tuple[Path, dict]:
+def _launch_script(recipe_path: Path, out: Path, tmp_path: Path) -> tuple[Path, Any]:
     from rlc import __version__
     from rlc.compiler.api import check
     from rlc.compiler.bundle import build_bundle
@@ -45,7 +47,7 @@ def _launch_script(recipe_path: Path, out: Path, tmp_path: Path) -> tuple[Path, 
         build_bundle(result, out)
     else:  # a negative fixture: the same renderer, without the parts its errors block
         assert recipe_path.parent.name == "nemo-rl-2471", result.errors
-        ctx = build_context(result.recipe, out, str(tmp_path / "logs"), __version__)
+        ctx = build_context(result.recipe.cluster, result.recipe.name, out, str(tmp_path / "logs"), __version__)
         out.mkdir()
         # (sbatch --test-only never runs the script: its file-hash check needs no real manifest)
         values = {**ctx.values, "manifest_sha256": Quoted("0" * 64)}

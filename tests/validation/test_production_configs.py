@@ -49,7 +49,7 @@ def _param(path):
 
 def test_the_suite_covers_at_least_twelve_published_configurations():
     assert len(SUITE) >= 12
-    models = {api.check(str(p)).recipe["model"]["id"] for p in SUITE}
+    models = {api.check(str(p)).recipe.model.id for p in SUITE}
     assert {"deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-32B",
             "meta-llama/Llama-3.1-8B"} <= models
 
