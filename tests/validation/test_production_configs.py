@@ -26,9 +26,11 @@ WHY_FALSE = {
               "+ residual 3.32 and vLLM's TP32 shard 40.92 (woken before the buffer is sized) + contexts and "
               "CUDA graphs 14.79. The last three are fitted on NeMo-RL #2471's layout (Qwen3.5-397B, vLLM "
               "TP16/EP64, NVLS on); the published run disabled NVLS (NCCL_NVLS_ENABLE=0; NCCL 2.27 keeps up to "
-              "256 MiB per NVLS communicator per GPU), but no public figure splits the residues by layout. The "
-              "1.44 GiB gap is within the spread of the calibration's own refits (runs B and D: 41.75 vs "
-              "38.90 GB free at identical settings)",
+              "256 MiB per NVLS communicator per GPU), and NeMo-RL PR #3356 measured 11.0 GiB free at the "
+              "first refit of this very layout on NeMo-RL's main branch (where the same check failed): the "
+              "residues overcount this layout by "
+              "0.93 GiB, and the v0.6 stack had at least 0.51 GiB more free than main, a version difference "
+              "the calibration (one entry per GPU) cannot express",
 }
 
 #: Recipes that fail today, with the rule ids that fire falsely on each.
