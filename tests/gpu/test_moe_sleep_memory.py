@@ -176,7 +176,7 @@ def run(root: str, out: str | None) -> dict:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "moe_sleep_calibration.jsonl").write_text("".join(r.to_json() + "\n" for r in records),
                                                                   encoding="utf-8")
-    dump(res, out, "moe_sleep_memory.json")
+    dump(res, out, "moe_sleep_memory")
     print(f"{'eager':>6} {'level':>5} {'awake':>7} {'freed':>7} {'after':>7} {'residue':>8}")
     for row in res["rows"]:
         print(f"{str(row['enforce_eager']):>6} {row['sleep_level']:>5} {row['used_awake_gib']:>7} "
