@@ -98,6 +98,24 @@ def test_every_schema_key_has_its_typed_field_and_every_field_its_key():
     assert not problems, "\n".join(problems)
 
 
+def test_the_parity_check_catches_each_kind_of_drift():
+    """The check above is not vacuous: a schema that drifted from the classes in each way is reported."""
+    schema = load_schema()
+    props = schema["properties"]
+    props["refit"]["properties"]["new_key"] = {"type": "integer", "default": 1}
+    del props["grpo"]["properties"]["seed"]
+    props["loss"]["properties"]["clip_ratio_c"] = {"type": "number", "default": 1.0}
+    props["training"]["properties"]["moe"]["properties"]["deepep"] = {"type": "string"}
+    props["generation"]["properties"]["precision"]["enum"] = ["auto", "fp8", "fp4"]
+    props["cluster"]["properties"]["container"]["properties"]["mounts"] = {
+        "type": "array", "items": {"type": "integer"}, "default": []}
+    problems: list[str] = []
+    _check_section(schema, Recipe, "", problems)
+    assert sorted(p.split(":")[0] for p in problems) == [
+        "cluster.container.mounts[]", "generation.precision", "grpo.seed", "loss.clip_ratio_c", "refit.new_key",
+        "training.moe.deepep", "training.moe.deepep"]
+
+
 def test_typed_classes_state_no_defaults():
     """Defaults come from the schema once: no field of the typed recipe has a default of its own."""
     seen, todo, stated = set(), [Recipe], []
@@ -163,3 +181,11 @@ def test_every_shipped_recipe_builds(name):
     loaded = load_recipe(shipped_recipe_path(name))
     recipe = recipe_from_data(with_defaults(loaded.data))
     assert recipe.name == loaded.data["name"] and recipe.cluster.world_size >= 1
+
+
+def test_sections_compare_by_value_and_show_their_fields():
+    a, b = recipe_from_data(with_defaults(MINIMAL)), recipe_from_data(with_defaults(MINIMAL))
+    assert a == b and a is not b and a != with_value(a, "refit.sleep_level", 2) and a.refit != a.loss
+    assert repr(a.refit).startswith("RefitSection(buffer_memory_ratio=0.3, buffer_gb=None, alignment_bytes=256,")
+    with pytest.raises(TypeError):
+        hash(a)
