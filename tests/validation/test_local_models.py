@@ -24,7 +24,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("model_id", sorted(PUBLISHED))
 def test_local_config_plans_the_published_parameter_count(model_id):
     folder, total, rel, family = PUBLISHED[model_id]
-    facts = catalog.model_facts({"id": model_id, "config": str(MODELS / folder / "config.json")}, MODELS)
+    facts = catalog.model_facts(model_id, MODELS, config=str(MODELS / folder / "config.json"))
     assert facts.family == family
     assert not facts.unknown, facts.unknown
     assert facts.param_counts()["total_without_mtp"] == pytest.approx(total, rel=rel)
@@ -32,8 +32,8 @@ def test_local_config_plans_the_published_parameter_count(model_id):
 
 def test_deepseek_v2_has_no_mtp_and_no_expert_bias():
     """DeepSeek-V2 routes with a softmax (topk_method greedy) and has no MTP module: nothing fp32 on the wire."""
-    facts = catalog.model_facts({"id": "deepseek-ai/DeepSeek-V2-Lite-Chat",
-                                 "config": str(MODELS / "DeepSeek-V2-Lite-Chat" / "config.json")}, MODELS)
+    facts = catalog.model_facts("deepseek-ai/DeepSeek-V2-Lite-Chat", MODELS,
+                                config=str(MODELS / "DeepSeek-V2-Lite-Chat" / "config.json"))
     assert facts.mtp_num_layers == 0
     assert not facts.expert_bias
     assert facts.param_counts()["mtp"] == 0
