@@ -66,6 +66,10 @@ def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: 
     }
 
 
+REFERENCE_LABEL = "reference policy params (bf16)"
+REFERENCE_NOTE = "loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU"
+
+
 def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
     """Megatron's GPU allocations on one stage in a phase, by item (from the residency table)."""
     items = {"params": int(fig["params_bytes"] * where.params)}
@@ -75,6 +79,8 @@ def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibrati
         items["grads"] = int(fig["grads_bytes"] * where.grads)
     if where.moments:
         items["moments"] = int(fig["moments_bytes"] * where.moments)
+    if where.reference:
+        items["reference"] = int(fig["params_bytes"] * where.reference)
     return items
 
 
@@ -259,6 +265,8 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
             Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
             Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
         ]
+        if "reference" in held:
+            items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
         if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
@@ -312,8 +320,10 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     labels = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
               "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
               "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
-              "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib")}
-    r_items = [Item(labels[k][0], gib(v), "megatron", labels[k][1]) for k, v in worst_items.items()]
+              "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib"),
+              "reference": (REFERENCE_LABEL, "params")}
+    r_items = [Item(labels[k][0], gib(v), "megatron", labels[k][1], REFERENCE_NOTE if k == "reference" else "")
+               for k, v in worst_items.items()]
     r_items += [ctx] + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase

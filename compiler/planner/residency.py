@@ -15,6 +15,10 @@ refit      params; fp32 master unless it moved with     weight shard if the leve
            only without ``offload_optimizer_for_refit``
 =========  ===========================================  ==========================================
 
+With ``loss.kl_penalty > 0`` the runtime builds a frozen reference policy with the same parallel layout
+as the trainer and keeps its bf16 parameters on the GPU in every phase (nothing offloads it), so both
+phases carry a second copy of the stage's parameters.
+
 Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
 keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
 offloads moved there.
@@ -37,6 +41,7 @@ class MegatronResident:
     master: float  # fp32 master weights
     moments: float  # Adam exp_avg + exp_avg_sq
     cpu_offload_staging: bool  # the extra residency optimizer_cpu_offload leaves (calibration)
+    reference: float = 0.0  # the frozen reference policy's bf16 params (loss.kl_penalty > 0), per stage
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,12 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     offload_for_refit = refit.offload_optimizer_for_refit
     precision_aware = training.use_precision_aware_optimizer
     host_copy = 1.0 if level.host_copy else 0.0
+    reference = 1.0 if recipe.loss.kl_penalty > 0 else 0.0
 
     train = PhaseResidency(
         "train",
-        MegatronResident(params=1.0, grads=1.0, master=1.0 - off, moments=1.0 - off, cpu_offload_staging=cpu_offload),
+        MegatronResident(params=1.0, grads=1.0, master=1.0 - off, moments=1.0 - off, cpu_offload_staging=cpu_offload,
+                         reference=reference),
         VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
         HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off),
@@ -86,10 +93,11 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         # state (precision-aware optimizer), else it stays (the distributed optimizer's fp32 shard)
         master_stays = cal.megatron_master_params_stay_at_refit and not precision_aware
         mega = MegatronResident(params=1.0, grads=0.0, master=1.0 if master_stays else 0.0, moments=0.0,
-                                cpu_offload_staging=cpu_offload)
+                                cpu_offload_staging=cpu_offload, reference=reference)
         host = HostResident(vllm_weights=host_copy, grads=1.0, master=0.0 if master_stays else 1.0, moments=1.0)
     else:
-        mega = MegatronResident(params=1.0, grads=1.0, master=1.0, moments=1.0, cpu_offload_staging=cpu_offload)
+        mega = MegatronResident(params=1.0, grads=1.0, master=1.0, moments=1.0, cpu_offload_staging=cpu_offload,
+                                reference=reference)
         host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off)
     refit_phase = PhaseResidency(
         "refit", mega,
