@@ -158,10 +158,10 @@ def output_folders(path: str, result: Any) -> Diagnostic:
     ``runtime.yaml``): checkpoints and metrics, as an :data:`OUTPUTS_RULE` record."""
     import json
 
-    from rlc.compiler.resolve import to_runtime_config
+    from rlc.compiler.resolve import resolve_runtime_config
 
-    runtime = to_runtime_config(result)
-    folders = {"checkpointing.dir": runtime["checkpointing"]["dir"], "logging.dir": runtime["logging"]["dir"]}
+    runtime = resolve_runtime_config(result)
+    folders = {"checkpointing.dir": runtime.checkpointing.dir, "logging.dir": runtime.logging.dir}
     return Diagnostic("info", json.dumps(folders), file=path, rule=OUTPUTS_RULE)
 
 

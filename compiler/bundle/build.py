@@ -21,6 +21,7 @@ from rlc.compiler.shell import Quoted
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
+    from rlc.contract.runtime_config import RuntimeConfig
 
 #: Files every bundle has (besides rlc_pkg/), in the order README.txt lists them.
 BUNDLE_FILES = ("launch.sbatch", "node.sh", "env.sh", "mounts.txt", "runtime.yaml", "plan.txt",
@@ -61,10 +62,10 @@ def _ensure_log_dir(log_dir: str) -> list[str]:
 
 
 def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
-                 runtime_config: dict[str, Any] | None = None) -> BundleResult:
+                 runtime_config: RuntimeConfig | None = None) -> BundleResult:
     """Write the launch bundle of a checked recipe (``rlc.compiler.api.CheckResult``) to ``out_dir``.
 
-    ``runtime_config`` defaults to ``rlc.compiler.resolve.to_runtime_config(result)``. Raises
+    ``runtime_config`` defaults to ``rlc.compiler.resolve.resolve_runtime_config(result)``. Raises
     :class:`BundleError` (``kind`` ``recipe`` or ``io``) with a message naming the key and the fix.
     The folder appears complete or not at all.
     """
@@ -81,13 +82,14 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
                           "validates and plans; turn the setting off to compile a bundle for this runtime",
                           key=gaps[0].key)
     if runtime_config is None:
-        from rlc.compiler.resolve import to_runtime_config
+        from rlc.compiler.resolve import resolve_runtime_config
 
-        runtime_config = to_runtime_config(result)
+        runtime_config = resolve_runtime_config(result)
+    from rlc.contract.runtime_config import runtime_config_to_dict
     out_dir = Path(os.path.abspath(out_dir))
     recovered = recover(out_dir)
     check_target(out_dir, force)
-    ctx = build_context(recipe.cluster, recipe.name, out_dir, runtime_config["cluster"]["log_dir"], __version__)
+    ctx = build_context(recipe.cluster, recipe.name, out_dir, runtime_config.cluster.log_dir, __version__)
     loaded = result.loaded
     container = recipe.cluster.container
     text_values = {
@@ -101,7 +103,7 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
         "node.sh": render_script("node.sh.j2", ctx.values),
         "env.sh": render_script("env.sh.j2", ctx.values),
         "mounts.txt": "".join(m.spec + "\n" for m in ctx.mounts),
-        "runtime.yaml": runtime_yaml(runtime_config),
+        "runtime.yaml": runtime_yaml(runtime_config_to_dict(runtime_config)),
         **plan_files(result.plan, recipe, runtime_config),
         "README.txt": render_text("README.txt.j2", text_values),
     }

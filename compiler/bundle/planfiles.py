@@ -1,6 +1,7 @@
 """plan.txt / plan.json / plan.svg: the planner's memory plan, or a resource summary without one."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -8,19 +9,20 @@ from rlc.compiler.planner.render_svg import escape_text
 
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.recipe_types import Recipe
+from rlc.contract.runtime_config import RuntimeConfig
 
 
-def _summary(recipe: Recipe, runtime_config: dict[str, Any]) -> dict[str, Any]:
-    cluster = runtime_config["cluster"]
+def _summary(recipe: Recipe, runtime_config: RuntimeConfig) -> dict[str, Any]:
+    cluster = runtime_config.cluster
     return {
         "model": recipe.model.id,
-        "nodes": cluster["nodes"],
-        "gpus_per_node": cluster["gpus_per_node"],
-        "world_size": cluster["world_size"],
-        "gpu": cluster["gpu_type"],
-        "gpu_memory_gib": cluster["gpu_memory_gib"],
-        "train_parallel": runtime_config["train_parallel"],
-        "generation_parallel": runtime_config["generation_parallel"],
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "world_size": cluster.world_size,
+        "gpu": cluster.gpu_type,
+        "gpu_memory_gib": cluster.gpu_memory_gib,
+        "train_parallel": dataclasses.asdict(runtime_config.train_parallel),
+        "generation_parallel": dataclasses.asdict(runtime_config.generation_parallel),
     }
 
 
@@ -31,7 +33,7 @@ def _summary_svg(lines: list[str]) -> str:
             f'font-family="monospace" font-size="13">{rows}</svg>\n')
 
 
-def plan_files(plan: MemoryPlan | None, recipe: Recipe, runtime_config: dict[str, Any]) -> dict[str, str]:
+def plan_files(plan: MemoryPlan | None, recipe: Recipe, runtime_config: RuntimeConfig) -> dict[str, str]:
     """The three plan files' contents, by file name."""
     if plan is not None:
         return {

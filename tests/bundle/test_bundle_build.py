@@ -334,3 +334,24 @@ def test_a_moved_bundle_is_refused_by_submit_and_says_why(tmp_path, e2e_recipe, 
     assert f"was compiled into {tmp_path / 'b'} and moved or copied since" in err
     readme = (tmp_path / "moved" / "README.txt").read_text()
     assert f"This bundle belongs in {tmp_path / 'b'}: launch.sbatch names that folder" in readme
+
+
+def test_plan_files_without_a_memory_plan_summarise_the_resolved_resources(tmp_path):
+    """Without model facts there is no memory plan: plan.txt/json/svg state the resources instead,
+    read from the resolved runtime config."""
+    from rlc.compiler.api import check
+    from rlc.compiler.bundle.planfiles import plan_files
+    from rlc.compiler.resolve import resolve_runtime_config
+
+    result = check(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml", _set(tmp_path))
+    config = resolve_runtime_config(result)
+    files = plan_files(None, result.recipe, config)
+    resources = json.loads(files["plan.json"])["resources"]
+    assert json.loads(files["plan.json"])["plan"] is None
+    assert (resources["model"], resources["world_size"], resources["gpu"]) == \
+        (result.recipe.model.id, 4, result.recipe.cluster.gpu)
+    assert resources["train_parallel"]["dp"] == config.train_parallel.dp
+    assert resources["generation_parallel"] == {"tp": config.generation_parallel.tp, "pp": config.generation_parallel.pp,
+                                                "ep": config.generation_parallel.ep, "dp": config.generation_parallel.dp}
+    assert files["plan.txt"].startswith("No memory plan") and "world_size: 4" in files["plan.txt"]
+    assert files["plan.svg"].startswith("<svg")

@@ -70,11 +70,12 @@ def assert_no_internal_error(key: str, value: float | int) -> None:
     from rlc.compiler.api import check
     from rlc.compiler.bundle.build import runtime_yaml
     from rlc.compiler.bundle.planfiles import plan_files
-    from rlc.compiler.resolve import to_runtime_config
+    from rlc.compiler.resolve import resolve_runtime_config
+    from rlc.contract.runtime_config import runtime_config_to_dict
 
     result = check(BASE, [f"{key}={text}"])
-    config = to_runtime_config(result)
-    assert runtime_yaml(config)
+    config = resolve_runtime_config(result)
+    assert runtime_yaml(runtime_config_to_dict(config))
     assert plan_files(result.plan, result.recipe, config)["plan.txt"]
 
 
