@@ -262,3 +262,13 @@ def test_fp8_generation_keeps_the_embedding_and_lm_head_in_bf16(tmp_path):
     params = bf16.vllm_weights_gib * (1 << 30) / 2
     assert fp8.vllm_weights_gib * (1 << 30) == pytest.approx((params - vocab) + 2 * vocab, rel=1e-9)
     assert 8.4 < fp8.vllm_weights_gib < 8.5 < bf16.vllm_weights_gib / 1.7  # 7.48 GiB if all were 1 byte
+
+
+def test_a_tight_refit_is_not_told_that_sleep_level_2_frees_the_shard(tmp_path):
+    """The refit wakes the weights at either sleep level, so with little margin (eager on, ratio 0.22)
+    the plan offers other levers and RLC213 stays silent (it used to promise the 40.9 GiB TP32 shard)."""
+    result = check(tmp_path, DSV3, "generation.enforce_eager=true", "refit.buffer_memory_ratio=0.22")
+    plan = result.plan
+    assert plan.refit.tolerance_gib < plan.graph_uncertainty_gib  # tight: the fixes were computed
+    assert plan.fixes and all(f.key != "refit.sleep_level" for f in plan.fixes)
+    assert "RLC213" not in rules(result)
