@@ -20,13 +20,22 @@ def owned_options(ctx: Context) -> None:
     for block, options, owned in blocks:
         for key in options:
             if key in owned:
-                ctx.error(f"{block}.{key} is set by rlc from {owned[key]}", f"{block}.{key}",
-                          hint=f"use {owned[key]} instead")
+                source, hint = _owner(owned[key])
+                ctx.error(f"{block}.{key} is set by rlc {source}", f"{block}.{key}", hint=hint)
             else:
                 near = closest(key, list(owned), cutoff=0.85)
                 if near:
-                    ctx.error(f"{block}.{key} looks like {near!r}, which rlc sets from {owned[near]}",
-                              f"{block}.{key}", hint=f"use {owned[near]} instead")
+                    source, hint = _owner(owned[near])
+                    ctx.error(f"{block}.{key} looks like {near!r}, which rlc sets {source}", f"{block}.{key}",
+                              hint=hint)
+
+
+def _owner(owner: str) -> tuple[str, str]:
+    """How rlc sets an owned option, and the hint: a typed key to use, or a fixed value (``(always ...: why)``)
+    that no recipe key changes."""
+    if owner.startswith("("):
+        return owner, "drop it: rlc sets this option itself"
+    return f"from {owner}", f"use {owner} instead"
 
 
 @rule("RLC311", "setting the bundled runtime cannot run yet", severities=("warning",),

@@ -205,6 +205,15 @@ def test_pass_through_blocks_cannot_set_what_rlc_sets(tmp_path):
     assert errors["training.megatron_kwargs.moe_token_dispatcher_type"].hint == "use training.moe.token_dispatcher instead"
 
 
+def test_an_option_rlc_fixes_itself_is_named_with_its_reason(tmp_path):
+    recipe = {**DSV3, "training": {**DSV3["training"], "megatron_kwargs": {"gradient_accumulation_fusion": True}}}
+    result = check(tmp_path, recipe, "refit.buffer_memory_ratio=0.45")
+    [error] = [d for d in result.diagnostics if d.rule == "RLC310"]
+    assert error.message == ("training.megatron_kwargs.gradient_accumulation_fusion is set by rlc (always off: the "
+                             "fused weight-gradient accumulation needs APEX)")
+    assert error.hint == "drop it: rlc sets this option itself"
+
+
 def test_settings_the_runtime_cannot_run_warn_and_compile_refuses(tmp_path):
     from rlc.compiler.bundle import BundleError, build_bundle
 
