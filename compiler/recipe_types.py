@@ -429,6 +429,8 @@ class TrainingSection(_Section):
     """Megatron's hybrid CPU optimizer."""
     optimizer_offload_fraction: float
     """Share of the optimizer state offloaded with ``optimizer_cpu_offload``."""
+    offload_reference_policy: bool
+    """Keep the KL penalty's reference policy in host memory between its logprob passes."""
     mtp_loss_scale: float
     """Weight of the MTP block's loss (0: policy loss only)."""
     activation_checkpointing: Literal["none", "selective", "full"]

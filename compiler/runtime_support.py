@@ -37,6 +37,10 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
         gaps.append(Gap("training.sequence_packing.enabled",
                         "the bundled runtime pads each rollout to the longest of its micro batch; it does not "
                         "pack sequences yet"))
+    if training.offload_reference_policy and recipe.loss.kl_penalty > 0:
+        gaps.append(Gap("training.offload_reference_policy",
+                        "the bundled runtime keeps the reference policy on the GPU; it does not move it to host "
+                        "memory between its logprob passes yet"))
     if training.fp8.enabled and training.fp8.param_gather:
         gaps.append(Gap("training.fp8.param_gather",
                         "FP8 parameters would reach the refit exporter as FP8; the bundled runtime exports "

@@ -3,7 +3,8 @@
 vLLM's sleep level 1 copies each GPU's weight shard into pinned host memory (level 2 discards it);
 ``offload_optimizer_for_refit`` moves gradients and Adam moments (and the fp32 master weights when
 they are optimizer state: precision-aware optimizer) to the host for the refit;
-``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time. Per node that
+``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time;
+``training.offload_reference_policy`` keeps the KL penalty's reference policy there. Per node that
 is the per-GPU block × ``cluster.gpus_per_node``, plus a per-process baseline, against the fraction
 of host memory at which Ray's memory monitor starts killing workers (vime #191: GLM-4.5-Air on
 GB200 reached 95 % of host memory at level 1 and died; level 2 peaked at 59 %).
@@ -95,7 +96,8 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
     ht = host_table()
     node_gib, node_source = node_memory(recipe, gpu.name)
     limit = None if node_gib is None else node_gib * ht.threshold
-    worst_fig = max(figs, key=lambda f: f["grads_bytes"] + f["master_bytes"] + f["moments_bytes"]) if figs else None
+    worst_fig = max(figs, key=lambda f: f["grads_bytes"] + f["master_bytes"] + f["moments_bytes"]
+                    + f["params_bytes"] * (table["refit"].host.reference if "refit" in table else 0.0)) if figs else None
 
     def items_for(phase: PhaseResidency) -> list[Item]:
         h = phase.host
@@ -112,6 +114,9 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                 if share:
                     out.append(Item(label, worst_fig[f"{key}_bytes"] * share * per_node / GIB, "megatron", "params",
                                     f"× {per_node} GPUs"))
+            if h.reference:
+                out.append(Item("reference policy params (offloaded)", worst_fig["params_bytes"] * h.reference
+                                * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))
         return out
 
     phases = {name: items_for(p) for name, p in table.items()}

@@ -17,7 +17,8 @@ refit      params; fp32 master unless it moved with     weight shard if the leve
 
 With ``loss.kl_penalty > 0`` the runtime builds a frozen reference policy with the same parallel layout
 as the trainer and keeps its bf16 parameters on the GPU in every phase (nothing offloads it), so both
-phases carry a second copy of the stage's parameters.
+phases carry a second copy of the stage's parameters; with ``training.offload_reference_policy`` (as
+verl, slime and SkyRL run) that copy is in host memory instead.
 
 Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
 keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
@@ -58,6 +59,7 @@ class HostResident:
     grads: float
     master: float
     moments: float
+    reference: float = 0.0  # the reference policy's bf16 params with training.offload_reference_policy
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     offload_for_refit = refit.offload_optimizer_for_refit
     precision_aware = training.use_precision_aware_optimizer
     host_copy = 1.0 if level.host_copy else 0.0
-    reference = 1.0 if recipe.loss.kl_penalty > 0 else 0.0
+    with_reference = recipe.loss.kl_penalty > 0
+    reference = 1.0 if with_reference and not training.offload_reference_policy else 0.0
+    reference_host = 1.0 if with_reference and training.offload_reference_policy else 0.0
 
     train = PhaseResidency(
         "train",
@@ -86,7 +90,7 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
                          reference=reference),
         VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
-        HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off),
+        HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host),
     )
     if offload_for_refit:
         # the optimizer state goes to the host; the fp32 master goes with it when it *is* optimizer
@@ -94,11 +98,12 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         master_stays = cal.megatron_master_params_stay_at_refit and not precision_aware
         mega = MegatronResident(params=1.0, grads=0.0, master=1.0 if master_stays else 0.0, moments=0.0,
                                 cpu_offload_staging=cpu_offload, reference=reference)
-        host = HostResident(vllm_weights=host_copy, grads=1.0, master=0.0 if master_stays else 1.0, moments=1.0)
+        host = HostResident(vllm_weights=host_copy, grads=1.0, master=0.0 if master_stays else 1.0, moments=1.0,
+                            reference=reference_host)
     else:
         mega = MegatronResident(params=1.0, grads=1.0, master=1.0, moments=1.0, cpu_offload_staging=cpu_offload,
                                 reference=reference)
-        host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off)
+        host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host)
     refit_phase = PhaseResidency(
         "refit", mega,
         VllmResident(level.gpu_at_refit, f"sleep level {level_no} ({sleep.label}): weight shard "

@@ -44,3 +44,24 @@ def test_the_reference_policy_takes_its_size_from_the_refit_free_memory():
     without, with_ref = _plan(0.0), _plan(0.001)
     ref = _item(with_ref.phases["refit"], LABEL)
     assert (without.refit.free_at_refit - with_ref.refit.free_at_refit) / 2**30 == pytest.approx(ref, abs=1e-6)
+
+
+def test_an_offloaded_reference_policy_is_in_host_memory_and_the_runtime_gap_is_named():
+    """verl's ref.megatron.param_offload: the copy leaves the GPU phases and lands in host memory per node."""
+    on_gpu = _plan(0.001)
+    result = api.check(RECIPE, ["loss.kl_penalty=0.001", "training.offload_reference_policy=true"])
+    plan = result.plan
+    assert all(_item(plan.phases[p], LABEL) is None for p in ("train", "refit", "stack"))
+    ref = _item(on_gpu.phases["refit"], LABEL)
+    assert plan.host.item_gib("reference policy params (offloaded)") == pytest.approx(ref * 8)  # 8 GPUs per node
+    assert plan.refit.free_at_refit > on_gpu.refit.free_at_refit
+    gaps = [d for d in result.diagnostics if d.rule == "RLC311"]
+    assert [d.path for d in gaps] == ["training.offload_reference_policy"] and result.ok
+
+
+def test_offloading_without_a_kl_penalty_changes_nothing():
+    plain = _plan(0.0)
+    result = api.check(RECIPE, ["loss.kl_penalty=0", "training.offload_reference_policy=true"])
+    assert result.plan.host.item_gib("reference policy params (offloaded)") == 0.0
+    assert result.plan.refit.free_at_refit == plain.refit.free_at_refit
+    assert "RLC311" not in {d.rule for d in result.diagnostics}

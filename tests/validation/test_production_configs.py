@@ -31,16 +31,11 @@ WHY_FALSE = {
               "residues overcount this layout by "
               "0.93 GiB, and the v0.6 stack had at least 0.51 GiB more free than main, a version difference "
               "the calibration (one entry per GPU) cannot express",
-    "RLC211": "verl moves the reference policy's parameters to host memory (ref.megatron.param_offload); rlc's "
-              "runtime keeps them on the GPU with a KL penalty (16.46 GiB on the last stage), which leaves 4.77 GiB "
-              "free at the refit, and after verl's 2 GiB bucket (buffer_gb 4) the staging site is 4.85 GiB short of "
-              "the 1.73 GiB embedding: a gap of rlc's runtime, not of the plan",
 }
 
 #: Recipes that fail today, with the rule ids that fire falsely on each.
 FALSE_ALARMS = {
     "nemo-rl-grpo-deepseek-v3-32n8g": ("RLC210",),
-    "verl-grpo-deepseek-v3-12n8g-h20": ("RLC211",),
 }
 
 SUITE = recipes(PRODUCTION)
