@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import yaml
 
@@ -17,6 +17,9 @@ from rlc.compiler.planner.calibration import CalibrationError, calibration_for, 
 from rlc.compiler.planner.fit import compare, comparison_text, fit, to_table
 from rlc.compiler.planner.memory import plan_memory
 from rlc.compiler.planner.runs import read_run
+
+if TYPE_CHECKING:
+    from rlc.compiler.api import CheckResult
 
 HEADER = ("# Memory-planner calibration written by `rlc calibrate`; use it with `rlc plan --calibration FILE`\n"
           "# or `cluster.calibration: FILE` in a recipe. Constants marked `rlc calibrate` were fitted from the\n"
@@ -41,10 +44,13 @@ def write_atomically(path: Path, text: str) -> None:
         raise CalibrationError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
-def calibrate(run_dirs: Sequence[str], result: Any, output: Path, entry_id: Optional[str] = None) -> str:
-    """Fit from ``run_dirs`` for the checked recipe ``result``; write ``output``; return the report."""
-    runs = [read_run(d) for d in run_dirs]
+def calibrate(run_dirs: Sequence[str], result: CheckResult, output: Path, entry_id: Optional[str] = None) -> str:
+    """Fit from ``run_dirs`` for the checked recipe ``result`` (with model facts and a GPU); write
+    ``output``; return the report."""
     recipe, facts, gpu = result.recipe, result.facts, result.gpu
+    if recipe is None or facts is None or gpu is None:
+        raise CalibrationError("the recipe must pass the schema and name a known model and GPU to calibrate")
+    runs = [read_run(d) for d in run_dirs]
     base = calibration_for(gpu.name, table=result.calibration or None)
     entry_id = entry_id or default_id(gpu.name, runs[0].versions)
     fitted_cal, fitted = fit(runs, recipe, facts, gpu, base, entry_id)

@@ -7,34 +7,40 @@ or the decision the rules make for the recipe's ``auto`` refit switches.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rlc.compiler.doctor.findings import Finding
 from rlc.compiler.doctor.sizes import GIB, gib
 
+if TYPE_CHECKING:
+    from rlc.compiler.api import CheckResult
+    from rlc.compiler.recipe_types import Recipe
 
-def replan(findings: list[Finding], result: Any) -> None:
+
+def replan(findings: list[Finding], result: CheckResult) -> None:
     """Fill ``replan`` / ``fits`` of each finding from ``result`` (``rlc.compiler.api.CheckResult``)."""
     for f in findings:
         judge = _JUDGES.get(f.pattern)
-        if judge is None or result.recipe is None:
+        recipe = result.recipe
+        if judge is None or recipe is None:
             continue
-        verdict = judge(f, result)
+        verdict = judge(f, result, recipe)
         if verdict is not None:
             f.replan, f.fits = verdict
 
 
 Verdict = Optional[tuple[str, Optional[bool]]]
+#: A judge: the finding, the check of the recipe, and its typed recipe (the schema accepted it).
+Judge = Callable[[Finding, "CheckResult", "Recipe"], Verdict]
 
 
 def _window_text(window: Optional[tuple[float, float]]) -> str:
     return f"buffer_memory_ratio {window[0]:.3f}–{window[1]:.3f}" if window else ""
 
 
-def _refit_verdict(result: Any, free: int, name: str, tensor: int, how: str) -> Verdict:
+def _refit_verdict(result: CheckResult, recipe: Recipe, free: int, name: str, tensor: int, how: str) -> Verdict:
     from rlc.compiler.planner.measured import refit_at_free
 
-    recipe = result.recipe
     m = refit_at_free(recipe, recipe.cluster.gpu, free, name, tensor)
     now = ("passes" if m.per_side >= tensor and m.free_at_stack >= tensor else
            "half too small" if m.per_side < tensor else "staging site too small")
@@ -52,22 +58,22 @@ def _refit_verdict(result: Any, free: int, name: str, tensor: int, how: str) -> 
     return head + tail, False
 
 
-def _judge_buffer(f: Finding, result: Any) -> Verdict:
+def _judge_buffer(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     v = f.values
     tensor, half = v["tensor_bytes"], v["half_bytes"]
     name = v.get("name") or "the largest tensor"
     if "free_bytes" in v:
-        return _refit_verdict(result, v["free_bytes"], name, tensor, "from the log")
-    refit = result.recipe.refit
+        return _refit_verdict(result, recipe, v["free_bytes"], name, tensor, "from the log")
+    refit = recipe.refit
     ratio = refit.buffer_memory_ratio
     if refit.buffer_gb is not None or not ratio:
         return (f"the log's half is {gib(half)}; the tensor needs {gib(tensor)}: a buffer_gb of at least "
                 f"{2 * tensor / GIB:.2f} GiB (both halves)", None)
     free = int(2 * half / ratio)
-    return _refit_verdict(result, free, name, tensor, f"= 2 × half {gib(half)} / ratio {ratio:g}")
+    return _refit_verdict(result, recipe, free, name, tensor, f"= 2 × half {gib(half)} / ratio {ratio:g}")
 
 
-def _judge_stack(f: Finding, result: Any) -> Verdict:
+def _judge_stack(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     from rlc.compiler.planner.measured import free_at_refit_for_stack
 
     v = f.values
@@ -76,33 +82,33 @@ def _judge_stack(f: Finding, result: Any) -> Verdict:
     tensor = v["ask_bytes"]
     name = result.plan.refit.largest_name if abs(result.plan.refit.largest - tensor) < GIB // 8 else "the stacked tensor"
     gpu_bytes = int(result.plan.gpu_memory_gib * GIB)
-    free = free_at_refit_for_stack(result.recipe, result.recipe.cluster.gpu, v["free_bytes"], name, tensor,
+    free = free_at_refit_for_stack(recipe, recipe.cluster.gpu, v["free_bytes"], name, tensor,
                                    gpu_bytes)
     if free is None:
         return (f"no free memory at refit leads to {gib(v['free_bytes'])} at the staging site with this recipe; "
                 "check that the log and the recipe are of the same job", None)
-    return _refit_verdict(result, free, name, tensor, f"inferred from {gib(v['free_bytes'])} free at the stack")
+    return _refit_verdict(result, recipe, free, name, tensor, f"inferred from {gib(v['free_bytes'])} free at the stack")
 
 
-def _judge_residue(f: Finding, result: Any) -> Verdict:
+def _judge_residue(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     from rlc.compiler.planner import plan_memory
     from rlc.compiler.recipe_types import with_value
 
     used = [m.values["in_use_gib"] for m in f.matches]
     growth = max(used) - used[0]
     plan = result.plan
-    if plan is None or plan.refit is None or plan.refit.tolerance_gib is None:
+    if plan is None or plan.refit is None or plan.refit.tolerance_gib is None or result.facts is None:
         return None
     # enforce_eager removes the CUDA-graph residue; the sleep level does not change it (both levels unmap
     # the weights, and the refit wakes them at either level)
-    fixed = with_value(result.recipe, "generation.enforce_eager", True)
+    fixed = with_value(recipe, "generation.enforce_eager", True)
     after = plan_memory(fixed, result.facts, result.gpu)
     tol = after.refit.tolerance_gib if after.refit is not None else None
     text = (f"the recipe's refit tolerates {plan.refit.tolerance_gib:.2f} GiB less free memory; the log's residue grew "
             f"{growth:.2f} GiB")
     if tol is None:
         return text + "; with enforce_eager the plan still fails the refit checks", False
-    if f.rule == "RLC212" and not result.recipe.generation.enforce_eager:
+    if f.rule == "RLC212" and not recipe.generation.enforce_eager:
         # the growth is the CUDA graphs' own: enforce_eager removes it together with the graphs
         return (text + f"; with generation.enforce_eager: true there are no CUDA graphs to grow and the refit "
                 f"tolerates {tol:.2f} GiB (enough)"), True
@@ -111,8 +117,8 @@ def _judge_residue(f: Finding, result: Any) -> Verdict:
             + (" (enough)" if fits else " (not enough: free memory another way)")), fits
 
 
-def _decision(key: str) -> Callable[[Finding, Any], Verdict]:
-    def judge(f: Finding, result: Any) -> Verdict:
+def _decision(key: str) -> Judge:
+    def judge(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
         value, reason = result.decisions.get(key, (None, ""))
         if value is None:
             errors = [d for d in result.errors if d.path == key]
@@ -129,11 +135,11 @@ _SWITCHES = {"RLC202": "refit.sync_params_before_refit", "RLC203": "refit.per_ra
              "RLC204": "refit.fp32_params"}
 
 
-def _cause_ruled_out(rule: str, result: Any) -> Optional[bool]:
+def _cause_ruled_out(rule: str, result: CheckResult, recipe: Recipe) -> Optional[bool]:
     """Whether this recipe rules the cause of ``rule`` out (None: cannot tell)."""
     value, _ = result.decisions.get(_SWITCHES[rule], (None, ""))
     if rule == "RLC202":
-        training = result.recipe.training
+        training = recipe.training
         overlapped = training.use_distributed_optimizer and training.overlap_param_gather
         return bool(value) or not overlapped
     if rule == "RLC203":
@@ -141,7 +147,7 @@ def _cause_ruled_out(rule: str, result: Any) -> Optional[bool]:
     return None  # fp32 parameters: the decision lists patterns; a wrong dtype is not visible here
 
 
-def _judge_mismatch(f: Finding, result: Any) -> Verdict:
+def _judge_mismatch(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     parts = []
     for rule in (f.rule, *f.candidates):
         if rule not in _SWITCHES:
@@ -149,20 +155,20 @@ def _judge_mismatch(f: Finding, result: Any) -> Verdict:
         value, _ = result.decisions.get(_SWITCHES[rule], (None, ""))
         shown = "on" if value is True else "off" if value is False else repr(value)
         parts.append(f"{_SWITCHES[rule]}: {shown} ({rule})")
-    kl = result.recipe.grpo.max_gen_kl
+    kl = recipe.grpo.max_gen_kl
     guard = f"grpo.max_gen_kl {kl:g}" + (" (the guard is off: RLC306)" if kl == 0 else "")
-    fits = _cause_ruled_out(f.rule, result) if f.rule in _SWITCHES else None
+    fits = _cause_ruled_out(f.rule, result, recipe) if f.rule in _SWITCHES else None
     return f"this recipe decides {'; '.join(parts)}; {guard}", fits
 
 
-def _judge_expandable(f: Finding, result: Any) -> Verdict:
+def _judge_expandable(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     hits = [d for d in result.errors if d.rule == "RLC301"]
     if hits:
         return f"the recipe still enables it: {hits[0].path}", False
     return "the recipe's cluster.env has no expandable_segments:True", True
 
 
-def _judge_wake(f: Finding, result: Any) -> Verdict:
+def _judge_wake(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     plan = result.plan
     if plan is None:
         return None
@@ -175,10 +181,10 @@ def _judge_wake(f: Finding, result: Any) -> Verdict:
             "with `rlc plan` (vLLM's memory while asleep)", None)
 
 
-def _judge_ds(f: Finding, result: Any) -> Verdict:
+def _judge_ds(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     v = f.values
-    ds = result.recipe.grpo.dynamic_sampling
-    pps = result.recipe.grpo.prompts_per_step
+    ds = recipe.grpo.dynamic_sampling
+    pps = recipe.grpo.prompts_per_step
     if "hit_rate" not in v or not v["hit_rate"]:
         return (f"the recipe allows {ds.max_gen_batches} batches of "
                 f"{math.ceil(pps * ds.batch_multiplier)} prompts; the log gives no hit rate to re-plan with",
@@ -191,8 +197,8 @@ def _judge_ds(f: Finding, result: Any) -> Verdict:
             f"takes {need} batches; the recipe allows {allowed}" + ("" if fits else " (not enough)")), fits
 
 
-def _judge_worker(f: Finding, result: Any) -> Verdict:
-    r = result.recipe
+def _judge_worker(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
+    r = recipe
     requeue = r.cluster.slurm.requeue
     ckpt = r.checkpointing
     if requeue and ckpt.enabled:
@@ -202,7 +208,7 @@ def _judge_worker(f: Finding, result: Any) -> Verdict:
             + ("" if ckpt.enabled else " and checkpointing.enabled: true"), False)
 
 
-_JUDGES: dict[str, Callable[[Finding, Any], Verdict]] = {
+_JUDGES: dict[str, Judge] = {
     "refit-buffer-too-small": _judge_buffer,
     "export-stack-oom": _judge_stack,
     "vllm-sleep-residue": _judge_residue,
