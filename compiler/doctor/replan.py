@@ -41,7 +41,7 @@ def _window_text(window: Optional[tuple[float, float]]) -> str:
 def _refit_verdict(result: CheckResult, recipe: Recipe, free: int, name: str, tensor: int, how: str) -> Verdict:
     from rlc.compiler.planner.measured import refit_at_free
 
-    m = refit_at_free(recipe, recipe.cluster.gpu, free, name, tensor)
+    m = refit_at_free(recipe, recipe.cluster.gpu, free, name, tensor, result.calibration or None)
     now = ("passes" if m.per_side >= tensor and m.free_at_stack >= tensor else
            "half too small" if m.per_side < tensor else "staging site too small")
     head = (f"re-planned at the log's {gib(free)} free at refit ({how}) for {name} ({gib(tensor)}): the recipe's "
@@ -83,7 +83,7 @@ def _judge_stack(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     name = result.plan.refit.largest_name if abs(result.plan.refit.largest - tensor) < GIB // 8 else "the stacked tensor"
     gpu_bytes = int(result.plan.gpu_memory_gib * GIB)
     free = free_at_refit_for_stack(recipe, recipe.cluster.gpu, v["free_bytes"], name, tensor,
-                                   gpu_bytes)
+                                   gpu_bytes, result.calibration or None)
     if free is None:
         return (f"no free memory at refit leads to {gib(v['free_bytes'])} at the staging site with this recipe; "
                 "check that the log and the recipe are of the same job", None)
@@ -102,7 +102,7 @@ def _judge_residue(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     # enforce_eager removes the CUDA-graph residue; the sleep level does not change it (both levels unmap
     # the weights, and the refit wakes them at either level)
     fixed = with_value(recipe, "generation.enforce_eager", True)
-    after = plan_memory(fixed, result.facts, result.gpu)
+    after = plan_memory(fixed, result.facts, result.gpu, calibration=result.calibration or None)
     tol = after.refit.tolerance_gib if after.refit is not None else None
     text = (f"the recipe's refit tolerates {plan.refit.tolerance_gib:.2f} GiB less free memory; the log's residue grew "
             f"{growth:.2f} GiB")

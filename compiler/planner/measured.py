@@ -8,9 +8,9 @@ does the half hold the tensor and does the staging site have room, and which rat
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from rlc.compiler.planner.calibration import calibration_for
+from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.planner.memory import _refit_math
 from rlc.compiler.planner.plan import RefitMath
@@ -18,19 +18,24 @@ from rlc.compiler.recipe_types import Recipe
 
 
 def refit_at_free(recipe: Recipe, gpu_name: str, free_bytes: int, largest_name: str,
-                  largest_bytes: int) -> RefitMath:
-    """The planner's refit math at ``free_bytes`` for a largest tensor of ``largest_bytes``."""
-    cal = calibration_for(gpu_name)
+                  largest_bytes: int, calibration: Optional[Sequence[Calibration]] = None) -> RefitMath:
+    """The planner's refit math at ``free_bytes`` for a largest tensor of ``largest_bytes``.
+
+    ``calibration``: the recipe's table (``cluster.calibration`` / ``--calibration``); the shipped
+    table when None, as in :func:`~rlc.compiler.planner.memory.plan_memory`.
+    """
+    cal = calibration_for(gpu_name, table=calibration)
     return _refit_math(int(free_bytes), recipe, largest_name, int(largest_bytes), train_layout(recipe), cal)
 
 
 def free_at_refit_for_stack(recipe: Recipe, gpu_name: str, free_at_stack: int, largest_name: str,
-                            largest_bytes: int, gpu_bytes: int) -> Optional[int]:
+                            largest_bytes: int, gpu_bytes: int,
+                            calibration: Optional[Sequence[Calibration]] = None) -> Optional[int]:
     """The free memory at refit that leaves ``free_at_stack`` at the staging site (None if none does)."""
     lo, hi = int(free_at_stack), int(gpu_bytes)
 
     def stack(free: int) -> int:
-        return refit_at_free(recipe, gpu_name, free, largest_name, largest_bytes).free_at_stack
+        return refit_at_free(recipe, gpu_name, free, largest_name, largest_bytes, calibration).free_at_stack
 
     if stack(hi) < free_at_stack:
         return None

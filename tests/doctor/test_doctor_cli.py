@@ -128,3 +128,27 @@ def test_a_job_folder_is_read_recursively_and_findings_name_file_and_line(tmp_pa
     empty.mkdir()
     code, _, err = rlc("doctor", str(empty))
     assert code == 2 and "no log files" in err
+
+
+def test_replan_uses_the_recipes_calibration_not_the_shipped_table(tmp_path):
+    """A recipe that names its own calibration (``cluster.calibration``) is re-planned with it: the same
+    log and recipe with the staging-site overhead raised by 10 GiB leave 10 GiB less at the staging site."""
+    import yaml
+
+    from rlc.compiler.planner.calibration import CALIBRATION_FILE
+
+    table = yaml.safe_load(Path(CALIBRATION_FILE).read_text(encoding="utf-8"))
+    h100 = next(e for e in table["entries"] if e["gpu"] == "h100-80gb")
+    h100["constants"]["export_staging_overhead_gib"]["value"] += 10.0
+    own = tmp_path / "h100-own.yaml"
+    own.write_text(yaml.safe_dump({"format": 1, "entries": [h100]}), encoding="utf-8")
+    args = ["doctor", str(LOGS / "nemo_rl_buffer_too_small.log"),
+            "--recipe", str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-1-defaults.yaml")]
+
+    def staging_gib(out: str) -> float:
+        return float(out.split("leaves ")[1].split(" GiB at the staging site")[0])
+
+    _, shipped, _ = rlc(*args)
+    code, with_own, _ = rlc(*args, "--set", f"cluster.calibration={own}")
+    assert code == 0
+    assert abs(staging_gib(shipped) - staging_gib(with_own) - 10.0) < 0.05, (shipped, with_own)
