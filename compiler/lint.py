@@ -158,10 +158,10 @@ def output_folders(path: str, result: Any) -> Diagnostic:
     ``runtime.yaml``): checkpoints and metrics, as an :data:`OUTPUTS_RULE` record."""
     import json
 
-    from rlc.compiler.resolve import resolve_runtime_config
+    from rlc.compiler.resolve import output_dirs
 
-    runtime = resolve_runtime_config(result)
-    folders = {"checkpointing.dir": runtime.checkpointing.dir, "logging.dir": runtime.logging.dir}
+    checkpoint_dir, metrics_dir = output_dirs(result.recipe)
+    folders = {"checkpointing.dir": checkpoint_dir, "logging.dir": metrics_dir}
     return Diagnostic("info", json.dumps(folders), file=path, rule=OUTPUTS_RULE)
 
 

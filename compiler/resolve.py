@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
-import typing
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from rlc import RUNTIME_CONFIG_VERSION
@@ -29,6 +28,7 @@ from rlc.contract.runtime_config import (
     RuntimeConfigError,
     TrainingConfig,
     TrainParallelConfig,
+    field_types,
     runtime_config_to_dict,
     section_from_dict,
 )
@@ -91,7 +91,7 @@ def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
     renames. A field with no setting and no given value is a resolver bug, named.
     """
     values: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass type
         if f.name in given:
             values[f.name] = given[f.name]
@@ -111,6 +111,19 @@ def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
         raise ResolveError(str(exc)) from None
 
 
+def output_dirs(recipe: Recipe) -> tuple[str, str]:
+    """The absolute checkpoint and metrics folders of a recipe's run: ``checkpointing.dir`` and
+    ``logging.dir``, by default ``checkpoints/<name>`` and ``metrics/<name>`` under ``cluster.log_dir``.
+
+    A relative ``cluster.log_dir`` means "beside where rlc compile ran" (shipped recipes live inside
+    the installed package, so the recipe's own folder would be the wrong anchor).
+    """
+    log_dir = os.path.abspath(recipe.cluster.log_dir)
+    ckpt, logs = recipe.checkpointing.dir, recipe.logging.dir
+    return (os.path.abspath(ckpt if ckpt is not None else posixpath.join(log_dir, "checkpoints", recipe.name)),
+            os.path.abspath(logs if logs is not None else posixpath.join(log_dir, "metrics", recipe.name)))
+
+
 def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
     """The typed runtime config of a successful check: recipe + rule decisions + derived sizes."""
     if not result.ok or result.recipe is None or result.facts is None or result.gpu is None:
@@ -118,9 +131,8 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
     r, facts, decisions = result.recipe, result.facts, result.decisions
     cluster, tl, gl = r.cluster, train_layout(r), generation_layout(r)
     name = r.name
-    # A relative log_dir means "beside where rlc compile ran" (shipped recipes live inside the
-    # installed package, so the recipe's own folder would be the wrong anchor).
-    log_dir = os.path.abspath(cluster.log_dir)
+    log_dir = os.path.abspath(cluster.log_dir)  # relative: beside where rlc ran (see output_dirs)
+    checkpoint_dir, metrics_dir = output_dirs(r)
 
     refit = r.refit
     switches = {k: _switch(refit, k, decisions) for k in AUTO_SWITCHES}
@@ -156,10 +168,8 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
         loss=_section(LossConfig, r.loss, "loss"),
         data=_section(DataConfig, data, "data", train_path=data.train, val_path=data.val),
         reward=_section(RewardConfig, r.reward, "reward"),
-        checkpointing=_section(CheckpointConfig, r.checkpointing, "checkpointing", dir=os.path.abspath(
-            r.checkpointing.dir if r.checkpointing.dir is not None else posixpath.join(log_dir, "checkpoints", name))),
-        logging=_section(LoggingConfig, r.logging, "logging", dir=os.path.abspath(
-            r.logging.dir if r.logging.dir is not None else posixpath.join(log_dir, "metrics", name))),
+        checkpointing=_section(CheckpointConfig, r.checkpointing, "checkpointing", dir=checkpoint_dir),
+        logging=_section(LoggingConfig, r.logging, "logging", dir=metrics_dir),
         env={k: _env_str(v) for k, v in cluster.env.items()},
         extensions=_plain(r.extensions),
     )

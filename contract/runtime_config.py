@@ -317,10 +317,25 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config dataclass, worked out once per class.
+
+    ``typing.get_type_hints`` evaluates every string annotation on each call; loading a runtime
+    config, and resolving one per recipe in ``rlc lint``, asks for the same few classes thousands of times.
+    """
+    found = _FIELD_TYPES.get(cls)
+    if found is None:
+        found = _FIELD_TYPES[cls] = typing.get_type_hints(cls)
+    return found
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise RuntimeConfigError(f"{path or '<root>'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
