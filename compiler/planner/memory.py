@@ -435,6 +435,16 @@ def _window_text(window: Optional[tuple[float, float]]) -> str:
     return f"then buffer_memory_ratio {window[0]:.3f}–{window[1]:.3f} passes both checks"
 
 
+def _newly_failing(base: MemoryPlan, alt: MemoryPlan) -> str:
+    """What the re-planned ``alt`` overfills that ``base`` did not (the train step, generation), or ''."""
+    for name, what in (("train_fit", "the train step"), ("generate_fit", "vLLM's pool"),
+                       ("generate_total", "generation")):
+        before, after = base.checks.get(name), alt.checks.get(name)
+        if after is not None and after.ok is False and (before is None or before.ok is not False):
+            return f"{what} then needs {after.need_gib:.2f} of {after.have_gib:.2f} GiB"
+    return ""
+
+
 def _fixes(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> list[Fix]:
     math = base.refit
     if math is None:
@@ -462,6 +472,12 @@ def _fixes(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
         if abs(freed) < NO_OP_GIB:
             continue  # e.g. sleep_level 2: the refit wakes the weights at either level
         window = alt.refit.ratio_window
+        broken = _newly_failing(base, alt)
+        if broken:
+            # a lever that frees memory at the refit by overfilling another phase is not a fix
+            fixes.append(Fix(key, value, f"{desc}: frees ≈ {freed:.1f} GiB at the refit, but {broken}", freed,
+                             False, cost))
+            continue
         fixes.append(Fix(key, value, f"{desc}: frees ≈ {freed:.1f} GiB; {_window_text(window)}", freed,
                          window is not None, cost))
         cumulative = with_value(cumulative, key, value)
