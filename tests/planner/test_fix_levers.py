@@ -42,3 +42,16 @@ def test_the_same_lever_is_a_fix_where_the_train_step_has_room():
     assert cpu.sufficient and "but" not in cpu.text
     off = api.check(recipe, ["refit.buffer_memory_ratio=0.02", "training.optimizer_cpu_offload=false"])
     assert off.plan.checks["train_fit"].ok
+
+
+def test_rlc205_only_informs_where_the_layout_needs_the_cpu_optimizer():
+    """RLC205's advice (turn the CPU optimizer off) would overfill this train step: it reports, not warns."""
+    result = api.check(SLIME_DSR1)
+    [diag] = [d for d in result.diagnostics if d.rule == "RLC205"]
+    fix = _fixes("refit.buffer_memory_ratio=0.18")[0]["training.optimizer_cpu_offload"]
+    assert diag.severity == "info" and diag.hint is None
+    assert f"would need {result.plan.train_gib_without_cpu_offload:.2f} of 79.11 GiB" in diag.message
+    assert f"{result.plan.train_gib_without_cpu_offload:.2f} of 79.11" in fix.text  # one formula, two readers
+    small = api.check(str(ROOT / "tests" / "validation" / "recipes" / "slime-grpo-qwen3-30ba3b-1n8g.yaml"))
+    [warn] = [d for d in small.diagnostics if d.rule == "RLC205"]
+    assert warn.severity == "warning" and "optimizer_cpu_offload: false" in warn.hint
