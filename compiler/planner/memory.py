@@ -277,7 +277,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         if where.cpu_offload_staging:
             on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
             megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
-            plan.train_gib_without_cpu_offload = gib(megatron) + sum(i.gib or 0.0 for i in [residual, ctx] + residue)
+            plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [residual, ctx] + residue)
     # ---- generate
     util = float(generation.gpu_memory_utilization)
     kv_bytes = generation.kv_cache_memory_bytes
