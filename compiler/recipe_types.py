@@ -275,6 +275,8 @@ class RefitSection(_Section):
     """vLLM sleep level after generation."""
     offload_optimizer_for_refit: bool
     """Optimizer state and grads to host memory during the refit."""
+    offload_params_for_generation: bool
+    """The trainer's bf16 parameters to host memory from the end of the refit to the next logprob pass."""
     sync_params_before_refit: Switch
     """Synchronous parameter all-gather before the export (``auto``: the rules decide)."""
     dedupe_mtp_embedding: Switch

@@ -93,6 +93,7 @@ class RefitConfig:
     alignment_bytes: int
     sleep_level: int  # 1 keeps vLLM weights (CPU backup), 2 drops them (NeMo-RL #2471 failure 3)
     offload_optimizer_for_refit: bool  # optimizer state + grads to CPU during refit (NeMo-RL #3490)
+    offload_params_for_generation: bool  # trainer's bf16 params to host memory while vLLM generates
     sync_params_before_refit: bool  # forced param all-gather before export (NeMo-RL #4086)
     dedupe_mtp_embedding: bool  # drop MTP-replicated embedding on last PP stage (NeMo-RL #2471 failure 1)
     per_rank_ipc_metadata: bool  # each producer rank sends its own slicing metadata (SkyRL #1816)

@@ -198,6 +198,7 @@ def test_plan_from_runtime_config():
         alignment_bytes=256,
         sleep_level=2,
         offload_optimizer_for_refit=True,
+        offload_params_for_generation=False,
         sync_params_before_refit=True,
         dedupe_mtp_embedding=True,
         per_rank_ipc_metadata=True,

@@ -4,7 +4,8 @@ vLLM's sleep level 1 copies each GPU's weight shard into pinned host memory (lev
 ``offload_optimizer_for_refit`` moves gradients and Adam moments (and the fp32 master weights when
 they are optimizer state: precision-aware optimizer) to the host for the refit;
 ``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time;
-``training.offload_reference_policy`` keeps the KL penalty's reference policy there. Per node that
+``training.offload_reference_policy`` keeps the KL penalty's reference policy there;
+``refit.offload_params_for_generation`` puts the trainer's bf16 parameters there while vLLM generates. Per node that
 is the per-GPU block × ``cluster.gpus_per_node``, plus a per-process baseline, against the fraction
 of host memory at which Ray's memory monitor starts killing workers (vime #191: GLM-4.5-Air on
 GB200 reached 95 % of host memory at level 1 and died; level 2 peaked at 59 %).
@@ -91,13 +92,17 @@ def node_memory(recipe: Recipe, gpu_name: str) -> tuple[Optional[float], str]:
 
 def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: Optional[int],
               table: Mapping[str, PhaseResidency], gpu: Any) -> HostPlan:
-    """The host memory of one node in its worst phase (train or refit)."""
+    """The host memory of one node in its worst phase (train, refit or generate)."""
     per_node = recipe.cluster.gpus_per_node
     ht = host_table()
     node_gib, node_source = node_memory(recipe, gpu.name)
     limit = None if node_gib is None else node_gib * ht.threshold
-    worst_fig = max(figs, key=lambda f: f["grads_bytes"] + f["master_bytes"] + f["moments_bytes"]
-                    + f["params_bytes"] * (table["refit"].host.reference if "refit" in table else 0.0)) if figs else None
+    def offloaded(f: Mapping[str, Any]) -> float:
+        """The stage's bytes the offloads can put in host memory at once (the worst stage has most)."""
+        moved = max((p.host.reference + p.host.params for p in table.values()), default=0.0)
+        return f["grads_bytes"] + f["master_bytes"] + f["moments_bytes"] + f["params_bytes"] * moved
+
+    worst_fig = max(figs, key=offloaded) if figs else None
 
     def items_for(phase: PhaseResidency) -> list[Item]:
         h = phase.host
@@ -114,6 +119,9 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                 if share:
                     out.append(Item(label, worst_fig[f"{key}_bytes"] * share * per_node / GIB, "megatron", "params",
                                     f"× {per_node} GPUs"))
+            if h.params:
+                out.append(Item("Megatron params (offloaded for generation)", worst_fig["params_bytes"] * h.params
+                                * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))
             if h.reference:
                 out.append(Item("reference policy params (offloaded)", worst_fig["params_bytes"] * h.reference
                                 * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))

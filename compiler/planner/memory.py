@@ -93,6 +93,31 @@ def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Cal
     return items
 
 
+_REFIT_LABELS = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
+                 "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
+                 "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
+                 "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib"),
+                 "reference": (REFERENCE_LABEL, "params")}
+PARAMS_RESIDENT_NOTE = ("refit.offload_params_for_generation is off: the bundled runtime keeps them on the GPU "
+                        "while vLLM generates")
+
+
+def _megatron_items(held: dict[str, int], ctx: Item, generating: bool = False) -> list[Item]:
+    """Plan items of Megatron's allocations after the refit (``_megatron_refit_bytes``) and its context.
+
+    ``generating``: the same trainer state while vLLM generates; the bf16 params (if still there) say why.
+    """
+    items = []
+    for key, value in held.items():
+        if generating and key == "params" and not value:
+            continue  # moved to host memory by refit.offload_params_for_generation
+        label, source = _REFIT_LABELS[key]
+        note = REFERENCE_NOTE if key == "reference" else (PARAMS_RESIDENT_NOTE if generating and key == "params"
+                                                          else "")
+        items.append(Item(label, gib(value), "megatron", source, note))
+    return items + [ctx]
+
+
 # --------------------------------------------------------------------------- vLLM
 
 
@@ -293,8 +318,17 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
                             "calibration:vllm_awake_extra_gib"))
     if not generation.enforce_eager:
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
-    g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
-    plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit)
+    g_stage = None
+    if figs:
+        # the trainer as the refit left it, less what refit.offload_params_for_generation moved to the host
+        g_where = table["generate"].megatron
+        g_fig, g_held = max(((f, _megatron_refit_bytes(f, g_where, cal)) for f in figs),
+                            key=lambda t: sum(t[1].values()))
+        g_stage = g_fig["stage"]
+        g_items += _megatron_items(g_held, ctx, generating=True)
+    else:
+        g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
+    plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
     if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
         plan.checks["generate_fit"] = Check(
@@ -321,14 +355,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     where = table["refit"].megatron
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
-    labels = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
-              "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
-              "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
-              "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib"),
-              "reference": (REFERENCE_LABEL, "params")}
-    r_items = [Item(labels[k][0], gib(v), "megatron", labels[k][1], REFERENCE_NOTE if k == "reference" else "")
-               for k, v in worst_items.items()]
-    r_items += [ctx] + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal)
+    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase
     if refit_phase.free_gib is None:
@@ -516,7 +543,28 @@ def plan_memory(recipe: Recipe, facts: ModelFacts, gpu: Any,
     late = checks.get("train_late_fit")
     if late is not None and late.ok is False:
         plan.late_fix = _wider_tp(recipe, facts, gpu, cal)
+    over = checks.get("generate_total")
+    if over is not None and over.ok is False:
+        plan.generate_fix = _params_offload(plan, recipe, facts, gpu, cal)
     return plan
+
+
+def _params_offload(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[Fix]:
+    """``refit.offload_params_for_generation: true``, re-planned, where generation overfills the GPU with
+    the trainer's bf16 parameters resident. ``None`` when the switch is already on."""
+    if recipe.refit.offload_params_for_generation:
+        return None
+    key = "refit.offload_params_for_generation"
+    alt = _core_plan(with_value(recipe, key, True), facts, gpu, cal).phases["generate"]
+    used, base_used = alt.used_gib, base.phases["generate"].used_gib
+    if used is None or base_used is None:
+        return None
+    fits = used <= alt.limit_gib
+    text = (f"{key}: true moves the trainer's bf16 parameters to host memory while vLLM generates: "
+            f"frees {base_used - used:.2f} GiB, generation then needs {used:.2f} of {alt.limit_gib:.2f} GiB")
+    if not recipe.training.use_distributed_optimizer:
+        text += " (needs training.use_distributed_optimizer: true)"
+    return Fix(key, True, text, base_used - used, fits, 1)
 
 
 def _wider_tp(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> Optional[Fix]:

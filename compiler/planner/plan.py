@@ -133,6 +133,7 @@ class MemoryPlan:
     residency: dict[str, Any] = field(default_factory=dict)  # phase -> residency.PhaseResidency
     host: Any = None  # host.HostPlan: host memory per node at its worst phase
     late_fix: Optional[Fix] = None  # what makes the train step fit once the vLLM residue has grown
+    generate_fix: Optional[Fix] = None  # refit.offload_params_for_generation, where generation overfills without it
     # with optimizer_cpu_offload on: the train step (GiB) with the whole optimizer state on the GPU instead,
     # so a rule can tell a layout that needs the CPU optimizer from one that merely uses it
     train_gib_without_cpu_offload: Optional[float] = None

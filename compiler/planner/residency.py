@@ -13,6 +13,8 @@ refit      params; fp32 master unless it moved with     weight shard if the leve
            the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off)
            optimizer, or no offload); grads + moments
            only without ``offload_optimizer_for_refit``
+generate   as the refit left it, less the bf16 params   awake (its pool is counted apart)
+           with ``refit.offload_params_for_generation``
 =========  ===========================================  ==========================================
 
 With ``loss.kl_penalty > 0`` the runtime builds a frozen reference policy with the same parallel layout
@@ -20,12 +22,18 @@ as the trainer and keeps its bf16 parameters on the GPU in every phase (nothing 
 phases carry a second copy of the stage's parameters; with ``training.offload_reference_policy`` (as
 verl, slime and SkyRL run) that copy is in host memory instead.
 
+The trainer stays as the refit left it until its next logprob pass: the bundled runtime onloads the
+optimizer state only in the train step. ``refit.offload_params_for_generation`` moves the bf16
+parameters to host memory after the refit (Megatron's parameter buffers, so the distributed optimizer)
+and back before the logprob pass, as NeMo-RL, verl, slime and SkyRL do before they generate.
+
 Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
 keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
 offloads moved there.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rlc.compiler.planner.calibration import Calibration
@@ -60,6 +68,7 @@ class HostResident:
     master: float
     moments: float
     reference: float = 0.0  # the reference policy's bf16 params with training.offload_reference_policy
+    params: float = 0.0  # the trainer's bf16 params with refit.offload_params_for_generation (generate)
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class PhaseResidency:
 
 
 def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[str, PhaseResidency]:
-    """The residency table of ``recipe`` for the ``train`` and ``refit`` phases."""
+    """The residency table of ``recipe`` for the ``train``, ``refit`` and ``generate`` phases."""
     refit, training = recipe.refit, recipe.training
     level_no = refit.sleep_level
     level = sleep.level(level_no)
@@ -110,7 +119,14 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
                      + ("on the GPU" if level.gpu_at_refit else "not on the GPU") + " at the refit"),
         host,
     )
-    return {"train": train, "refit": refit_phase}
+    params_off = 1.0 if refit.offload_params_for_generation else 0.0
+    generate = PhaseResidency(
+        # the CPU-offload staging residue was measured before the refit only (NeMo-RL #2471): not counted here
+        "generate", dataclasses.replace(mega, params=1.0 - params_off, cpu_offload_staging=False),
+        VllmResident(True, "generating: vLLM is awake (its weights are in its pool)"),
+        dataclasses.replace(host, params=params_off),
+    )
+    return {"train": train, "refit": refit_phase, "generate": generate}
 
 
 __all__ = ["HostResident", "MegatronResident", "PhaseResidency", "VllmResident", "residency"]

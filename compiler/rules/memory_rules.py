@@ -119,18 +119,28 @@ def sleep_level(ctx: Context) -> None:
 @rule("RLC214", "vLLM's weights must fit in gpu_memory_utilization", severities=("error",), needs=("plan",),
       rationale="gpu_memory_utilization caps vLLM's pool (weights + KV cache + activations) while it is awake; "
                 "if the weight shard alone exceeds it there is no KV cache and the engine refuses to start. "
-                "Colocated, the rest of the GPU must also hold what Megatron keeps while offloaded.",
+                "Colocated, the rest of the GPU must also hold what Megatron keeps after the refit: the bundled "
+                "runtime keeps the bf16 parameters there unless refit.offload_params_for_generation moves them "
+                "to host memory (as NeMo-RL, verl, slime and SkyRL do before they generate).",
       seed="vLLM engine start-up ('No available memory for the cache blocks'); NeMo-RL #2471 attempt 2 shows the "
            "knob only sizes the KV cache.",
-      fixes="Raise gpu_memory_utilization, or shard vLLM further (TP / EP / PP).")
+      fixes="Raise gpu_memory_utilization, or shard vLLM further (TP / EP / PP); where generation overfills the GPU "
+            "only with the trainer's parameters on it, set refit.offload_params_for_generation: true.")
 def generation_fits(ctx: Context) -> None:
     plan = ctx.plan
     for key in ("generate_fit", "generate_total"):
         check = plan.checks.get(key)
         if check is not None and check.ok is False:
-            ctx.error(check.text, "generation.gpu_memory_utilization",
-                      hint="raise gpu_memory_utilization or a larger vLLM TP / EP" if key == "generate_fit"
-                      else "lower gpu_memory_utilization")
+            if key == "generate_total" and plan.generate_fix is not None and plan.generate_fix.sufficient:
+                # generation overfills only because the trainer's parameters stay on the GPU
+                ctx.error(check.text + " with the trainer's bf16 parameters on the GPU", plan.generate_fix.key,
+                          hint=plan.generate_fix.text)
+                continue
+            hint = "raise gpu_memory_utilization or a larger vLLM TP / EP" if key == "generate_fit" else \
+                "lower gpu_memory_utilization"
+            if key == "generate_total" and plan.generate_fix is not None:
+                hint += f"; {plan.generate_fix.text}"
+            ctx.error(check.text, "generation.gpu_memory_utilization", hint=hint)
 
 
 @rule("RLC215", "the train step must fit (parameters, grads, optimizer state, vLLM asleep)",

@@ -211,3 +211,20 @@ def overlap_needs_dist(ctx: Context) -> None:
     if ctx.recipe.training.overlap_param_gather and not ctx.recipe.training.use_distributed_optimizer:
         ctx.error("overlap_param_gather needs use_distributed_optimizer: true", "training.overlap_param_gather",
                   hint="set training.overlap_param_gather: false")
+
+
+@rule("RLC221", "offloading the trainer's parameters for generation needs the distributed optimizer",
+      severities=("error",),
+      rationale="refit.offload_params_for_generation moves Megatron's parameter buffers to host memory after the "
+                "refit and back before the next logprob pass. Megatron gathers the parameters into one contiguous "
+                "buffer per data-parallel bucket only with the distributed optimizer; without it the parameters "
+                "are separate tensors the runtime does not move, so the switch would free nothing while the plan "
+                "counts them in host memory.",
+      seed="megatron-core 0.19 _ParamAndGradBuffer: param_data is allocated only with use_distributed_optimizer; "
+           "offload_to_cpu(move_params=True) moves param_data.",
+      fixes="Set training.use_distributed_optimizer: true, or turn refit.offload_params_for_generation off.")
+def params_offload_needs_distributed_optimizer(ctx: Context) -> None:
+    if ctx.recipe.refit.offload_params_for_generation and not ctx.recipe.training.use_distributed_optimizer:
+        ctx.error("offload_params_for_generation needs the distributed optimizer (Megatron keeps the parameters in "
+                  "its contiguous buffers only then)", f"{R}.offload_params_for_generation",
+                  hint="set training.use_distributed_optimizer: true, or refit.offload_params_for_generation: false")

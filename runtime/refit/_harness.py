@@ -43,6 +43,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         alignment_bytes=256,
         sleep_level=2,
         offload_optimizer_for_refit=True,
+        offload_params_for_generation=False,
         sync_params_before_refit=True,
         dedupe_mtp_embedding=False,
         per_rank_ipc_metadata=True,
