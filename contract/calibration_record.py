@@ -32,6 +32,8 @@ PHASES: dict[str, str] = {
 
 #: Phases the runtime samples into ``metrics.jsonl`` every step (``memory/<phase>/{free,used}_gib``).
 STEP_MEMORY_PHASES: dict[str, str] = {
+    "params_offload": "before the rollout: the trainer's bf16 parameters moved to host memory "
+                      "(refit.offload_params_for_generation)",
     "generate": "end of the rollout: vLLM awake, trainer offloaded",
     "after_sleep": "vLLM asleep, before the trainer's logprobs",
     "logprobs": "after the trainer's logprob pass",

@@ -4,9 +4,11 @@ The same code runs a 1-GPU toy and a 32-node job: it joins Ray, reserves one bun
 Megatron policy worker and a vLLM generation worker on every GPU, and loops::
 
     for step in steps:
+        offload trainer params              # refit.offload_params_for_generation: to host memory
         groups   = rollout(step)            # prompts -> N generations each (vLLM, with logprobs)
                                             #   -> rewards -> dynamic sampling -> advantages
         sleep generation                    # vLLM frees its memory (refit.sleep_level)
+        onload trainer params               # back before the trainer's first forward
         batch    = trainer_logprobs(groups) # old logprobs (+ reference) and the gen-KL check
         train(batch)                        # clipped GRPO loss, optimizer step(s)
         refit(step)                         # new weights into vLLM through the refit engine
@@ -113,8 +115,10 @@ class GrpoRun:
         for step in range(start_step + 1, cfg.grpo.max_steps + 1):
             self.step_metrics = {}
             with self.timer("step"):
+                self.offload_trainer_params()  # after the refit (and any checkpoint), before vLLM generates
                 groups = self.rollout(step)
                 self.sleep_generation(step)
+                self.onload_trainer_params()
                 batch = self.trainer_logprobs(step, groups)
                 self.train(step, batch)
                 self.refit(step)
@@ -179,6 +183,23 @@ class GrpoRun:
         self.sample_memory("after_sleep", slept.memory)
         if step <= 2 or step % 50 == 0:
             self.log_calibration(step, "after_sleep", slept.memory)
+
+    def offload_trainer_params(self) -> None:
+        """``refit.offload_params_for_generation``: the trainer's bf16 parameters to host memory while vLLM
+        generates (the weights are in vLLM since the refit); the GPU memory freed goes into the metrics."""
+        if not self.cfg.refit.offload_params_for_generation:
+            return
+        with self.timer("params_offload"):
+            moved = self.policy.offload_params()
+        self.step_metrics["memory/params_offload_freed_gib"] = max(m.bytes for m in moved) / GIB
+        self.sample_memory("params_offload", moved[0].memory)
+
+    def onload_trainer_params(self) -> None:
+        """The parameters back on the GPU before the trainer's logprob pass (vLLM is asleep)."""
+        if not self.cfg.refit.offload_params_for_generation:
+            return
+        with self.timer("params_onload"):
+            self.policy.onload_params()
 
     def trainer_logprobs(self, step: int, groups: list[Group]) -> dict:
         """Advantages, the packed batch, the trainer's logprobs (+ reference); checks gen-KL."""

@@ -64,6 +64,19 @@ class Offloaded:
 
 
 @dataclass(frozen=True)
+class ParamsMoved:
+    """The trainer's bf16 parameter buffers moved to host memory or back (``refit.offload_params_for_generation``)."""
+
+    bytes: int  # moved by this call (0: they were already where asked)
+    seconds: float
+    memory: Memory  # after the move
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ParamsMoved:
+        return cls(int(d["bytes"]), float(d["seconds"]), Memory.from_dict(d["memory"]))
+
+
+@dataclass(frozen=True)
 class RankCoords:
     """Where one trainer rank sits in the parallel layout (from ``setup``)."""
 
@@ -143,6 +156,12 @@ class PolicyGroup(_TypedGroup):
     def refit_offload(self) -> list[Offloaded]:
         return [Offloaded(bool(d["synced_params"]), bool(d["offloaded"]), float(d["seconds"]),
                           Memory.from_dict(d["memory"])) for d in self.group.call("refit_offload")]
+
+    def offload_params(self) -> list[ParamsMoved]:
+        return [ParamsMoved.from_dict(d) for d in self.group.call("offload_params")]
+
+    def onload_params(self) -> list[ParamsMoved]:
+        return [ParamsMoved.from_dict(d) for d in self.group.call("onload_params")]
 
     def submit_refit_prepare(self, session: str, local_ranks: list[int], gpus_per_node: int) -> list[tuple[int, Any]]:
         return [(r, self.group.actors[r].refit_prepare.remote(session, local_ranks[r], gpus_per_node))

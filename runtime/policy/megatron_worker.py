@@ -7,6 +7,7 @@ Lifecycle (driven by ``rlc.runtime.driver``)::
     w.setup(addr)               # NCCL, process groups, AutoBridge model, DDP, optimizer
     w.refit_prepare(session)    # with the vLLM worker on this GPU calling refit_prepare too
     loop: w.compute_logprobs(batch) -> w.train_step(batch, step) -> w.refit_offload() -> w.refit_send()
+          [-> w.offload_params() while vLLM generates -> w.onload_params()]  refit.offload_params_for_generation
 
 Every method returns plain data (lists, dicts, CPU tensors) so the driver never needs megatron.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -48,7 +50,8 @@ class MegatronPolicyWorker:
         self.bundle = bundle
         self._pm: PolicyModel | None = None
         self.source: RefitSource | None = None
-        self.offloaded = False
+        self.offloaded = False  # optimizer state + grads in host memory (refit_offload)
+        self.params_offloaded = False  # bf16 parameter buffers in host memory (offload_params)
         self.opt_steps = 0
         self.total_opt_steps = 1
 
@@ -175,12 +178,61 @@ class MegatronPolicyWorker:
 
     def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
         """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs)."""
+        self._params_back()
         return self._logprobs(self.pm.model, batch)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
         if self.pm.ref_model is None:
             raise RuntimeError("compute_ref_logprobs: loss.kl_penalty is 0, there is no reference model")
         return self._logprobs(self.pm.ref_model, batch)
+
+    # ------------------------------------------------------------------ parameters while vLLM generates
+
+    def offload_params(self) -> dict:
+        """After the refit: the bf16 parameter buffers to host memory (``refit.offload_params_for_generation``)."""
+        from rlc.runtime.policy.param_offload import offload_params  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        moved = 0
+        if not self.params_offloaded:
+            moved = offload_params(self.pm.model)
+            self.params_offloaded = True
+        return {"bytes": moved, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+
+    def onload_params(self) -> dict:
+        """Before the trainer's next forward: the parameters back on the GPU (a no-op when they are there)."""
+        from rlc.runtime.policy.param_offload import onload_params  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        restored = 0
+        if self.params_offloaded:
+            restored = onload_params(self.pm.model)
+            self.params_offloaded = False
+        return {"bytes": restored, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+
+    def _params_back(self) -> None:
+        """Every method that reads or writes the parameters calls this first, so a driver that skipped
+        ``onload_params`` still gets correct weights (the storage of an offloaded buffer is empty)."""
+        if self.params_offloaded:
+            self.onload_params()
+
+    @contextmanager
+    def _resident_for_checkpoint(self) -> Iterator[None]:
+        """Everything on the GPU for a checkpoint, then offloaded again as it was: a checkpoint taken
+        between the refit and generation must not leave vLLM's memory to the trainer."""
+        optimizer_was_off, params_were_off = self.offloaded, self.params_offloaded
+        self._params_back()
+        self.onload()
+        try:
+            yield
+        finally:
+            if optimizer_was_off:
+                from rlc.runtime.policy.refit_source import offload  # noqa: PLC0415
+
+                offload(self.pm.model, self.pm.optimizer)
+                self.offloaded = True
+            if params_were_off:
+                self.offload_params()
 
     # ------------------------------------------------------------------ training
 
@@ -204,6 +256,7 @@ class MegatronPolicyWorker:
         from rlc.runtime.grpo.loss import grpo_loss  # noqa: PLC0415
         from rlc.runtime.policy.megatron_setup import lr_at  # noqa: PLC0415
 
+        self._params_back()
         self.onload()
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -294,6 +347,7 @@ class MegatronPolicyWorker:
         from rlc.runtime.policy.refit_source import offload, sync_params  # noqa: PLC0415
 
         t0 = time.perf_counter()
+        self._params_back()  # the export reads them
         synced = False
         if self.cfg.refit.sync_params_before_refit:
             synced = sync_params(self.pm.model, self.pm.ddp_config)
@@ -313,6 +367,7 @@ class MegatronPolicyWorker:
         """Stream the weights to the consumer on this GPU (it must be receiving)."""
         if self.source is None:
             raise RuntimeError("refit_send before refit_prepare")
+        self._params_back()
         return self.source.send()
 
     def refit_dump_export(self, export_dir: str) -> dict:
@@ -323,6 +378,7 @@ class MegatronPolicyWorker:
 
         if self.source is None:
             raise RuntimeError("refit_dump_export before refit_prepare")
+        self._params_back()
         tensors = {n: t.detach().cpu().clone() for n, t in self.source.export()}
         os.makedirs(export_dir, exist_ok=True)
         path = os.path.join(export_dir, f"export-rank{self.source.local_rank}.pt")
@@ -334,6 +390,7 @@ class MegatronPolicyWorker:
         """The exported HF tensors (CPU copies), for tests; ``names`` filters."""
         from rlc.runtime.policy.refit_source import RefitSource  # noqa: PLC0415
 
+        self._params_back()
         src = self.source or RefitSource(self.pm.bridge, self.pm.model, self.cfg, session="export",
                                          local_rank=0, local_world=1)
         return {n: t.detach().cpu().clone() for n, t in src.export() if names is None or n in names}
@@ -357,11 +414,11 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        self.onload()
-        os.makedirs(path, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(self._sharded_state(is_loading=False), path)
-        torch.distributed.barrier()
+        with self._resident_for_checkpoint():
+            os.makedirs(path, exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(self._sharded_state(is_loading=False), path)
+            torch.distributed.barrier()
         meta = {"opt_steps": self.opt_steps}
         if self.rank == 0:
             import json  # noqa: PLC0415
@@ -376,6 +433,7 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing  # noqa: PLC0415
 
         t0 = time.perf_counter()
+        self._params_back()
         self.onload()
         state = self._sharded_state(is_loading=True)
         loaded = dist_checkpointing.load(state, path)

@@ -24,6 +24,8 @@ from common import Timer, dump, gpu_available, tiny_cfg_dict, write_yaml  # noqa
 from verdicts import resume_verdict  # noqa: E402
 
 GOAL_REWARD, GOAL_GEN_KL = 0.8, 0.01
+PARAM_OFFLOAD_KEY = "refit.offload_params_for_generation"
+MEMORY_PHASES = ("params_offload", "generate", "after_sleep", "logprobs", "train", "refit_offload", "after_wake")
 
 
 def _run_driver(yaml_path: Path, timeout_s: int) -> int:
@@ -68,7 +70,32 @@ def summarize(records: list[dict], steps: int) -> dict:
         "refit_gbps_mean": mean("refit/gbps"),
         "refit_free_before_gib_mean": mean("refit/free_before_gib"),
         "generate_tokens_per_s_mean": mean("throughput/generate_tokens_per_s"),
+        # GPU 0's used memory at the end of each phase (mean over steps): with and without
+        # refit.offload_params_for_generation the generate figure differs by the trainer's parameter shard
+        "memory_used_gib_mean": {p: mean(f"memory/{p}/used_gib") for p in MEMORY_PHASES},
+        "params_offload_freed_gib": [round(float(r["memory/params_offload_freed_gib"]), 6) for r in rows
+                                     if "memory/params_offload_freed_gib" in r],
     }
+
+
+def smoke_verdict(res: dict, steps: int, overrides: dict) -> tuple[bool, list[str]]:
+    """The steps ran with a refit each; with the parameter offload on, every step moved the trainer's
+    parameters off the GPU (a wrong restore would show as a gen-KL stop, exit 3, before this)."""
+    s = res["summary"]
+    reasons = []
+    if res["rc"] != 0:
+        reasons.append(f"driver exit {res['rc']}")
+    if s["steps_logged"] != steps or s["refits_logged"] != steps:
+        reasons.append(f"{s['steps_logged']} steps and {s['refits_logged']} refits logged of {steps}")
+    if res.get("resume_rc") not in (None, 0):
+        reasons.append(f"the resumed run exited {res['resume_rc']}")
+    freed = s["params_offload_freed_gib"]
+    if overrides.get(PARAM_OFFLOAD_KEY):
+        if len(freed) != steps or not all(f > 0 for f in freed):
+            reasons.append(f"{PARAM_OFFLOAD_KEY}: freed GiB per step {freed}, expected {steps} figures > 0")
+    elif freed:
+        reasons.append(f"parameters were offloaded with {PARAM_OFFLOAD_KEY} off: {freed}")
+    return not reasons, reasons
 
 
 def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, resume_steps: int = 3,
@@ -157,6 +184,8 @@ if __name__ == "__main__":
     sets = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in a.set)}
     r = run(a.root, a.out, a.steps, a.resume_steps, a.timeout, overrides=sets)
     if a.smoke:
-        s = r["summary"]
-        sys.exit(0 if r["rc"] == 0 and s["steps_logged"] == a.steps and s["refits_logged"] == a.steps else 1)
+        ok, why = smoke_verdict(r, a.steps, sets)
+        print("smoke:", "passed" if ok else "; ".join(why), "| memory used (GiB, mean):",
+              r["summary"]["memory_used_gib_mean"], flush=True)
+        sys.exit(0 if ok else 1)
     sys.exit(0 if r.get("passed") else 1)

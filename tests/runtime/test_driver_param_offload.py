@@ -1,0 +1,121 @@
+"""The driver's order of phases with ``refit.offload_params_for_generation`` (CPU).
+
+The phases that need GPUs (rollout, the trainer's passes, the refit) are replaced by recorders; the
+offload and onload run the driver's own code through ``PolicyGroup`` over a worker group whose workers
+answer as ``MegatronPolicyWorker.offload_params`` / ``onload_params`` do.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlc.contract.runtime_config import load_runtime_config
+from rlc.runtime.driver import GrpoRun
+from rlc.runtime.worker_groups import PolicyGroup
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 1 << 30
+
+
+class AnsweringWorkers:
+    """A worker group's ``call`` answered the way the Megatron workers answer these two methods."""
+
+    def __init__(self, log: list[str], ranks: int = 2) -> None:
+        self.log = log
+        self.ranks = ranks
+        self.offloaded = False
+
+    def __len__(self) -> int:
+        return self.ranks
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[dict]:
+        self.log.append(method)
+        assert method in ("offload_params", "onload_params"), method
+        moves = (method == "offload_params") != self.offloaded
+        self.offloaded = method == "offload_params"
+        used = 20.0 if self.offloaded else 27.5
+        return [{"bytes": (int(7.5 * GIB) + r) if moves else 0, "seconds": 0.01,
+                 "memory": {"free_gib": 140.0 - used, "used_gib": used, "total_gib": 140.0}}
+                for r in range(self.ranks)]
+
+
+class RecordingRun(GrpoRun):
+    def __init__(self, cfg: Any, log: list[str]) -> None:
+        super().__init__(cfg)
+        self.log = log
+        self.logged: list[dict] = []
+        self._policy = PolicyGroup(AnsweringWorkers(log))  # type: ignore[arg-type]
+
+    def start_workers(self) -> None:
+        self.log.append("start")
+
+    def resume(self) -> int:
+        return 0
+
+    def open_logs(self, start_step: int) -> None:
+        run = self
+
+        class Metrics:
+            def log(self, step: int, metrics: dict) -> None:
+                run.logged.append(dict(metrics))
+
+        self._metrics = Metrics()  # type: ignore[assignment]
+
+    def log_calibration(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def refit(self, step: int) -> None:
+        self.log.append("refit")
+
+    def rollout(self, step: int) -> list:
+        self.log.append("rollout")
+        return []
+
+    def sleep_generation(self, step: int) -> None:
+        self.log.append("sleep")
+
+    def trainer_logprobs(self, step: int, groups: list) -> dict:
+        self.log.append("logprobs")
+        return {}
+
+    def train(self, step: int, batch: dict) -> None:
+        self.log.append("train")
+
+    def checkpoint(self, step: int) -> None:
+        self.log.append("checkpoint")
+
+
+def _run(tmp_path: Path, on: bool) -> RecordingRun:
+    cfg = load_runtime_config(ROOT / "tests" / "gpu" / "tiny_runtime.yaml")
+    cfg = dataclasses.replace(
+        cfg, refit=dataclasses.replace(cfg.refit, offload_params_for_generation=on),
+        grpo=dataclasses.replace(cfg.grpo, max_steps=2),
+        logging=dataclasses.replace(cfg.logging, dir=str(tmp_path / "logs")),
+        checkpointing=dataclasses.replace(cfg.checkpointing, every_steps=1))
+    log: list[str] = []
+    run = RecordingRun(cfg, log)
+    run.run()
+    return run
+
+
+def test_params_leave_after_the_refit_and_checkpoint_and_return_before_the_logprob_pass(tmp_path):
+    run = _run(tmp_path, on=True)
+    step = ["offload_params", "rollout", "sleep", "onload_params", "logprobs", "train", "refit", "checkpoint"]
+    assert run.log == ["start", "refit"] + step + step
+
+
+def test_the_freed_memory_is_in_the_step_metrics(tmp_path):
+    run = _run(tmp_path, on=True)
+    first = run.logged[0]
+    assert first["memory/params_offload_freed_gib"] == pytest.approx((7.5 * GIB + 1) / GIB)
+    assert first["memory/params_offload/used_gib"] == 20.0
+    assert "timing/params_offload_s" in first and "timing/params_onload_s" in first
+
+
+def test_off_by_default_nothing_moves(tmp_path):
+    run = _run(tmp_path, on=False)
+    assert "offload_params" not in run.log and "onload_params" not in run.log
+    assert not any(k.startswith("memory/params_offload") for m in run.logged for k in m)
