@@ -195,6 +195,7 @@ class MemoryPlan:
             "refit": None,
             "checks": {k: {**asdict(c), "margin_gib": c.margin_gib} for k, c in self.checks.items()},
             "fixes": [asdict(f) for f in self.fixes],
+            "generate_fix": None if self.generate_fix is None else asdict(self.generate_fix),
             "stages": self.stages,
             "vllm_weights_gib": self.vllm_weights_gib,
             "unknown": self.unknown,

@@ -105,6 +105,10 @@ def render_text(plan: MemoryPlan) -> str:
         lines.append("other checks")
         for c in others:
             lines.append(f"  {c.id:<18} {'ok  ' if c.ok else ('FAIL' if c.ok is False else '?   ')}  {c.text}")
+    if plan.generate_fix is not None:
+        lines.append("")
+        lines.append("generation fix (re-planned)")
+        lines.append(f"  {plan.generate_fix.text}")
     if plan.fixes:
         lines.append("")
         lines.append("cheapest fixes (each evaluated by re-planning)")

@@ -90,3 +90,11 @@ def test_the_switch_needs_the_distributed_optimizer():
     assert [d.path for d in errors] == [KEY]
     assert "training.use_distributed_optimizer: true" in (errors[0].hint or "")
     assert "RLC221" not in {d.rule for d in _check(VERL_30B, False, "training.use_distributed_optimizer=false").errors}
+
+
+def test_the_plan_text_and_json_carry_the_generation_fix():
+    plan = _check(SKYRL_235B, False).plan
+    assert f"{KEY}: true moves the trainer's bf16 parameters" in plan.to_text()
+    fix = plan.to_json()["generate_fix"]
+    assert fix["key"] == KEY and fix["sufficient"] is True
+    assert _check(SKYRL_235B, True).plan.to_json()["generate_fix"] is None
