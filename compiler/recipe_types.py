@@ -679,10 +679,23 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+#: Field types that take the filled value as it is (scalars, literals, free-form mappings), found once.
+_PLAIN: dict[Any, bool] = {}
+
+
+def _is_plain(tp: Any) -> bool:
+    """True when ``_convert`` returns a value of type ``tp`` unchanged (no section, list or union in it)."""
+    plain = _PLAIN.get(tp)
+    if plain is None:
+        origin = typing.get_origin(tp)
+        plain = _PLAIN[tp] = origin is not Union and origin is not tuple and not _is_section(tp)
+    return plain
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """``value`` (from the filled mapping) as the field type ``tp`` wants it."""
-    if value is None:
-        return None
+    if value is None or _is_plain(tp):
+        return value
     origin = typing.get_origin(tp)
     if origin is Union:  # Optional[X], or alternatives such as 'auto' | a list
         for alternative in typing.get_args(tp):
@@ -705,12 +718,14 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
     values: dict[str, Any] = {}
     for name, tp in _fields(cls):
-        where = f"{path}.{name}" if path else name
         if name in data:
-            values[name] = _convert(tp, data[name], where)
+            value = data[name]
+            values[name] = value if value is None or _is_plain(tp) else \
+                _convert(tp, value, f"{path}.{name}" if path else name)
         elif _optional(tp):
             values[name] = None  # an optional key without a schema default, left unset
         else:
+            where = f"{path}.{name}" if path else name
             raise RecipeTypeError(f"{where}: missing; the typed recipe is built from a recipe the schema "
                                   "accepted, with its defaults filled (rlc.compiler.schema.with_defaults)")
     extra = set(data) - set(values) - (NOT_SETTINGS if not path else set())

@@ -184,10 +184,18 @@ def default_at(path: str) -> Any:
     return copy.deepcopy(node["default"])
 
 
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a recipe value that shares nothing mutable (scalars are returned as they are)."""
+    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
+
+
 def _fill(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
     if not present:
         if "default" in node:
-            value, present = copy.deepcopy(node["default"]), True
+            value, present = _copy(node["default"]), True
         elif "properties" in node:
             value = {}
         else:
@@ -200,14 +208,14 @@ def _fill(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
                 out[key] = child
         for key, child in value.items():
             if key not in out and key not in node["properties"]:
-                out[key] = copy.deepcopy(child)
+                out[key] = _copy(child)
         if not present and not out:
             return None, False
         return out, True
     if isinstance(value, list) and isinstance(node.get("items"), dict):
         items = _resolve(node["items"])
         return [_fill(items, v, True)[0] for v in value], True
-    return copy.deepcopy(value), True
+    return _copy(value), True
 
 
 # --------------------------------------------------------------------------- error messages
