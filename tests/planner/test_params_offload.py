@@ -98,3 +98,23 @@ def test_the_plan_text_and_json_carry_the_generation_fix():
     fix = plan.to_json()["generate_fix"]
     assert fix["key"] == KEY and fix["sufficient"] is True
     assert _check(SKYRL_235B, True).plan.to_json()["generate_fix"] is None
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_runtime_yaml_carries_the_switch(on):
+    from rlc.compiler.resolve import to_runtime_config
+    from rlc.contract.runtime_config import runtime_config_from_dict
+
+    result = _check(VERL_30B, on)
+    data = to_runtime_config(result)
+    assert data["refit"]["offload_params_for_generation"] is on
+    assert runtime_config_from_dict(data).refit.offload_params_for_generation is on
+
+
+def test_off_is_the_default():
+    """A recipe that does not name the switch runs the runtime's proven path: parameters stay on the GPU."""
+    tiny = ROOT / "recipes" / "tiny-qwen3-1gpu.yaml"
+    assert KEY.split(".")[1] not in tiny.read_text(encoding="utf-8")
+    result = api.check(str(tiny))
+    assert result.recipe.refit.offload_params_for_generation is False
+    assert _item(result.plan.phases["generate"], PARAMS) is not None
