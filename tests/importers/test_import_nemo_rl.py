@@ -292,3 +292,17 @@ def test_trainer_only_expandable_segments_is_listed_not_applied_to_every_task(tm
     assert "cluster.env.PYTORCH_CUDA_ALLOC_CONF" not in mapped(out)
     (listed,) = [u for u in out.unmapped if u.key.endswith("env_vars.PYTORCH_CUDA_ALLOC_CONF")]
     assert "RLC301" in listed.reason and listed.value == "expandable_segments:True"
+
+
+def test_colocated_megatron_moves_its_parameters_off_the_gpu_for_generation_as_nemo_rl_does():
+    """NeMo-RL's Megatron policy moves the model to host memory after every refit when generation is
+    colocated (offload_after_refit); the recipe says so, and without the distributed optimizer (whose
+    parameter buffer the runtime moves) it says why not instead."""
+    assert mapped(import_nemo_rl(str(CHILD)))["refit.offload_params_for_generation"] is True
+    no_dist = import_nemo_rl(str(CHILD), ["policy.megatron_cfg.optimizer.use_distributed_optimizer=false"])
+    assert "refit.offload_params_for_generation" not in mapped(no_dist)
+    assert any("distributed optimizer" in n for n in no_dist.mapping.notes)
+    split = import_nemo_rl(str(CHILD), ["policy.generation.colocated.enabled=false"])
+    assert "refit.offload_params_for_generation" not in mapped(split)
+    dtensor = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"))
+    assert "refit.offload_params_for_generation" not in mapped(dtensor)

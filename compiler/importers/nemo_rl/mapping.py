@@ -400,6 +400,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _reward(m)
     _data(m)
     _buffer_exclusive(m)
+    _params_offload(m, megatron)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
         m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
     for key, value in m.leaves.items():
@@ -631,6 +632,22 @@ def _data(m: _Mapper) -> None:
             m.consume(key, why="listed as not mapped")
             m.out.unmapped.append(Unmapped(key, name, "rlc reads prompts from a JSONL file, not a named dataset: "
                                            "convert it and pass --set data.train=/path/train.jsonl"))
+
+
+def _params_offload(m: _Mapper, megatron: bool) -> None:
+    """NeMo-RL moves the Megatron model to host memory after every refit when generation is colocated
+    (``offload_after_refit`` in its Megatron policy worker); rlc's runtime does the same with
+    ``refit.offload_params_for_generation``, which needs the distributed optimizer's parameter buffer."""
+    colocated = "policy.generation.colocated.enabled"
+    if not megatron or m.cfg.get(colocated, True) is False:
+        return
+    if m.cfg.get(f"{M}.optimizer.use_distributed_optimizer") is False:
+        m.out.notes.append("NeMo-RL moves the Megatron model to host memory after each refit; rlc does that only "
+                           "with the distributed optimizer (refit.offload_params_for_generation), which this "
+                           "config turns off, so the plan keeps the parameters on the GPU while vLLM generates")
+        return
+    m.put("refit.offload_params_for_generation", True, (colocated,),
+          "NeMo-RL moves the Megatron model to host memory after every refit when generation is colocated")
 
 
 def _buffer_exclusive(m: _Mapper) -> None:
