@@ -47,6 +47,19 @@ _WAKE = _rx(r"wake_up|create_and_map|cumem")
 _OOM = r"(?:torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory)"
 _NUM = r"(?P<value>[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?|nan)"
 
+
+_LOGPROB_TITLE = "vLLM's logprobs disagree with the trainer's after refit"
+_LOGPROB_FIX = ("find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
+                "(RLC203), refit.fp32_params (RLC204)")
+
+
+def _logprob_metric(names: str, metric: str, limit: float, source: str, hints: tuple[str, ...]) -> Pattern:
+    """A framework's trainer-vs-vLLM logprob metric (``names``: a regex of its log names) above ``limit`` (RLC306)."""
+    return Pattern("logprob-mismatch", "RLC306", _LOGPROB_TITLE, _rx(rf"\b{names}\b\W{{0,4}}{_NUM}"),
+                   x.threshold(metric, limit), _LOGPROB_FIX, (source,), hints=hints)
+
+
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern(
         "mtp-duplicate-owner", "RLC201", "a parameter owned by two pipeline stages (MTP shared embedding)",
@@ -155,36 +168,22 @@ PATTERNS: tuple[Pattern, ...] = (
         not_near=_rx(r"mantissa bits lost"), window=12,
         hints=('not bit-exact',)),
     Pattern(
-        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
+        "logprob-mismatch", "RLC306", _LOGPROB_TITLE,
         _rx(r"gen-KL (?P<kl>[0-9.eE+-]+|nan) at step (?P<step>[0-9]+) exceeds grpo\.max_gen_kl=(?P<thr>[0-9.eE+-]+)"),
-        x.gen_kl,
-        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
-        "(RLC203), refit.fp32_params (RLC204); keep grpo.max_gen_kl > 0 so it stops early",
+        x.gen_kl, _LOGPROB_FIX + "; keep grpo.max_gen_kl > 0 so it stops early",
         ("NeMo-RL #4086 (stale shards with overlap_param_gather); "
          "SkyRL #1816 (per-GPU refit metadata)",),
         hints=('gen-kl',)),
-    Pattern(
-        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
-        _rx(rf"\bgen_kl_error\b\W{{0,4}}{_NUM}"), x.threshold("gen_kl_error", 0.05),
-        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
-        "(RLC203), refit.fp32_params (RLC204)",
-        ("NeMo-RL GRPO metric gen_kl_error (NeMo-RL #2471 saw 'KL Error' 1.97-2.18)",),
-        hints=('gen_kl_error',)),
-    Pattern(
-        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
-        _rx(rf"\btoken_mult_prob_error\b\W{{0,4}}{_NUM}"), x.threshold("token_mult_prob_error", 1.1),
-        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
-        "(RLC203), refit.fp32_params (RLC204)",
-        ("NeMo-RL GRPO metric token_mult_prob_error (1.0 when vLLM and the trainer agree)",),
-        hints=('token_mult_prob_error',)),
-    Pattern(
-        "logprob-mismatch", "RLC306", "vLLM's logprobs disagree with the trainer's after refit",
-        _rx(rf"\b(?:rollout_probs_diff_mean|train_rollout_logprob_abs_diff|rollout_corr/logprob_abs_diff_mean)\b"
-            rf"\W{{0,4}}{_NUM}"), x.threshold("logprob_abs_diff", 0.05),
-        "find which refit fix is off: refit.sync_params_before_refit (RLC202), refit.per_rank_ipc_metadata "
-        "(RLC203), refit.fp32_params (RLC204)",
-        ("verl training/rollout_probs_diff_mean; slime train_rollout_logprob_abs_diff (OpenClaw-RL #69 saw 0.2-0.4)",),
-        hints=('rollout_probs_diff_mean', 'train_rollout_logprob_abs_diff', 'logprob_abs_diff_mean')),
+    _logprob_metric("gen_kl_error", "gen_kl_error", 0.05,
+                    "NeMo-RL GRPO metric gen_kl_error (NeMo-RL #2471 saw 'KL Error' 1.97-2.18)", ("gen_kl_error",)),
+    _logprob_metric("token_mult_prob_error", "token_mult_prob_error", 1.1,
+                    "NeMo-RL GRPO metric token_mult_prob_error (1.0 when vLLM and the trainer agree)",
+                    ("token_mult_prob_error",)),
+    _logprob_metric("(?:rollout_probs_diff_mean|train_rollout_logprob_abs_diff|rollout_corr/logprob_abs_diff_mean)",
+                    "logprob_abs_diff", 0.05,
+                    "verl training/rollout_probs_diff_mean; slime train_rollout_logprob_abs_diff "
+                    "(OpenClaw-RL #69 saw 0.2-0.4)",
+                    ("rollout_probs_diff_mean", "train_rollout_logprob_abs_diff", "logprob_abs_diff_mean")),
     Pattern(
         "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
         _rx(r"dynamic sampling exhausted at step (?P<step>[0-9]+): (?P<batches>[0-9]+) generation batches "
