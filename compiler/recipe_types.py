@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 
 from rlc.compiler.diagnostics import PathPart, parse_path
+from rlc.contract.typed_fields import field_types
 
 T = TypeVar("T")
 
@@ -666,7 +667,7 @@ def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
     """(name, resolved type) of each field of a typed-recipe class, worked out once per class."""
     found = _FIELDS.get(cls)
     if found is None:
-        hints = typing.get_type_hints(cls)
+        hints = field_types(cls)
         found = _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
     return found
 

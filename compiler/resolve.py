@@ -28,10 +28,10 @@ from rlc.contract.runtime_config import (
     RuntimeConfigError,
     TrainingConfig,
     TrainParallelConfig,
-    field_types,
     runtime_config_to_dict,
     section_from_dict,
 )
+from rlc.contract.typed_fields import field_types
 
 from rlc.compiler.planner.layout import generation_layout, train_layout
 from rlc.compiler.recipe_types import Recipe, RefitSection

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlc.contract.typed_fields import field_types
+
 
 class RuntimeConfigError(ValueError):
     """A ``runtime.yaml`` that does not match this runtime's contract."""
@@ -316,21 +318,6 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise RuntimeConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
         return value
     return value
-
-
-_FIELD_TYPES: dict[type, dict[str, Any]] = {}
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    """The resolved annotations of a config dataclass, worked out once per class.
-
-    ``typing.get_type_hints`` evaluates every string annotation on each call; loading a runtime
-    config, and resolving one per recipe in ``rlc lint``, asks for the same few classes thousands of times.
-    """
-    found = _FIELD_TYPES.get(cls)
-    if found is None:
-        found = _FIELD_TYPES[cls] = typing.get_type_hints(cls)
-    return found
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
