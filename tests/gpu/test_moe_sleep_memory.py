@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import subprocess
 import sys
 import time
 import traceback
@@ -30,29 +29,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, dump, gpu_available  # noqa: E402
-from test_four_gpu_grpo import _env, build_workspace  # noqa: E402
+from test_four_gpu_grpo import _env  # noqa: E402
+from test_moe_two_gpu import EP2, RECIPES, Lab  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "rlc" / "recipes" / "tiny-moe-mtp-2gpu-ep2.yaml"
+RECIPE = RECIPES / f"{EP2}.yaml"
 GPU_TYPE = "h200-141gb"
 MIN_FREED_SHARE = 0.5  # of (used awake - used before start) that a sleep must give back
 
 
 def compile_runtime_config(root: Path) -> dict:
-    """``rlc compile`` the shipped recipe with this probe's folders; the bundle's runtime.yaml as a dict."""
+    """``rlc compile`` the shipped EP=2 recipe with this probe's folders (the two-GPU proofs' own
+    workspace and compile step); the bundle's runtime.yaml as a dict."""
     import yaml  # noqa: PLC0415
 
-    ws = root / "moe"
-    if not (ws / "deepseek_v3" / "config.json").exists():
-        build_workspace(ws)
-    bundle = root / "bundle"
-    sets = [f"model.checkpoint={ws}/deepseek_v3", f"data.train={ws}/data/train.jsonl",
-            f"cluster.log_dir={root}/logs", f"logging.dir={root}/logs", f"checkpointing.dir={root}/ckpt"]
-    cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPE), "-o", str(bundle), "--force",
-           *[w for s in sets for w in ("--set", s)]]
-    proc = subprocess.run(cmd, env=_env(REPO), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"rlc compile failed:\n{proc.stdout}\n{proc.stderr}")
+    lab = Lab(str(root))
+    lab.workspace()
+    bundle = lab.compile(EP2, "moe-sleep")
     return yaml.safe_load((bundle / "runtime.yaml").read_text(encoding="utf-8"))
 
 
