@@ -118,7 +118,13 @@ class ModelFacts:
     latent_size: Optional[int] = None  # LatentMoE: experts work in this width instead of hidden
     layer_kinds: Optional[tuple[LayerKind, ...]] = None  # one (mixer, mlp) per decoder layer, in order
     layer_order_known: bool = True  # False when only per-kind counts are known (order assumed even)
-    mtp_num_layers: Optional[int] = 0
+    mtp_num_layers: Optional[int] = 0  # MTP blocks the trainer builds (after ``model.overrides``)
+    #: MTP blocks in the checkpoint, which vLLM's MTP drafter loads whatever the trainer does: differs from
+    #: ``mtp_num_layers`` only when ``model.overrides`` changes an MTP-count key (None: unknown)
+    checkpoint_mtp_num_layers: Optional[int] = 0
+    #: vLLM's MTP module keeps ``eh_proj`` (2H→H) whole on every GPU (a plain ``nn.Linear`` in vLLM's
+    #: deepseek_mtp.py / glm4_moe_mtp.py) instead of splitting it by TP (Qwen3.5, Nemotron-H)
+    vllm_mtp_eh_proj_replicated: bool = False
     mtp_shared_embedding: Optional[bool] = None  # MTP reuses the main word embedding (no own copy)
     mtp_layer_kinds: Optional[tuple[LayerKind, ...]] = None  # sub-layers of ONE MTP block
     attn_output_gate: bool = False
@@ -301,6 +307,15 @@ class ModelFacts:
             return None
         h = self.hidden
         return layers + ParamSplit(tp=2 * h * h, replicated=3 * h)
+
+    def vllm_mtp_block_split(self) -> Optional[ParamSplit]:
+        """One MTP block as vLLM's drafter shards it: :meth:`mtp_block_split`, with ``eh_proj`` replicated
+        where vLLM does not split it (``vllm_mtp_eh_proj_replicated``)."""
+        block = self.mtp_block_split()
+        if block is None or not self.vllm_mtp_eh_proj_replicated or self.hidden is None:
+            return block
+        eh_proj = 2 * self.hidden * self.hidden
+        return ParamSplit(tp=block.tp - eh_proj, replicated=block.replicated + eh_proj, expert=block.expert)
 
     def vocab_matrix_params(self) -> Optional[int]:
         """Elements of one vocabulary matrix (embedding or output layer): vocab × hidden."""

@@ -314,6 +314,20 @@ class SamplingSection(_Section):
 
 
 @section
+class SpeculativeDecodingSection(_Section):
+    """Speculative decoding in the rollout engine (vLLM ``speculative_config``)."""
+
+    method: Literal["mtp", "ngram"]
+    """``mtp``: the checkpoint's MTP layers draft; ``ngram``: prompt lookup (no weights)."""
+    num_speculative_tokens: int
+    """Draft tokens proposed per decoding step."""
+    prompt_lookup_min: int
+    """``ngram``: shortest n-gram that may match."""
+    prompt_lookup_max: int
+    """``ngram``: longest n-gram tried first."""
+
+
+@section
 class GenerationSection(_Section):
     """The rollout engine."""
 
@@ -333,6 +347,8 @@ class GenerationSection(_Section):
     """Prompt + generation tokens at most."""
     sampling: SamplingSection
     """Sampling parameters."""
+    speculative_decoding: Optional[SpeculativeDecodingSection]
+    """Speculative decoding (None: off)."""
     vllm_kwargs: Mapping[str, Any]
     """vLLM engine options handed on unchanged (free-form)."""
 
@@ -778,5 +794,5 @@ __all__ = ["NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerS
            "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "ModelSection",
            "MoeSection", "OptimizerSection", "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError",
            "RefitSection", "RewardSection", "SamplingSection", "SequencePackingSection", "SlurmSection",
-           "Switch", "TrainParallelism", "TrainingSection", "recipe_from_data",
+           "SpeculativeDecodingSection", "Switch", "TrainParallelism", "TrainingSection", "recipe_from_data",
            "section_from_data", "typed_fields", "with_value"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+import typing
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from rlc import RUNTIME_CONFIG_VERSION
@@ -83,6 +84,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _section_type(tp: Any) -> Any:
+    """The runtime config section a field holds (``X`` or ``X | None``), or ``None`` for a plain value."""
+    for candidate in (tp, *typing.get_args(tp)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
 def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
     """``cls`` (a runtime config section) from the typed recipe section ``source`` at ``path``.
 
@@ -97,9 +106,9 @@ def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
             values[f.name] = given[f.name]
         elif hasattr(source, f.name):
             value = getattr(source, f.name)
-            nested = hints[f.name]
-            if dataclasses.is_dataclass(nested) and dataclasses.is_dataclass(value):
-                values[f.name] = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))  # type: ignore[arg-type]
+            nested = _section_type(hints[f.name])
+            if nested is not None and dataclasses.is_dataclass(value):
+                values[f.name] = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))
             else:
                 values[f.name] = _plain(value)
         else:

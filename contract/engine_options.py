@@ -20,6 +20,7 @@ VLLM_OWNED: dict[str, str] = {
     "max_model_len": "generation.max_model_len",
     "quantization": "generation.precision",
     "seed": "grpo.seed",
+    "speculative_config": "generation.speculative_decoding",
     "logprobs_mode": "generation.sampling (set from temperature / top_p / top_k)",
     "enable_sleep_mode": "refit.sleep_level (sleep mode is always on when colocated)",
     "worker_extension_cls": "refit (the runtime's refit consumer)",

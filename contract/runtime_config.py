@@ -116,6 +116,26 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeDecodingConfig:
+    """Speculative decoding in vLLM; :func:`vllm_speculative_config` is what the engine gets."""
+
+    method: str  # "mtp" (the checkpoint's MTP layers draft) | "ngram" (prompt lookup, no weights)
+    num_speculative_tokens: int
+    prompt_lookup_min: int  # ngram only
+    prompt_lookup_max: int  # ngram only
+
+
+def vllm_speculative_config(spec: SpeculativeDecodingConfig) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for ``spec``: vLLM's generic ``mtp`` method (vLLM >= 0.10 finds the
+    checkpoint's MTP module for DeepSeek-V3, Qwen3.5 / Qwen3-Next, GLM-4.5 and Nemotron-H), or ``ngram`` with
+    its n-gram window."""
+    out: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+    if spec.method == "ngram":
+        out.update(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+    return out
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     backend: str  # "vllm"
     vllm_version: str  # the version the plan assumed (recipe, or the calibration entry's); checked at start
@@ -125,6 +145,7 @@ class GenerationConfig:
     precision: str  # "auto" (model.dtype) | "fp8"
     max_model_len: int
     sampling: SamplingConfig
+    speculative_decoding: SpeculativeDecodingConfig | None  # None = off
     vllm_kwargs: dict[str, Any]  # engine options handed to vllm.LLM unchanged (none that rlc sets itself)
 
 

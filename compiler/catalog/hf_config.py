@@ -27,6 +27,12 @@ MEGATRON_EXPERT_BIAS = Fp32Param(
     why="Megatron name of the same router bias (SkyRL #1816)",
 )
 
+#: The config keys that state how many MTP blocks a checkpoint has. Recipes set one to 0 in
+#: ``model.overrides`` to build the trainer without MTP (NeMo-RL ``mtp_num_layers: 0``).
+NEXTN_KEY = "num_nextn_predict_layers"  # DeepSeek-V3, GLM-4.5, Nemotron-H
+MTP_HIDDEN_KEY = "mtp_num_hidden_layers"  # Qwen3.5, Qwen3-Next
+MTP_COUNT_KEYS = (NEXTN_KEY, MTP_HIDDEN_KEY)
+
 _FACT_FIELDS = ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings",
                 "num_experts", "experts_per_tok", "moe_intermediate", "shared_expert_intermediate",
                 "dense_intermediate", "layer_kinds", "mtp_num_layers", "mtp_shared_embedding")
@@ -138,7 +144,7 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
         kinds = tuple(("linear_attention" if t == "linear_attention" else "full_attention", "moe") for t in types)
     elif n is not None and (every := _int(cfg, "full_attention_interval")):
         kinds = tuple(("full_attention" if (i + 1) % every == 0 else "linear_attention", "moe") for i in range(n))
-    mtp = _int(cfg, "mtp_num_hidden_layers")
+    mtp = _int(cfg, MTP_HIDDEN_KEY)
     dedicated = _bool(cfg, "mtp_use_dedicated_embeddings")
     out.update(
         num_experts=_int(cfg, "num_experts"),
@@ -184,7 +190,7 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
         notes.append("topk_method not stated: router e_score_correction_bias assumed (DeepSeek-V3 architecture)")
     else:
         expert_bias = topk == "noaux_tc"
-    mtp = _int(cfg, "num_nextn_predict_layers")
+    mtp = _int(cfg, NEXTN_KEY)
     if mtp is None and cfg.get("model_type") == "deepseek_v2":
         mtp = 0  # the DeepSeek-V2 architecture has no MTP module (its config.json has no such key)
     out.update(
@@ -205,6 +211,7 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
         mtp_num_layers=mtp,
         mtp_shared_embedding=True if mtp else None,
         mtp_layer_kinds=(("mla", "moe"),),
+        vllm_mtp_eh_proj_replicated=True,
         expert_export="per_expert",
     )
     if mtp:
@@ -220,7 +227,7 @@ def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     first_k = _int(cfg, "first_k_dense_replace") or 0
     kinds = None if n is None else tuple(("full_attention", "dense" if i < first_k else "moe") for i in range(n))
     n_shared, moe_i = _int(cfg, "n_shared_experts"), _int(cfg, "moe_intermediate_size")
-    mtp = _int(cfg, "num_nextn_predict_layers")
+    mtp = _int(cfg, NEXTN_KEY)
     out.update(
         num_experts=_int(cfg, "n_routed_experts"),
         experts_per_tok=_int(cfg, "num_experts_per_tok"),
@@ -235,6 +242,7 @@ def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
         mtp_num_layers=mtp,
         mtp_shared_embedding=True if mtp else None,
         mtp_layer_kinds=(("full_attention", "moe"),),
+        vllm_mtp_eh_proj_replicated=True,
         expert_export="per_expert",
     )
     out["_notes"] = ["expert export per expert: HF GLM-4.5 checkpoints store experts.{i}.gate_proj/up_proj/down_proj",
@@ -281,7 +289,7 @@ def _nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
                 order_known = False
                 notes.append("hybrid_override_pattern not known, only per-kind layer counts: "
                              "per-stage figures assume the kinds are evenly mixed")
-    mtp = _int(cfg, "num_nextn_predict_layers")
+    mtp = _int(cfg, NEXTN_KEY)
     mtp_source = None
     if mtp is None and _int(cfg, "recipe_mtp_num_layers") is not None:
         mtp = _int(cfg, "recipe_mtp_num_layers")
@@ -410,6 +418,7 @@ def facts_from_config(cfg: dict[str, Any], model_id: str, source: str) -> ModelF
         notes.append(f"model_type stated as {raw_type!r}")
     for item in absent:
         notes.append(f"not in any source: {item}")
+    fields.setdefault("checkpoint_mtp_num_layers", fields.get("mtp_num_layers", 0))
     total = cfg.get("total_params_hf_api")
     return ModelFacts(
         model_id=model_id,

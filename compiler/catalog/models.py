@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from rlc.compiler.catalog.errors import CatalogError
-from rlc.compiler.catalog.hf_config import ConfigFormatError, facts_from_config
+from rlc.compiler.catalog.hf_config import MTP_COUNT_KEYS, ConfigFormatError, facts_from_config
 from rlc.compiler.files import read_text_capped
 from rlc.compiler.model import ModelFacts
 
@@ -140,6 +140,9 @@ def model_facts(model_id: str, recipe_dir: Path, config: Optional[str] = None,
     """
     local = config
     overrides = dict(overrides or {})
+    # vLLM's MTP drafter loads the checkpoint's MTP blocks even when an override builds the trainer without them
+    checkpoint_overrides = {k: v for k, v in overrides.items() if k not in MTP_COUNT_KEYS}
+    mtp_overridden = len(checkpoint_overrides) < len(overrides)
     notes: list[str] = []
     if overrides:
         notes.append("model.overrides: " + ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
@@ -148,16 +151,20 @@ def model_facts(model_id: str, recipe_dir: Path, config: Optional[str] = None,
             path = Path(local)
             if not path.is_absolute():
                 path = Path(recipe_dir) / path
-            cfg = _with_overrides(_read_json(path, "model.config"), overrides)
-            facts = facts_from_config(cfg, model_id, f"local config {path}")
+            raw = _read_json(path, "model.config")
+            facts_id, source = model_id, f"local config {path}"
         else:
-            cfg = _with_overrides(catalog_config(model_id), overrides)
+            raw = catalog_config(model_id)
             key, variant = resolve_id(model_id)
             assert key is not None  # catalog_config found the entry
             if variant:
                 notes.append(f"{model_id} is a checkpoint variant of {key}: planned with its catalog entry "
                              "(same architecture)")
-            facts = facts_from_config(cfg, key or model_id, f"catalog {_files()[key].name} ({_provenance(cfg)})")
+            facts_id, source = key, f"catalog {_files()[key].name} ({_provenance(raw)})"
+        facts = facts_from_config(_with_overrides(raw, overrides), facts_id, source)
+        if mtp_overridden:
+            checkpoint = facts_from_config(_with_overrides(raw, checkpoint_overrides), facts_id, source)
+            facts = dataclasses.replace(facts, checkpoint_mtp_num_layers=checkpoint.mtp_num_layers)
     except ConfigFormatError as exc:
         where = "model.config" if local else f"catalog entry {model_id}"
         raise CatalogError(f"{where}: {exc}") from None

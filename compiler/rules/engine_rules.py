@@ -79,3 +79,56 @@ def deepep(ctx: Context) -> None:
     if ctx.facts is not None and (not ctx.facts.is_moe or ctx.recipe.parallelism.train.ep == 1):
         ctx.info("training.moe.deepep has no effect: " + ("the model is dense" if not ctx.facts.is_moe else "EP is 1"),
                  "training.moe.deepep")
+
+
+SPECULATIVE = "generation.speculative_decoding"
+NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
+
+
+@rule("RLC314", "speculative decoding needs what its method drafts from", severities=("error", "warning"),
+      rationale="With method mtp, vLLM's drafter is the checkpoint's own multi-token-prediction layers: a checkpoint "
+                "without them leaves the drafter nothing to load and vLLM fails at start. model.overrides that switch "
+                "the trainer's MTP off (num_nextn_predict_layers / mtp_num_hidden_layers: 0, NeMo-RL mtp_num_layers: "
+                "0) do not remove them from the checkpoint, so the count that matters is the checkpoint's. The drafter's "
+                "weights live in vLLM's weight pool: sleep level 2 discards them, vLLM's wake-up restores only the "
+                "target model's buffers and the refit writes only the target model, so after the first sleep the "
+                "drafter would run on undefined memory; level 1 backs them up with the rest. The n-gram window "
+                "(prompt_lookup_min ≤ prompt_lookup_max) is vLLM's own check, moved to compile time.",
+      seed="vLLM SpeculativeConfig (method 'mtp': the draft model is the target checkpoint; ngram: "
+           "'prompt_lookup_min must be <= prompt_lookup_max'); vLLM Worker.sleep / wake_up (level 2 saves and "
+           "restores model_runner.model's buffers only); NeMo-RL's DeepSeek-V3 performance recipe with "
+           "speculative_config method deepseek_mtp (NeMo-RL PR #3356).",
+      fixes="Use method: ngram (or no speculative decoding) for a checkpoint without MTP layers; sleep level 1 "
+            "with mtp; keep "
+            "prompt_lookup_min ≤ prompt_lookup_max and set the n-gram window only with method: ngram.")
+def speculative_decoding(ctx: Context) -> None:
+    spec = ctx.recipe.generation.speculative_decoding
+    if spec is None:
+        return
+    if spec.method == "ngram":
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            ctx.error(f"prompt_lookup_min {spec.prompt_lookup_min} > prompt_lookup_max {spec.prompt_lookup_max}: "
+                      "vLLM refuses the n-gram window", f"{SPECULATIVE}.prompt_lookup_min",
+                      hint=f"{SPECULATIVE}.prompt_lookup_min ≤ prompt_lookup_max")
+        return
+    written = ((ctx.raw or {}).get("generation") or {}).get("speculative_decoding") or {}
+    for key in NGRAM_ONLY:
+        if isinstance(written, dict) and key in written:
+            ctx.error(f"{SPECULATIVE}.{key} is an n-gram setting; method mtp drafts with the checkpoint's MTP layers "
+                      "and has no n-gram window", f"{SPECULATIVE}.{key}", hint=f"drop {key} (or use method: ngram)")
+    facts = ctx.facts
+    layers = None if facts is None else facts.checkpoint_mtp_num_layers
+    if facts is not None and layers == 0:
+        ctx.error(f"method mtp drafts with the checkpoint's MTP layers, and {facts.model_id}'s checkpoint has none "
+                  "(its config gives 0 MTP layers)", f"{SPECULATIVE}.method",
+                  hint=f"use {SPECULATIVE}.method: ngram, or drop {SPECULATIVE}")
+        return
+    if facts is not None and layers is None:
+        ctx.warning(f"method mtp: how many MTP layers {facts.model_id}'s checkpoint has is not known, so the plan "
+                    "leaves the drafter's weights out", f"{SPECULATIVE}.method",
+                    hint="state num_nextn_predict_layers (or mtp_num_hidden_layers) in model.config")
+    if ctx.recipe.colocated and ctx.recipe.refit.sleep_level == 2:
+        ctx.error("method mtp with refit.sleep_level 2: vLLM discards every weight at level 2 and restores only the "
+                  "target model's buffers, and the refit writes only the target model, so the MTP drafter would "
+                  "draft from whatever the freed memory holds after the first sleep", "refit.sleep_level",
+                  hint="refit.sleep_level: 1 (the drafter's weights are backed up to host memory with the model's)")

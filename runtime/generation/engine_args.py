@@ -1,6 +1,6 @@
 """The keyword arguments of ``vllm.LLM(...)`` for one engine, from ``runtime.yaml`` (pure Python, CPU-tested).
 
-Typed settings first (model, parallelism, memory, sleep mode, the refit consumer), then
+Typed settings first (model, parallelism, memory, sleep mode, speculative decoding, the refit consumer), then
 ``generation.vllm_kwargs`` unchanged. A pass-through key that would replace a typed setting is an
 error here too (the compiler rejects it first, RLC310), so a hand-edited bundle cannot silently
 run something the plan did not check. FP8 rollouts are refused: the refit writes bf16 weights.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rlc.contract.engine_options import VLLM_OWNED
+from rlc.contract.runtime_config import vllm_speculative_config
 from rlc.runtime.generation.sampling import logprobs_mode
 
 log = logging.getLogger(__name__)
@@ -39,15 +41,17 @@ def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str
         seed=cfg.grpo.seed + engine_index,
         logprobs_mode=logprobs_mode(gen.sampling),
     )
+    if gen.speculative_decoding is not None:
+        kwargs["speculative_config"] = vllm_speculative_config(gen.speculative_decoding)
     if gen.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(gen.kv_cache_memory_bytes)
     if distributed:
         kwargs["distributed_executor_backend"] = "ray"
-    clash = sorted(set(gen.vllm_kwargs) & (set(kwargs) | {"distributed_executor_backend", "kv_cache_memory_bytes",
-                                                          "quantization"}))
+    clash = sorted(set(gen.vllm_kwargs) & set(VLLM_OWNED))
     if clash:
-        raise ValueError(f"generation.vllm_kwargs sets {', '.join(clash)}, which the runtime sets from typed keys; "
-                         "recompile the bundle without them")
+        owners = "; ".join(f"{key} from {VLLM_OWNED[key]}" for key in clash)
+        raise ValueError(f"generation.vllm_kwargs sets {', '.join(clash)}, which the runtime sets from typed keys "
+                         f"({owners}); recompile the bundle without them")
     kwargs.update(gen.vllm_kwargs)
     return kwargs
 

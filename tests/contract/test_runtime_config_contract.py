@@ -181,3 +181,24 @@ def test_loss_options_reach_the_runtime():
     assert (cfg.loss.clip_ratio_c, cfg.loss.max_log_ratio, cfg.reward.failure_reward) == (3.0, 10.0, -1.0)
     bad = api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml", ["loss.clip_ratio_c=1.0"])
     assert not bad.ok and [d.path for d in bad.errors] == ["loss.clip_ratio_c"]
+
+
+@pytest.mark.parametrize("sets,expected", [
+    (["generation.speculative_decoding.method=mtp", "generation.speculative_decoding.num_speculative_tokens=1"],
+     {"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    (["generation.speculative_decoding.method=ngram", "generation.speculative_decoding.num_speculative_tokens=4",
+      "generation.speculative_decoding.prompt_lookup_max=6"],
+     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 6}),
+    ([], None),
+], ids=["mtp", "ngram", "off"])
+def test_speculative_decoding_round_trips_through_runtime_yaml(sets, expected, tmp_path):
+    result = api.check(ROOT / "rlc/recipes/tiny-moe-mtp-2gpu-pp2.yaml", ["refit.sleep_level=1", *sets])
+    assert result.ok, [d.message for d in result.errors]
+    data = resolve.to_runtime_config(result)
+    assert data["generation"]["speculative_decoding"] == expected
+    target = tmp_path / "runtime.yaml"
+    target.write_text(runtime_yaml(data))
+    cfg = load_runtime_config(target)
+    assert runtime_config_to_dict(cfg) == data
+    spec = cfg.generation.speculative_decoding
+    assert (spec is None) == (expected is None) and (spec is None or spec.method == expected["method"])

@@ -240,10 +240,33 @@ def test_engine_options_and_optimizer_keys_map_to_their_typed_rlc_keys(tmp_path)
     assert got["loss.importance_sampling_correction"] is True
     assert got["generation.sampling.stop_token_ids"] == [151645]
     assert got["generation.kv_cache_memory_bytes"] == 21474836480
-    assert got["generation.vllm_kwargs"] == {"moe_backend": "triton",
-                                             "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    assert got["generation.vllm_kwargs"] == {"moe_backend": "triton"}
+    assert got["generation.speculative_decoding.method"] == "mtp"
+    assert got["generation.speculative_decoding.num_speculative_tokens"] == 1
     unmapped = {u.key: u.reason for u in imported.mapping.unmapped}
     assert "generation.max_model_len" in unmapped["policy.generation.vllm_kwargs.max_model_len"]
+
+
+def test_speculative_config_maps_to_the_typed_block_by_vllm_method(tmp_path):
+    """NeMo-RL's DeepSeek-V3 performance recipe names vLLM's per-model MTP method (``deepseek_mtp``, which vLLM
+    maps to ``mtp``); ngram keeps its window; a method rlc does not run stays listed, not dropped."""
+    def imported(spec):
+        child = tmp_path / "grpo-spec.yaml"
+        child.write_text(yaml.safe_dump({"defaults": str(PUBLIC_397B), "policy": {"generation": {
+            "vllm_kwargs": {"speculative_config": spec}}}}), encoding="utf-8")
+        return import_nemo_rl(child)
+
+    deepseek = imported({"method": "deepseek_mtp", "num_speculative_tokens": 1})
+    got = mapped(deepseek)
+    assert got["generation.speculative_decoding.method"] == "mtp"
+    assert "generation.vllm_kwargs" not in got
+    ngram = mapped(imported({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}))
+    assert ngram["generation.speculative_decoding.prompt_lookup_max"] == 5
+    assert ngram["generation.speculative_decoding.num_speculative_tokens"] == 3
+    eagle = imported({"method": "eagle3", "model": "some/eagle", "num_speculative_tokens": 2})
+    assert not any(k.startswith("generation.speculative_decoding") for k in mapped(eagle))
+    reasons = {u.key: u.reason for u in eagle.mapping.unmapped}
+    assert "mtp or ngram" in reasons["policy.generation.vllm_kwargs.speculative_config.method"]
 
 
 def test_precision_moe_packing_and_pass_through_options_map_to_their_keys():

@@ -83,3 +83,27 @@ def test_mtp_loss_is_the_recipes_choice_and_off_by_default():
     assert not hasattr(dense, "mtp_loss_scaling_factor")
     with pytest.raises(AssertionError, match="mtp_loss_scale"):
         runtime("tiny-moe-mtp-2gpu-pp2.yaml", "training.megatron_kwargs.mtp_loss_scaling_factor=0.1")
+
+
+SPEC = "generation.speculative_decoding"
+
+
+def test_speculative_decoding_reaches_vllm_as_its_speculative_config():
+    """mtp: vLLM's generic method (the drafter is the checkpoint's MTP module); ngram: with its n-gram window
+    (the schema's defaults); off: no speculative_config at all."""
+    mtp = runtime("tiny-moe-mtp-2gpu-pp2.yaml", "refit.sleep_level=1", f"{SPEC}.method=mtp",
+                  f"{SPEC}.num_speculative_tokens=2")
+    assert engine_kwargs(mtp, 0, distributed=True)["speculative_config"] == {"method": "mtp",
+                                                                             "num_speculative_tokens": 2}
+    ngram = runtime("tiny-qwen3-1gpu.yaml", f"{SPEC}.method=ngram", f"{SPEC}.num_speculative_tokens=3")
+    assert engine_kwargs(ngram, 0, distributed=False)["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert "speculative_config" not in engine_kwargs(runtime("tiny-qwen3-1gpu.yaml"), 0, distributed=False)
+
+
+def test_a_hand_edited_speculative_config_is_refused_with_the_typed_key():
+    cfg = runtime("tiny-qwen3-1gpu.yaml")
+    edited = dataclasses.replace(cfg, generation=dataclasses.replace(
+        cfg.generation, vllm_kwargs={"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}))
+    with pytest.raises(ValueError, match=r"speculative_config from generation\.speculative_decoding"):
+        engine_kwargs(edited, 0, distributed=False)

@@ -481,6 +481,7 @@ def _vllm_kwargs(m: _Mapper) -> None:
         m.consume(prefix[:-1], why="empty: no vLLM options")
     block: dict[str, Any] = {}
     sources: list[str] = []
+    speculative: dict[str, str] = {}  # speculative_config option -> its NeMo-RL key
     for key, value in m.leaves.items():
         if not key.startswith(prefix):
             continue
@@ -488,6 +489,9 @@ def _vllm_kwargs(m: _Mapper) -> None:
         path = key[len(prefix):].split(".")
         if path == ["kv_cache_memory_bytes"]:
             m.take(key, "generation.kv_cache_memory_bytes", positive_int)
+            continue
+        if path[0] == "speculative_config" and len(path) == 2:
+            speculative[path[1]] = key
             continue
         if path[0] in VLLM_OWNED:
             m.out.unmapped.append(Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}"))
@@ -499,6 +503,35 @@ def _vllm_kwargs(m: _Mapper) -> None:
         sources.append(key)
     if block:
         m.put("generation.vllm_kwargs", block, tuple(sources), "handed to vllm.LLM unchanged")
+    if speculative:
+        _speculative_config(m, speculative)
+
+
+#: vLLM ``speculative_config`` options with a key under ``generation.speculative_decoding``.
+_SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def _speculative_config(m: _Mapper, options: dict[str, str]) -> None:
+    """``vllm_kwargs.speculative_config`` -> ``generation.speculative_decoding``: vLLM's MTP methods (``mtp`` and
+    the per-model names it maps to ``mtp``, e.g. ``deepseek_mtp``) become ``mtp``; ``ngram`` stays."""
+    method_key = options.get("method")
+    method = str(m.leaves[method_key]) if method_key else ""
+    typed = "mtp" if method == "mtp" or method.endswith("_mtp") else "ngram" if method == "ngram" else None
+    if typed is None:
+        for key in options.values():
+            m.out.unmapped.append(Unmapped(key, m.leaves[key], f"speculative method {method or '(none)'!r}: rlc "
+                                           "runs mtp or ngram (generation.speculative_decoding.method)"))
+        return
+    m.put("generation.speculative_decoding.method", typed, (method_key,) if method_key else (),
+          f"vLLM method {method!r}" if method != typed else "")
+    for option, key in options.items():
+        if option == "method":
+            continue
+        if option in _SPECULATIVE_KEYS and (typed == "ngram" or option == "num_speculative_tokens"):
+            m.take(key, f"generation.speculative_decoding.{option}", positive_int)
+        else:
+            m.out.unmapped.append(Unmapped(key, m.leaves[key], f"generation.speculative_decoding ({typed}) has "
+                                           f"no {option}"))
 
 
 def _vllm_precision(m: _Mapper) -> None:
