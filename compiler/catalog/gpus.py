@@ -21,6 +21,7 @@ class GpuSpec:
     memory_gib: float
     hbm_gb: int
     arch: str
+    nvlink_multicast: bool  # NVSwitch with NVLink multicast: NCCL sets up NVLS buffers
     measured: bool  # True when the figure comes from this project's seed runs
     source: str
 
@@ -34,7 +35,7 @@ def _table() -> dict[str, GpuSpec]:
     raw = yaml.safe_load(_GPUS_FILE.read_text(encoding="utf-8"))
     return {
         name: GpuSpec(name=name, memory_gib=float(e["memory_gib"]), hbm_gb=int(e["hbm_gb"]), arch=str(e["arch"]),
-                      measured=bool(e["measured"]), source=str(e["source"]))
+                      nvlink_multicast=bool(e["nvlink_multicast"]), measured=bool(e["measured"]), source=str(e["source"]))
         for name, e in raw.items()
     }
 

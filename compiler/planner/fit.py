@@ -14,7 +14,8 @@ constant                       measured moment (device used GiB, rank 0's GPU)
 ``vllm_cuda_graph_gib``        the same moment, for runs with ``enforce_eager`` off (the base
                                then comes from the reference entry)
 ``vllm_awake_extra_gib``       ``vllm_started`` (only vLLM on the GPU) − pool − CUDA graphs
-``megatron_context_gib``       ``policy_started`` − the trainer's torch reserve − vLLM asleep
+``megatron_context_gib``       ``policy_started`` − the trainer's torch reserve − vLLM asleep −
+                               the trainer's NCCL NVLS buffers (first principles, ``nccl.py``)
 ``megatron_refit_residual_gib``  ``refit_free`` after step 1 − the planner's refit phase without it
 =============================  =================================================================
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration, CalibrationError
 from rlc.compiler.planner.layout import generation_layout
-from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, vllm_asleep_items
+from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, nvls_items, vllm_asleep_items
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.planner.runs import RunMeasurements
 from rlc.compiler.planner.shards import vllm_stage_shards
@@ -142,7 +143,7 @@ def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu:
     started = _per_run(runs, _vllm_started, "vllm_started record")
     freed = started - asleep
     weights = _vllm_weights(recipe, facts)
-    others = sum(i.gib or 0.0 for i in vllm_asleep_items(recipe, weights, base)
+    others = sum(i.gib or 0.0 for i in vllm_asleep_items(recipe, facts, weights, base, gpu)
                  if i.source != "calibration:vllm_base_gib")
     cal = base
     if eager:
@@ -165,13 +166,15 @@ def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu:
                          f"vllm_started {started:.3f} - pool {pool:.3f} (gpu_memory_utilization x {limit:g})"
                          + (f" - CUDA graphs {graphs:.3f}" if graphs else "")))
 
-    context = _per_run(runs, _context, "policy_started record with torch_reserved_gib")
+    trainer_nvls = sum(i.gib or 0.0 for i in nvls_items(recipe, facts, gpu)[0])
+    context = _per_run(runs, _context, "policy_started record with torch_reserved_gib") - trainer_nvls
     cal = dataclasses.replace(cal, megatron_context_gib=context)
     policy = runs[0].first("policy_started")
     assert policy is not None and policy.torch_reserved_gib is not None
     fitted.append(Fitted("megatron_context_gib", context,
                          f"policy_started {policy.used_gib:.3f} - trainer torch reserved "
-                         f"{policy.torch_reserved_gib:.3f} - vLLM asleep {asleep:.3f}"))
+                         f"{policy.torch_reserved_gib:.3f} - vLLM asleep {asleep:.3f}"
+                         + (f" - trainer NCCL NVLS buffers {trainer_nvls:.3f}" if trainer_nvls else "")))
 
     refit_used = _per_run(runs, lambda r: statistics.median(r.used("refit_free", min_step=1))
                           if r.used("refit_free", min_step=1) else None, "refit_free record after step 1")

@@ -15,7 +15,9 @@ Phases (worst GPU of each; a GPU hosts one Megatron rank and one vLLM rank):
   ``free_at_stack = free − 2 × per_side − gathered − staging overhead − fragmentation ≥ largest``.
 
 Parameter bytes are first principles (``rlc.compiler.model``); contexts, residues, the staging
-overhead and fragmentation come from the calibration table (``calibration.yaml``).
+overhead and fragmentation come from the calibration table (``calibration.yaml``); NCCL's NVLS buffers
+are first principles too (``nccl.py``: per communicator, from the layout and ``cluster.env``), and the
+calibration's contexts are net of them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.host import host_plan
+from rlc.compiler.planner.nccl import (generation_communicators, nvls_memory, nvls_settings,
+                                       trainer_communicators)
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
 from rlc.compiler.planner.residency import MegatronResident, PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
@@ -102,8 +106,8 @@ PARAMS_RESIDENT_NOTE = ("refit.offload_params_for_generation is off: the bundled
                         "while vLLM generates")
 
 
-def _megatron_items(held: dict[str, int], ctx: Item, generating: bool = False) -> list[Item]:
-    """Plan items of Megatron's allocations after the refit (``_megatron_refit_bytes``) and its context.
+def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool = False) -> list[Item]:
+    """Plan items of Megatron's allocations after the refit (``_megatron_refit_bytes``) and its context items.
 
     ``generating``: the same trainer state while vLLM generates; the bf16 params (if still there) say why.
     """
@@ -115,7 +119,7 @@ def _megatron_items(held: dict[str, int], ctx: Item, generating: bool = False) -
         note = REFERENCE_NOTE if key == "reference" else (PARAMS_RESIDENT_NOTE if generating and key == "params"
                                                           else "")
         items.append(Item(label, gib(value), "megatron", source, note))
-    return items + [ctx]
+    return items + list(ctx)
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -133,18 +137,41 @@ def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout
     return (shard.params - vocab) * 1 + vocab * bpp
 
 
-def vllm_asleep_items(recipe: Recipe, weights: Optional[int], cal: Calibration) -> list[Item]:
+def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[int], cal: Calibration,
+                      gpu: Any) -> list[Item]:
     """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
-    return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal)
+    return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal,
+                         nvls_items(recipe, facts, gpu)[1])
+
+
+#: ``Item.source`` of NCCL's NVLS buffers (first principles, ``nccl.py``).
+NVLS_SOURCE = "nccl:nvls"
+
+
+def nvls_items(recipe: Recipe, facts: ModelFacts, gpu: Any) -> tuple[list[Item], list[Item]]:
+    """NCCL NVLS buffers of the trainer and of vLLM on one GPU, as plan items (none where there are none
+    to keep or to save)."""
+    settings = nvls_settings(recipe.cluster.env)
+    per_node = recipe.cluster.gpus_per_node
+    out = []
+    trainer = trainer_communicators(train_layout(recipe), per_node, recipe.training.use_distributed_optimizer,
+                                    moe=facts.is_moe is not False)
+    for owner, comms in (("megatron", trainer),
+                         ("vllm", generation_communicators(generation_layout(recipe), per_node))):
+        mem = nvls_memory(comms, gpu.arch, gpu.nvlink_multicast, settings)
+        label = "NCCL NVLS buffers (" + ("trainer" if owner == "megatron" else "vLLM") + ")"
+        out.append([Item(label, gib(mem.bytes), owner, NVLS_SOURCE, mem.note)] if mem.communicators else [])
+    return out[0], out[1]
 
 
 def _vllm_residue(recipe: Recipe, weights: Optional[int], where: VllmResident,
-                  cal: Calibration) -> list[Item]:
+                  cal: Calibration, nvls: Sequence[Item]) -> list[Item]:
     items = []
     if where.weights:
         items.append(Item("vLLM weight shard", gib(weights), "vllm", "params", where.why))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
+    items.extend(nvls)
     if not recipe.generation.enforce_eager:
         items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib",
                           "non-releasable, after step 1 (enforce_eager off)"))
@@ -270,7 +297,9 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     plan.sleep_label = sleep.label
     table = residency(recipe, sleep, cal)
     plan.residency = table
-    ctx = Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron", "calibration:megatron_context_gib")
+    trainer_nvls, vllm_nvls = nvls_items(recipe, facts, gpu)
+    ctx = [Item("Megatron context (CUDA/NCCL)", cal.megatron_context_gib, "megatron",
+                "calibration:megatron_context_gib")] + trainer_nvls
     residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
                     "calibration:megatron_refit_residual_gib")
     generation = recipe.generation
@@ -295,14 +324,14 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
-        residue = _vllm_residue(recipe, v_weights, table["train"].vllm, cal)
+        residue = _vllm_residue(recipe, v_weights, table["train"].vllm, cal, vllm_nvls)
         plan.phases["train"] = Phase("train", "train step (before activations)",
-                                     tuple(items + [residual, ctx] + residue),
+                                     tuple(items + [residual] + ctx + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
         if where.cpu_offload_staging:
             on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
             megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
-            plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [residual, ctx] + residue)
+            plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [residual] + ctx + residue)
     # ---- generate
     util = float(generation.gpu_memory_utilization)
     kv_bytes = generation.kv_cache_memory_bytes
@@ -318,6 +347,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
                             "calibration:vllm_awake_extra_gib"))
     if not generation.enforce_eager:
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
+    g_items += vllm_nvls
     g_stage = None
     if figs:
         # the trainer as the refit left it, less what refit.offload_params_for_generation moved to the host
@@ -327,7 +357,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         g_stage = g_fig["stage"]
         g_items += _megatron_items(g_held, ctx, generating=True)
     else:
-        g_items += [ctx, dataclasses.replace(residual, label="Megatron residual (offloaded)")]
+        g_items += ctx + [dataclasses.replace(residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
     if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
@@ -355,7 +385,8 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     where = table["refit"].megatron
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
-    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal)
+    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal,
+                                                                vllm_nvls)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase
     if refit_phase.free_gib is None:

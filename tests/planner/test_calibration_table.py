@@ -26,6 +26,9 @@ def test_derived_constants_match_the_stored_values(qwen397, h100):
     recipe = load(ROOT / cal.reference["recipe"])[0]
     derived = derive_constants(cal.measured, recipe, qwen397, h100.memory_gib, cal)
     assert derived["megatron_context_gib"] == pytest.approx(cal.megatron_context_gib, abs=0.01)
+    assert derived["vllm_base_gib"] == pytest.approx(cal.vllm_base_gib, abs=0.01)
+    # the reference run had NVLS on: 4 trainer and 2 vLLM communicators of 256 MiB are netted out
+    assert (derived["trainer_nvls_gib"], derived["vllm_nvls_gib"]) == pytest.approx((1.0, 0.5))
     assert derived["megatron_refit_residual_gib"] == pytest.approx(cal.megatron_refit_residual_gib, abs=0.01)
     assert derived["vllm_cuda_graph_gib"] == pytest.approx(cal.vllm_cuda_graph_gib, abs=0.01)
     assert derived["export_staging_overhead_gib"] == pytest.approx(cal.export_staging_overhead_gib, abs=0.01)

@@ -20,23 +20,13 @@ from rlc.compiler import api
 from validation_helpers import COMMIT, PRODUCTION, provenance, recipes, rules
 
 #: Why each rule fires falsely on configurations that ran (the planner's remaining error, with numbers).
-WHY_FALSE = {
-    "RLC210": "the published run refitted at ratio 0.3, so every GPU had at least 11.51 GiB free (2 x the "
-              "1.73 GiB embedding / 0.3); the plan leaves 10.07 GiB: Megatron's bf16 params 6.99 + context 3.02 "
-              "+ residual 3.32 and vLLM's TP32 shard 40.92 (woken before the buffer is sized) + contexts and "
-              "CUDA graphs 14.79. The last three are fitted on NeMo-RL #2471's layout (Qwen3.5-397B, vLLM "
-              "TP16/EP64, NVLS on); the published run disabled NVLS (NCCL_NVLS_ENABLE=0; NCCL 2.27 keeps up to "
-              "256 MiB per NVLS communicator per GPU), and NeMo-RL PR #3356 measured 11.0 GiB free at the "
-              "first refit of this very layout on NeMo-RL's main branch (where the same check failed): the "
-              "residues overcount this layout by "
-              "0.93 GiB, and the v0.6 stack had at least 0.51 GiB more free than main, a version difference "
-              "the calibration (one entry per GPU) cannot express",
-}
+#: Empty today. DeepSeek-V3 on 32 x 8 H100 (RLC210, 1.44 GiB short at the refit) was the last entry until
+#: NCCL's NVLS buffers were planned per layout: the calibration reference ran with NVLS on (1.5 GiB of
+#: communicator buffers in its contexts), the published DeepSeek-V3 run with NCCL_NVLS_ENABLE=0.
+WHY_FALSE: dict[str, str] = {}
 
 #: Recipes that fail today, with the rule ids that fire falsely on each.
-FALSE_ALARMS = {
-    "nemo-rl-grpo-deepseek-v3-32n8g": ("RLC210",),
-}
+FALSE_ALARMS: dict[str, tuple[str, ...]] = {}
 
 SUITE = recipes(PRODUCTION)
 
