@@ -31,11 +31,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration, CalibrationError
-from rlc.compiler.planner.layout import generation_layout
-from rlc.compiler.planner.memory import DTYPE_BYTES, _core_plan, nvls_items, vllm_asleep_items
+from rlc.compiler.planner.memory import _core_plan, nvls_items, vllm_asleep_items, vllm_weights
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.planner.runs import RunMeasurements
-from rlc.compiler.planner.shards import vllm_stage_shards
 from rlc.compiler.recipe_types import Recipe
 
 #: Phases compared before and after the fit, with the measurement each is compared to.
@@ -121,13 +119,6 @@ def _context(run: RunMeasurements) -> Optional[float]:
     return policy.used_gib - policy.torch_reserved_gib - asleep
 
 
-def _vllm_weights(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
-    shards = vllm_stage_shards(facts, generation_layout(recipe))
-    if not shards:
-        return None
-    return max(s.params for s in shards) * DTYPE_BYTES[recipe.model.dtype]
-
-
 def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu: Any,
         base: Calibration, entry_id: str) -> tuple[Calibration, list[Fitted]]:
     """A calibration entry for ``gpu`` and the runs' versions: ``base`` with the fitted constants replaced."""
@@ -142,7 +133,7 @@ def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu:
     asleep = _per_run(runs, _vllm_asleep, "vllm_started record and memory/sleep_freed_gib metric")
     started = _per_run(runs, _vllm_started, "vllm_started record")
     freed = started - asleep
-    weights = _vllm_weights(recipe, facts)
+    weights, _ = vllm_weights(recipe, facts)
     others = sum(i.gib or 0.0 for i in vllm_asleep_items(recipe, facts, weights, base, gpu)
                  if i.source != "calibration:vllm_base_gib")
     cal = base

@@ -22,6 +22,7 @@ calibration's contexts are net of them.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlc.contract import refit_buffer
@@ -137,7 +138,52 @@ def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout
     return (shard.params - vocab) * 1 + vocab * bpp
 
 
-def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[int], cal: Calibration,
+DRAFTER_LABEL = "vLLM MTP drafter (speculative decoding)"
+
+
+@dataclass(frozen=True)
+class VllmWeights:
+    """vLLM's weight bytes on its worst GPU: the model's shard and the MTP drafter's blocks on it (0 without
+    MTP speculative decoding, or when the worst GPU is not on vLLM's last pipeline stage)."""
+
+    shard: int
+    drafter: int
+    drafter_blocks: int  # MTP blocks the drafter loads (checkpoint's count; 0: no MTP drafter)
+
+    @property
+    def total(self) -> int:
+        return self.shard + self.drafter
+
+
+def drafter_blocks(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
+    """MTP blocks vLLM's drafter loads: the checkpoint's (``model.overrides`` that build the trainer without MTP
+    do not change them) with ``generation.speculative_decoding.method: mtp``, else 0; ``None`` when unknown."""
+    spec = recipe.generation.speculative_decoding
+    if spec is None or spec.method != "mtp":
+        return 0
+    return facts.checkpoint_mtp_num_layers
+
+
+def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeights], Optional[str]]:
+    """vLLM's weights on its worst GPU, and what is not counted for want of facts (the drafter, or all)."""
+    gl = generation_layout(recipe)
+    bpp = DTYPE_BYTES[recipe.model.dtype]
+    plain = vllm_stage_shards(facts, gl)
+    if plain is None:
+        return None, "vLLM weight shard: needs " + _missing(facts)
+    blocks = drafter_blocks(recipe, facts)
+    with_drafter = vllm_stage_shards(facts, gl, blocks) if blocks else plain
+    if blocks is None or with_drafter is None:
+        missing = "the checkpoint's MTP layer count" if blocks is None else "the MTP layer kinds"
+        shard = max(_vllm_shard_bytes(s, facts, gl, recipe, bpp) for s in plain)
+        return VllmWeights(shard, 0, 0), f"{DRAFTER_LABEL}: needs {missing}"
+    worst = max(range(len(with_drafter)), key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe, bpp))
+    shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe, bpp)
+    total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe, bpp)
+    return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None
+
+
+def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[VllmWeights], cal: Calibration,
                       gpu: Any) -> list[Item]:
     """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
@@ -165,11 +211,16 @@ def nvls_items(recipe: Recipe, facts: ModelFacts, gpu: Any) -> tuple[list[Item],
     return out[0], out[1]
 
 
-def _vllm_residue(recipe: Recipe, weights: Optional[int], where: VllmResident,
+def _vllm_residue(recipe: Recipe, weights: Optional[VllmWeights], where: VllmResident,
                   cal: Calibration, nvls: Sequence[Item]) -> list[Item]:
     items = []
     if where.weights:
-        items.append(Item("vLLM weight shard", gib(weights), "vllm", "params", where.why))
+        items.append(Item("vLLM weight shard", gib(None if weights is None else weights.shard), "vllm", "params",
+                          where.why))
+        if weights is not None and weights.drafter:
+            items.append(Item(DRAFTER_LABEL, gib(weights.drafter), "vllm", "params",
+                              f"{weights.drafter_blocks} MTP block(s) of the checkpoint in vLLM's weight pool, "
+                              "embedding and lm_head shared with the model"))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
     items.extend(nvls)
     if not recipe.generation.enforce_eager:
@@ -283,15 +334,16 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     plan.notes.extend(n for n in facts.notes if "layer order" in n or "evenly mixed" in n)
 
     mega = megatron_stage_shards(facts, tl)
-    vllm = vllm_stage_shards(facts, gl)
     if mega is None:
         plan.unknown.append("Megatron per-GPU shards: needs " + _missing(facts))
-    if vllm is None:
-        plan.unknown.append("vLLM weight shard: needs " + _missing(facts))
+    weights, weights_unknown = vllm_weights(recipe, facts)
+    if weights_unknown:
+        plan.unknown.append(weights_unknown)
     figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
     plan.stages = figs
-    v_weights = max(_vllm_shard_bytes(s, facts, gl, recipe, bpp) for s in vllm) if vllm else None
+    v_weights = None if weights is None else weights.total  # everything in vLLM's weight pool
     plan.vllm_weights_gib = gib(v_weights)
+    plan.vllm_drafter_gib = gib(weights.drafter) if weights is not None and weights.drafter else None
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     plan.vllm_version = planned_vllm_version(recipe, cal.versions)
     plan.sleep_label = sleep.label
@@ -324,7 +376,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
-        residue = _vllm_residue(recipe, v_weights, table["train"].vllm, cal, vllm_nvls)
+        residue = _vllm_residue(recipe, weights, table["train"].vllm, cal, vllm_nvls)
         plan.phases["train"] = Phase("train", "train step (before activations)",
                                      tuple(items + [residual] + ctx + residue),
                                      limit, stage=worst["stage"], note="activations not modelled")
@@ -361,9 +413,10 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
     if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
+        drafter = f" (with the MTP drafter's {plan.vllm_drafter_gib:.2f})" if plan.vllm_drafter_gib else ""
         plan.checks["generate_fit"] = Check(
             "generate_fit", kv > 0, util * limit, v_weights / GIB,
-            f"vLLM weight shard {v_weights / GIB:.2f} GiB vs. gpu_memory_utilization {util:g} × {limit:.2f} GiB "
+            f"vLLM weight shard {v_weights / GIB:.2f} GiB{drafter} vs. gpu_memory_utilization {util:g} × {limit:.2f} GiB "
             f"= {util * limit:.2f} GiB (leaves {kv:.2f} GiB for KV cache and activations)")
     used = plan.phases["generate"].used_gib
     if used is not None and used > limit:
@@ -385,7 +438,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     where = table["refit"].megatron
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
-    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, v_weights, table["refit"].vllm, cal,
+    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, weights, table["refit"].vllm, cal,
                                                                 vllm_nvls)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase

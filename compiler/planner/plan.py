@@ -125,7 +125,8 @@ class MemoryPlan:
     checks: dict[str, Check] = field(default_factory=dict)
     fixes: list[Fix] = field(default_factory=list)
     stages: list[dict[str, Any]] = field(default_factory=list)  # per Megatron stage figures
-    vllm_weights_gib: Optional[float] = None
+    vllm_weights_gib: Optional[float] = None  # everything in vLLM's weight pool on its worst GPU
+    vllm_drafter_gib: Optional[float] = None  # of which the MTP speculative-decoding drafter (None: no drafter)
     unknown: list[str] = field(default_factory=list)  # figures not computable, each with why
     notes: list[str] = field(default_factory=list)
     vllm_version: Optional[str] = None  # the vLLM version planned against (recipe or calibration)
@@ -198,6 +199,7 @@ class MemoryPlan:
             "generate_fix": None if self.generate_fix is None else asdict(self.generate_fix),
             "stages": self.stages,
             "vllm_weights_gib": self.vllm_weights_gib,
+            "vllm_drafter_gib": self.vllm_drafter_gib,
             "unknown": self.unknown,
             "notes": self.notes,
             "vllm_version": self.vllm_version,

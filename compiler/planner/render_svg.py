@@ -23,7 +23,8 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 300, 40, 90
 _COLORS = {
     "Megatron params": "#1f77b4", "Megatron grads": "#4a94c9", "optimizer fp32 master": "#75b0dd",
     "optimizer Adam moments": "#a0ccf0", "CPU-offload staging": "#5b7fa3", "Megatron context (CUDA/NCCL)": "#2b4f73",
-    "Megatron residual": "#0f3a60", "vLLM weight shard": "#2ca02c", "vLLM contexts + non-pool buffers": "#98df8a",
+    "Megatron residual": "#0f3a60", "vLLM weight shard": "#2ca02c",
+    "vLLM MTP drafter (speculative decoding)": "#17becf", "vLLM contexts + non-pool buffers": "#98df8a",
     "vLLM CUDA graphs": "#1e6e1e", "vLLM pool (weights + KV cache + activations)": "#5cbf5c",
     "IPC buffer (2 halves)": "#d62728", "gathered pieces of the largest tensor": "#ff7f0e",
     "export staging overhead": "#f5b041", "allocator fragmentation": "#8c564b",

@@ -23,7 +23,8 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
         + f" (DP {t['dp']}" + (f", expert DP {t['expert_dp']}" if moe else "") + f"; layers per stage {stages})",
         f"  generation: TP{g['tp']} PP{g['pp']}" + (f" EP{g['ep']}" if moe else "") + f" x {g['dp']} ("
         + (f"experts split {g['expert_shards']} ways; " if moe else "")
-        + f"weight shard {_num(plan.vllm_weights_gib, 0).strip()} GiB per GPU)",
+        + f"weight shard {_num(plan.vllm_weights_gib, 0).strip()} GiB per GPU"
+        + (f", of which MTP drafter {plan.vllm_drafter_gib:.2f}" if plan.vllm_drafter_gib else "") + ")",
     ]
 
 

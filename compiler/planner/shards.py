@@ -4,8 +4,12 @@ Megatron (trainer): dense matrices split by TP, routed experts by EP × ETP, the
 the first stage, the output layer and the MTP blocks on the last; with MTP or tied embeddings and
 PP > 1 the last stage also holds a copy of the word embedding (the copy NeMo-RL #2471 failure 1 is
 about). vLLM (generation): dense by TP, routed experts by the expert-sharding degree (EP, or TP
-when EP is off), embedding on the first and ``lm_head`` on the last of its own pipeline stages;
-MTP weights are not loaded (no speculative decoding).
+when EP is off), embedding on the first and ``lm_head`` on the last of its own pipeline stages.
+vLLM loads MTP weights only as the drafter of MTP speculative decoding (``drafter_blocks``): the
+checkpoint's MTP blocks on its last stage, sharded like a decoder layer (``eh_proj`` whole where vLLM's
+MTP module keeps it whole, :meth:`ModelFacts.vllm_mtp_block_split`), sharing the model's embedding and
+``lm_head`` (vLLM ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``); with PP > 1 vLLM loads the
+drafter's own embedding, counted as one more vocabulary matrix there.
 
 Simplification: when KV heads < TP, both engines replicate KV heads instead of splitting them; the
 few MB this adds per layer are not counted.
@@ -99,11 +103,18 @@ def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[tu
 
 
 @lru_cache(maxsize=_SHARD_CACHE)
-def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[tuple[StageShard, ...]]:
-    """One :class:`StageShard` per vLLM pipeline stage (weights only), or ``None`` when unknown."""
+def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout,
+                      drafter_blocks: int = 0) -> Optional[tuple[StageShard, ...]]:
+    """One :class:`StageShard` per vLLM pipeline stage (weights only), or ``None`` when unknown.
+
+    ``drafter_blocks``: MTP blocks vLLM's speculative-decoding drafter loads (0: no MTP drafter); they are
+    counted on the last stage (``mtp_blocks``)."""
     if facts.num_layers is None or facts.layer_kinds is None or facts.vocab is None or facts.hidden is None:
         return None
     if facts.tied_embeddings is None:
+        return None
+    drafter = facts.vllm_mtp_block_split() if drafter_blocks else ParamSplit()
+    if drafter is None:
         return None
     vocab = facts.vocab * facts.hidden // layout.tp
     stages = layout.stage_layers(facts.num_layers)
@@ -114,7 +125,12 @@ def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout) -> Optional[t
             return None
         first, last = s == 0, s == len(stages) - 1
         copies = (1 if first else 0) + (1 if last and (not facts.tied_embeddings or not first) else 0)
+        if last and drafter_blocks:
+            split = split + drafter.times(drafter_blocks)
+            if len(stages) > 1:
+                copies += 1  # the drafter's own embedding: vLLM shares the model's only when PP == 1
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense,
-                              expert=split.expert // layout.expert_shards, vocab_copies=copies, mtp_blocks=0))
+                              expert=split.expert // layout.expert_shards, vocab_copies=copies,
+                              mtp_blocks=drafter_blocks if last else 0))
     return tuple(out)
