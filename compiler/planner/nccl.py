@@ -34,6 +34,7 @@ are planned as one node each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping, Optional, Sequence, Union
 
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout
@@ -101,16 +102,25 @@ def nvls_settings(env: Mapping[str, EnvValue]) -> NvlsSettings:
 
 def _group(name: str, strides_sizes: Sequence[tuple[int, int]], gpus_per_node: int) -> Optional[Communicator]:
     """The group spanned by ``(stride, size)`` dimensions from rank 0, or None when it has one member."""
+    size = 1
+    for _, n in strides_sizes:
+        size *= max(1, n)
+    if size < 2:
+        return None
+    local, nodes = _placement(tuple(strides_sizes), gpus_per_node)
+    return Communicator(name, size, local, nodes)
+
+
+@lru_cache(maxsize=1024)
+def _placement(strides_sizes: tuple[tuple[int, int], ...], gpus_per_node: int) -> tuple[int, int]:
+    """(members on rank 0's node, nodes spanned) of the group spanned by ``strides_sizes`` from rank 0."""
     members = [0]
     for stride, size in strides_sizes:
         members = [m + k * stride for m in members for k in range(max(1, size))]
-    if len(members) < 2:
-        return None
-    nodes = {m // gpus_per_node for m in members}
-    local = sum(1 for m in members if m // gpus_per_node == 0)
-    return Communicator(name, len(members), local, len(nodes))
+    return sum(1 for m in members if m < gpus_per_node), len({m // gpus_per_node for m in members})
 
 
+@lru_cache(maxsize=256)
 def trainer_communicators(tl: TrainLayout, gpus_per_node: int, distributed_optimizer: bool,
                           moe: bool = True) -> tuple[Communicator, ...]:
     """Megatron-core's communicators on one GPU of the trainer (see the module docstring)."""
@@ -132,6 +142,7 @@ def trainer_communicators(tl: TrainLayout, gpus_per_node: int, distributed_optim
     return tuple(g for g in groups if g is not None)
 
 
+@lru_cache(maxsize=256)
 def generation_communicators(gl: GenerationLayout, gpus_per_node: int) -> tuple[Communicator, ...]:
     """vLLM's communicators on one GPU of an engine (see the module docstring)."""
     groups = [
