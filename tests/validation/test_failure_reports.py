@@ -54,10 +54,7 @@ REPORTS = [
     # The PR's own fix is code (an oversized parameter gets a one-off buffer); the setting checked is a larger
     # NRL_REFIT_BUFFER_MEMORY_RATIO, rlc's buffer_memory_ratio.
     Report("nemo-rl-pr3356-deepseek-v3-refit-assert", FAILURES / "nemo-rl-pr3356-deepseek-v3-32n8g-refit-assert.yaml",
-           "error", "RLC210", fixed=("refit.buffer_memory_ratio=0.4",),
-           not_caught="the recipe is NeMo-RL main's (vLLM 0.25.1, MTP speculative decoding), but the planner does "
-                      "not count the MTP drafter's weights that vllm_kwargs.speculative_config loads: it plans 11.57 "
-                      "GiB free at the refit like the v0.6 run, where the report implies 11.0"),
+           "error", "RLC210", fixed=("refit.buffer_memory_ratio=0.4",)),
     Report("nemo-rl-630-refit-bucket-packed-twice", FAILURES / "nemo-rl-630-deepseek-v2-lite-refit-bucket.yaml",
            "error", "RLC211", fixed=("refit.buffer_memory_ratio=0.4",),
            not_caught="with both copies of the 0.4 bucket counted (buffer_memory_ratio 0.8: 20.46 of the 25.58 GiB "
