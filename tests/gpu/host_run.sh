@@ -59,7 +59,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage param_offload_off 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-param-offload-off \
         --out "$OUT/param_offload_off" --steps 4 --resume-steps 0 --timeout 240 --smoke ;;
     moe_sleep) run_stage moe_sleep 400 python3 "$REPO"/tests/gpu/test_moe_sleep_memory.py --out "$OUT" ;;
-    specdec) run_stage specdec 400 python3 "$REPO"/tests/gpu/test_speculative_decoding.py --out "$OUT" ;;
+    specdec) run_stage specdec 400 python3 "$REPO"/tests/gpu/test_mtp_drafter.py --out "$OUT" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     *) log "unknown stage $stage" ;;

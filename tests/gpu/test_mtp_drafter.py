@@ -15,7 +15,7 @@ started alone on GPU 0 with the runtime's own ``VllmGenerationWorker``:
 
 GPU memory (device-wide used GiB) is printed at start, after each sleep and after each wake-up.
 
-    python tests/gpu/test_speculative_decoding.py [--root /tmp/rlc-specdec] [--out DIR]   # one GPU
+    python tests/gpu/test_mtp_drafter.py [--root /tmp/rlc-specdec] [--out DIR]   # one GPU
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def run(root: str, out: str | None) -> dict:
     t = Timer()
     root_p = Path(root)
     res: dict = {"check": "MTP speculative decoding: drafter bytes vs plan, generation, sleep levels",
-                 "command": "python tests/gpu/test_speculative_decoding.py --out DIR", "recipe": RECIPE.name,
+                 "command": "python tests/gpu/test_mtp_drafter.py --out DIR", "recipe": RECIPE.name,
                  "sets": list(SPEC), "memory": {}, "checksums": {}}
     try:
         if not (root_p / "moe" / "deepseek_v3" / "config.json").exists():
