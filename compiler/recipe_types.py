@@ -352,6 +352,13 @@ class GenerationSection(_Section):
     vllm_kwargs: Mapping[str, Any]
     """vLLM engine options handed on unchanged (free-form)."""
 
+    @property
+    def drafts_with_mtp(self) -> bool:
+        """vLLM's drafter is the checkpoint's MTP layers: weights in vLLM's weight pool that the refit does not
+        write, so sleep level 2 (which discards them) is not an option."""
+        spec = self.speculative_decoding
+        return spec is not None and spec.method == "mtp"
+
 
 # --------------------------------------------------------------------------- training
 

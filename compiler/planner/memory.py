@@ -158,10 +158,7 @@ class VllmWeights:
 def drafter_blocks(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
     """MTP blocks vLLM's drafter loads: the checkpoint's (``model.overrides`` that build the trainer without MTP
     do not change them) with ``generation.speculative_decoding.method: mtp``, else 0; ``None`` when unknown."""
-    spec = recipe.generation.speculative_decoding
-    if spec is None or spec.method != "mtp":
-        return 0
-    return facts.checkpoint_mtp_num_layers
+    return facts.checkpoint_mtp_num_layers if recipe.generation.drafts_with_mtp else 0
 
 
 def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeights], Optional[str]]:
@@ -526,7 +523,7 @@ def _levers(recipe: Recipe, facts: ModelFacts) -> list[tuple[str, Any, int, str]
     """Candidate levers: (recipe key, new value, cost, description)."""
     out = []
     refit, gen, training = recipe.refit, recipe.generation, recipe.training
-    if refit.sleep_level == 1:
+    if refit.sleep_level == 1 and not gen.drafts_with_mtp:  # level 2 would discard the MTP drafter (RLC314)
         out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
     if not refit.offload_optimizer_for_refit:
         out.append(("refit.offload_optimizer_for_refit", True, 1, "offload_optimizer_for_refit: true"))

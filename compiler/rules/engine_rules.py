@@ -127,7 +127,7 @@ def speculative_decoding(ctx: Context) -> None:
         ctx.warning(f"method mtp: how many MTP layers {facts.model_id}'s checkpoint has is not known, so the plan "
                     "leaves the drafter's weights out", f"{SPECULATIVE}.method",
                     hint="state num_nextn_predict_layers (or mtp_num_hidden_layers) in model.config")
-    if ctx.recipe.colocated and ctx.recipe.refit.sleep_level == 2:
+    if ctx.recipe.generation.drafts_with_mtp and ctx.recipe.colocated and ctx.recipe.refit.sleep_level == 2:
         ctx.error("method mtp with refit.sleep_level 2: vLLM discards every weight at level 2 and restores only the "
                   "target model's buffers, and the refit writes only the target model, so the MTP drafter would "
                   "draft from whatever the freed memory holds after the first sleep", "refit.sleep_level",

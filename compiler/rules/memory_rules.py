@@ -240,9 +240,11 @@ def host_memory(ctx: Context) -> None:
         return
     copy = host.item_gib("vLLM weight copy (sleep level 1)")
     parts = ", ".join(f"{i.label} {i.gib:.0f}" for i in host.items if i.gib)
-    path = "refit.sleep_level" if copy else "cluster.host_memory_gib"
+    level_2 = bool(copy) and not ctx.recipe.generation.drafts_with_mtp  # level 2 discards the MTP drafter (RLC314)
+    path = "refit.sleep_level" if level_2 else "cluster.host_memory_gib"
     hint = (f"sleep_level: 2 frees the {copy:.0f} GiB weight copy per node (then {host.used_gib - copy:.0f} GiB)"
-            if copy else "set cluster.host_memory_gib to the nodes' real memory, or use fewer GPUs per node")
+            if level_2 else "set cluster.host_memory_gib to the nodes' real memory, or use fewer GPUs per node"
+            + ("; sleep level 2 would discard the MTP drafter's weights (RLC314)" if copy else ""))
     ctx.error(f"host memory per node in the {host.phase} phase: {host.used_gib:.0f} GiB ({parts}) > "
               f"{host.limit_gib:.0f} GiB, Ray's 95 % memory-monitor threshold of {host.node_gib:.0f} GiB "
               f"({host.node_source})", path, hint=hint)

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlc.compiler import api
-from rlc.compiler.planner.memory import DRAFTER_LABEL, vllm_weights
+from rlc.compiler.planner.memory import DRAFTER_LABEL, _levers, vllm_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK = ROOT / "tests/validation/recipes/nemo-rl-grpo-deepseek-v3-32n8g.yaml"
@@ -90,3 +91,27 @@ def test_with_vllm_pipeline_stages_the_drafter_sits_on_the_last_with_its_own_emb
     one_stage, _ = vllm_weights(check(TINY_MTP, "refit.sleep_level=1", "parallelism.generation.tp=1",
                                       "parallelism.generation.dp=2", *MTP).recipe, f)
     assert one_stage.drafter == block.total * 2  # PP 1: embedding and lm_head shared
+
+
+def test_with_an_mtp_drafter_no_fix_suggests_sleep_level_2(tmp_path):
+    """Sleep level 2 discards the drafter's weights (RLC314): the host-memory error then names the node's memory,
+    not level 2, and the refit fixes leave level 2 out. GLM-4.5-Air on 16 GB200 (4 per node, 821 GiB host) is the
+    host-memory case of the planner's tests; GLM-4.5's MTP layer drafts."""
+    recipe = {
+        "version": 1, "model": {"id": "zai-org/GLM-4.5-Air"},
+        "cluster": {"nodes": 4, "gpus_per_node": 4, "gpu": "gb200-186gb"},
+        "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 2}},
+        "generation": {"enforce_eager": True, "speculative_decoding": {"method": "mtp", "num_speculative_tokens": 1}},
+        "data": {"train": "/data/train.jsonl"}, "training": {"use_precision_aware_optimizer": True},
+    }
+    path = tmp_path / "glm-air-mtp.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    result = api.check(str(path))
+    [host] = [d for d in result.diagnostics if d.rule == "RLC219"]
+    assert host.path == "cluster.host_memory_gib" and "sleep level 2 would discard the MTP drafter" in host.hint
+    assert result.plan.vllm_drafter_gib > 0 and "RLC314" not in {d.rule for d in result.diagnostics}
+    # the candidate levers the refit fixes are re-planned from (DeepSeek-V3 at sleep level 1)
+    levers = {key for key, *_ in _levers(check(DEEPSEEK).recipe, check(DEEPSEEK).facts)}
+    spec = check(DEEPSEEK, *MTP)
+    assert "refit.sleep_level" in levers
+    assert levers - {key for key, *_ in _levers(spec.recipe, spec.facts)} == {"refit.sleep_level"}
