@@ -53,7 +53,7 @@ def _refit_verdict(result: CheckResult, recipe: Recipe, free: int, name: str, te
         return head + f"; {_window_text(m.ratio_window)} fits both checks at this free memory", True
     levers = [fx.text for fx in (result.plan.fixes if result.plan is not None else []) if fx.sufficient]
     tail = ("; no buffer_memory_ratio fits at this free memory: free memory first"
-            + (f" (planned: {levers[0]})" if levers else " (a larger generation EP, "
+            + (f" (planned: {'; or '.join(levers[:2])})" if levers else " (a larger generation EP, "
                                                           "generation.enforce_eager: true)"))
     return head + tail, False
 

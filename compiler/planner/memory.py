@@ -519,10 +519,14 @@ def _missing(facts: ModelFacts) -> str:
 # --------------------------------------------------------------------------- fixes
 
 
-def _levers(recipe: Recipe, facts: ModelFacts) -> list[tuple[str, Any, int, str]]:
+def _levers(recipe: Recipe, facts: ModelFacts, gpu: Any) -> list[tuple[str, Any, int, str]]:
     """Candidate levers: (recipe key, new value, cost, description)."""
-    out = []
+    out: list[tuple[str, Any, int, str]] = []
     refit, gen, training = recipe.refit, recipe.generation, recipe.training
+    if any(i.gib for items in nvls_items(recipe, facts, gpu) for i in items):
+        # NeMo-RL's DeepSeek-V3 and Qwen3-235B performance scripts: "disable NVLS to avoid OOM issue"
+        out.append(("cluster.env", {**recipe.cluster.env, "NCCL_NVLS_ENABLE": "0"}, 1,
+                    "NCCL_NVLS_ENABLE: \"0\" in cluster.env (NCCL's NVLink SHARP collectives off)"))
     if refit.sleep_level == 1 and not gen.drafts_with_mtp:  # level 2 would discard the MTP drafter (RLC314)
         out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
     if not refit.offload_optimizer_for_refit:
@@ -576,7 +580,7 @@ def _fixes(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
                          text, 0.0, True, 0))
     cumulative = recipe
     applied: list[str] = []
-    for key, value, cost, desc in _levers(recipe, facts):
+    for key, value, cost, desc in _levers(recipe, facts, gpu):
         alt = _core_plan(with_value(recipe, key, value), facts, gpu, cal)
         if alt.refit is None:
             continue
@@ -599,7 +603,7 @@ def _fixes(base: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
         if alt.refit is not None:
             freed = (alt.refit.free_at_refit - math.free_at_refit) / GIB
             window = alt.refit.ratio_window
-            fixes.append(Fix("+".join(k for k, *_ in _levers(recipe, facts)), None,
+            fixes.append(Fix("+".join(k for k, *_ in _levers(recipe, facts, gpu)), None,
                              f"all of {', '.join(applied)}: frees ≈ {freed:.1f} GiB; {_window_text(window)}",
                              freed, window is not None, 4))
     fixes.sort(key=lambda f: (not f.sufficient, f.cost))

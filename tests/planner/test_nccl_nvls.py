@@ -75,3 +75,13 @@ def test_turning_nvls_off_frees_exactly_its_buffers_at_the_refit():
     assert off.refit.free_at_refit - on.refit.free_at_refit == pytest.approx(1.25 * GIB, abs=1e6)
     for phase in ("train", "generate", "refit", "stack"):
         assert _nvls(on, phase) == pytest.approx(1.25), phase
+
+
+def test_nvls_off_is_offered_as_a_fix_where_it_is_on():
+    """NeMo-RL's DeepSeek-V3 layout with NVLS on fails RLC210; turning NVLS off (its script's setting) fixes it."""
+    result = api.check(str(DSV3), ("cluster.env.NCCL_NVLS_ENABLE=1",))
+    assert "RLC210" in {d.rule for d in result.errors}
+    fix = next(f for f in result.plan.fixes if f.key == "cluster.env")
+    assert fix.value["NCCL_NVLS_ENABLE"] == "0" and fix.sufficient
+    assert fix.freed_gib == pytest.approx(1.25, abs=0.01)
+    assert not any(f.key == "cluster.env" for f in api.check(str(DSV3)).plan.fixes)  # already off: not offered
