@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from rlc.compiler import api
+from rlc.compiler.catalog.gpus import gpu_spec
 from rlc.compiler.planner.memory import DRAFTER_LABEL, _levers, vllm_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +112,8 @@ def test_with_an_mtp_drafter_no_fix_suggests_sleep_level_2(tmp_path):
     assert host.path == "cluster.host_memory_gib" and "sleep level 2 would discard the MTP drafter" in host.hint
     assert result.plan.vllm_drafter_gib > 0 and "RLC314" not in {d.rule for d in result.diagnostics}
     # the candidate levers the refit fixes are re-planned from (DeepSeek-V3 at sleep level 1)
-    levers = {key for key, *_ in _levers(check(DEEPSEEK).recipe, check(DEEPSEEK).facts)}
+    h100 = gpu_spec("h100-80gb")
+    levers = {key for key, *_ in _levers(check(DEEPSEEK).recipe, check(DEEPSEEK).facts, h100)}
     spec = check(DEEPSEEK, *MTP)
     assert "refit.sleep_level" in levers
-    assert levers - {key for key, *_ in _levers(spec.recipe, spec.facts)} == {"refit.sleep_level"}
+    assert levers - {key for key, *_ in _levers(spec.recipe, spec.facts, h100)} == {"refit.sleep_level"}
