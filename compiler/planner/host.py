@@ -1,6 +1,7 @@
 """Host (CPU) memory per node: what sleep level 1 and the optimizer offloads put there.
 
-vLLM's sleep level 1 copies each GPU's weight shard into pinned host memory (level 2 discards it);
+vLLM's sleep level 1 copies each GPU's weight shard into pinned host memory, each allocation in a block
+rounded up to a power of two (``pinned_copy.py``; level 2 discards it);
 ``offload_optimizer_for_refit`` moves gradients and Adam moments (and the fp32 master weights when
 they are optimizer state: precision-aware optimizer) to the host for the refit;
 ``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time;
@@ -91,8 +92,11 @@ def node_memory(recipe: Recipe, gpu_name: str) -> tuple[Optional[float], str]:
 
 
 def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: Optional[int],
-              table: Mapping[str, PhaseResidency], gpu: Any) -> HostPlan:
-    """The host memory of one node in its worst phase (train, refit or generate)."""
+              vllm_copy: Optional[int], table: Mapping[str, PhaseResidency], gpu: Any) -> HostPlan:
+    """The host memory of one node in its worst phase (train, refit or generate).
+
+    ``vllm_weights``: vLLM's weight bytes on its worst GPU; ``vllm_copy``: the host bytes of their
+    level-1 copy there (pinned blocks, ``pinned_copy.py``)."""
     per_node = recipe.cluster.gpus_per_node
     ht = host_table()
     node_gib, node_source = node_memory(recipe, gpu.name)
@@ -110,8 +114,10 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                     "host_memory:process_baseline_gib_per_gpu",
                     f"{ht.baseline_gib_per_gpu:g} GiB per GPU × {per_node} GPUs")]
         if h.vllm_weights and vllm_weights is not None:
-            out.append(Item("vLLM weight copy (sleep level 1)", vllm_weights * h.vllm_weights * per_node / GIB,
-                            "vllm", "params", f"{gib(vllm_weights):.2f} GiB per GPU × {per_node} GPUs"))
+            copy = vllm_copy if vllm_copy is not None else vllm_weights
+            out.append(Item("vLLM weight copy (sleep level 1)", copy * h.vllm_weights * per_node / GIB,
+                            "vllm", "params", f"{gib(copy):.2f} GiB per GPU in pinned blocks (a power of two "
+                            f"each) for {gib(vllm_weights):.2f} GiB of weights × {per_node} GPUs"))
         if worst_fig is not None:
             for key, label in (("grads", "Megatron grads (offloaded)"), ("master", "optimizer fp32 master (offloaded)"),
                                ("moments", "optimizer Adam moments (offloaded)")):

@@ -33,6 +33,7 @@ from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generatio
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.nccl import (generation_communicators, nvls_memory, nvls_settings,
                                        trainer_communicators)
+from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
 from rlc.compiler.planner.residency import MegatronResident, PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
@@ -178,6 +179,26 @@ def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeight
     shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe, bpp)
     total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe, bpp)
     return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None
+
+
+def vllm_host_copy(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
+    """Host bytes of sleep level 1's weight copy on vLLM's worst GPU: each allocation of its weight pool
+    in a pinned block rounded up to a power of two (``pinned_copy.py``); ``None`` when the shard is unknown."""
+    gl = generation_layout(recipe)
+    bpp = DTYPE_BYTES[recipe.model.dtype]
+    blocks = drafter_blocks(recipe, facts)
+    shards = vllm_stage_shards(facts, gl, blocks or 0) if blocks is not None else None
+    shards = shards or vllm_stage_shards(facts, gl)
+    if shards is None or facts.num_layers is None:
+        return None
+    linear = 1 if recipe.generation.precision == "fp8" else bpp
+    stages = gl.stage_layers(facts.num_layers)
+    copies = []
+    for shard, layers in zip(shards, stages):
+        total = _vllm_shard_bytes(shard, facts, gl, recipe, bpp)
+        tensors = vllm_stage_tensors(facts, gl, layers, shard.vocab_copies, linear, bpp)
+        copies.append(total if tensors is None else pinned_copy_bytes(tensors, total))
+    return max(copies)
 
 
 def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[VllmWeights], cal: Calibration,
@@ -427,7 +448,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         _late_train(plan, recipe, facts, sleep, tl)
 
     # ---- host memory (per node)
-    plan.host = host_plan(recipe, figs, v_weights, table, gpu)
+    plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu)
 
     # ---- refit
     if not figs:

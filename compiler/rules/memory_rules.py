@@ -219,7 +219,8 @@ def calibration_fallback(ctx: Context) -> None:
 
 @rule("RLC219", "host memory per node must hold sleep level 1's weight copy and the offloaded optimizer",
       severities=("error", "info"), needs=("plan",),
-      rationale="vLLM's sleep level 1 copies every GPU's weight shard into pinned host memory, and "
+      rationale="vLLM's sleep level 1 copies every GPU's weight shard into pinned host memory (each allocation "
+                "in a block PyTorch rounds up to a power of two: about 1.4 × the weights of an MoE shard), and "
                 "offload_optimizer_for_refit moves gradients and Adam moments (and the fp32 master weights with the "
                 "precision-aware optimizer) there for the refit. On a node that is the per-GPU figure times the GPUs "
                 "per node; above Ray's memory-monitor threshold (95 % of host memory by default) Ray kills workers. "

@@ -96,7 +96,7 @@ def test_with_vllm_pipeline_stages_the_drafter_sits_on_the_last_with_its_own_emb
 
 def test_with_an_mtp_drafter_no_fix_suggests_sleep_level_2(tmp_path):
     """Sleep level 2 discards the drafter's weights (RLC314): the host-memory error then names the node's memory,
-    not level 2, and the refit fixes leave level 2 out. GLM-4.5-Air on 16 GB200 (4 per node, 821 GiB host) is the
+    not level 2, and the refit fixes leave level 2 out. GLM-4.5-Air on 16 GB200 (4 per node, 882 GiB host) is the
     host-memory case of the planner's tests; GLM-4.5's MTP layer drafts."""
     recipe = {
         "version": 1, "model": {"id": "zai-org/GLM-4.5-Air"},
