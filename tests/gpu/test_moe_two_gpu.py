@@ -64,8 +64,9 @@ FOREIGN_METADATA_RE = re.compile(r"carries slicing metadata from producer rank (
 class Lab:
     """One Ray head with two GPUs and a workspace (MoE + dense checkpoints, toy data) for every proof."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, gpus: int = 2) -> None:
         self.root = Path(root)
+        self.gpus = gpus
         self.head = None
         self.address = ""
 
@@ -82,15 +83,15 @@ class Lab:
     def start(self) -> None:
         if self.head is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.head, self.address = start_ray(2, _env(REPO), self.root / "ray-head.log")
+            self.head, self.address = start_ray(self.gpus, _env(REPO), self.root / "ray-head.log")
 
     def close(self) -> None:
         if self.head is not None:
             stop(self.head)
             self.head = None
 
-    def compile(self, recipe: str, run: str) -> Path:
-        """``rlc compile`` the shipped recipe with this run's folders (``--set`` paths only)."""
+    def compile(self, recipe: str, run: str, extra: tuple[str, ...] = ()) -> Path:
+        """``rlc compile`` the shipped recipe with this run's folders (``--set`` paths, then ``extra``)."""
         run_dir = self.root / "runs" / run
         shutil.rmtree(run_dir, ignore_errors=True)
         ws = self.root / ("dense" if recipe == DENSE else "moe")
@@ -99,6 +100,7 @@ class Lab:
                 f"logging.dir={run_dir}/logs", f"checkpointing.dir={run_dir}/ckpt"]
         if recipe == DENSE:
             sets.append(f"model.tokenizer={ckpt}")
+        sets.extend(extra)
         cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPES / f"{recipe}.yaml"), "-o", str(run_dir / "bundle"),
                "--force", *[w for s in sets for w in ("--set", s)]]
         proc = subprocess.run(cmd, env=_env(REPO), capture_output=True, text=True, check=False)
