@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [param_offload] [specdec] [moe1] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [param_offload] [specdec] [host_copy] [moe1] ...
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -60,6 +60,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --out "$OUT/param_offload_off" --steps 4 --resume-steps 0 --timeout 240 --smoke ;;
     moe_sleep) run_stage moe_sleep 400 python3 "$REPO"/tests/gpu/test_moe_sleep_memory.py --out "$OUT" ;;
     specdec) run_stage specdec 400 python3 "$REPO"/tests/gpu/test_mtp_drafter.py --out "$OUT" ;;
+    host_copy) run_stage host_copy 400 python3 "$REPO"/tests/gpu/test_sleep_host_copy.py --out "$OUT" ;;
     moe1) run_stage moe1 590 python3 "$REPO"/tests/gpu/test_moe_one_gpu.py --out "$OUT" --steps "${MOE1_STEPS:-150}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
