@@ -52,6 +52,10 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+#: Routed-expert count of Qwen3-MoE / Qwen3.5 configs: checkpoints on the Hub say ``num_experts``;
+#: transformers 5 writes ``num_local_experts`` when it saves one of these configs.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
 #: Largest architecture size (layers, widths, heads, experts, vocabulary) taken from a config.
 MAX_FACT = 1 << 40
 
@@ -121,7 +125,7 @@ def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
         kinds = tuple(("full_attention", "dense" if (i in dense_layers or (i + 1) % step) else "moe")
                       for i in range(n))
     out.update(
-        num_experts=_int(cfg, "num_experts"),
+        num_experts=_int(cfg, *EXPERT_COUNT_KEYS),
         experts_per_tok=_int(cfg, "num_experts_per_tok"),
         moe_intermediate=_int(cfg, "moe_intermediate_size"),
         shared_expert_intermediate=0,
@@ -147,7 +151,7 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     mtp = _int(cfg, MTP_HIDDEN_KEY)
     dedicated = _bool(cfg, "mtp_use_dedicated_embeddings")
     out.update(
-        num_experts=_int(cfg, "num_experts"),
+        num_experts=_int(cfg, *EXPERT_COUNT_KEYS),
         experts_per_tok=_int(cfg, "num_experts_per_tok"),
         moe_intermediate=_int(cfg, "moe_intermediate_size"),
         shared_expert_intermediate=_int(cfg, "shared_expert_intermediate_size"),

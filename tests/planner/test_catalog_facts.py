@@ -61,3 +61,17 @@ def test_gpu_catalog_covers_schema_enum():
     schema = json.loads((RECIPES.parent / "schemas" / "recipe.schema.json").read_text())
     enum = schema["properties"]["cluster"]["properties"]["gpu"]["enum"]
     assert set(enum) <= set(catalog.gpu_names())
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-30B-A3B", "Qwen/Qwen3.5-35B-A3B"])
+def test_expert_count_as_transformers_5_writes_it(model, tmp_path):
+    """A config saved by transformers 5 names the routed experts ``num_local_experts``: same facts as the Hub's."""
+    hub = json.loads((MODELS_DIR / (model.replace("/", "__") + ".json")).read_text(encoding="utf-8"))
+    saved = json.loads(json.dumps(hub))
+    where = saved.get("text_config", saved) if "num_experts" not in saved else saved
+    where["num_local_experts"] = where.pop("num_experts")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(saved), encoding="utf-8")
+    facts = catalog.model_facts(model, tmp_path, config=str(path))
+    assert facts.num_experts == catalog.model_facts(model, RECIPES).num_experts > 0
+    assert not facts.unknown
