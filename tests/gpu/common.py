@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 HERE = Path(__file__).resolve().parent
 TINY_RUNTIME_YAML = HERE / "tiny_runtime.yaml"
@@ -95,3 +96,34 @@ class Timer:
 
     def __call__(self) -> float:
         return round(time.perf_counter() - self.t0, 2)
+
+
+@contextmanager
+def lone_vllm_worker(cfg: dict, name: str, pythonpath: str) -> Iterator[Any]:
+    """The runtime's ``VllmGenerationWorker`` for runtime config ``cfg``, alone on GPU 0 in its own Ray instance.
+
+    For probes that measure vLLM by itself: Ray starts with the worker environment the runtime would give it
+    (``PYTHONPATH`` = ``pythonpath``), the worker gets half of a one-GPU placement group, and the worker, the
+    group and Ray are torn down on the way out, whatever happened.
+    """
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
+    from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
+    from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
+
+    env = worker_env(runtime_config_from_dict(cfg))
+    env["PYTHONPATH"] = pythonpath
+    ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
+    try:
+        pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name=name, args=(cfg, 0, [0]))
+        try:
+            yield gen
+        finally:
+            ray.kill(gen)
+            remove_placement_group(pg)
+    finally:
+        ray.shutdown()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from common import Timer, dump, gpu_available, lone_vllm_worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-moe-mtp-2gpu-ep2.yaml"
@@ -104,13 +104,9 @@ def verdict(observed: dict) -> tuple[bool, list[str]]:
 
 def run(root: str, out: str | None) -> dict:
     import ray  # noqa: PLC0415
-    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
     from rlc.compiler.planner.memory import vllm_weights  # noqa: PLC0415
     from rlc.compiler.resolve import to_runtime_config  # noqa: PLC0415
-    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
-    from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
-    from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
     from test_four_gpu_grpo import _env, build_workspace  # noqa: PLC0415
 
     # the probe's functions run in the generation actor, which cannot import this file: send them by value
@@ -127,21 +123,13 @@ def run(root: str, out: str | None) -> dict:
         weights, unknown = vllm_weights(result.recipe, result.facts)
         res["predicted_drafter_bytes"] = None if weights is None else weights.drafter
         res["planned_unknown"] = unknown
-        cfg = to_runtime_config(result)
-        env = worker_env(runtime_config_from_dict(cfg))
-        env["PYTHONPATH"] = _env(REPO)["PYTHONPATH"]
-        ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
-        pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
-        ray.get(pg.ready(), timeout=300)
-        gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name="specdec-probe",
-                    args=(cfg, 0, [0]))
         prompts = [[3, 4, 5, 6], [7, 8, 9, 10]]
+        with lone_vllm_worker(to_runtime_config(result), "specdec-probe", _env(REPO)["PYTHONPATH"]) as gen:
 
-        def tokens() -> int:
-            out = ray.get(gen.generate.remote(prompts, 2), timeout=300)
-            return sum(len(s["token_ids"]) for group in out["samples"] for s in group)
+            def tokens() -> int:
+                out = ray.get(gen.generate.remote(prompts, 2), timeout=300)
+                return sum(len(s["token_ids"]) for group in out["samples"] for s in group)
 
-        try:
             started = ray.get(gen.start.remote(), timeout=600)
             res["memory"]["started_used_gib"] = round(started["memory"]["used_gib"], 3)
             res["drafter"] = ray.get(gen.call.remote(drafter_params), timeout=120)
@@ -157,10 +145,6 @@ def run(root: str, out: str | None) -> dict:
                 if level == 1:
                     res["generated_after_level1"] = tokens()
             ray.get(gen.shutdown.remote(), timeout=120)
-        finally:
-            ray.kill(gen)
-            remove_placement_group(pg)
-            ray.shutdown()
     except Exception as exc:
         res.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:3000])
         print(traceback.format_exc(), flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from common import Timer, dump, gpu_available, lone_vllm_worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
@@ -114,12 +114,8 @@ def verdict(observed: dict) -> tuple[bool, list[str]]:
 
 def run(root: str, out: str | None) -> dict:
     import ray  # noqa: PLC0415
-    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
     from rlc.compiler.resolve import to_runtime_config  # noqa: PLC0415
-    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
-    from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
-    from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
     from test_four_gpu_grpo import _env  # noqa: PLC0415
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -134,15 +130,7 @@ def run(root: str, out: str | None) -> dict:
         host = result.plan.host
         res["planned_copy_bytes"] = int(host.item_gib("vLLM weight copy (sleep level 1)") * 2**30)
         res["planned_weight_bytes"] = int(result.plan.vllm_weights_gib * 2**30)
-        cfg = to_runtime_config(result)
-        env = worker_env(runtime_config_from_dict(cfg))
-        env["PYTHONPATH"] = _env(REPO)["PYTHONPATH"]
-        ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
-        pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
-        ray.get(pg.ready(), timeout=300)
-        gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name="host-copy-probe",
-                    args=(cfg, 0, [0]))
-        try:
+        with lone_vllm_worker(to_runtime_config(result), "host-copy-probe", _env(REPO)["PYTHONPATH"]) as gen:
             ray.get(gen.start.remote(), timeout=600)
             sizes = ray.get(gen.call.remote(pool_allocations), timeout=120)
             res["pool_allocations"] = len(sizes)
@@ -154,10 +142,6 @@ def run(root: str, out: str | None) -> dict:
             ray.get(gen.wake_up.remote(None), timeout=300)
             res["rss"]["after_wake1"] = ray.get(gen.call.remote(resident_bytes), timeout=60)
             ray.get(gen.shutdown.remote(), timeout=120)
-        finally:
-            ray.kill(gen)
-            remove_placement_group(pg)
-            ray.shutdown()
     except Exception as exc:
         res.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:3000])
         print(traceback.format_exc(), flush=True)
