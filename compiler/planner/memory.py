@@ -22,6 +22,7 @@ calibration's contexts are net of them.
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -127,13 +128,13 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
 # --------------------------------------------------------------------------- vLLM
 
 
-def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, recipe: Recipe,
+def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, precision: str,
                       bpp: int) -> int:
     """vLLM's weight bytes on one GPU of a stage. FP8 generation stores the linear layers (attention,
     MLP, experts) in 1 byte; the embedding and ``lm_head`` stay in the model dtype (vLLM's Fp8Config
     quantizes LinearBase and FusedMoE layers; VocabParallelEmbedding / ParallelLMHead keep the
     unquantized method), as do the norms and the MoE router, which are not counted apart (small)."""
-    if recipe.generation.precision != "fp8":
+    if precision != "fp8":
         return shard.params * bpp
     vocab = shard.vocab_copies * (facts.vocab or 0) * (facts.hidden or 0) // gl.tp
     return (shard.params - vocab) * 1 + vocab * bpp
@@ -173,29 +174,35 @@ def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeight
     with_drafter = vllm_stage_shards(facts, gl, blocks) if blocks else plain
     if blocks is None or with_drafter is None:
         missing = "the checkpoint's MTP layer count" if blocks is None else "the MTP layer kinds"
-        shard = max(_vllm_shard_bytes(s, facts, gl, recipe, bpp) for s in plain)
+        shard = max(_vllm_shard_bytes(s, facts, gl, recipe.generation.precision, bpp) for s in plain)
         return VllmWeights(shard, 0, 0), f"{DRAFTER_LABEL}: needs {missing}"
-    worst = max(range(len(with_drafter)), key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe, bpp))
-    shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe, bpp)
-    total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe, bpp)
+    worst = max(range(len(with_drafter)), key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe.generation.precision, bpp))
+    shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe.generation.precision, bpp)
+    total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe.generation.precision, bpp)
     return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None
 
 
 def vllm_host_copy(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
     """Host bytes of sleep level 1's weight copy on vLLM's worst GPU: each allocation of its weight pool
     in a pinned block rounded up to a power of two (``pinned_copy.py``); ``None`` when the shard is unknown."""
-    gl = generation_layout(recipe)
-    bpp = DTYPE_BYTES[recipe.model.dtype]
-    blocks = drafter_blocks(recipe, facts)
+    return _host_copy(facts, generation_layout(recipe), drafter_blocks(recipe, facts), recipe.generation.precision,
+                      DTYPE_BYTES[recipe.model.dtype])
+
+
+@lru_cache(maxsize=256)
+def _host_copy(facts: ModelFacts, gl: GenerationLayout, blocks: Optional[int], precision: str,
+               bpp: int) -> Optional[int]:
+    """:func:`vllm_host_copy` for the values it depends on (``rlc lint`` and the planner's what-if fixes
+    ask for the same layouts many times)."""
     shards = vllm_stage_shards(facts, gl, blocks or 0) if blocks is not None else None
     shards = shards or vllm_stage_shards(facts, gl)
     if shards is None or facts.num_layers is None:
         return None
-    linear = 1 if recipe.generation.precision == "fp8" else bpp
+    linear = 1 if precision == "fp8" else bpp
     stages = gl.stage_layers(facts.num_layers)
     copies = []
     for shard, layers in zip(shards, stages):
-        total = _vllm_shard_bytes(shard, facts, gl, recipe, bpp)
+        total = _vllm_shard_bytes(shard, facts, gl, precision, bpp)
         tensors = vllm_stage_tensors(facts, gl, layers, shard.vocab_copies, linear, bpp)
         copies.append(total if tensors is None else pinned_copy_bytes(tensors, total))
     return max(copies)
