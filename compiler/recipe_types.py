@@ -449,6 +449,8 @@ class TrainingSection(_Section):
     """fp32 master weights live in the optimizer state (TE FusedAdam)."""
     overlap_param_gather: bool
     """Overlap the parameter all-gather with the next forward."""
+    grad_reduce_in_fp32: bool
+    """fp32 gradient buffers and reduction (4 B/param of grads instead of the param dtype's)."""
     overlap_grad_reduce: bool
     """Overlap the gradient reduce-scatter with backward."""
     optimizer_cpu_offload: bool

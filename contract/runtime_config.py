@@ -176,6 +176,7 @@ class TrainingConfig:
     use_distributed_optimizer: bool
     overlap_param_gather: bool
     overlap_grad_reduce: bool
+    grad_reduce_in_fp32: bool  # Megatron DDP's main_grad buffers in fp32 (4 B/param) instead of the param dtype
     optimizer_cpu_offload: bool
     optimizer_offload_fraction: float
     activation_checkpointing: str  # "none" | "selective" | "full"

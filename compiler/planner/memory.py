@@ -2,7 +2,8 @@
 
 Phases (worst GPU of each; a GPU hosts one Megatron rank and one vLLM rank):
 
-* ``train``: Megatron params + grads + optimizer state (fp32 master + 2 Adam moments = 12 B/param,
+* ``train``: Megatron params + grads (fp32 with ``training.grad_reduce_in_fp32``, else the param dtype:
+  ``grad_bytes_per_param``) + optimizer state (fp32 master + 2 Adam moments = 12 B/param,
   sharded over DP × CP for dense and over expert-DP for expert parameters with the distributed
   optimizer) + its process context; vLLM asleep. Activations are not modelled.
 * ``generate``: vLLM awake at ``gpu_memory_utilization`` (weights + KV cache + activations) plus
@@ -43,6 +44,7 @@ from rlc.compiler.planner.vllm_sleep import SleepSemantics, planned_vllm_version
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
+FP32_GRAD_BYTES = 4  # Megatron DDP's main_grad buffers with grad_reduce_in_fp32
 RATIO_STEP = 0.001
 RATIO_MAX = 0.9
 NO_OP_GIB = 0.01  # a lever that frees less memory at the refit than this changes nothing there
@@ -53,6 +55,21 @@ def _g(x: float) -> int:
 
 
 # --------------------------------------------------------------------------- Megatron per stage
+
+
+def grad_bytes_per_param(recipe: Recipe, bpp: int) -> int:
+    """Bytes per parameter of Megatron's gradient buffers: fp32 with ``training.grad_reduce_in_fp32``
+    (megatron-core's ``group_params_for_buffers``: ``grad_dtype = torch.float if grad_reduce_in_fp32 else
+    param.dtype``), else the parameter dtype's ``bpp``."""
+    return FP32_GRAD_BYTES if recipe.training.grad_reduce_in_fp32 else bpp
+
+
+def grads_note(recipe: Recipe, bpp: int) -> str:
+    """How the plan counts the gradient buffers, for the plan's items."""
+    per_param = grad_bytes_per_param(recipe, bpp)
+    if recipe.training.grad_reduce_in_fp32:
+        return f"fp32, {per_param} B/param (training.grad_reduce_in_fp32)"
+    return f"{per_param} B/param in the model dtype (training.grad_reduce_in_fp32 off)"
 
 
 def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: int) -> dict[str, Any]:
@@ -67,7 +84,7 @@ def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: 
         "vocab_copies": shard.vocab_copies,
         "params": shard.params,
         "params_bytes": shard.params * bpp,
-        "grads_bytes": shard.params * bpp,  # grad buffers in the param dtype (grad_reduce_in_fp32 off)
+        "grads_bytes": shard.params * grad_bytes_per_param(recipe, bpp),
         "master_bytes": int(sharded * OPTIMIZER_BYTES["master"]),
         "moments_bytes": int(sharded * OPTIMIZER_BYTES["moments"]),
     }
@@ -392,7 +409,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         held = _megatron_bytes(worst, where, cal)
         items = [
             Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
-            Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params"),
+            Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, bpp)),
             Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
             Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
         ]

@@ -119,7 +119,7 @@ def build_policy(cfg: Any) -> PolicyModel:
     )
     provider = make_provider(bridge, cfg)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=t.grad_reduce_in_fp32,
         overlap_grad_reduce=t.overlap_grad_reduce,
         overlap_param_gather=t.overlap_param_gather,
         use_distributed_optimizer=t.use_distributed_optimizer,

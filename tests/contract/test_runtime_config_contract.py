@@ -202,3 +202,16 @@ def test_speculative_decoding_round_trips_through_runtime_yaml(sets, expected, t
     assert runtime_config_to_dict(cfg) == data
     spec = cfg.generation.speculative_decoding
     assert (spec is None) == (expected is None) and (spec is None or spec.method == expected["method"])
+
+
+@pytest.mark.parametrize("recipe,overrides,expected", [
+    ("rlc/recipes/tiny-qwen3-1gpu.yaml", [], True),  # the schema default: the runtime's GPU-proven behaviour
+    ("rlc/recipes/qwen35-397b-grpo-32xh100.yaml", [], False),  # replays NeMo-RL #2471 (NeMo-RL's default)
+    ("rlc/recipes/tiny-qwen3-1gpu.yaml", ["training.grad_reduce_in_fp32=false"], False),
+])
+def test_grad_reduce_in_fp32_reaches_the_runtime_config(recipe, overrides, expected, tmp_path):
+    result = api.check(ROOT / recipe, overrides)
+    assert result.ok, [d.message for d in result.errors]
+    target = tmp_path / "runtime.yaml"
+    target.write_text(runtime_yaml(resolve.to_runtime_config(result)))
+    assert load_runtime_config(target).training.grad_reduce_in_fp32 is expected

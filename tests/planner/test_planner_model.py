@@ -21,7 +21,8 @@ DSV3 = {
                     "generation": {"tp": 32}},
     "generation": {"max_model_len": 1536, "sampling": {"max_tokens": 1536}},
     "data": {"train": "/data/train.jsonl", "max_prompt_length": 1536},
-    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 1536},
+    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 1536,
+                 "grad_reduce_in_fp32": False},  # NeMo-RL's default: bf16 grad buffers
     "grpo": {"prompts_per_step": 32, "generations_per_prompt": 16},
 }
 
@@ -33,7 +34,8 @@ QWEN35_2619 = {
     "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 8}},
     "generation": {"vllm_version": "0.20.0", "enforce_eager": True, "max_model_len": 4096},
     "data": {"train": "/data/train.jsonl", "max_prompt_length": 4096},
-    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 4096},
+    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 4096,
+                 "grad_reduce_in_fp32": False},  # NeMo-RL's default: bf16 grad buffers
     "grpo": {"prompts_per_step": 64, "generations_per_prompt": 32},
 }
 

@@ -70,16 +70,12 @@ REPORTS = [
                       "memory per GB200 node and asks whether a NUMA issue explains it), so nothing sourced closes "
                       "the 235 GiB gap"),
     # The report's fix is the sleep level itself (PR #191: release_memory_occupation defaults to level 2).
+    # Caught since the plan counts vime's fp32 grad buffers (--accumulate-allreduce-grads-in-fp32,
+    # training.grad_reduce_in_fp32): 849 GiB per node at level 1 against 838 GiB (95 % of 882); level 2
+    # plans 557 GiB against the ~520-550 GiB measured. vime's pinned bf16 copy of the actor's parameters
+    # (54 GiB before rounding) still has no recipe setting.
     Report("vime-pr190-host-memory", FAILURES / "vime-190-glm4.5-air-host-memory.yaml", "error", "RLC219",
-           fixed=("refit.sleep_level=2",),
-           not_caught="the plan puts 795 GiB per node in host memory at sleep level 1 against 838 GiB (95 % of "
-                      "882): vLLM's pinned weight copy 292 GiB (the measured level-1 excess is 291-321), Megatron's "
-                      "state moved out while vLLM generates 413 GiB, process baseline 90 GiB. vime's fp32 grad "
-                      "buffers (--accumulate-allreduce-grads-in-fp32, 54 GiB more than the plan's bf16) and its "
-                      "pinned bf16 copy of the actor's parameters (54 GiB before rounding) have no recipe setting; "
-                      "either puts level 1 over the limit, but both with the baseline put level 2 at 610-632 GiB "
-                      "against the ~520-550 GiB measured (502 planned now), so the report cannot say which of "
-                      "them the nodes held"),
+           fixed=("refit.sleep_level=2",)),
     Report("nemo-rl-pr3280-vllm-0.25-pool", FAILURES / "nemo-rl-pr3280-llama3.1-8b-vllm-0.25.yaml", "error",
            "RLC214", fixed=("generation.kv_cache_memory_bytes=21474836480",),
            not_caught="the PR says 'vLLM 0.25's profiling sizes the KV cache' larger at the same "
