@@ -329,3 +329,19 @@ def test_colocated_megatron_moves_its_parameters_off_the_gpu_for_generation_as_n
     assert "refit.offload_params_for_generation" not in mapped(split)
     dtensor = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"))
     assert "refit.offload_params_for_generation" not in mapped(dtensor)
+
+
+def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_it_out():
+    """NeMo-RL's GRPO configs keep bf16 grad buffers (grpo_math_1B.yaml: false); rlc's default is fp32, so
+    the recipe states NeMo-RL's value whether the chain sets it, leaves it null or drops it."""
+    key = "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32"
+    from_chain = import_nemo_rl(str(PUBLIC_397B))
+    assert mapped(from_chain)["training.grad_reduce_in_fp32"] is False
+    assert from_chain.data["training"]["grad_reduce_in_fp32"] is False
+    assert mapped(import_nemo_rl(str(PUBLIC_397B), [f"{key}=true"]))["training.grad_reduce_in_fp32"] is True
+    for override in (f"{key}=null", f"~{key}"):
+        imported = import_nemo_rl(str(PUBLIC_397B), [override])
+        assert mapped(imported)["training.grad_reduce_in_fp32"] is False, override
+        note = next(v.note for v in imported.mapping.values if v.target == "training.grad_reduce_in_fp32")
+        assert "grpo_math_1B.yaml" in note
+    assert key not in {u.key for u in from_chain.mapping.unmapped}

@@ -387,6 +387,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
                            "parallelism (distributed optimizer)")
     if megatron:
         _fp8(m)
+        _grad_reduce_in_fp32(m)
         _pass_through(m, [f"{M}.{k}" for k in MEGATRON_PASS_THROUGH], "training.megatron_kwargs",
                       "set on the Megatron-Bridge model provider unchanged")
     _packing(m)
@@ -425,6 +426,24 @@ def _fp8(m: _Mapper) -> None:
     m.take(f"{base}.fp8_recipe", "training.fp8.recipe", fp8_recipe)
     m.take(f"{base}.fp8_param", "training.fp8.param_gather", boolean,
            "Megatron fp8_param: the all-gathered parameters stay in FP8")
+
+
+GRAD_REDUCE_IN_FP32 = f"{M}.distributed_data_parallel_config.grad_reduce_in_fp32"
+
+
+def _grad_reduce_in_fp32(m: _Mapper) -> None:
+    """Megatron's fp32 gradient buffers. NeMo-RL reads the key without a default of its own (its GRPO
+    configs set false, ``grpo_math_1B.yaml``) and a ``null`` turns it off, while rlc's default is true
+    (the bundled runtime's): so the recipe always states NeMo-RL's value."""
+    value = m.leaves.get(GRAD_REDUCE_IN_FP32)
+    if value is not None:
+        m.take(GRAD_REDUCE_IN_FP32, "training.grad_reduce_in_fp32", boolean,
+               "fp32 gradient buffers: 4 B/param" if value is True else "")
+        return
+    m.consume(GRAD_REDUCE_IN_FP32, why="null: bf16 gradient buffers (training.grad_reduce_in_fp32: false)")
+    m.put("training.grad_reduce_in_fp32", False, (GRAD_REDUCE_IN_FP32,),
+          "not set in this config: NeMo-RL's GRPO configs keep bf16 gradient buffers (grpo_math_1B.yaml: false), "
+          "rlc's default is fp32")
 
 
 def _packing(m: _Mapper) -> None:
