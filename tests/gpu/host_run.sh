@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [param_offload] [specdec] [host_copy] [moe1] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] ...
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -51,6 +51,9 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       --out "$OUT/engine_options" --steps 4 --resume-steps 0 --timeout 240 --smoke \
       --set training.use_precision_aware_optimizer=true --set generation.kv_cache_memory_bytes=2147483648 \
       --set generation.vllm_kwargs.enable_prefix_caching=true --set loss.importance_sampling_correction=true ;;
+    grad_bf16)  # training.grad_reduce_in_fp32 off: Megatron's DDP keeps the grad buffers in bf16 (NeMo-RL's setting)
+      run_stage grad_bf16 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grad-bf16 \
+        --out "$OUT/grad_bf16" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.grad_reduce_in_fp32=false ;;
     param_offload)  # refit.offload_params_for_generation on, then the same smoke run off: compare
       # summary.memory_used_gib_mean.generate in param_offload/ and param_offload_off/grpo_learning.json
       run_stage param_offload 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-param-offload \
