@@ -457,6 +457,8 @@ class TrainingSection(_Section):
     """Megatron's hybrid CPU optimizer."""
     optimizer_offload_fraction: float
     """Share of the optimizer state offloaded with ``optimizer_cpu_offload``."""
+    offload_copies_gradients: bool
+    """The trainer's offload copies the gradient buffers to host memory (else it frees them)."""
     offload_reference_policy: bool
     """Keep the KL penalty's reference policy in host memory between its logprob passes."""
     mtp_loss_scale: float

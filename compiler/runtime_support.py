@@ -37,6 +37,10 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
         gaps.append(Gap("training.sequence_packing.enabled",
                         "the bundled runtime pads each rollout to the longest of its micro batch; it does not "
                         "pack sequences yet"))
+    if training.offload_copies_gradients and recipe.refit.offload_optimizer_for_refit:
+        gaps.append(Gap("training.offload_copies_gradients",
+                        "the bundled runtime offloads with Megatron's buffers, which free the gradient buffers "
+                        "instead of copying them to host memory"))
     if training.offload_reference_policy and recipe.loss.kl_penalty > 0:
         gaps.append(Gap("training.offload_reference_policy",
                         "the bundled runtime keeps the reference policy on the GPU; it does not move it to host "

@@ -105,7 +105,7 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
     def offloaded(f: Mapping[str, Any]) -> float:
         """The stage's bytes the offloads can put in host memory at once (the worst stage has most)."""
         moved = max((p.host.reference + p.host.params for p in table.values()), default=0.0)
-        return f["grads_bytes"] + f["master_bytes"] + f["moments_bytes"] + f["params_bytes"] * moved
+        return 2 * f["master_bytes"] + f["grads_bytes"] + f["moments_bytes"] + f["params_bytes"] * moved
 
     worst_fig = max(figs, key=offloaded) if figs else None
 
@@ -126,6 +126,10 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                 if share:
                     out.append(Item(label, worst_fig[f"{key}_bytes"] * share * per_node / GIB, "megatron", "params",
                                     f"× {per_node} GPUs"))
+            if h.cpu_optimizer_grads:
+                out.append(Item("CPU optimizer's fp32 gradients", worst_fig["master_bytes"] * h.cpu_optimizer_grads
+                                * per_node / GIB, "megatron", "params",
+                                f"HybridDeviceOptimizer's host copy of each offloaded shard's gradient × {per_node} GPUs"))
             if h.params:
                 out.append(Item("Megatron params (offloaded for generation)", worst_fig["params_bytes"] * h.params
                                 * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))

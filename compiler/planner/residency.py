@@ -29,7 +29,10 @@ and back before the logprob pass, as NeMo-RL, verl, slime and SkyRL do before th
 
 Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
 keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
-offloads moved there.
+offloads moved there: the optimizer state; the gradient buffers only with
+``training.offload_copies_gradients`` (Megatron's own offload frees them: storage resized to 0 and
+zeroed on reload); with ``training.optimizer_cpu_offload`` the CPU optimizer's fp32 copy of each
+offloaded shard's gradient (Megatron's ``HybridDeviceOptimizer`` keeps it between steps).
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ class HostResident:
     moments: float
     reference: float = 0.0  # the reference policy's bf16 params with training.offload_reference_policy
     params: float = 0.0  # the trainer's bf16 params with refit.offload_params_for_generation (generate)
+    #: the CPU optimizer's fp32 gradients (a share of the fp32 master's size): Megatron's HybridDeviceOptimizer
+    #: keeps a host copy of every offloaded shard's gradient from its first step on
+    cpu_optimizer_grads: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
                          reference=reference),
         VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
-        HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host),
+        HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host,
+                     cpu_optimizer_grads=off),
     )
     if offload_for_refit:
         # the optimizer state goes to the host; the fp32 master goes with it when it *is* optimizer
@@ -107,12 +114,15 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         master_stays = cal.megatron_master_params_stay_at_refit and not precision_aware
         mega = MegatronResident(params=1.0, grads=0.0, master=1.0 if master_stays else 0.0, moments=0.0,
                                 cpu_offload_staging=cpu_offload, reference=reference)
-        host = HostResident(vllm_weights=host_copy, grads=1.0, master=0.0 if master_stays else 1.0, moments=1.0,
-                            reference=reference_host)
+        # Megatron's buffer offload frees the gradient buffers (rebuilt zeroed); only a full backup copies them
+        grads_host = 1.0 if training.offload_copies_gradients else 0.0
+        host = HostResident(vllm_weights=host_copy, grads=grads_host, master=0.0 if master_stays else 1.0,
+                            moments=1.0, reference=reference_host, cpu_optimizer_grads=off)
     else:
         mega = MegatronResident(params=1.0, grads=1.0, master=1.0, moments=1.0, cpu_offload_staging=cpu_offload,
                                 reference=reference)
-        host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host)
+        host = HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host,
+                            cpu_optimizer_grads=off)
     refit_phase = PhaseResidency(
         "refit", mega,
         VllmResident(level.gpu_at_refit, f"sleep level {level_no} ({sleep.label}): weight shard "

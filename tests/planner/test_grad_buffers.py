@@ -70,8 +70,40 @@ def test_refit_and_generation_hold_the_fp32_grads_only_without_the_offload(tmp_p
 
 
 def test_host_memory_holds_the_offloaded_grads_at_their_gpu_size(tmp_path):
-    on, off = plan(tmp_path, True).host, plan(tmp_path, False).host
+    """With a full backup (torch_memory_saver, as slime and vime offload) the grad buffers are copied to host memory."""
+    backup = "training.offload_copies_gradients=true"
+    on, off = plan(tmp_path, True, backup).host, plan(tmp_path, False, backup).host
     grads_on, grads_off = on.item_gib("Megatron grads (offloaded)"), off.item_gib("Megatron grads (offloaded)")
     assert grads_off > 0
     assert grads_on == pytest.approx(2 * grads_off)
     assert on.used_gib - off.used_gib == pytest.approx(grads_off)
+
+
+def test_megatrons_own_offload_frees_the_grads(tmp_path):
+    """Megatron-core's buffer offload (the bundled runtime, NeMo-RL, verl) resizes the grad storage to 0 and
+    zeroes it on reload: no host copy, so the host plan holds none, and the GPU plan is the same either way."""
+    freed, copied = plan(tmp_path, True), plan(tmp_path, True, "training.offload_copies_gradients=true")
+    assert freed.host.item_gib("Megatron grads (offloaded)") in (None, 0, 0.0)
+    assert copied.host.used_gib - freed.host.used_gib == pytest.approx(
+        copied.host.item_gib("Megatron grads (offloaded)"))
+    assert freed.refit.free_at_refit == copied.refit.free_at_refit
+
+
+def test_the_cpu_optimizer_keeps_fp32_gradient_copies_in_host_memory(tmp_path):
+    """Megatron's HybridDeviceOptimizer copies each offloaded shard's gradient to a host tensor of the fp32
+    master's size and keeps it between steps: counted with optimizer_cpu_offload, at its offload fraction."""
+    half = plan(tmp_path, True, "training.optimizer_cpu_offload=true", "training.optimizer_offload_fraction=0.5")
+    none = plan(tmp_path, True)
+    master = half.host.item_gib("optimizer fp32 master (offloaded)")
+    assert master > 0
+    assert half.host.item_gib("CPU optimizer's fp32 gradients") == pytest.approx(master / 2)
+    assert none.host.item_gib("CPU optimizer's fp32 gradients") == 0
+
+
+def test_a_full_backup_is_a_setting_the_bundled_runtime_cannot_run(tmp_path):
+    result_sets = ("training.offload_copies_gradients=true",)
+    recipe = copy.deepcopy(DSV3)
+    path = tmp_path / "backup.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    result = api.check(str(path), list(result_sets))
+    assert [d.path for d in result.diagnostics if d.rule == "RLC311"][-1:] == ["training.offload_copies_gradients"]

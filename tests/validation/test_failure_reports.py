@@ -62,13 +62,14 @@ REPORTS = [
                       "0.39 GiB embedding; the report gives no memory figure to say which term the plan lacks"),
     Report("nemo-rl-pr2523-host-memory", FAILURES / "nemo-rl-pr2523-nemotron-super-host-memory.yaml", "error",
            "RLC219", fixed=("refit.sleep_level=2",),
-           not_caught="the plan puts 558 GiB per node in host memory at sleep level 1 (340 GiB weight copy in "
-                      "pinned blocks, 90 GiB process baseline, 129 GiB offloaded optimizer) against 793 GiB (95 % of "
+           not_caught="the plan puts 473 GiB per node in host memory at sleep level 1 (340 GiB weight copy in "
+                      "pinned blocks, 90 GiB process baseline, 43 GiB offloaded optimizer state; the grad buffers "
+                      "are freed, not copied) against 793 GiB (95 % of "
                       "835). The thread gives neither the failing node's memory (only '~50gb difference in total "
                       "available memory per node' between two clusters) nor what used it (the author 'haven't "
                       "looked too much into what was eating up cpu memory'; a maintainer estimates ~900 GB of host "
                       "memory per GB200 node and asks whether a NUMA issue explains it), so nothing sourced closes "
-                      "the 235 GiB gap"),
+                      "the 321 GiB gap"),
     # The report's fix is the sleep level itself (PR #191: release_memory_occupation defaults to level 2).
     # Caught since the plan counts vime's fp32 grad buffers (--accumulate-allreduce-grads-in-fp32,
     # training.grad_reduce_in_fp32): 849 GiB per node at level 1 against 838 GiB (95 % of 882); level 2
