@@ -179,14 +179,39 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V2 / V3 / Kimi-K2: MLA (V2-Lite: full q_proj, no q LoRA), first-k dense layers, routed + shared
-    experts (V2: softmax routing without expert bias, ``topk_method: greedy``), MTP (V3)."""
+#: The note of readers whose MTP block reuses the model's word embedding in Megatron.
+_MTP_SHARED_EMBEDDING_NOTE = "MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)"
+
+
+def _first_k_dense_moe(cfg: dict[str, Any], mixer: str, mtp: Optional[int]) -> dict[str, Any]:
+    """The facts DeepSeek-V3-style MoE configs (DeepSeek, Kimi-K2, GLM-4.5) state the same way: ``first_k_dense_replace``
+    dense layers then MoE layers with ``mixer`` attention, ``n_routed_experts`` routed plus ``n_shared_experts``
+    shared experts of ``moe_intermediate_size``, experts exported one by one, and ``mtp`` MTP blocks of the same
+    kind sharing the word embedding (vLLM keeps their ``eh_proj`` whole)."""
     out = _common(cfg)
     n = out["num_layers"]
     first_k = _int(cfg, "first_k_dense_replace") or 0
-    kinds = None if n is None else tuple(("mla", "dense" if i < first_k else "moe") for i in range(n))
     n_shared, moe_i = _int(cfg, "n_shared_experts"), _int(cfg, "moe_intermediate_size")
+    out.update(
+        num_experts=_int(cfg, "n_routed_experts"),
+        experts_per_tok=_int(cfg, "num_experts_per_tok"),
+        moe_intermediate=moe_i,
+        shared_expert_intermediate=None if n_shared is None or moe_i is None else n_shared * moe_i,
+        dense_intermediate=_int(cfg, "intermediate_size"),
+        first_k_dense=first_k,
+        layer_kinds=None if n is None else tuple((mixer, "dense" if i < first_k else "moe") for i in range(n)),
+        mtp_num_layers=mtp,
+        mtp_shared_embedding=True if mtp else None,
+        mtp_layer_kinds=((mixer, "moe"),),
+        vllm_mtp_eh_proj_replicated=True,
+        expert_export="per_expert",
+    )
+    return out
+
+
+def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 / Kimi-K2: MLA (V2-Lite: full q_proj, no q LoRA), first-k dense layers, routed + shared
+    experts (V2: softmax routing without expert bias, ``topk_method: greedy``), MTP (V3)."""
     notes = ["expert export per expert: HF DeepSeek-V3-style checkpoints store experts.{i}.* separately"]
     topk = cfg.get("topk_method")
     if topk is None:
@@ -197,62 +222,35 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
     mtp = _int(cfg, NEXTN_KEY)
     if mtp is None and cfg.get("model_type") == "deepseek_v2":
         mtp = 0  # the DeepSeek-V2 architecture has no MTP module (its config.json has no such key)
+    out = _first_k_dense_moe(cfg, "mla", mtp)
     out.update(
         kv_heads=out["kv_heads"] or out["heads"],
-        num_experts=_int(cfg, "n_routed_experts"),
-        experts_per_tok=_int(cfg, "num_experts_per_tok"),
-        moe_intermediate=moe_i,
-        shared_expert_intermediate=None if n_shared is None or moe_i is None else n_shared * moe_i,
-        dense_intermediate=_int(cfg, "intermediate_size"),
-        first_k_dense=first_k,
-        layer_kinds=kinds,
         q_lora_rank=_int(cfg, "q_lora_rank"),
         kv_lora_rank=_int(cfg, "kv_lora_rank"),
         qk_nope_head_dim=_int(cfg, "qk_nope_head_dim"),
         qk_rope_head_dim=_int(cfg, "qk_rope_head_dim"),
         v_head_dim=_int(cfg, "v_head_dim"),
         expert_bias=expert_bias,
-        mtp_num_layers=mtp,
-        mtp_shared_embedding=True if mtp else None,
-        mtp_layer_kinds=(("mla", "moe"),),
-        vllm_mtp_eh_proj_replicated=True,
-        expert_export="per_expert",
     )
     if mtp:
-        notes.append("MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)")
+        notes.append(_MTP_SHARED_EMBEDDING_NOTE)
     out["_notes"] = notes
     return out
 
 
 def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     """GLM-4.5 / 4.6 / 4.5-Air: GQA attention with qkv bias, first-k dense layers, routed + shared experts, MTP."""
-    out = _common(cfg)
-    n = out["num_layers"]
-    first_k = _int(cfg, "first_k_dense_replace") or 0
-    kinds = None if n is None else tuple(("full_attention", "dense" if i < first_k else "moe") for i in range(n))
-    n_shared, moe_i = _int(cfg, "n_shared_experts"), _int(cfg, "moe_intermediate_size")
     mtp = _int(cfg, NEXTN_KEY)
+    out = _first_k_dense_moe(cfg, "full_attention", mtp)
     out.update(
-        num_experts=_int(cfg, "n_routed_experts"),
-        experts_per_tok=_int(cfg, "num_experts_per_tok"),
-        moe_intermediate=moe_i,
-        shared_expert_intermediate=None if n_shared is None or moe_i is None else n_shared * moe_i,
-        dense_intermediate=_int(cfg, "intermediate_size"),
-        first_k_dense=first_k,
-        layer_kinds=kinds,
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         expert_bias=True,
-        mtp_num_layers=mtp,
-        mtp_shared_embedding=True if mtp else None,
-        mtp_layer_kinds=(("full_attention", "moe"),),
-        vllm_mtp_eh_proj_replicated=True,
-        expert_export="per_expert",
     )
     out["_notes"] = ["expert export per expert: HF GLM-4.5 checkpoints store experts.{i}.gate_proj/up_proj/down_proj",
                      "router e_score_correction_bias (sigmoid, aux-loss-free routing)"]
     if mtp:
-        out["_notes"].append("MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)")
+        out["_notes"].append(_MTP_SHARED_EMBEDDING_NOTE)
     return out
 
 
