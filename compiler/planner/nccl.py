@@ -76,7 +76,6 @@ class NvlsMemory:
 
     bytes: int
     communicators: tuple[Communicator, ...]  # the ones with NVLS
-    per_communicator: tuple[int, ...]
     note: str
 
 
@@ -160,10 +159,10 @@ def nvls_memory(communicators: Sequence[Communicator], arch: str, multicast: boo
                 settings: NvlsSettings) -> NvlsMemory:
     """NVLS bytes on one GPU for ``communicators`` on a GPU of ``arch`` (0 with NVLS off, saying what it saves)."""
     if not multicast:
-        return NvlsMemory(0, (), (), "no NVLink multicast on this GPU")
+        return NvlsMemory(0, (), "no NVLink multicast on this GPU")
     with_nvls = tuple(c for c in communicators if c.local_ranks >= MIN_LOCAL_RANKS)
     if not with_nvls:
-        return NvlsMemory(0, (), (), f"no communicator has {MIN_LOCAL_RANKS} or more GPUs on a node")
+        return NvlsMemory(0, (), f"no communicator has {MIN_LOCAL_RANKS} or more GPUs on a node")
     single, multi = NVLS_CHANNELS.get(arch, NVLS_CHANNELS["hopper"])
     sizes = tuple((settings.channels or (single if c.nodes == 1 else multi)) * 2 * settings.chunk_bytes
                   * NCCL_STEPS * c.local_ranks for c in with_nvls)
@@ -172,8 +171,8 @@ def nvls_memory(communicators: Sequence[Communicator], arch: str, multicast: boo
     count = f"{len(with_nvls)} communicator" + ("s" if len(with_nvls) > 1 else "")
     what = f"{count} × {each} ({', '.join(c.name for c in with_nvls)})"
     if not settings.enabled:
-        return NvlsMemory(0, with_nvls, sizes, f"off ({settings.why_off}); on, it would keep {what}")
-    return NvlsMemory(sum(sizes), with_nvls, sizes, f"{what}; NCCL_NVLS_ENABLE=0 frees it")
+        return NvlsMemory(0, with_nvls, f"off ({settings.why_off}); on, it would keep {what}")
+    return NvlsMemory(sum(sizes), with_nvls, f"{what}; NCCL_NVLS_ENABLE=0 frees it")
 
 
 __all__ = ["Communicator", "NvlsMemory", "NvlsSettings", "generation_communicators", "nvls_memory",
