@@ -22,7 +22,7 @@ class GpuSpec:
     hbm_gb: int
     arch: str
     nvlink_multicast: bool  # NVSwitch with NVLink multicast: NCCL sets up NVLS buffers
-    measured: bool  # True when the figure comes from this project's seed runs
+    measured: bool  # True when the figure comes from a field report's torch message (NeMo-RL #2471)
     source: str
 
     @property

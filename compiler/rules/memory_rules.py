@@ -48,7 +48,7 @@ def buffer_half(ctx: Context) -> None:
       rationale="After both buffer halves are allocated, the exporter all-gathers the largest tensor's pieces "
                 "(e.g. every expert across EP) and torch.stack()s them: the tensor is needed AGAIN on top of its "
                 "gathered pieces. A larger buffer leaves less room here, and a half that only just exceeds the "
-                "tensor fragments the caching allocator (seed: ratio 0.45 → +5.75 GiB reserved-but-unusable). "
+                "tensor fragments the caching allocator (NeMo-RL #2471: ratio 0.45 → +5.75 GiB reserved-but-unusable). "
                 "Judged only when the buffer half already holds the tensor (RLC210).",
       seed="NeMo-RL #2471 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
            "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
