@@ -7,6 +7,7 @@ every trainer rank takes its data-parallel shard)::
     mask          float32 [N, L-1]  1 where tokens[:, j+1] is a generated token (the loss counts it)
     gen_logprobs  float32 [N, L-1]  vLLM's logprob of tokens[:, j+1] (0 elsewhere)
     advantages    float32 [N]
+    lengths       int64   [N]       prompt + response tokens of each row (sequence packing reads them)
     old_logprobs  float32 [N, L-1]  (added after the trainer's logprob pass)
     ref_logprobs  float32 [N, L-1]  (only with a KL penalty)
 
@@ -81,6 +82,7 @@ def pack_rollouts(
         "mask": mask,
         "gen_logprobs": glp,
         "advantages": torch.as_tensor(list(advantages), dtype=torch.float32),
+        "lengths": torch.as_tensor(lengths, dtype=torch.int64),
     }
 
 

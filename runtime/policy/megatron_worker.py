@@ -40,6 +40,27 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return -vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
 
 
+def packed_token_logprobs(logits: torch.Tensor, mb: dict, temperature: float, cp_group: Any = None) -> torch.Tensor:
+    """Logprobs of a packed micro batch (``rlc.runtime.policy.packing``) in the rollout layout ``[k, L-1]``.
+
+    ``logits`` ``[1, T/CP, V/TP]`` are this rank's share of the packed row; each position is scored
+    against its label (the next token of the same sequence), the CP ranks' scores are gathered into
+    packed order, and :func:`~rlc.runtime.policy.packing.unpack` puts them back per row.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
+
+    from rlc.runtime.policy.packing import gather_context_parallel, unpack  # noqa: PLC0415
+
+    lg = logits.float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    dev = lg.device
+    lp = -vocab_parallel_cross_entropy(lg.contiguous(), mb["labels"].to(dev).contiguous())[0]
+    if "cp_restore" in mb:
+        lp = gather_context_parallel(lp, cp_group)[mb["cp_restore"].to(dev)]
+    return unpack(lp, mb["unpack_index"].to(dev), mb["unpack_valid"].to(dev))
+
+
 class MegatronPolicyWorker:
     """Megatron-Bridge model + megatron-core optimizer on one GPU (see the module docstring)."""
 
@@ -54,6 +75,7 @@ class MegatronPolicyWorker:
         self.params_offloaded = False  # bf16 parameter buffers in host memory (offload_params)
         self.opt_steps = 0
         self.total_opt_steps = 1
+        self.pack_calls = 0  # packed passes planned so far (seeds the packing alike on every rank)
 
     @property
     def pm(self) -> PolicyModel:
@@ -89,9 +111,10 @@ class MegatronPolicyWorker:
         from rlc.runtime.policy.megatron_setup import build_policy, init_distributed, init_model_parallel  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        if self.cfg.train_parallel.cp > 1:
+        if self.cfg.train_parallel.cp > 1 and not self.cfg.training.sequence_packing.enabled:
             raise NotImplementedError(
-                "train_parallel.cp > 1: context parallelism is not wired into this runtime's batches yet; use cp: 1"
+                "train_parallel.cp > 1: this runtime splits sequences over context-parallel ranks only in packed "
+                "micro batches; set training.sequence_packing.enabled: true (or cp: 1)"
             )
         init_distributed(self.rank, self.world_size, master[0], master[1])
         init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
@@ -104,9 +127,12 @@ class MegatronPolicyWorker:
             "dp_size": ps.get_data_parallel_world_size(),
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "cp_rank": ps.get_context_parallel_rank(),
             "is_last_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
         }
-        self.coords["is_output"] = bool(self.coords["is_last_stage"] and self.coords["tp_rank"] == 0)
+        # one output rank per data-parallel rank: the CP ranks of a micro batch gather the same logprobs
+        self.coords["is_output"] = bool(self.coords["is_last_stage"] and self.coords["tp_rank"] == 0
+                                        and self.coords["cp_rank"] == 0)
         n_params = sum(p.numel() for m in self.pm.model for p in m.parameters())
         return {**self.coords, "params_local": int(n_params), "setup_s": time.perf_counter() - t0,
                 "memory": self.memory()}
@@ -131,17 +157,31 @@ class MegatronPolicyWorker:
         return int(batch["tokens"].shape[1])
 
     def _run(self, model: list, mbs: list[dict], forward_only: bool, loss_fn: Any) -> list:
-        """One megatron-core forward(-backward) over micro-batches ``mbs``; returns the collected data."""
+        """One megatron-core forward(-backward) over micro-batches ``mbs``; returns the collected data.
+
+        A packed micro batch (``cu_seqlens`` in it, ``rlc.runtime.policy.packing``) runs through
+        Megatron's packed-sequence path; a padded one with its positions from 0 and no mask (causal).
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
 
-        seq_len = int(mbs[0]["tokens"].shape[1])
+        seq_len = max(int(mb.get("seq_length", mb["tokens"].shape[1])) for mb in mbs)
         mb_size = int(mbs[0]["tokens"].shape[0])
 
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens = mb["tokens"].cuda(non_blocking=True)
-            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            out = model_chunk(input_ids=tokens, position_ids=pos, attention_mask=None)
+            if "cu_seqlens" in mb:
+                from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
+
+                cu = mb["cu_seqlens"].cuda(non_blocking=True)
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                         cu_seqlens_kv_padded=cu, max_seqlen_q=int(mb["max_seqlen"]),
+                                         max_seqlen_kv=int(mb["max_seqlen"]), total_tokens=int(tokens.shape[1]))
+                out = model_chunk(input_ids=tokens, position_ids=mb["position_ids"].cuda(non_blocking=True),
+                                  attention_mask=None, packed_seq_params=packed)
+            else:
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+                out = model_chunk(input_ids=tokens, position_ids=pos, attention_mask=None)
             return out, partial(loss_fn, mb, tokens)
 
         iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
@@ -157,15 +197,57 @@ class MegatronPolicyWorker:
             collect_non_loss_data=forward_only,
         )
 
+    def _packing(self) -> bool:
+        return bool(self.cfg.training.sequence_packing.enabled)
+
+    def _packed_microbatches(self, batch: dict, rows: tuple[int, int] | None, budget: int,
+                             budget_key: str) -> list[dict]:
+        """This rank's packed micro batches of rows ``rows = (lo, hi)`` of its DP shard (all rows when None).
+
+        Every rank plans the bins of every data-parallel shard from the whole batch's lengths, so the
+        ranks agree on the number of micro batches without communicating; the ranks of one shard
+        (TP, PP, CP) plan identical bins.
+        """
+        from rlc.contract.sequence_packing import pad_multiples  # noqa: PLC0415
+        from rlc.runtime.policy import packing as P  # noqa: PLC0415
+
+        cfg = self.cfg
+        tp, t = cfg.train_parallel, cfg.training
+        dp, dp_rank = self.coords["dp_size"], self.coords["dp_rank"]
+        pad = pad_multiples(tp=tp.tp, sequence_parallel=tp.sequence_parallel, cp=tp.cp,
+                            fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
+        shards = [B.dp_shard(batch, d, dp) for d in range(dp)]
+        if rows is not None:
+            shards = [B.take(sh, rows[0], rows[1]) for sh in shards]
+        self.pack_calls += 1  # the same on every rank: seeds first_fit_shuffle alike everywhere
+        bins = P.plan_bins([P.sequence_lengths(sh) for sh in shards], dp_rank, budget, t.sequence_packing.algorithm,
+                           pad, seed=t.seed * 1_000_003 + self.pack_calls, common_length=tp.pp > 1,
+                           budget_key=budget_key)
+        cp_rank = self.coords["cp_rank"]
+        return [{**P.packed_microbatch(shards[dp_rank], b, cp_size=tp.cp, cp_rank=cp_rank), "seq_length": b.total}
+                for b in bins]
+
     @torch.no_grad()
     def _logprobs(self, model: list, batch: dict) -> torch.Tensor | None:
         """Trainer logprobs ``[n_local, L-1]`` of this DP shard (on output ranks; None elsewhere)."""
-        shard = B.dp_shard(batch, self.coords["dp_rank"], self.coords["dp_size"])
-        mbs = B.microbatches(shard, self.cfg.training.micro_batch_size)
         temperature = self.cfg.generation.sampling.temperature
+        if self._packing():
+            from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-        def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
-            return token_logprobs(output_tensor, tokens, temperature)[: mb["num_real"]].float().cpu()
+            sp = self.cfg.training.sequence_packing
+            mbs = self._packed_microbatches(batch, None, sp.logprob_mb_tokens,
+                                            "training.sequence_packing.logprob_mb_tokens")
+            cp_group = ps.get_context_parallel_group() if self.cfg.train_parallel.cp > 1 else None
+
+            def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
+                n = mb["num_real"]
+                return mb["rows"][:n], packed_token_logprobs(output_tensor, mb, temperature, cp_group)[:n].float().cpu()
+        else:
+            shard = B.dp_shard(batch, self.coords["dp_rank"], self.coords["dp_size"])
+            mbs = B.microbatches(shard, self.cfg.training.micro_batch_size)
+
+            def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
+                return token_logprobs(output_tensor, tokens, temperature)[: mb["num_real"]].float().cpu()
 
         for m in model:
             m.eval()
@@ -174,7 +256,13 @@ class MegatronPolicyWorker:
             m.train()
         if not self.coords["is_output"]:
             return None
-        return torch.cat(list(out), dim=0)
+        if not self._packing():
+            return torch.cat(list(out), dim=0)
+        n_local = B.batch_size(batch) // self.coords["dp_size"]
+        result = torch.zeros((n_local, int(batch["tokens"].shape[1]) - 1), dtype=torch.float32)
+        for rows, lp in out:
+            result[rows] = lp
+        return result
 
     def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
         """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs)."""
@@ -265,6 +353,8 @@ class MegatronPolicyWorker:
         shard = B.dp_shard(batch, dp_rank, dp)
         slices = B.optimizer_step_slices(n, cfg.training.global_batch_size, dp)
         temperature = cfg.generation.sampling.temperature
+        packing = self._packing()
+        cp_group = ps.get_context_parallel_group() if cfg.train_parallel.cp > 1 else None
         loss_sums: dict[str, float] = {}
         weighted: dict[str, float] = {}
         maxes: dict[str, float] = {}
@@ -277,11 +367,20 @@ class MegatronPolicyWorker:
             count = torch.tensor([local_count], device="cuda")
             torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
             normalizer = max(float(count.item()), 1.0)
-            mbs = B.microbatches(local, cfg.training.micro_batch_size)
+            if packing:
+                mbs = self._packed_microbatches(batch, (lo, hi), cfg.training.sequence_packing.train_mb_tokens,
+                                                "training.sequence_packing.train_mb_tokens")
+            else:
+                mbs = B.microbatches(local, cfg.training.micro_batch_size)
+            # megatron-core divides each micro batch's loss by their number and DDP averages over the DP
+            # ranks; with CP, megatron-core's factor CP on the loss and DDP's average over DP × CP cancel
             scale = len(mbs) * dp
 
             def loss_fn(mb, tokens, output_tensor):
-                lp = token_logprobs(output_tensor, tokens, temperature)
+                if "cu_seqlens" in mb:
+                    lp = packed_token_logprobs(output_tensor, mb, temperature, cp_group)
+                else:
+                    lp = token_logprobs(output_tensor, tokens, temperature)
                 dev = lp.device
                 ref = mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None
                 loss, metrics = grpo_loss(
