@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 
 from rlc.compiler.diagnostics import PathPart, parse_path
+from rlc.contract.sequence_packing import default_mb_tokens
 from rlc.contract.typed_fields import field_types
 
 T = TypeVar("T")
@@ -427,6 +428,10 @@ class SequencePackingSection(_Section):
     """Pack rollouts."""
     algorithm: str
     """Bin-packing algorithm (NeMo-RL's names)."""
+    train_mb_tokens: Optional[int]
+    """Token budget of a packed train micro batch (None: see :attr:`Recipe.train_mb_tokens`)."""
+    logprob_mb_tokens: Optional[int]
+    """Token budget of a packed logprob micro batch (None: see :attr:`Recipe.logprob_mb_tokens`)."""
 
 
 @section
@@ -682,6 +687,20 @@ class Recipe(_Section):
         """The trainer's sequence length: ``training.max_sequence_length``, else ``generation.max_model_len``."""
         stated = self.training.max_sequence_length
         return self.generation.max_model_len if stated is None else stated
+
+    @property
+    def train_mb_tokens(self) -> int:
+        """Packed train micro batch budget: ``training.sequence_packing.train_mb_tokens``, else
+        ``max_sequence_length × micro_batch_size``."""
+        stated = self.training.sequence_packing.train_mb_tokens
+        return default_mb_tokens(self.max_sequence_length, self.training.micro_batch_size) if stated is None else stated
+
+    @property
+    def logprob_mb_tokens(self) -> int:
+        """Packed logprob micro batch budget: ``training.sequence_packing.logprob_mb_tokens``, else
+        ``max_sequence_length × micro_batch_size``."""
+        stated = self.training.sequence_packing.logprob_mb_tokens
+        return default_mb_tokens(self.max_sequence_length, self.training.micro_batch_size) if stated is None else stated
 
 
 # --------------------------------------------------------------------------- building

@@ -23,6 +23,7 @@ class Gap:
 
     key: str
     message: str
+    hint: str | None = None  # the fix, where turning ``key`` off is not it
 
 
 def runtime_gaps(recipe: Recipe) -> list[Gap]:
@@ -33,10 +34,11 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
         gaps.append(Gap("generation.precision",
                         "FP8 rollouts need a refit that quantizes every delivered weight into vLLM's FP8 "
                         "parameters; the bundled runtime's refit writes bf16 weights"))
-    if training.sequence_packing.enabled:
-        gaps.append(Gap("training.sequence_packing.enabled",
-                        "the bundled runtime pads each rollout to the longest of its micro batch; it does not "
-                        "pack sequences yet"))
+    if recipe.parallelism.train.cp > 1 and not training.sequence_packing.enabled:
+        gaps.append(Gap("parallelism.train.cp",
+                        "the bundled runtime splits sequences over context-parallel ranks only in packed micro "
+                        "batches (NeMo-RL's Megatron trainer requires packing with context parallelism too)",
+                        hint="set training.sequence_packing.enabled: true (or parallelism.train.cp: 1)"))
     if training.offload_copies_gradients and recipe.refit.offload_optimizer_for_refit:
         gaps.append(Gap("training.offload_copies_gradients",
                         "the bundled runtime offloads with Megatron's buffers, which free the gradient buffers "

@@ -208,7 +208,9 @@ class MoeConfig:
 @dataclass(frozen=True)
 class SequencePackingConfig:
     enabled: bool
-    algorithm: str
+    algorithm: str  # a bin-packing algorithm of rlc.runtime.policy.bin_packing
+    train_mb_tokens: int  # token budget of a packed micro batch, train pass
+    logprob_mb_tokens: int  # token budget of a packed micro batch, logprob passes
 
 
 @dataclass(frozen=True)

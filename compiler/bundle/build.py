@@ -78,9 +78,9 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
 
     gaps = runtime_gaps(recipe)
     if gaps:
+        fix = gaps[0].hint or "turn the setting off to compile a bundle for this runtime"
         raise BundleError(f"{gaps[0].key}: the bundled runtime cannot run this yet: {gaps[0].message}. The recipe "
-                          "validates and plans; turn the setting off to compile a bundle for this runtime",
-                          key=gaps[0].key)
+                          f"validates and plans; {fix}", key=gaps[0].key)
     if runtime_config is None:
         from rlc.compiler.resolve import resolve_runtime_config
 

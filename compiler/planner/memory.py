@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlc.contract import refit_buffer
+from rlc.contract.sequence_packing import pad_multiples, round_up
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
@@ -524,6 +525,21 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
     return plan
 
 
+def train_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
+    """Tokens of one train micro batch on one GPU, and how: a padded micro batch holds ``micro_batch_size``
+    sequences of up to ``max_sequence_length`` tokens; a packed one (``training.sequence_packing``) at most
+    ``train_mb_tokens`` tokens padded to the row multiple, of which each context-parallel rank holds 1/CP."""
+    t = recipe.training
+    if not t.sequence_packing.enabled:
+        mbs, seq = t.micro_batch_size, recipe.max_sequence_length
+        return mbs * seq, f"{mbs} × {seq} tokens"
+    pad = pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
+                        fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
+    row = round_up(recipe.train_mb_tokens, pad.row)
+    per_rank = row // tl.cp
+    return per_rank, (f"{row} packed tokens / CP{tl.cp}" if tl.cp > 1 else f"{row} packed tokens")
+
+
 def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics,
                 tl: TrainLayout) -> None:
     """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
@@ -534,15 +550,14 @@ def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: Slee
         return
     if not recipe.colocated:
         return
-    mbs = recipe.training.micro_batch_size
-    seq = recipe.max_sequence_length
+    tokens, how = train_microbatch_tokens(recipe, tl)
     # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
-    logits = 2 * mbs * seq * facts.vocab * 4 // tl.tp
+    logits = 2 * tokens * facts.vocab * 4 // tl.tp
     items = train.items + (
         Item("vLLM residue growth over steps", growth.growth_gib, "vllm", "records:vllm_sleep.residue_growth",
              f"after-sleep residue {growth.series()} ({growth.source.split(' (')[0]})"),
         Item("fp32 logits + log-softmax of the loss", gib(logits), "megatron", "params",
-             f"2 × {mbs} × {seq} tokens × {facts.vocab} vocab / TP{tl.tp} × 4 B"),
+             f"2 × {how} × {facts.vocab} vocab / TP{tl.tp} × 4 B"),
     )
     late = Phase("train_late", "train step once the vLLM residue has grown (step 2 on)", items, train.limit_gib,
                  stage=train.stage, note="other activations not modelled")

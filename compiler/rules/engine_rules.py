@@ -1,8 +1,10 @@
 """RLC31x: engine options — pass-through blocks, what the runtime cannot run yet, option combinations."""
 from __future__ import annotations
 
+from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.rules.engine import Context, rule
 from rlc.compiler.runtime_support import runtime_gaps
+from rlc.contract.sequence_packing import pad_multiples, round_up
 from rlc.contract.engine_options import MEGATRON_OWNED, VLLM_OWNED
 from rlc.compiler.suggest import closest
 
@@ -39,7 +41,7 @@ def _owner(owner: str) -> tuple[str, str]:
 
 
 @rule("RLC311", "setting the bundled runtime cannot run yet", severities=("warning",),
-      rationale="The schema can state configurations that ran on other stacks (FP8 rollouts, sequence packing) so "
+      rationale="The schema can state configurations that ran on other stacks (FP8 rollouts) so "
                 "they validate and plan. The bundled runtime cannot execute some of them yet; rlc compile refuses "
                 "to write a bundle that would silently run something else.",
       seed="rlc/compiler/runtime_support.py.",
@@ -48,7 +50,7 @@ def _owner(owner: str) -> tuple[str, str]:
 def runtime_cannot(ctx: Context) -> None:
     for gap in runtime_gaps(ctx.recipe):
         ctx.warning(f"the bundled runtime cannot run this yet ({gap.message}); rlc compile will refuse it",
-                    gap.key, hint=f"turn {gap.key} off to compile for the bundled runtime")
+                    gap.key, hint=gap.hint or f"turn {gap.key} off to compile for the bundled runtime")
 
 
 @rule("RLC312", "the precision-aware optimizer needs the distributed optimizer", severities=("error",),
@@ -132,3 +134,34 @@ def speculative_decoding(ctx: Context) -> None:
                   "target model's buffers, and the refit writes only the target model, so the MTP drafter would "
                   "draft from whatever the freed memory holds after the first sleep", "refit.sleep_level",
                   hint="refit.sleep_level: 1 (the drafter's weights are backed up to host memory with the model's)")
+
+
+PACKING = "training.sequence_packing"
+
+
+@rule("RLC315", "a packed micro batch must hold the longest sequence", severities=("error",),
+      rationale="With training.sequence_packing the trainer bin-packs sequences into micro batches of at most "
+                "train_mb_tokens (train pass) and logprob_mb_tokens (logprob passes) tokens, each sequence padded to "
+                "the multiple context and sequence parallelism cut it by (2 × CP, times TP with sequence parallelism). "
+                "A sequence as long as training.max_sequence_length that does not fit one micro batch cannot be "
+                "trained: the run would stop at its first such rollout.",
+      seed="NeMo-RL nemo_rl/data/packing/algorithms.py ('Sequence length ... exceeds bin capacity'); "
+           "nemo_rl/models/megatron/data.py (per-sequence padding to 2 × CP × TP).",
+      fixes="Raise the budget the message names to at least the padded longest sequence, or lower "
+            "training.max_sequence_length.")
+def packing_budget_holds_a_sequence(ctx: Context) -> None:
+    r = ctx.recipe
+    if not r.training.sequence_packing.enabled:
+        return
+    tl = train_layout(r)
+    fp8 = r.training.fp8
+    pad = pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
+                        fp8_recipe=fp8.recipe if fp8.enabled else None)
+    longest = round_up(r.max_sequence_length, pad.sequence)
+    for key, budget in (("train_mb_tokens", r.train_mb_tokens), ("logprob_mb_tokens", r.logprob_mb_tokens)):
+        if budget < longest:
+            padded = (f", padded to a multiple of {pad.sequence}: {longest} tokens"
+                      if longest != r.max_sequence_length else " tokens")
+            ctx.error(f"{PACKING}.{key} = {budget} tokens cannot hold a sequence of the maximum length "
+                      f"({r.max_sequence_length}{padded})", f"{PACKING}.{key}",
+                      hint=f"set {PACKING}.{key}: {longest} or more")

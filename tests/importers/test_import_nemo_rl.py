@@ -292,13 +292,36 @@ def test_precision_moe_packing_and_pass_through_options_map_to_their_keys():
     assert got["training.sequence_packing.algorithm"] == "modified_first_fit_decreasing"
 
 
-def test_sequence_packing_on_validates_with_a_warning_naming_the_key(tmp_path):
-    """NeMo-RL packs by default; rlc's runtime does not pack yet: the import keeps the setting and
-    validation says what to turn off to compile."""
+def test_sequence_packing_is_imported_as_nemo_rl_runs_it_with_its_token_budgets(tmp_path):
+    """NeMo-RL packs by default with ``${mul:...}`` token budgets: the recipe packs with the resolved
+    budgets (4096 × 1 tokens to train, 4096 × 4 for logprobs here), and validation no longer flags packing (RLC311)."""
+    imported = import_nemo_rl(str(CHILD), ["++policy.sequence_packing.algorithm=concatenative",
+                                           "++policy.sequence_packing.sequence_length_round=64"])
+    got = mapped(imported)
+    assert got["training.sequence_packing.enabled"] is True
+    assert got["training.sequence_packing.algorithm"] == "concatenative"
+    assert got["training.sequence_packing.train_mb_tokens"] == 4096
+    assert got["training.sequence_packing.logprob_mb_tokens"] == 4096 * 4  # logprob_batch_size 4
+    implied = imported.mapping.implied
+    assert "dynamic batching" in implied["policy.sequence_packing.sequence_length_round"]
+    assert "2 × CP" in implied["policy.make_sequence_length_divisible_by"]
     out = tmp_path / "r.yaml"
-    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU,
-                       "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0")
-    assert code == 0 and "training.sequence_packing.enabled" in err
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU, "--set", IMAGE)
+    assert code == 0 and "training.sequence_packing" not in err and "RLC311" not in err, err
+    written = yaml.safe_load(out.read_text(encoding="utf-8"))
+    assert written["training"]["sequence_packing"] == {"enabled": True, "train_mb_tokens": 4096,
+                                                       "logprob_mb_tokens": 16384}
+    result = api.check(str(out))
+    assert result.recipe is not None and "RLC311" not in {d.rule for d in result.diagnostics}
+    assert result.recipe.train_mb_tokens == 4096
+
+
+def test_packing_off_reads_the_budgets_without_mapping_them():
+    imported = import_nemo_rl(str(CHILD), ["policy.sequence_packing.enabled=false"])
+    got = mapped(imported)
+    assert got["training.sequence_packing.enabled"] is False
+    assert not [k for k in got if k.startswith("training.sequence_packing.") and not k.endswith("enabled")]
+    assert imported.mapping.implied["policy.sequence_packing.train_mb_tokens"] == "packing is off"
 
 
 def test_trainer_only_expandable_segments_is_listed_not_applied_to_every_task(tmp_path):

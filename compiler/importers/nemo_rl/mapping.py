@@ -174,7 +174,8 @@ def fp8_recipe(v: Any) -> str:
 
 
 _PACKING = {"modified_first_fit_decreasing": "modified_first_fit_decreasing", "modified_ffd": "modified_first_fit_decreasing",
-            "first_fit_decreasing": "first_fit_decreasing", "first_fit_shuffle": "first_fit_shuffle"}
+            "first_fit_decreasing": "first_fit_decreasing", "first_fit_shuffle": "first_fit_shuffle",
+            "concatenative": "concatenative"}
 
 
 def packing_algorithm(v: Any) -> str:
@@ -446,14 +447,27 @@ def _grad_reduce_in_fp32(m: _Mapper) -> None:
           "rlc's default is fp32")
 
 
+PACKING_BUDGETS = ("train_mb_tokens", "logprob_mb_tokens")
+PACKING_PAD = "policy.make_sequence_length_divisible_by"
+
+
 def _packing(m: _Mapper) -> None:
-    key = "policy.sequence_packing.algorithm"
-    if m.cfg.get("policy.sequence_packing.enabled") is True:
-        m.take(key, "training.sequence_packing.algorithm", packing_algorithm)
-    m.consume(*[k for k in m.leaves if k.startswith("policy.sequence_packing.") and k != key
-                and not k.endswith(".enabled")], why="micro-batch token budgets: rlc packs to "
-              "training.max_sequence_length")
-    m.consume(key, why="packing is off")
+    """NeMo-RL packs with its algorithm and per-pass token budgets (``${mul:...}`` already resolved);
+    the pad multiple rlc works out from the layout (2 × CP, × TP with sequence parallelism, as NeMo-RL
+    asserts ``make_sequence_length_divisible_by`` to be a multiple of)."""
+    base = "policy.sequence_packing"
+    if m.cfg.get(f"{base}.enabled") is True:
+        m.take(f"{base}.algorithm", "training.sequence_packing.algorithm", packing_algorithm)
+        for budget in PACKING_BUDGETS:
+            m.take(f"{base}.{budget}", f"training.sequence_packing.{budget}", positive_int,
+                   "tokens per packed micro batch")
+        m.consume(f"{base}.sequence_length_round", why="NeMo-RL's dynamic batching rounding; packing pads each "
+                  "sequence to the multiple the layout needs")
+        m.consume(f"{base}.microbatch_order", why="rlc runs the bins in the packer's order")
+        m.consume(PACKING_PAD, why="rlc pads each packed sequence to the multiple the layout needs "
+                  "(2 × CP, × TP with sequence parallelism)")
+    m.consume(*[k for k in m.leaves if k.startswith(f"{base}.") and not k.endswith(".enabled")],
+              why="packing is off")
 
 
 def _pass_through(m: _Mapper, keys: list[str], target: str, note: str) -> None:
