@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] ...
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -66,6 +66,13 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     host_copy) run_stage host_copy 400 python3 "$REPO"/tests/gpu/test_sleep_host_copy.py --out "$OUT" ;;
     moe1) run_stage moe1 590 python3 "$REPO"/tests/gpu/test_moe_one_gpu.py --out "$OUT" --steps "${MOE1_STEPS:-150}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
+    packing)  # packed vs padded logprobs/loss/gradients (tolerance from the padded pass's bf16 error vs fp32), tokens/s
+      run_stage packing 480 python3 "$REPO"/tests/gpu/test_sequence_packing.py --root /tmp/rlc-packing --out "$OUT/packing" ;;
+    packing_cp2)  # the same under context parallelism 2 (nvidia-h200-x2)
+      run_stage packing_cp2 540 python3 "$REPO"/tests/gpu/test_sequence_packing.py --root /tmp/rlc-packing-cp2 --out "$OUT/packing_cp2" --cp 2 ;;
+    packing_smoke)  # the tiny GRPO smoke run with training.sequence_packing on: driver, gen-KL check and refit over packed passes
+      run_stage packing_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-packing-smoke \
+        --out "$OUT/packing_smoke" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.sequence_packing.enabled=true ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     *) log "unknown stage $stage" ;;
   esac

@@ -9,11 +9,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GpuStackBroken, gpu_available  # noqa: E402
 from verdicts import (  # noqa: E402
+    BF16_U,
     FREE_AT_REFIT_TOLERANCE_GIB,
+    PACKING_FLOORS,
     RESUME_MIN_REWARD,
     calibration_verdict,
     foreign_metadata_caught,
     free_at_refit_verdict,
+    packing_tolerances,
+    packing_verdict,
     resume_verdict,
 )
 
@@ -89,3 +93,25 @@ def test_gpu_tests_skip_only_off_a_gpu_host():
     fine = lambda name: __import__("types").SimpleNamespace(  # noqa: E731
         cuda=__import__("types").SimpleNamespace(is_available=lambda: True))
     assert gpu_available(gpu_host=True, importer=fine) is True
+
+
+PADDED_ERROR = {"logprob_max_abs": 0.01, "logprob_mean_abs": 1e-4, "loss_rel": 0.0, "grad_rel_l2": 2e-3}
+
+
+def test_packing_tolerance_is_twice_the_padded_bf16_error_or_the_bf16_floor():
+    tol = packing_tolerances(PADDED_ERROR)
+    assert tol["logprob_max_abs"] == pytest.approx(0.02) and tol["grad_rel_l2"] == pytest.approx(4e-3)
+    assert tol["loss_rel"] == BF16_U == PACKING_FLOORS["loss_rel"]  # an exact padded figure falls back to the floor
+    assert tol["logprob_mean_abs"] == BF16_U / 4
+
+
+def test_packing_verdict_passes_within_and_names_each_figure_outside():
+    good = {"logprob_max_abs": 0.015, "logprob_mean_abs": 5e-4, "loss_rel": 1e-3, "grad_rel_l2": 3e-3}
+    assert packing_verdict(PADDED_ERROR, good, good, {"logprob_max_abs": 2.0}) == (True, [])
+    bad = {**good, "grad_rel_l2": 0.02, "logprob_mean_abs": float("nan")}
+    ok, why = packing_verdict(PADDED_ERROR, bad)
+    assert not ok and len(why) == 2 and any("grad_rel_l2" in w for w in why) and any("mean_abs" in w for w in why)
+    ok, why = packing_verdict(PADDED_ERROR, good, {**good, "logprob_max_abs": 0.05})  # further from exact
+    assert not ok and why[0].startswith("packed vs fp32 logprob_max_abs")
+    ok, why = packing_verdict(PADDED_ERROR, good, leak={"logprob_max_abs": 0.05})  # a leak rounding could hide
+    assert not ok and "negative control" in why[0]

@@ -111,3 +111,59 @@ def free_at_refit_verdict(measured_gib: float | None, plan_gib: float) -> tuple[
         return False, [f"measured {measured_gib:.2f} GiB vs plan {plan_gib:.2f} GiB: off by {gap:+.2f} GiB "
                        f"(tolerance {FREE_AT_REFIT_TOLERANCE_GIB} GiB)"]
     return True, []
+
+
+# --------------------------------------------------------------------------- sequence packing vs padding
+
+#: bf16 unit roundoff: 8 significant bits, so one rounding moves a value by at most 2^-8 of it.
+BF16_U = 2.0 ** -8
+#: The packed and padded passes compute the same function with different kernels (Transformer Engine's
+#: varlen ``thd`` attention, GEMMs of other shapes), so in bf16 they differ by rounding, not by math. How
+#: far bf16 rounding takes the padded pass from the exact result is measured: ``E``, its difference from
+#: the same pass in fp32 on the same (bf16-representable) weights and batch. Two bf16 evaluations that
+#: are each within ``E`` of the exact result differ by at most ``2 E``: the tolerance for packed against
+#: padded, and for packed against the fp32 result (packing may not add error beyond bf16's own)...
+PACKING_TOL_FACTOR = 2.0
+#: ...never below the rounding of one bf16 operation (a logprob z_y - logsumexp(z) of bf16 logits |z| ~ 1
+#: carries up to 2u; a mean over many tokens u / 4; the loss and the gradients u relative), so that a
+#: figure the padded pass happens to get exact does not demand a bound of zero.
+PACKING_FLOORS = {"logprob_max_abs": 2 * BF16_U, "logprob_mean_abs": BF16_U / 4, "loss_rel": BF16_U,
+                  "grad_rel_l2": BF16_U}
+#: The negative control (the packed rows with their sequence boundaries removed, so attention leaks across
+#: sequences) must miss the logprob tolerance by at least this factor, or the comparison could not tell a
+#: packing bug from rounding.
+PACKING_LEAK_MIN = 5.0
+
+
+def packing_tolerances(padded_error: dict[str, float]) -> dict[str, float]:
+    """Each figure's tolerance from the padded bf16 pass's measured error against fp32 (``padded_error``)."""
+    return {k: max(PACKING_TOL_FACTOR * float(padded_error[k]), floor) for k, floor in PACKING_FLOORS.items()}
+
+
+def packing_verdict(padded_error: dict[str, float], packed_vs_padded: dict[str, float],
+                    packed_error: dict[str, float] | None = None,
+                    leak: dict[str, float] | None = None) -> tuple[bool, list[str]]:
+    """Packed against padded, and against the fp32 result, within the tolerances; the leak control far out.
+
+    Each dict holds ``logprob_max_abs`` / ``logprob_mean_abs`` (response tokens), ``loss_rel`` and
+    ``grad_rel_l2`` (all parameters): ``padded_error`` the padded bf16 pass against fp32,
+    ``packed_vs_padded`` and ``packed_error`` (against fp32) the packed pass, ``leak`` the control
+    against padded.
+    """
+    reasons = []
+    tol = packing_tolerances(padded_error)
+    for name, got in (("packed vs padded", packed_vs_padded), ("packed vs fp32", packed_error)):
+        if got is None:
+            continue
+        for key, bound in tol.items():
+            value = got.get(key)
+            if value is None or not float(value) <= bound:  # NaN fails
+                reasons.append(f"{name} {key} = {value} > tolerance {bound:.3g} (max({PACKING_TOL_FACTOR:g} x the "
+                               f"padded bf16 error {padded_error[key]:.3g}, floor {PACKING_FLOORS[key]:.3g}))")
+    if leak is not None:
+        need = PACKING_LEAK_MIN * tol["logprob_max_abs"]
+        if not float(leak.get("logprob_max_abs", 0.0)) >= need:
+            reasons.append(f"negative control: attention leaking across packed sequences moved logprobs by only "
+                           f"{leak.get('logprob_max_abs')} < {PACKING_LEAK_MIN:g} x tolerance = {need:.3g}: the "
+                           "comparison cannot tell a packing bug from rounding")
+    return not reasons, reasons

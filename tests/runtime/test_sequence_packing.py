@@ -307,9 +307,8 @@ def _cp_worker(rank: int, world: int, port: int, lengths: list[int], out) -> Non
 def test_cp_gather_backward_gives_each_rank_the_gradient_of_its_own_positions():
     """Two gloo ranks: the loss on the gathered row is the same on both, and the gradients of the two
     shares, put back in packed order, are the gradient of the same loss computed on the whole row."""
-    import socket
-
     import multiprocessing
+    import socket
 
     lengths = [9, 4, 15]
     with socket.socket() as s:
