@@ -336,3 +336,48 @@ def test_cp_gather_backward_gives_each_rank_the_gradient_of_its_own_positions():
     for r in range(2):
         grad[P.cp_partition_indices(bin_.cu_seqlens, 2, r)] = torch.tensor(out[r][1], dtype=torch.float64)
     assert torch.allclose(grad, whole.grad, rtol=0, atol=1e-12) and grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- the policy worker's planning
+
+
+def _worker(dp_size: int, dp_rank: int, cp: int, cp_rank: int, budget: int):
+    from pathlib import Path
+
+    import yaml
+
+    from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "gpu" / "tiny_runtime.yaml").read_text(encoding="utf-8"))
+    cfg["training"]["sequence_packing"].update(enabled=True, train_mb_tokens=budget, logprob_mb_tokens=budget)
+    cfg["train_parallel"].update(cp=cp, dp=dp_size)
+    w = MegatronPolicyWorker(cfg, rank=0, world_size=dp_size * cp)  # no GPU work before setup()
+    w.coords = {"dp_size": dp_size, "dp_rank": dp_rank, "cp_rank": cp_rank}
+    return w
+
+
+def test_the_worker_plans_the_same_micro_batches_on_every_rank_of_a_shard():
+    lengths = [5, 40, 17, 33, 8, 61, 12, 29, 3, 50, 44, 7]
+    b = _batch(lengths, seed=3)
+    dp, cp, budget = 2, 2, 64
+    key = "training.sequence_packing.train_mb_tokens"
+    plans = {(d, r): _worker(dp, d, cp, r, budget)._packed_microbatches(b, (1, 6), budget, key)
+             for d in range(dp) for r in range(cp)}
+    counts = {len(mbs) for mbs in plans.values()}
+    assert len(counts) == 1  # every DP rank runs as many micro batches
+    for d in range(dp):
+        shard = B.take(B.dp_shard(b, d, dp), 1, 6)
+        a, c = plans[(d, 0)], plans[(d, 1)]
+        real = sorted(int(i) for mb in a for i in mb["rows"][: mb["num_real"]])
+        assert real == list(range(5))  # each row of the optimizer step's slice once
+        for m0, m1 in zip(a, c):  # the two CP ranks: one bin, complementary halves of its row
+            assert torch.equal(m0["rows"], m1["rows"]) and torch.equal(m0["cu_seqlens"], m1["cu_seqlens"])
+            assert m0["tokens"].shape[1] == m1["tokens"].shape[1] == m0["seq_length"] // 2
+            for k, row in enumerate(m0["rows"][: m0["num_real"]].tolist()):
+                assert torch.equal(m0["mask"][k], shard["mask"][row])
+            whole = P.pack_tokens(shard["tokens"], P.layout_bin(m0["rows"].tolist(),
+                                                                [int(shard["lengths"][i]) for i in m0["rows"]],
+                                                                pad_multiples(tp=1, sequence_parallel=False, cp=2)))
+            both = torch.cat([m0["tokens"][0], m1["tokens"][0]])[m0["cp_restore"]]
+            if m0["num_real"]:
+                assert torch.equal(both, whole["tokens"])
