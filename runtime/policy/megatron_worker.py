@@ -222,7 +222,7 @@ class MegatronPolicyWorker:
         self.pack_calls += 1  # the same on every rank: seeds first_fit_shuffle alike everywhere
         bins = P.plan_bins([P.sequence_lengths(sh) for sh in shards], dp_rank, budget, t.sequence_packing.algorithm,
                            pad, seed=t.seed * 1_000_003 + self.pack_calls, common_length=tp.pp > 1,
-                           budget_key=budget_key)
+                           count_multiple=tp.pp if tp.vpp > 1 else 1, budget_key=budget_key)
         cp_rank = self.coords["cp_rank"]
         return [{**P.packed_microbatch(shards[dp_rank], b, cp_size=tp.cp, cp_rank=cp_rank), "seq_length": b.total}
                 for b in bins]

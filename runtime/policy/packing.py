@@ -89,20 +89,23 @@ def layout_bin(rows: Sequence[int], lengths: Sequence[int], pad: PadMultiples, t
 
 
 def plan_bins(shard_lengths: Sequence[Sequence[int]], rank: int, budget: int, algorithm: str, pad: PadMultiples, *,
-              seed: int = 0, common_length: bool = False, budget_key: str = "the packing budget") -> list[PackedBin]:
+              seed: int = 0, common_length: bool = False, count_multiple: int = 1,
+              budget_key: str = "the packing budget") -> list[PackedBin]:
     """Packed micro batches of data-parallel rank ``rank``.
 
     ``shard_lengths[d]`` are the sequence lengths of rank ``d``'s rows (every rank knows the whole
     batch, so each plans every rank's bins and all agree on the count without communicating). Each
     rank's sequences are bin-packed by ``budget`` tokens (lengths padded to ``pad.sequence``); a rank
     with fewer bins than the most splits bins, then adds filler bins. ``common_length`` pads every
-    bin to the longest (pipeline schedules send tensors of one shape between stages).
+    bin to the longest (pipeline schedules send tensors of one shape between stages);
+    ``count_multiple`` rounds the number of bins up (the interleaved pipeline schedule runs micro
+    batches in groups of PP).
     """
     planned = []
     for lengths in shard_lengths:
         padded = [round_up(n, pad.sequence) for n in lengths]
         planned.append(bin_packing.pack(padded, budget, algorithm, seed=seed, budget_key=budget_key))
-    count = max((len(b) for b in planned), default=0)
+    count = round_up(max((len(b) for b in planned), default=0), count_multiple)
     mine = bin_packing.split_to(planned[rank], count)
     lengths = list(shard_lengths[rank])
     fillers = count - len(mine)

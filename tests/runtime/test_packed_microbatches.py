@@ -196,6 +196,12 @@ def test_every_data_parallel_rank_runs_as_many_micro_batches():
     assert len(plan) == 8 and sum(b.filler for b in plan) == 5 and sum(b.real_tokens for b in plan) == 30
 
 
+def test_the_interleaved_pipeline_gets_a_multiple_of_pp_micro_batches():
+    pad = pad_multiples(tp=1, sequence_parallel=False, cp=1)
+    plan = P.plan_bins([[100] * 5], 0, 128, "first_fit_decreasing", pad, count_multiple=4)
+    assert len(plan) == 8 and sum(b.filler for b in plan) == 3
+
+
 def test_a_filler_bin_counts_nothing():
     b = _batch([5, 6])
     filler = P.layout_bin([0], [5], pad_multiples(tp=1, sequence_parallel=False, cp=1), filler=True)
