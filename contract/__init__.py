@@ -7,6 +7,8 @@
   the pass-through blocks may not set (the compiler refuses them; the runtime refuses them again).
 * :mod:`rlc.contract.refit_buffer` — how the refit ping-pong buffer is sized from free memory; the
   planner predicts with it and the runtime allocates with it.
+* :mod:`rlc.contract.host_blocks` — the pinned host blocks a weight copy in host memory is laid out in;
+  the runtime allocates them, the planner counts them.
 
 Both sides import these modules; neither keeps a copy.
 """

@@ -128,6 +128,7 @@ def test_contract_imports_neither_side_nor_gpu_libraries():
 
     code = ("import sys, rlc.contract.runtime_config, rlc.contract.calibration_record, rlc.contract.refit_buffer\n"
             "import rlc.contract.sequence_packing\n"
+            "import rlc.contract.host_blocks\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'vllm', 'megatron', 'yaml')\n"
             "       or m.startswith(('rlc.compiler', 'rlc.runtime'))]\n"
             "print(','.join(sorted(bad)))\n")
