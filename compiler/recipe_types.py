@@ -446,6 +446,9 @@ class TrainingSection(_Section):
     """Gradient-norm clip (0: off)."""
     micro_batch_size: int
     """Sequences per micro-batch on each data-parallel rank."""
+    logprob_batch_size: Optional[int]
+    """Sequences per micro-batch of the logprob passes (None: ``micro_batch_size``; see
+    :attr:`Recipe.logprob_batch_size`)."""
     global_batch_size: Optional[int]
     """Sequences per optimizer step (None: one GRPO step's samples; see :attr:`Recipe.global_batch_size`)."""
     use_distributed_optimizer: bool
@@ -465,7 +468,7 @@ class TrainingSection(_Section):
     offload_copies_gradients: bool
     """The trainer's offload copies the gradient buffers to host memory (else it frees them)."""
     offload_reference_policy: bool
-    """Keep the KL penalty's reference policy in host memory between its logprob passes."""
+    """Keep the KL penalty's reference policy in pinned host memory, on the GPU only for its logprob pass."""
     mtp_loss_scale: float
     """Weight of the MTP block's loss (0: policy loss only)."""
     activation_checkpointing: Literal["none", "selective", "full"]
@@ -683,6 +686,13 @@ class Recipe(_Section):
         return self.grpo.samples_per_step if stated is None else stated
 
     @property
+    def logprob_batch_size(self) -> int:
+        """Sequences per micro-batch of the logprob passes: ``training.logprob_batch_size``, else
+        ``training.micro_batch_size``."""
+        stated = self.training.logprob_batch_size
+        return self.training.micro_batch_size if stated is None else stated
+
+    @property
     def max_sequence_length(self) -> int:
         """The trainer's sequence length: ``training.max_sequence_length``, else ``generation.max_model_len``."""
         stated = self.training.max_sequence_length
@@ -698,9 +708,9 @@ class Recipe(_Section):
     @property
     def logprob_mb_tokens(self) -> int:
         """Packed logprob micro batch budget: ``training.sequence_packing.logprob_mb_tokens``, else
-        ``max_sequence_length × micro_batch_size``."""
+        ``max_sequence_length × logprob_batch_size`` (NeMo-RL's default)."""
         stated = self.training.sequence_packing.logprob_mb_tokens
-        return default_mb_tokens(self.max_sequence_length, self.training.micro_batch_size) if stated is None else stated
+        return default_mb_tokens(self.max_sequence_length, self.logprob_batch_size) if stated is None else stated
 
 
 # --------------------------------------------------------------------------- building

@@ -173,7 +173,7 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
                        **{k: flag for k, (flag, _) in switches.items()}),
         generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r)),
         training=_section(TrainingConfig, r.training, "training", global_batch_size=r.global_batch_size,
-                          max_sequence_length=r.max_sequence_length,
+                          logprob_batch_size=r.logprob_batch_size, max_sequence_length=r.max_sequence_length,
                           sequence_packing=dataclasses.asdict(_section(
                               SequencePackingConfig, r.training.sequence_packing, "training.sequence_packing",
                               train_mb_tokens=r.train_mb_tokens, logprob_mb_tokens=r.logprob_mb_tokens))),

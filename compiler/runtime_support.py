@@ -39,14 +39,6 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
                         "the bundled runtime splits sequences over context-parallel ranks only in packed micro "
                         "batches (NeMo-RL's Megatron trainer requires packing with context parallelism too)",
                         hint="set training.sequence_packing.enabled: true (or parallelism.train.cp: 1)"))
-    if training.offload_copies_gradients and recipe.refit.offload_optimizer_for_refit:
-        gaps.append(Gap("training.offload_copies_gradients",
-                        "the bundled runtime offloads with Megatron's buffers, which free the gradient buffers "
-                        "instead of copying them to host memory"))
-    if training.offload_reference_policy and recipe.loss.kl_penalty > 0:
-        gaps.append(Gap("training.offload_reference_policy",
-                        "the bundled runtime keeps the reference policy on the GPU; it does not move it to host "
-                        "memory between its logprob passes yet"))
     if training.fp8.enabled and training.fp8.param_gather:
         gaps.append(Gap("training.fp8.param_gather",
                         "FP8 parameters would reach the refit exporter as FP8; the bundled runtime exports "

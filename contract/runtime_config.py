@@ -172,6 +172,7 @@ class TrainingConfig:
     lr_schedule: LRScheduleConfig
     grad_clip: float
     micro_batch_size: int
+    logprob_batch_size: int  # sequences per micro-batch of the logprob passes (the policy's and the reference's)
     global_batch_size: int
     use_distributed_optimizer: bool
     overlap_param_gather: bool
@@ -179,6 +180,7 @@ class TrainingConfig:
     grad_reduce_in_fp32: bool  # Megatron DDP's main_grad buffers in fp32 (4 B/param) instead of the param dtype
     optimizer_cpu_offload: bool
     optimizer_offload_fraction: float
+    offload_reference_policy: bool  # the reference policy in pinned host memory, on the GPU for its logprob pass only
     activation_checkpointing: str  # "none" | "selective" | "full"
     max_sequence_length: int
     seed: int

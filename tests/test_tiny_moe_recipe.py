@@ -77,7 +77,8 @@ def test_plan_predicts_free_memory_at_refit_on_the_mtp_stage(result):
     assert plan.per_side_bytes > plan.largest_tensor[1]
     # vLLM 0.22 (the GPU host's): the after-sleep residue growth reported for MoE models is planned too
     assert {k: c.ok for k, c in plan.checks.items()} == {"generate_fit": True, "train_fit": True,
-                                                         "train_late_fit": True, "buffer": True, "stack": True}
+                                                         "train_late_fit": True, "logprob_fit": True,
+                                                         "logprob_late_fit": True, "buffer": True, "stack": True}
     assert "free at refit" in plan.to_text()
 
 

@@ -6,7 +6,8 @@ rounded up to a power of two (``pinned_copy.py``; level 2 discards it);
 fp32 with ``training.grad_reduce_in_fp32``, ``memory.grad_bytes_per_param``) and Adam moments (and the
 fp32 master weights when they are optimizer state: precision-aware optimizer) to the host for the refit;
 ``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time;
-``training.offload_reference_policy`` keeps the KL penalty's reference policy there;
+``training.offload_reference_policy`` keeps the KL penalty's reference policy there (in pinned blocks whose
+sizes are powers of two, as the runtime allocates them: ``rlc.contract.host_blocks``);
 ``refit.offload_params_for_generation`` puts the trainer's bf16 parameters there while vLLM generates. Per node that
 is the per-GPU block × ``cluster.gpus_per_node``, plus a per-process baseline, against the fraction
 of host memory at which Ray's memory monitor starts killing workers (vime #191: GLM-4.5-Air on
@@ -25,6 +26,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from rlc.contract.host_blocks import pinned_bytes
 from rlc.compiler.planner.plan import GIB, Item, gib
 from rlc.compiler.planner.residency import PhaseResidency
 from rlc.compiler.recipe_types import Recipe
@@ -134,8 +136,11 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                 out.append(Item("Megatron params (offloaded for generation)", worst_fig["params_bytes"] * h.params
                                 * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))
             if h.reference:
-                out.append(Item("reference policy params (offloaded)", worst_fig["params_bytes"] * h.reference
-                                * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))
+                ref = worst_fig["params_bytes"]
+                copy = pinned_bytes(ref)
+                out.append(Item("reference policy params (offloaded)", copy * h.reference * per_node / GIB,
+                                "megatron", "params", f"{gib(copy):.3f} GiB per GPU in pinned blocks (powers of two) "
+                                f"for {gib(ref):.3f} GiB of parameters × {per_node} GPUs"))
         return out
 
     phases = {name: items_for(p) for name, p in table.items()}

@@ -93,6 +93,20 @@ def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: 
 
 REFERENCE_LABEL = "reference policy params (bf16)"
 REFERENCE_NOTE = "loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU"
+REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pinned host memory for the reference "
+                          "logprob pass, freed after it")
+LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
+FP32_BYTES = 4
+
+
+def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
+    """The fp32 logits of ``tokens`` tokens over the vocabulary (split over TP), with the copy the logprob (or the
+    loss's log-softmax) takes: the largest activation of the logprob and loss passes (bytes, one GPU)."""
+    return LOGITS_COPIES * tokens * vocab * FP32_BYTES // tp
+
+
+def logits_note(how: str, vocab: int, tp: int) -> str:
+    return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
 
 
 def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
@@ -127,7 +141,8 @@ PARAMS_RESIDENT_NOTE = ("refit.offload_params_for_generation is off: the bundled
                         "while vLLM generates")
 
 
-def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool = False) -> list[Item]:
+def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool = False,
+                    reference_note: str = REFERENCE_NOTE) -> list[Item]:
     """Plan items of Megatron's allocations after the refit (``_megatron_refit_bytes``) and its context items.
 
     ``generating``: the same trainer state while vLLM generates; the bf16 params (if still there) say why.
@@ -137,7 +152,7 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
         if generating and key == "params" and not value:
             continue  # moved to host memory by refit.offload_params_for_generation
         label, source = _REFIT_LABELS[key]
-        note = REFERENCE_NOTE if key == "reference" else (PARAMS_RESIDENT_NOTE if generating and key == "params"
+        note = reference_note if key == "reference" else (PARAMS_RESIDENT_NOTE if generating and key == "params"
                                                           else "")
         items.append(Item(label, gib(value), "megatron", source, note))
     return items + list(ctx)
@@ -471,6 +486,8 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
             plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
                                              f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
         _late_train(plan, recipe, facts, sleep, tl)
+    if figs:
+        _logprob_phase(plan, recipe, facts, figs, table["logprob"], cal, ctx, weights, vllm_nvls, sleep, tl)
 
     # ---- host memory (per node)
     plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu)
@@ -529,13 +546,28 @@ def train_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
     """Tokens of one train micro batch on one GPU, and how: a padded micro batch holds ``micro_batch_size``
     sequences of up to ``max_sequence_length`` tokens; a packed one (``training.sequence_packing``) at most
     ``train_mb_tokens`` tokens padded to the row multiple, of which each context-parallel rank holds 1/CP."""
+    return _microbatch_tokens(recipe, tl, recipe.training.micro_batch_size, recipe.train_mb_tokens)
+
+
+def logprob_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
+    """Tokens of one logprob micro batch on one GPU, and how: ``training.logprob_batch_size`` sequences of up to
+    ``max_sequence_length`` tokens, or, packed, at most ``logprob_mb_tokens`` (as :func:`train_microbatch_tokens`)."""
+    return _microbatch_tokens(recipe, tl, recipe.logprob_batch_size, recipe.logprob_mb_tokens,
+                              "training.logprob_batch_size")
+
+
+def _pad(recipe: Recipe, tl: TrainLayout) -> Any:
     t = recipe.training
-    if not t.sequence_packing.enabled:
-        mbs, seq = t.micro_batch_size, recipe.max_sequence_length
-        return mbs * seq, f"{mbs} × {seq} tokens"
-    pad = pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
-                        fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
-    row = round_up(recipe.train_mb_tokens, pad.row)
+    return pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
+                         fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
+
+
+def _microbatch_tokens(recipe: Recipe, tl: TrainLayout, sequences: int, budget: int,
+                       key: str = "") -> tuple[int, str]:
+    if not recipe.training.sequence_packing.enabled:
+        seq = recipe.max_sequence_length
+        return sequences * seq, f"{sequences}{f' ({key})' if key else ''} × {seq} tokens"
+    row = round_up(budget, _pad(recipe, tl).row)
     per_rank = row // tl.cp
     return per_rank, (f"{row} packed tokens / CP{tl.cp}" if tl.cp > 1 else f"{row} packed tokens")
 
@@ -546,22 +578,20 @@ def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: Slee
     with the logprob pass's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
     growth = sleep.residue_growth
     train = plan.phases["train"]
-    if growth is None or (growth.moe_only and not facts.is_moe) or facts.vocab is None or train.used_gib is None:
-        return
-    if not recipe.colocated:
+    if growth is None or not _growth_applies(recipe, facts, sleep) or facts.vocab is None or train.used_gib is None:
         return
     tokens, how = train_microbatch_tokens(recipe, tl)
     # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
-    logits = 2 * tokens * facts.vocab * 4 // tl.tp
+    logits = logits_bytes(tokens, facts.vocab, tl.tp)
     items = train.items + (
-        Item("vLLM residue growth over steps", growth.growth_gib, "vllm", "records:vllm_sleep.residue_growth",
-             f"after-sleep residue {growth.series()} ({growth.source.split(' (')[0]})"),
+        _growth_item(growth),
         Item("fp32 logits + log-softmax of the loss", gib(logits), "megatron", "params",
-             f"2 × {how} × {facts.vocab} vocab / TP{tl.tp} × 4 B"),
+             logits_note(how, facts.vocab, tl.tp)),
     )
     late = Phase("train_late", "train step once the vLLM residue has grown (step 2 on)", items, train.limit_gib,
                  stage=train.stage, note="other activations not modelled")
     plan.phases["train_late"] = late
+    plan.residue_growth_recorded = growth.recorded_for(plan.vllm_version or growth.versions[0])
     used = late.used_gib
     if used is None:
         return
@@ -570,6 +600,101 @@ def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: Slee
         f"train step from step 2: {train.used_gib:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth "
         f"({growth.series()}) + {gib(logits):.2f} GiB fp32 logits and log-softmax = {used:.2f} GiB "
         f"of {late.limit_gib:.2f} GiB")
+
+
+def _growth_item(growth: Any) -> Item:
+    return Item("vLLM residue growth over steps", growth.growth_gib, "vllm", "records:vllm_sleep.residue_growth",
+                f"after-sleep residue {growth.series()} ({growth.source.split(' (')[0]})")
+
+
+def _growth_applies(recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics) -> bool:
+    growth = sleep.residue_growth
+    return growth is not None and recipe.colocated and not (growth.moe_only and not facts.is_moe)
+
+
+def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Sequence[dict[str, Any]],
+                   where: PhaseResidency, cal: Calibration, ctx: Sequence[Item], weights: Optional[VllmWeights],
+                   vllm_nvls: Sequence[Item], sleep: SleepSemantics, tl: TrainLayout) -> None:
+    """The logprob passes (vLLM asleep): the trainer as the refit left it with its bf16 parameters back, the
+    reference policy's parameters (swapped in from host memory with ``training.offload_reference_policy``), and
+    the fp32 logits of ``training.logprob_batch_size`` sequences on the last pipeline stage. The reference pass
+    is the worse of the two passes (the policy's has no reference on the GPU), so this is its peak. Where this
+    vLLM version's after-sleep residue grows, ``logprob_late`` is the same pass from step 2 on (as ``train_late``
+    is for the train step)."""
+    if facts.vocab is None:
+        return
+    tokens, how = logprob_microbatch_tokens(recipe, tl)
+    logits = logits_bytes(tokens, facts.vocab, tl.tp)
+    last = max(f["stage"] for f in figs)
+
+    def stage_bytes(f: dict[str, Any]) -> tuple[dict[str, int], int]:
+        held = _megatron_refit_bytes(f, where.megatron, cal)
+        return held, sum(held.values()) + (logits if f["stage"] == last else 0)
+
+    worst = max(figs, key=lambda f: stage_bytes(f)[1])
+    held, _ = stage_bytes(worst)
+    note = REFERENCE_SWAPPED_NOTE if recipe.training.offload_reference_policy else REFERENCE_NOTE
+    items = _megatron_items(held, ctx, reference_note=note) + _vllm_residue(recipe, weights, where.vllm, cal,
+                                                                             vllm_nvls)
+    if worst["stage"] == last:
+        items.append(Item("fp32 logits of the logprob pass", gib(logits), "megatron", "params",
+                          logits_note(how, facts.vocab, tl.tp)))
+    title = "reference logprob pass (vLLM asleep)" if "reference" in held else "logprob pass (vLLM asleep)"
+    limit = float(plan.gpu_memory_gib)
+    phase = Phase("logprob", title, tuple(items), limit, stage=worst["stage"], note="other activations not modelled")
+    plan.phases["logprob"] = phase
+    used = phase.used_gib
+    if used is None:
+        return
+    of_which = f"of which {gib(logits):.2f} GiB fp32 logits of {how}"
+    plan.checks["logprob_fit"] = Check("logprob_fit", used <= limit, limit, used,
+                                       f"{title}: {used:.2f} GiB of {limit:.2f} GiB, {of_which}")
+    growth = sleep.residue_growth
+    if growth is None or not _growth_applies(recipe, facts, sleep):
+        if used > limit and worst["stage"] == last:
+            plan.logprob_fix = _logprob_fix(used, limit, logits, recipe, tl)
+        return
+    late = Phase("logprob_late", f"{title} once the vLLM residue has grown (step 2 on)",
+                 phase.items + (_growth_item(growth),), limit, stage=worst["stage"],
+                 note="other activations not modelled")
+    plan.phases["logprob_late"] = late
+    plan.residue_growth_recorded = growth.recorded_for(plan.vllm_version or growth.versions[0])
+    late_used = late.used_gib or 0.0
+    plan.checks["logprob_late_fit"] = Check(
+        "logprob_late_fit", late_used <= limit, limit, late_used,
+        f"{title} from step 2: {used:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth ({growth.series()}) "
+        f"= {late_used:.2f} GiB of {limit:.2f} GiB, {of_which}")
+    if late_used > limit and worst["stage"] == last:  # a batch that fits from step 2 on fits at step 1 too
+        plan.logprob_fix = _logprob_fix(late_used, limit, logits, recipe, tl)
+
+
+def _logprob_fix(used: float, limit: float, logits: int, recipe: Recipe, tl: TrainLayout) -> Fix:
+    """The largest logprob micro batch whose logits fit beside the rest of the logprob phase (``used`` GiB with
+    ``logits`` bytes of them): ``training.logprob_batch_size`` sequences, or with sequence packing
+    ``training.sequence_packing.logprob_mb_tokens`` tokens (at least the longest sequence); where not even one
+    sequence's logits fit, a wider trainer TP (it splits the vocabulary)."""
+    room = limit - (used - logits / GIB)
+    seq = recipe.max_sequence_length
+    per_token = logits / GIB / logprob_microbatch_tokens(recipe, tl)[0]  # per token on this GPU
+    if recipe.training.sequence_packing.enabled:
+        pad = _pad(recipe, tl)
+        one_sequence = per_token * round_up(seq, pad.sequence) / tl.cp  # a row of B tokens puts B / CP here
+        budget = int(room // per_token) * tl.cp // pad.row * pad.row
+        if budget >= round_up(seq, pad.sequence):
+            key = "training.sequence_packing.logprob_mb_tokens"
+            return Fix(key, budget, f"{key}: {budget} ({per_token * GIB:.0f} bytes of logits per token, "
+                       f"{room:.2f} GiB left for them)", logits / GIB - budget / tl.cp * per_token, True, 0)
+    else:
+        one_sequence = per_token * seq
+        fits = int(room // one_sequence)
+        if fits >= 1:
+            return Fix("training.logprob_batch_size", fits,
+                       f"training.logprob_batch_size: {fits} ({one_sequence:.2f} GiB of logits per sequence, "
+                       f"{room:.2f} GiB left for them)", logits / GIB - fits * one_sequence, True, 0)
+    return Fix("parallelism.train.tp", tl.tp * 2,
+               f"one sequence's fp32 logits ({one_sequence:.2f} GiB) do not fit beside the rest of the phase "
+               f"({room:.2f} GiB left): raise parallelism.train.tp (it splits the vocabulary) or pipeline / expert "
+               "parallelism", None, False, 2)
 
 
 def _missing(facts: ModelFacts) -> str:
@@ -614,7 +739,7 @@ def _window_text(window: Optional[tuple[float, float]]) -> str:
 def _newly_failing(base: MemoryPlan, alt: MemoryPlan) -> str:
     """What the re-planned ``alt`` overfills that ``base`` did not (the train step, generation), or ''."""
     for name, what in (("train_fit", "the train step"), ("generate_fit", "vLLM's pool"),
-                       ("generate_total", "generation")):
+                       ("generate_total", "generation"), ("logprob_fit", "the logprob pass")):
         before, after = base.checks.get(name), alt.checks.get(name)
         if after is not None and after.ok is False and (before is None or before.ok is not False):
             return f"{what} then needs {after.need_gib:.2f} of {after.have_gib:.2f} GiB"

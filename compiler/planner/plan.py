@@ -31,7 +31,7 @@ class Item:
 class Phase:
     """Memory of the worst GPU in one phase: stacked items against the GPU limit."""
 
-    name: str  # train | generate | refit | stack
+    name: str  # train | train_late | logprob | logprob_late | generate | refit | stack
     title: str
     items: tuple[Item, ...]
     limit_gib: float
@@ -135,6 +135,10 @@ class MemoryPlan:
     host: Any = None  # host.HostPlan: host memory per node at its worst phase
     late_fix: Optional[Fix] = None  # what makes the train step fit once the vLLM residue has grown
     generate_fix: Optional[Fix] = None  # refit.offload_params_for_generation, where generation overfills without it
+    logprob_fix: Optional[Fix] = None  # a logprob batch (or trainer TP) that fits, where the logprob pass overfills
+    # where the vLLM residue grows over steps (train_late, logprob_late): whether the growth was recorded on the
+    # planned vLLM version's series (else the sleep table carries it there as a projection); None: no growth
+    residue_growth_recorded: Optional[bool] = None
     # with optimizer_cpu_offload on: the train step (GiB) with the whole optimizer state on the GPU instead,
     # so a rule can tell a layout that needs the CPU optimizer from one that merely uses it
     train_gib_without_cpu_offload: Optional[float] = None
@@ -197,6 +201,7 @@ class MemoryPlan:
             "checks": {k: {**asdict(c), "margin_gib": c.margin_gib} for k, c in self.checks.items()},
             "fixes": [asdict(f) for f in self.fixes],
             "generate_fix": None if self.generate_fix is None else asdict(self.generate_fix),
+            "logprob_fix": None if self.logprob_fix is None else asdict(self.logprob_fix),
             "stages": self.stages,
             "vllm_weights_gib": self.vllm_weights_gib,
             "vllm_drafter_gib": self.vllm_drafter_gib,

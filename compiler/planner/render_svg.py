@@ -28,8 +28,9 @@ _COLORS = {
     "vLLM CUDA graphs": "#1e6e1e", "vLLM pool (weights + KV cache + activations)": "#5cbf5c",
     "IPC buffer (2 halves)": "#d62728", "gathered pieces of the largest tensor": "#ff7f0e",
     "export staging overhead": "#f5b041", "allocator fragmentation": "#8c564b",
+    "reference policy params": "#9467bd", "fp32 logits of the logprob pass": "#e377c2",
 }
-_PHASE_ORDER = ("train", "train_late", "generate", "refit", "stack")
+_PHASE_ORDER = ("train", "train_late", "logprob", "logprob_late", "generate", "refit", "stack")
 
 
 def _key(label: str) -> str:

@@ -6,7 +6,7 @@ from typing import Optional
 from rlc.compiler.planner.plan import GIB, MemoryPlan, Phase
 from rlc.contract.refit_buffer import half_holds
 
-_PHASE_ORDER = ("train", "train_late", "generate", "refit", "stack")
+_PHASE_ORDER = ("train", "train_late", "logprob", "logprob_late", "generate", "refit", "stack")
 
 
 def _num(x: Optional[float], width: int = 7) -> str:
@@ -110,6 +110,10 @@ def render_text(plan: MemoryPlan) -> str:
         lines.append("")
         lines.append("generation fix (re-planned)")
         lines.append(f"  {plan.generate_fix.text}")
+    if plan.logprob_fix is not None:
+        lines.append("")
+        lines.append("logprob pass fix")
+        lines.append(f"  {plan.logprob_fix.text}")
     if plan.fixes:
         lines.append("")
         lines.append("cheapest fixes (each evaluated by re-planning)")

@@ -15,12 +15,15 @@ refit      params; fp32 master unless it moved with     weight shard if the leve
            only without ``offload_optimizer_for_refit``
 generate   as the refit left it, less the bf16 params   awake (its pool is counted apart)
            with ``refit.offload_params_for_generation``
+logprob    as the refit left it, bf16 params back; the      as in the train phase (asleep)
+           reference policy's params (loss.kl_penalty)
 =========  ===========================================  ==========================================
 
 With ``loss.kl_penalty > 0`` the runtime builds a frozen reference policy with the same parallel layout
-as the trainer and keeps its bf16 parameters on the GPU in every phase (nothing offloads it), so both
-phases carry a second copy of the stage's parameters; with ``training.offload_reference_policy`` (as
-verl, slime and SkyRL run) that copy is in host memory instead.
+as the trainer and keeps its bf16 parameters on the GPU in every phase, so every phase carries a second
+copy of the stage's parameters; with ``training.offload_reference_policy`` (as NeMo-RL, verl, slime and
+SkyRL run) that copy is in host memory instead, and on the GPU only for the reference's logprob pass,
+next to the trainer as the refit left it (the ``logprob`` phase).
 
 The trainer stays as the refit left it until its next logprob pass: the bundled runtime onloads the
 optimizer state only in the train step. ``refit.offload_params_for_generation`` moves the bf16
@@ -136,7 +139,14 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         VllmResident(True, "generating: vLLM is awake (its weights are in its pool)"),
         dataclasses.replace(host, params=params_off),
     )
-    return {"train": train, "refit": refit_phase, "generate": generate}
+    # the logprob passes come after the refit and generation: the trainer as the refit left it, its bf16
+    # parameters back on the GPU, and the reference policy on the GPU for its pass (swapped in from host
+    # memory with training.offload_reference_policy, whose pinned copy stays there)
+    logprob = PhaseResidency(
+        "logprob", dataclasses.replace(mega, params=1.0, reference=1.0 if with_reference else 0.0),
+        train.vllm, host,
+    )
+    return {"train": train, "refit": refit_phase, "generate": generate, "logprob": logprob}
 
 
 __all__ = ["HostResident", "MegatronResident", "PhaseResidency", "VllmResident", "residency"]

@@ -45,6 +45,13 @@ class ResidueGrowth:
     used_gib_by_step: tuple[tuple[int, float], ...]  # (step, device GiB in use after sleep), sorted
     moe_only: bool  # reported for MoE models only
     source: str
+    versions: tuple[str, ...] = ()  # the vLLM versions the records were taken on
+
+    def recorded_for(self, version: str) -> bool:
+        """Whether the records were taken on ``version``'s release series (same major.minor); the entry
+        carries the growth to later versions too, where it is a projection."""
+        series = {version_key(v)[:2] for v in self.versions}
+        return version_key(version)[:2] in series
 
     @property
     def first_gib(self) -> float:
@@ -91,7 +98,7 @@ def after_sleep_series(records: Iterable[CalibrationRecord]) -> tuple[tuple[int,
     return tuple(sorted((r.step, r.used_gib) for r in records if r.phase == "after_sleep"))
 
 
-def _records(path: Path) -> tuple[tuple[int, float], ...]:
+def _records(path: Path) -> list[CalibrationRecord]:
     """A shipped series: runtime calibration records (``calibration.jsonl`` format), read with the
     contract's own parser."""
     records = []
@@ -101,17 +108,18 @@ def _records(path: Path) -> tuple[tuple[int, float], ...]:
                 records.append(CalibrationRecord.from_json(line))
             except CalibrationRecordError as exc:
                 raise SleepTableError(f"{path.name}:{n}: {exc}") from None
-    steps = after_sleep_series(records)
-    if not steps:
+    if not after_sleep_series(records):
         raise SleepTableError(f"{path.name}: no after_sleep records")
-    return steps
+    return records
 
 
 def _growth(raw: Optional[Mapping[str, Any]]) -> Optional[ResidueGrowth]:
     if not raw:
         return None
-    return ResidueGrowth(used_gib_by_step=_records(SLEEP_FILE.with_name(str(raw["records"]))),
-                         moe_only=bool(raw.get("moe_only", False)), source=" ".join(str(raw["source"]).split()))
+    records = _records(SLEEP_FILE.with_name(str(raw["records"])))
+    versions = tuple(sorted({str(r.versions["vllm"]) for r in records if r.versions.get("vllm")}))
+    return ResidueGrowth(used_gib_by_step=after_sleep_series(records), moe_only=bool(raw.get("moe_only", False)),
+                         source=" ".join(str(raw["source"]).split()), versions=versions)
 
 
 @lru_cache(maxsize=1)

@@ -229,11 +229,19 @@ def calibration_fallback(ctx: Context) -> None:
            "killed the job; level 2 peaked at ~520 GB. NeMo-RL PR #2523: Nemotron-Super ran out of CPU memory on a "
            "cluster with ~50 GB less host memory per node until sleep level 2.",
       fixes="refit.sleep_level: 2 (frees the weight copy); set cluster.host_memory_gib to the nodes' real memory; "
-            "or fewer GPUs per node / larger vLLM sharding.")
+            "or fewer GPUs per node / larger vLLM sharding. (Info: with training.offload_copies_gradients the plan "
+            "counts gradient copies the bundled runtime does not make, and says how much.)")
 def host_memory(ctx: Context) -> None:
     host = ctx.plan.host
     if host is None:
         return
+    grads = host.item_gib("Megatron grads (offloaded)")
+    if ctx.recipe.training.offload_copies_gradients and grads:
+        ctx.info(f"the plan counts {grads:.1f} GiB per node of gradient copies in host memory (the framework this "
+                 "recipe describes backs the gradient buffers up); the bundled runtime frees them instead (they "
+                 f"hold nothing between the optimizer step and the next zero_grad), so it uses {grads:.1f} GiB "
+                 "less host memory than planned", "training.offload_copies_gradients",
+                 hint="set training.offload_copies_gradients: false to plan the bundled runtime's host memory")
     if host.limit_gib is None:
         ctx.info(f"host memory per node not checked: {host.node_source}", "cluster.host_memory_gib")
         return
@@ -251,23 +259,58 @@ def host_memory(ctx: Context) -> None:
               f"({host.node_source})", path, hint=hint)
 
 
-@rule("RLC220", "vLLM's after-sleep residue grows over steps in this vLLM version (MoE)", severities=("warning",),
-      needs=("plan", "facts"),
+@rule("RLC220", "vLLM's after-sleep residue grows over steps in this vLLM version (MoE)",
+      severities=("error", "warning"), needs=("plan", "facts"),
       rationale="With vLLM 0.20 the memory a sleeping MoE engine keeps grew from step to step (4.1 → 11.6 → 25 GiB), "
                 "so a train step that fits at step 1 runs out of memory from step 2, in the logprob / loss pass "
                 "whose fp32 logits over the whole vocabulary are the largest activation at tensor parallelism 1. "
-                "The planner adds the reported growth (runtime calibration records, per step) and those logits to the "
-                "train step. A larger trainer TP splits the logits and the dense weights.",
+                "The planner adds the reported growth (runtime calibration records, per step) to the train step "
+                "with the loss's logits (train_late) and to the logprob pass (logprob_late). A larger trainer TP "
+                "splits the logits and the dense weights. A run that fits at step 1 and runs out of memory at step "
+                "2 still fails, so this is an error where the growth was recorded on the planned vLLM version's "
+                "release series; the sleep table carries it to later versions as a projection, and there it is a "
+                "warning (SkyRL's published Qwen3-30B-A3B run on vLLM 0.26.0 ran steps the projection puts 0.1 GiB "
+                "over the GPU).",
       seed="NeMo-RL #2619: Qwen3.5-35B-A3B on 2 × 8 GPUs, trainer TP1 / EP16, OOM in the logprob path after the "
            "vLLM 0.17.1 → 0.20.0 bump; fixed by TP2 with expert_tensor_parallel_size 1 and sequence_parallel.",
       fixes="Raise parallelism.train.tp (with sequence_parallel: true and etp: 1), or keep the vLLM version whose "
             "residue does not grow; record calibration from your own runs to replace the reported growth.")
 def residue_growth(ctx: Context) -> None:
-    check = ctx.plan.checks.get("train_late_fit")
-    if check is None or check.ok:
+    plan = ctx.plan
+    recorded = plan.residue_growth_recorded
+    where = "" if recorded else f"; the growth was recorded on another vLLM release and is projected onto {plan.vllm_version}"
+    for key, fix in (("train_late_fit", plan.late_fix), ("logprob_late_fit", plan.logprob_fix)):
+        check = plan.checks.get(key)
+        if check is None or check.ok is not False:
+            continue
+        if key == "logprob_late_fit" and plan.checks.get("logprob_fit") is not None \
+                and plan.checks["logprob_fit"].ok is False:
+            continue  # RLC222 already reports the pass at step 1
+        hint = fix.text if fix is not None else \
+            "raise parallelism.train.tp with sequence_parallel: true, or PP / EP to shrink the per-GPU state"
+        message = (f"{check.text}: it fits at step 1 but not once the residue has grown (vLLM "
+                   f"{plan.vllm_version}){where}")
+        path = "parallelism.train.tp" if key == "train_late_fit" or fix is None else fix.key
+        (ctx.error if recorded else ctx.warning)(message, path, hint=hint)
+
+
+@rule("RLC222", "the logprob pass must fit (trainer, reference policy, fp32 logits, vLLM asleep)",
+      severities=("error",), needs=("plan",),
+      rationale="Before each update the trainer computes the policy's logprobs and, with a KL penalty, the "
+                "reference policy's, forward only, in micro-batches of training.logprob_batch_size sequences. The "
+                "GPU then holds the trainer as the refit left it, the reference policy's parameters (on the GPU for "
+                "its pass also with training.offload_reference_policy, which brings them from host memory) and the "
+                "pass's fp32 logits over the whole vocabulary: 2 × batch × sequence × vocabulary / TP × 4 bytes on "
+                "the last pipeline stage, the largest activation of the pass. The logprob batch is the knob "
+                "production runs turn when this pass runs out of memory (NeMo-RL's policy.logprob_batch_size).",
+      seed="First principles (rlc/compiler/planner/memory.py: the logprob phase); NeMo-RL's logprob_batch_size.",
+      fixes="Lower training.logprob_batch_size to the value the plan names; if one sequence's logits do not fit, "
+            "raise parallelism.train.tp (it splits the vocabulary).")
+def logprob_fits(ctx: Context) -> None:
+    check = ctx.plan.checks.get("logprob_fit")
+    if check is None or check.ok is not False:
         return
-    fix = ctx.plan.late_fix
-    hint = fix.text if fix is not None else \
-        "raise parallelism.train.tp with sequence_parallel: true, or PP / EP to shrink the per-GPU state"
-    ctx.warning(f"{check.text}: it fits at step 1 but not once the residue has grown (vLLM "
-                f"{ctx.plan.vllm_version})", "parallelism.train.tp", hint=hint)
+    fix = ctx.plan.logprob_fix
+    path = fix.key if fix is not None else "training.logprob_batch_size"
+    ctx.error(check.text + " (other activations not yet counted)", path,
+              hint=fix.text if fix is not None else "lower training.logprob_batch_size or raise parallelism.train.tp")

@@ -6,8 +6,9 @@ and Megatron-Bridge. The parallel layout is exactly ``train_parallel`` of ``runt
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -101,6 +102,9 @@ class PolicyModel:
     optimizer: Any
     ddp_config: Any
     ref_model: list | None = None
+    #: ``training.offload_reference_policy``: the reference policy's weights in host memory, on the GPU only
+    #: for its logprob pass (:class:`rlc.runtime.policy.host_weights.HostWeights`)
+    ref_host: Any = None
 
 
 def build_policy(cfg: Any) -> PolicyModel:
@@ -118,6 +122,14 @@ def build_policy(cfg: Any) -> PolicyModel:
         cfg.model.checkpoint, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=dtype
     )
     provider = make_provider(bridge, cfg)
+    ref_model, ref_host = None, None
+    if cfg.loss.kl_penalty > 0 and t.offload_reference_policy:
+        # Built before the trainer and moved to host memory at once, so that setup never holds both on the
+        # GPU; the random-number state is put back as it was, so the trainer is initialised as it is with
+        # the reference on the GPU (built after it).
+        with _rng_state_kept():
+            ref_model = build_reference(provider, cfg)
+        ref_host = offload_reference(ref_model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=t.grad_reduce_in_fp32,
         overlap_grad_reduce=t.overlap_grad_reduce,
@@ -158,18 +170,48 @@ def build_policy(cfg: Any) -> PolicyModel:
     if t.overlap_grad_reduce:
         sync = [m.no_sync for m in model]
         mcfg.no_sync_func = sync[0] if len(sync) == 1 else sync
-    ref_model = None
-    if cfg.loss.kl_penalty > 0:
-        # The reference policy: the same checkpoint, frozen, no DDP, no optimizer.
-        ref_model = provider.provide_distributed_model(
-            wrap_with_ddp=False, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16
-        )
-        for m in ref_model:
-            m.eval()
-            for p in m.parameters():
-                p.requires_grad_(False)
+    if cfg.loss.kl_penalty > 0 and ref_model is None:
+        ref_model = build_reference(provider, cfg)
     return PolicyModel(bridge=bridge, provider=provider, model=model, optimizer=optimizer,
-                       ddp_config=ddp_config, ref_model=ref_model)
+                       ddp_config=ddp_config, ref_model=ref_model, ref_host=ref_host)
+
+
+def build_reference(provider: Any, cfg: Any) -> list:
+    """The reference policy: the same checkpoint and parallel layout as the trainer, frozen, no DDP, no optimizer."""
+    dtype = torch_dtype(cfg.model.dtype)
+    ref_model = provider.provide_distributed_model(
+        wrap_with_ddp=False, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16
+    )
+    for m in ref_model:
+        m.eval()
+        for p in m.parameters():
+            p.requires_grad_(False)
+    return ref_model
+
+
+def offload_reference(ref_model: list) -> Any:
+    """The reference policy's parameters to pinned host memory (freed on the GPU); its buffers stay."""
+    from rlc.runtime.policy.host_weights import HostWeights  # noqa: PLC0415
+
+    ref_host = HostWeights(p for m in ref_model for p in m.parameters())
+    torch.cuda.empty_cache()
+    return ref_host
+
+
+@contextmanager
+def _rng_state_kept() -> Iterator[None]:
+    """Torch's CPU and CUDA random-number states and megatron-core's model-parallel CUDA states, put back on exit."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: PLC0415
+
+    tracker = get_cuda_rng_tracker()
+    states = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tracker.get_states().items()}
+    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        torch.cuda.set_rng_state(cuda)
+        tracker.set_states(states)
 
 
 def lr_at(step: int, cfg: Any, total_steps: int) -> float:

@@ -6,7 +6,8 @@ Lifecycle (driven by ``rlc.runtime.driver``)::
     addr = w.master_address()                                        # rank 0 only
     w.setup(addr)               # NCCL, process groups, AutoBridge model, DDP, optimizer
     w.refit_prepare(session)    # with the vLLM worker on this GPU calling refit_prepare too
-    loop: w.compute_logprobs(batch) -> w.train_step(batch, step) -> w.refit_offload() -> w.refit_send()
+    loop: w.compute_logprobs(batch) [-> w.compute_ref_logprobs(batch)] -> w.train_step(batch, step)
+          -> w.refit_offload() -> w.refit_send()
           [-> w.offload_params() while vLLM generates -> w.onload_params()]  refit.offload_params_for_generation
 
 Every method returns plain data (lists, dicts, CPU tensors) so the driver never needs megatron.
@@ -76,6 +77,7 @@ class MegatronPolicyWorker:
         self.opt_steps = 0
         self.total_opt_steps = 1
         self.pack_calls = 0  # packed passes planned so far (seeds the packing alike on every rank)
+        self.last_reference_swap: dict = {}  # training.offload_reference_policy: the last pass's swap
 
     @property
     def pm(self) -> PolicyModel:
@@ -244,7 +246,7 @@ class MegatronPolicyWorker:
                 return mb["rows"][:n], packed_token_logprobs(output_tensor, mb, temperature, cp_group)[:n].float().cpu()
         else:
             shard = B.dp_shard(batch, self.coords["dp_rank"], self.coords["dp_size"])
-            mbs = B.microbatches(shard, self.cfg.training.micro_batch_size)
+            mbs = B.microbatches(shard, self.cfg.training.logprob_batch_size)
 
             def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
                 return token_logprobs(output_tensor, tokens, temperature)[: mb["num_real"]].float().cpu()
@@ -270,9 +272,33 @@ class MegatronPolicyWorker:
         return self._logprobs(self.pm.model, batch)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
+        """Logprobs of the frozen reference policy (the KL penalty's); with ``training.offload_reference_policy``
+        its weights come from host memory for this pass and leave the GPU after it."""
         if self.pm.ref_model is None:
             raise RuntimeError("compute_ref_logprobs: loss.kl_penalty is 0, there is no reference model")
-        return self._logprobs(self.pm.ref_model, batch)
+        with self._reference_on_gpu():
+            return self._logprobs(self.pm.ref_model, batch)
+
+    @contextmanager
+    def _reference_on_gpu(self) -> Iterator[None]:
+        """The reference policy's weights on the GPU for the block (a no-op when they stay there); the
+        trainer's parameters, gradients and optimizer state are not touched."""
+        host = self.pm.ref_host
+        if host is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        moved = host.swap_in()
+        swapped_in = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            freed = host.swap_out()
+            torch.cuda.empty_cache()  # the freed blocks go back to the device for vLLM's next wake-up
+            self.last_reference_swap = {"bytes_in": moved, "bytes_out": freed, "swap_in_s": swapped_in - t0,
+                                        "pass_s": t1 - swapped_in, "swap_out_s": time.perf_counter() - t1,
+                                        "host_bytes": host.host_bytes}
 
     # ------------------------------------------------------------------ parameters while vLLM generates
 

@@ -215,3 +215,25 @@ def test_grad_reduce_in_fp32_reaches_the_runtime_config(recipe, overrides, expec
     target = tmp_path / "runtime.yaml"
     target.write_text(runtime_yaml(resolve.to_runtime_config(result)))
     assert load_runtime_config(target).training.grad_reduce_in_fp32 is expected
+
+
+@pytest.mark.parametrize("overrides,logprob_batch,offload", [
+    ([], 2048, False),  # unset: the micro batch (the tiny recipe's 2048)
+    (["training.logprob_batch_size=64"], 64, False),
+    (["loss.kl_penalty=0.01", "training.offload_reference_policy=true"], 2048, True),
+])
+def test_logprob_batch_and_reference_offload_reach_the_runtime_config(overrides, logprob_batch, offload, tmp_path):
+    """schema -> typed recipe -> runtime.yaml -> the runtime's config: the two keys the policy worker reads."""
+    result = api.check(ROOT / "rlc/recipes/tiny-qwen3-1gpu.yaml", overrides)
+    assert result.ok, [d.message for d in result.errors]
+    assert result.recipe.logprob_batch_size == logprob_batch
+    data = resolve.to_runtime_config(result)
+    target = tmp_path / "runtime.yaml"
+    target.write_text(runtime_yaml(data))
+    training = load_runtime_config(target).training
+    assert (training.logprob_batch_size, training.offload_reference_policy) == (logprob_batch, offload)
+    for key in ("logprob_batch_size", "offload_reference_policy"):  # a stale runtime.yaml without it is refused
+        stale = copy.deepcopy(data)
+        del stale["training"][key]
+        with pytest.raises(RuntimeConfigError, match=f"training.{key}"):
+            runtime_config_from_dict(stale)

@@ -100,10 +100,23 @@ def test_the_cpu_optimizer_keeps_fp32_gradient_copies_in_host_memory(tmp_path):
     assert none.host.item_gib("CPU optimizer's fp32 gradients") == 0
 
 
-def test_a_full_backup_is_a_setting_the_bundled_runtime_cannot_run(tmp_path):
-    result_sets = ("training.offload_copies_gradients=true",)
+def test_a_full_backup_compiles_and_says_the_bundled_runtime_frees_the_grads(tmp_path):
+    """The bundled runtime frees the grad buffers (they are dead between the optimizer step and the next
+    zero_grad), so it runs a recipe that plans slime's or vime's backup; validate says by how much less host memory."""
+    from rlc.compiler.bundle import build_bundle
+    from rlc.compiler.runtime_support import runtime_gaps
+
     recipe = copy.deepcopy(DSV3)
     path = tmp_path / "backup.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    result = api.check(str(path), list(result_sets))
-    assert [d.path for d in result.diagnostics if d.rule == "RLC311"][-1:] == ["training.offload_copies_gradients"]
+    fits = "refit.buffer_memory_ratio=0.4"  # the layout's refit buffer at 0.3 is too small (RLC210)
+    result = api.check(str(path), [fits, "training.offload_copies_gradients=true"])
+    assert result.ok and not runtime_gaps(result.recipe)
+    assert "RLC311" not in {d.rule for d in result.diagnostics}
+    grads = result.plan.host.item_gib("Megatron grads (offloaded)")
+    [info] = [d for d in result.diagnostics if d.rule == "RLC219" and d.severity == "info"]
+    assert info.path == "training.offload_copies_gradients" and f"{grads:.1f} GiB" in info.message and grads > 1
+    build_bundle(result, tmp_path / "bundle")
+    assert (tmp_path / "bundle" / "runtime.yaml").exists()
+    plain = api.check(str(path), [fits])
+    assert not [d for d in plain.diagnostics if d.rule == "RLC219" and d.severity == "info"]

@@ -184,7 +184,8 @@ def test_checkpoint_variants_resolve_to_their_base_entry(tmp_path):
 def test_reported_residue_growth_catches_the_tp1_layout_and_names_the_fix(tmp_path):
     result = check(tmp_path, QWEN35_2619)
     hits = [d for d in result.diagnostics if d.rule == "RLC220"]
-    assert hits and hits[0].severity == "warning" and hits[0].path == "parallelism.train.tp"
+    # the growth was recorded on vLLM 0.20 (the recipe's): a step-2 OOM is an error like any other
+    assert hits and hits[0].severity == "error" and hits[0].path == "parallelism.train.tp"
     assert "4.11 → 11.57 → 25" in hits[0].message and "logits" in hits[0].message
     assert hits[0].hint.startswith("parallelism.train.tp: 2 with sequence_parallel: true")
     assert result.plan.checks["train_fit"].ok  # step 1 fits: only the growth breaks it
@@ -192,6 +193,11 @@ def test_reported_residue_growth_catches_the_tp1_layout_and_names_the_fix(tmp_pa
     assert "RLC220" not in rules(fixed) and fixed.plan.checks["train_late_fit"].ok
     # the growth was reported for vLLM 0.20; the field-report version does not have it
     assert "train_late" not in check(tmp_path, QWEN35_2619, "generation.vllm_version=0.17.1").plan.phases
+    # later versions get it as a projection, not a measurement: a warning that says so
+    later = check(tmp_path, QWEN35_2619, "generation.vllm_version=0.26.0")
+    [hit] = [d for d in later.diagnostics if d.rule == "RLC220"]
+    assert hit.severity == "warning" and "projected onto 0.26.0" in hit.message
+    assert later.plan.residue_growth_recorded is False and result.plan.residue_growth_recorded is True
 
 
 # ------------------------------------------------------------------ engine options
