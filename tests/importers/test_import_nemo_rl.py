@@ -368,3 +368,34 @@ def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_
         note = next(v.note for v in imported.mapping.values if v.target == "training.grad_reduce_in_fp32")
         assert "grpo_math_1B.yaml" in note
     assert key not in {u.key for u in from_chain.mapping.unmapped}
+
+
+def test_logprob_batch_and_the_reference_policy_in_host_memory_map_as_nemo_rl_runs_them(tmp_path):
+    """NeMo-RL's policy.logprob_batch_size is training.logprob_batch_size; with a KL penalty NeMo-RL keeps the
+    reference policy as a CPU state dict (no key turns that off), so the recipe offloads it; the imported
+    recipe compiles and its runtime.yaml carries both."""
+    imported = import_nemo_rl(str(PUBLIC_30B))
+    got = mapped(imported)
+    assert got["training.logprob_batch_size"] == 4 and got["loss.kl_penalty"] == 0.01
+    assert got["training.offload_reference_policy"] is True
+    note = next(v for v in imported.mapping.values if v.target == "training.offload_reference_policy")
+    assert note.sources == ("loss_fn.reference_policy_kl_penalty",) and "host memory" in note.note
+    no_kl = import_nemo_rl(str(PUBLIC_30B), ["loss_fn.reference_policy_kl_penalty=0"])
+    assert "training.offload_reference_policy" not in mapped(no_kl)
+    out = tmp_path / "recipe.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_30B), "-o", str(out), "--set", GPU, "--set", IMAGE,
+                       "--set", "data.train=/data/math/train.jsonl")
+    assert code == 0, err
+    code, _, err = rlc("compile", str(out), "-o", str(tmp_path / "bundle"))
+    assert code == 0, err
+    runtime = yaml.safe_load((tmp_path / "bundle" / "runtime.yaml").read_text())
+    assert runtime["training"]["logprob_batch_size"] == 4 and runtime["training"]["offload_reference_policy"] is True
+
+
+def test_logprob_chunking_is_listed_with_what_bounds_the_logits_instead():
+    chunked = import_nemo_rl(str(PUBLIC_30B), ["+policy.logprob_chunk_size=2048"])
+    [u] = [u for u in chunked.unmapped if u.key == "policy.logprob_chunk_size"]
+    assert u.value == 2048 and "training.logprob_batch_size" in u.reason and "parallelism.train.tp" in u.reason
+    off = import_nemo_rl(str(PUBLIC_30B), ["+policy.logprob_chunk_size=null"])
+    assert "policy.logprob_chunk_size" in off.mapping.implied
+    assert "policy.logprob_chunk_size" not in {u.key for u in off.unmapped}

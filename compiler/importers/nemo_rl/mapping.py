@@ -194,6 +194,7 @@ DIRECT: tuple[Rule, ...] = (
     ("policy.precision", "model.dtype", dtype, ""),
     ("policy.train_global_batch_size", "training.global_batch_size", positive_int, ""),
     ("policy.train_micro_batch_size", "training.micro_batch_size", positive_int, ""),
+    ("policy.logprob_batch_size", "training.logprob_batch_size", positive_int, ""),
     ("policy.max_total_sequence_length", "training.max_sequence_length", positive_int, ""),
     ("policy.refit_buffer_size_gb", "refit.buffer_gb", number, "both ping-pong halves together"),
     ("policy.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
@@ -403,6 +404,8 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _data(m)
     _buffer_exclusive(m)
     _params_offload(m, megatron)
+    _reference_policy(m)
+    _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
         m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
     for key, value in m.leaves.items():
@@ -714,6 +717,33 @@ def _params_offload(m: _Mapper, megatron: bool) -> None:
         return
     m.put("refit.offload_params_for_generation", True, (colocated,),
           "NeMo-RL moves the Megatron model to host memory after every refit when generation is colocated")
+
+
+def _reference_policy(m: _Mapper) -> None:
+    """NeMo-RL builds a reference policy whenever ``loss_fn.reference_policy_kl_penalty > 0`` and keeps it in host
+    memory, swapping it into the model for the reference logprob pass: a CPU state dict in both trainers
+    (``setup_reference_model_state`` in nemo_rl/models/megatron/setup.py, "Store reference state dict on CPU";
+    ``use_reference_model`` in the policy workers). No key turns that off, so the recipe states it."""
+    key = "loss_fn.reference_policy_kl_penalty"
+    kl = m.cfg.get(key)
+    if isinstance(kl, bool) or not isinstance(kl, (int, float)) or kl <= 0:
+        return
+    m.put("training.offload_reference_policy", True, (key,),
+          "NeMo-RL keeps the reference policy in host memory and swaps it in for its logprob pass")
+
+
+def _logprob_chunks(m: _Mapper) -> None:
+    key = "policy.logprob_chunk_size"
+    if key not in m.leaves:
+        return
+    m.consume(key, why="null: not set")
+    value = m.leaves[key]
+    if value is None:
+        return
+    m.out.unmapped.append(Unmapped(key, value, "rlc does not chunk the logits along the sequence: the plan counts "
+                                   "the whole sequence's fp32 logits in the logprob and train passes (bound them with "
+                                   "training.logprob_batch_size and training.micro_batch_size, or split them with "
+                                   "parallelism.train.tp)"))
 
 
 def _buffer_exclusive(m: _Mapper) -> None:
