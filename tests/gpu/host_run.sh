@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] ...
+# ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -64,6 +65,9 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     moe_sleep) run_stage moe_sleep 400 python3 "$REPO"/tests/gpu/test_moe_sleep_memory.py --out "$OUT" ;;
     specdec) run_stage specdec 400 python3 "$REPO"/tests/gpu/test_mtp_drafter.py --out "$OUT" ;;
     host_copy) run_stage host_copy 400 python3 "$REPO"/tests/gpu/test_sleep_host_copy.py --out "$OUT" ;;
+    ref_offload)  # training.offload_reference_policy: swapped vs resident reference logprobs, memory vs the plan
+      run_stage ref_offload 420 python3 "$REPO"/tests/gpu/test_ref_offload.py --root /tmp/rlc-ref-offload \
+        --out "$OUT/ref_offload" ${REF_OFFLOAD_SKIP_DRIVER:+--skip-driver} ;;
     moe1) run_stage moe1 590 python3 "$REPO"/tests/gpu/test_moe_one_gpu.py --out "$OUT" --steps "${MOE1_STEPS:-150}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     packing)  # packed vs padded logprobs/loss/gradients (tolerance from the padded pass's bf16 error vs fp32), tokens/s
