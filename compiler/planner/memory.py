@@ -92,7 +92,8 @@ def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: 
 
 
 REFERENCE_LABEL = "reference policy params (bf16)"
-REFERENCE_NOTE = "loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU"
+REFERENCE_NOTE = ("loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU "
+                  "(training.offload_reference_policy moves it to host memory)")
 REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pinned host memory for the reference "
                           "logprob pass, freed after it")
 LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
@@ -716,6 +717,9 @@ def _levers(recipe: Recipe, facts: ModelFacts, gpu: Any) -> list[tuple[str, Any,
         out.append(("refit.sleep_level", 2, 1, "sleep_level: 2"))
     if not refit.offload_optimizer_for_refit:
         out.append(("refit.offload_optimizer_for_refit", True, 1, "offload_optimizer_for_refit: true"))
+    if recipe.loss.kl_penalty > 0 and not training.offload_reference_policy:
+        out.append(("training.offload_reference_policy", True, 1,
+                    "offload_reference_policy: true (the reference policy in host memory, on the GPU for its pass)"))
     if training.optimizer_cpu_offload:
         out.append(("training.optimizer_cpu_offload", False, 1, "optimizer_cpu_offload: false"))
     gl = generation_layout(recipe)

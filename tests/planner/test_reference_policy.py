@@ -96,3 +96,14 @@ def test_offloading_without_a_kl_penalty_changes_nothing():
     assert result.plan.refit.free_at_refit == plain.refit.free_at_refit
     assert result.plan.phases["logprob"].used_gib == pytest.approx(plain.phases["logprob"].used_gib)
     assert "RLC311" not in {d.rule for d in result.diagnostics}
+
+
+def test_where_the_refit_fails_with_the_reference_on_the_gpu_the_offload_is_the_fix():
+    """verl's DeepSeek-V3 run with its reference policy kept on the GPU fails at the staging site (RLC211); the
+    re-planned fixes name training.offload_reference_policy, the setting verl runs with, and it suffices."""
+    recipe = str(ROOT / "tests" / "validation" / "recipes" / "verl-grpo-deepseek-v3-12n8g-h20.yaml")
+    broken = api.check(recipe, ["training.offload_reference_policy=false"])
+    assert not broken.ok and "RLC211" in {d.rule for d in broken.errors}
+    [fix] = [f for f in broken.plan.fixes if f.key == "training.offload_reference_policy"]
+    assert fix.sufficient and fix.value is True and fix.freed_gib > 10
+    assert api.check(recipe).ok  # as verl runs it
