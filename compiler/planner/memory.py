@@ -8,6 +8,9 @@ Phases (worst GPU of each; a GPU hosts one Megatron rank and one vLLM rank):
   optimizer) + its process context; vLLM asleep. Activations are not modelled.
 * ``generate``: vLLM awake at ``gpu_memory_utilization`` (weights + KV cache + activations) plus
   CUDA-graph buffers; Megatron offloaded (context + residual).
+* ``logprob``: the logprob passes (vLLM asleep): Megatron as the refit left it with its bf16 params back,
+  the reference policy's params (with a KL penalty, swapped in with ``training.offload_reference_policy``)
+  and the fp32 logits of ``training.logprob_batch_size`` sequences.
 * ``refit``: Megatron after ``offload_optimizer_for_refit`` + vLLM's sleep residue; the free memory
   there sizes the IPC buffer: per side = free × ratio / 2 (or ``buffer_gb`` / 2), which must hold the
   largest exported tensor.
@@ -576,7 +579,7 @@ def _microbatch_tokens(recipe: Recipe, tl: TrainLayout, sequences: int, budget: 
 def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics,
                 tl: TrainLayout) -> None:
     """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
-    with the logprob pass's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
+    with the loss's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
     growth = sleep.residue_growth
     train = plan.phases["train"]
     if growth is None or not _growth_applies(recipe, facts, sleep) or facts.vocab is None or train.used_gib is None:
