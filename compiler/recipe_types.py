@@ -435,6 +435,14 @@ class SequencePackingSection(_Section):
 
 
 @section
+class RouterReplaySection(_Section):
+    """Rollout Routing Replay: the trainer routes each token to the experts vLLM routed it to."""
+
+    enabled: bool
+    """Replay vLLM's routing in the trainer's logprob, reference and train passes (MoE models)."""
+
+
+@section
 class TrainingSection(_Section):
     """The trainer (Megatron-core through Megatron-Bridge)."""
 
@@ -483,6 +491,8 @@ class TrainingSection(_Section):
     """MoE execution."""
     sequence_packing: SequencePackingSection
     """Sequence packing."""
+    router_replay: RouterReplaySection
+    """Rollout Routing Replay (MoE)."""
     megatron_kwargs: Mapping[str, Any]
     """Megatron options handed on unchanged (free-form)."""
 

@@ -25,6 +25,7 @@ VLLM_OWNED: dict[str, str] = {
     "enable_sleep_mode": "refit.sleep_level (sleep mode is always on when colocated)",
     "worker_extension_cls": "refit (the runtime's refit consumer)",
     "distributed_executor_backend": "parallelism.generation (the runtime picks it)",
+    "enable_return_routed_experts": "training.router_replay.enabled",
 }
 
 #: Megatron provider options the runtime sets -> the recipe key that controls them.
@@ -52,6 +53,7 @@ MEGATRON_OWNED: dict[str, str] = {
     "moe_token_dispatcher_type": "training.moe.token_dispatcher",
     "moe_enable_deepep": "training.moe.deepep",
     "moe_router_dtype": "training.moe.router_dtype",
+    "moe_enable_routing_replay": "training.router_replay.enabled",
     "mtp_loss_scaling_factor": "training.mtp_loss_scale",
     "gradient_accumulation_fusion": "(always off: the fused weight-gradient accumulation needs APEX)",
     "hidden_dropout": "(always 0 in RL: the trainer's logprobs must match the sampler's)",

@@ -189,6 +189,7 @@ class TrainingConfig:
     fp8: Fp8TrainingConfig
     moe: MoeConfig
     sequence_packing: SequencePackingConfig
+    router_replay: RouterReplayConfig  # vLLM's routes of each rollout token replayed in the trainer (MoE)
     megatron_kwargs: dict[str, Any]  # Megatron provider options set unchanged (none that rlc sets itself)
 
 
@@ -213,6 +214,11 @@ class SequencePackingConfig:
     algorithm: str  # a bin-packing algorithm of rlc.runtime.policy.bin_packing
     train_mb_tokens: int  # token budget of a packed micro batch, train pass
     logprob_mb_tokens: int  # token budget of a packed micro batch, logprob passes
+
+
+@dataclass(frozen=True)
+class RouterReplayConfig:
+    enabled: bool  # vLLM returns each token's routed experts; Megatron's RouterReplay replays them
 
 
 @dataclass(frozen=True)

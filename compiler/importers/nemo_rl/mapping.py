@@ -205,6 +205,7 @@ DIRECT: tuple[Rule, ...] = (
     ("policy.generation.stop_strings", "generation.sampling.stop", string_list, ""),
     ("policy.generation.stop_token_ids", "generation.sampling.stop_token_ids", int_list, ""),
     ("policy.sequence_packing.enabled", "training.sequence_packing.enabled", boolean, ""),
+    ("policy.router_replay.enabled", "training.router_replay.enabled", boolean, ""),
     ("loss_fn.ratio_clip_c", "loss.clip_ratio_c", number, "dual-clip constant for negative advantages"),
     ("loss_fn.use_importance_sampling_correction", "loss.importance_sampling_correction", boolean, ""),
     ("loss_fn.truncated_importance_sampling_ratio", "loss.importance_sampling_cap", number, ""),
