@@ -39,10 +39,29 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
                         "the bundled runtime splits sequences over context-parallel ranks only in packed micro "
                         "batches (NeMo-RL's Megatron trainer requires packing with context parallelism too)",
                         hint="set training.sequence_packing.enabled: true (or parallelism.train.cp: 1)"))
+    gaps.extend(_router_replay_gaps(recipe))
     if training.fp8.enabled and training.fp8.param_gather:
         gaps.append(Gap("training.fp8.param_gather",
                         "FP8 parameters would reach the refit exporter as FP8; the bundled runtime exports "
                         "bf16 weights only"))
+    return gaps
+
+
+def _router_replay_gaps(recipe: Recipe) -> list[Gap]:
+    """Layouts where the bundled runtime cannot lay vLLM's routes onto the trainer's tokens yet."""
+    if not recipe.training.router_replay.enabled:
+        return []
+    key, train = "training.router_replay.enabled", recipe.parallelism.train
+    gaps = []
+    if train.cp > 1:
+        gaps.append(Gap(key, "routing replay with parallelism.train.cp > 1: each rank would need the routes of its "
+                             "context-parallel share of every sequence; the bundled runtime replays whole sequences"))
+    if train.vpp > 1:
+        gaps.append(Gap(key, "routing replay with parallelism.train.vpp > 1: the interleaved schedule's recompute "
+                             "order is not verified with the replay in the bundled runtime"))
+    if recipe.training.sequence_packing.enabled:
+        gaps.append(Gap(key, "routing replay with training.sequence_packing.enabled: the bundled runtime lays the "
+                             "routes onto padded micro batches only"))
     return gaps
 
 

@@ -115,7 +115,7 @@ def all_rules() -> list[Rule]:
 
 def _load_rules() -> None:
     from rlc.compiler.rules import (  # noqa: F401
-        engine_rules, env_rules, layout_rules, memory_rules, meta, refit_rules,
+        engine_rules, env_rules, layout_rules, memory_rules, meta, refit_rules, replay_rules,
     )
 
 
