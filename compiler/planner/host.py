@@ -95,11 +95,13 @@ def node_memory(recipe: Recipe, gpu_name: str) -> tuple[Optional[float], str]:
 
 
 def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: Optional[int],
-              vllm_copy: Optional[int], table: Mapping[str, PhaseResidency], gpu: Any) -> HostPlan:
+              vllm_copy: Optional[int], table: Mapping[str, PhaseResidency], gpu: Any,
+              extra: Optional[Mapping[str, Sequence[Item]]] = None) -> HostPlan:
     """The host memory of one node in its worst phase (train, refit or generate).
 
     ``vllm_weights``: vLLM's weight bytes on its worst GPU; ``vllm_copy``: the host bytes of their
-    level-1 copy there (pinned blocks, ``pinned_copy.py``)."""
+    level-1 copy there (pinned blocks, ``pinned_copy.py``); ``extra``: more per-node items by phase name
+    (the rollout batch's routes with routing replay)."""
     per_node = recipe.cluster.gpus_per_node
     ht = host_table()
     node_gib, node_source = node_memory(recipe, gpu.name)
@@ -144,6 +146,9 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
         return out
 
     phases = {name: items_for(p) for name, p in table.items()}
+    for name, items in (extra or {}).items():
+        if name in phases:
+            phases[name] += list(items)
     worst = max(phases, key=lambda n: sum(i.gib or 0.0 for i in phases[n]))
     return HostPlan(node_gib=node_gib, node_source=node_source, limit_gib=limit, phase=worst,
                     items=tuple(phases[worst]))

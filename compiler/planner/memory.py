@@ -40,6 +40,7 @@ from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.nccl import (generation_communicators, nvls_memory, nvls_settings,
                                        trainer_communicators)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
+from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
 from rlc.compiler.planner.residency import MegatronResident, PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
@@ -438,6 +439,9 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
+        replay = replay_memory(recipe, facts, worst["layers"], tl)
+        if replay is not None:
+            items.append(replay_gpu_item(replay, recipe))
         residue = _vllm_residue(recipe, weights, table["train"].vllm, cal, vllm_nvls)
         plan.phases["train"] = Phase("train", "train step (before activations)",
                                      tuple(items + [residual] + ctx + residue),
@@ -494,7 +498,9 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         _logprob_phase(plan, recipe, facts, figs, table["logprob"], cal, ctx, weights, vllm_nvls, sleep, tl)
 
     # ---- host memory (per node)
-    plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu)
+    replay = replay_memory(recipe, facts, max((f["layers"] for f in figs), default=0), tl)
+    plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu,
+                          extra=replay_host_items(replay, recipe, table) if replay is not None else None)
 
     # ---- refit
     if not figs:
