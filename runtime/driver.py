@@ -210,22 +210,32 @@ class GrpoRun:
         g = self.cfg.grpo
         adv = group_advantages([grp.rewards for grp in groups], leave_one_out=g.leave_one_out,
                                normalize=g.normalize_advantages)
-        prompt_ids, resp_ids, gen_lps, advantages = [], [], [], []
+        replay = self.cfg.training.router_replay.enabled
+        prompt_ids, resp_ids, gen_lps, advantages, routes = [], [], [], [], []
         for grp, a in zip(groups, adv.tolist()):
             for gen, ai in zip(grp.generations, a):
                 prompt_ids.append(grp.prompt_ids)
                 resp_ids.append(gen["token_ids"])
                 gen_lps.append(gen["logprobs"])
                 advantages.append(ai)
+                if replay:
+                    routes.append(gen.get("routed_experts"))
         tp = self.cfg.train_parallel
         batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, advantages, pad_id=self.pad_id,
                               pad_to_multiple=16 * tp.tp * tp.cp,
-                              max_length=self.cfg.training.max_sequence_length)
+                              max_length=self.cfg.training.max_sequence_length,
+                              routes=routes if replay else None, num_experts=self.cfg.model.num_experts)
+        if replay:
+            # response tokens whose logits depend on a route vLLM did not record leave the loss (mask 0)
+            unrouted = sum(len(r) for r in resp_ids) - float(batch["mask"].sum())
+            self.step_metrics["router_replay/unrouted_tokens"] = unrouted
         with self.timer("logprobs"):
             old = self.gather_output(self.policy.compute_logprobs(self._put(batch)))
             batch["old_logprobs"] = old
             if self.cfg.loss.kl_penalty > 0:
                 batch["ref_logprobs"] = self.gather_output(self.policy.compute_ref_logprobs(self._put(batch)))
+        if replay:
+            self.check_router_replay(step)
         kl = gen_kl_metrics(batch["gen_logprobs"], old, batch["mask"])
         self.step_metrics.update(kl)
         self.sample_memory("logprobs")
@@ -236,6 +246,20 @@ class GrpoRun:
             raise
         self.step_metrics["throughput/train_tokens"] = float(batch["mask"].sum())
         return batch
+
+    def check_router_replay(self, step: int) -> None:
+        """``training.router_replay``: in the logprob passes every decoder router must have routed every token to
+        the experts vLLM recorded for it; a difference means the replay was bypassed, and the run stops."""
+        check = self.policy.router_replay_check()
+        m = self.step_metrics
+        m["router_replay/routes_checked"] = check.routes_checked
+        m["router_replay/routes_mismatched"] = check.routes_mismatched
+        m["router_replay/layers_unarmed"] = check.layers_unarmed
+        if check.routes_mismatched or check.layers_unarmed:
+            raise RuntimeError(f"routing replay at step {step}: {check.routes_mismatched} of {check.routes_checked} "
+                               f"(token, MoE layer) routings differ from vLLM's recorded experts and "
+                               f"{check.layers_unarmed} router calls found no route armed: the trainer is not "
+                               "replaying vLLM's routing (is a fused router on in training.megatron_kwargs?)")
 
     def train(self, step: int, batch: dict) -> None:
         """Optimizer step(s) on the batch; merges the output ranks' loss metrics."""
@@ -410,7 +434,19 @@ class GrpoRun:
         log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", self.timer.drain()["timing/policy_setup_s"],
                  len(pol), self.coords[0].dp_size)
         self.log_memory_line("policy_started", self.coords[0].memory)
+        if cfg.training.router_replay.enabled:
+            self.check_replay_layers(started.moe_layers)
         self.prepare_refit(placement)
+
+    def check_replay_layers(self, recorded: list[int] | None) -> None:
+        """Routing replay pairs vLLM's routes with the trainer's routers by decoder layer: both must see the
+        same MoE layers (the routes' M axis, ascending)."""
+        trainer = self.policy.router_replay_layers()
+        if not recorded or any(t != recorded for t in trainer):
+            raise RuntimeError(f"training.router_replay: vLLM records routes for decoder layers {recorded}, the "
+                               f"trainer's MoE routers sit at layers {trainer[0] if trainer else []}; they must be "
+                               "the same layers (turn training.router_replay.enabled off for this model)")
+        log.info("routing replay: routes of %d MoE layers (%s) replayed in the trainer", len(recorded), recorded)
 
     def prepare_refit(self, placement: Any) -> None:
         """Pair every trainer rank with the vLLM worker on its GPU (both sides at once)."""

@@ -45,6 +45,7 @@ class EngineStarted:
     seconds: float
     memory: Memory
     eos_token_id: int | None
+    moe_layers: list[int] | None = None  # routing replay: decoder layers whose routes vLLM records
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,20 @@ class RefitSent:
                    int(d["half_bytes"]), int(d["free_before_bytes"]), int(d["min_free_bytes"]), dict(d))
 
 
+@dataclass(frozen=True)
+class ReplayCheck:
+    """Routing replay in one logprob pass: (token, MoE layer) pairs whose routing the trainer's routers returned,
+    how many of them differ from the replayed (vLLM's) experts, and router calls that found no route armed."""
+
+    routes_checked: int
+    routes_mismatched: int
+    layers_unarmed: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplayCheck:
+        return cls(int(d["routes_checked"]), int(d["routes_mismatched"]), int(d["layers_unarmed"]))
+
+
 class _TypedGroup:
     """A ``WorkerGroup`` with typed methods; ``describe`` names each worker (role, rank, node, GPU)."""
 
@@ -149,6 +164,16 @@ class PolicyGroup(_TypedGroup):
     def compute_ref_logprobs(self, batch_ref: Any) -> list[Any]:
         return self.group.call("compute_ref_logprobs", batch_ref)
 
+    def router_replay_layers(self) -> list[list[int]]:
+        """Each rank's view of the model's MoE decoder layers (routing replay; the same list on every rank)."""
+        return [list(x) for x in self.group.call("router_replay_layers")]
+
+    def router_replay_check(self) -> ReplayCheck:
+        """What the last logprob pass's routers did with the replayed routes, summed over the ranks."""
+        checks = [ReplayCheck.from_dict(d) for d in self.group.call("router_replay_check")]
+        return ReplayCheck(sum(c.routes_checked for c in checks), sum(c.routes_mismatched for c in checks),
+                           sum(c.layers_unarmed for c in checks))
+
     def train_step(self, batch_ref: Any, step: int) -> list[dict[str, Any]]:
         """The output ranks' loss sums and figures (other ranks return nothing)."""
         return [r for r in self.group.call("train_step", batch_ref, step) if r is not None]
@@ -185,7 +210,8 @@ class GenerationGroup(_TypedGroup):
     """The vLLM engines, one per generation data-parallel rank."""
 
     def start(self) -> list[EngineStarted]:
-        return [EngineStarted(float(d["start_s"]), Memory.from_dict(d["memory"]), d["eos_token_id"])
+        return [EngineStarted(float(d["start_s"]), Memory.from_dict(d["memory"]), d["eos_token_id"],
+                              d.get("moe_layers"))
                 for d in self.group.call("start")]
 
     def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]:

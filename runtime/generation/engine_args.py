@@ -1,7 +1,7 @@
 """The keyword arguments of ``vllm.LLM(...)`` for one engine, from ``runtime.yaml`` (pure Python, CPU-tested).
 
-Typed settings first (model, parallelism, memory, sleep mode, speculative decoding, the refit consumer), then
-``generation.vllm_kwargs`` unchanged. A pass-through key that would replace a typed setting is an
+Typed settings first (model, parallelism, memory, sleep mode, speculative decoding, the refit consumer, routing
+replay's routes), then ``generation.vllm_kwargs`` unchanged. A pass-through key that would replace a typed setting is an
 error here too (the compiler rejects it first, RLC310), so a hand-edited bundle cannot silently
 run something the plan did not check. FP8 rollouts are refused: the refit writes bf16 weights.
 """
@@ -43,6 +43,9 @@ def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str
     )
     if gen.speculative_decoding is not None:
         kwargs["speculative_config"] = vllm_speculative_config(gen.speculative_decoding)
+    if cfg.training.router_replay.enabled:
+        # routing replay: each completion carries the experts vLLM routed its tokens to (vLLM PR #28284)
+        kwargs["enable_return_routed_experts"] = True
     if gen.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(gen.kv_cache_memory_bytes)
     if distributed:

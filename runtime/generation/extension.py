@@ -87,6 +87,25 @@ class RlcWorkerExtension:
             consumer.close()
             self._rlc_consumer = None
 
+    def rlc_moe_layer_ids(self) -> dict[str, Any]:
+        """Routing replay: the decoder layers whose MoE routes vLLM records (``recorded``), and every decoder
+        layer with a fused MoE (``moe``); the MTP drafter's layers (ids from ``num_hidden_layers`` on) are not the
+        decoder's and are left out."""
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: PLC0415
+
+        decoder_layers = int(self.model_runner.model_config.hf_text_config.num_hidden_layers)
+        moe, recorded = set(), set()
+        for module in self.model_runner.model.modules():
+            if not isinstance(module, FusedMoE):
+                continue
+            layer = int(module.layer_id)
+            if layer >= decoder_layers:
+                continue
+            moe.add(layer)
+            if getattr(getattr(module, "router", None), "capture_fn", None) is not None:
+                recorded.add(layer)
+        return {"moe": sorted(moe), "recorded": sorted(recorded), "decoder_layers": decoder_layers}
+
     def rlc_named_parameters(self, names: list[str] | None = None) -> dict[str, Any]:
         """CPU copies of vLLM's parameters (tests: fp32 bias exactness, expert shards)."""
         out = {}

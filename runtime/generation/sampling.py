@@ -8,7 +8,7 @@ from when a temperature is set (the trainer divides its logits by the same tempe
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 
 def sampling_kwargs(sampling: Any, n: int, *, eos_token_id: int | None = None) -> dict[str, Any]:
@@ -48,19 +48,24 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return out
 
 
-def parse_request_output(req: Any) -> list[dict[str, Any]]:
-    """One prompt's generations as ``[{token_ids, logprobs, text, finish_reason}]``."""
+def parse_request_output(req: Any, moe_layers: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """One prompt's generations as ``[{token_ids, logprobs, text, finish_reason}]``; with ``moe_layers``
+    (routing replay) also ``routed_experts``: vLLM's routes of the completion reduced to those decoder layers
+    (``rlc.runtime.policy.routes.compact``), or None where vLLM returned none."""
     samples = []
     for comp in req.outputs:
         ids = list(comp.token_ids)
-        samples.append(
-            {
-                "token_ids": ids,
-                "logprobs": sampled_logprobs(ids, comp.logprobs),
-                "text": comp.text,
-                "finish_reason": comp.finish_reason,
-            }
-        )
+        sample = {
+            "token_ids": ids,
+            "logprobs": sampled_logprobs(ids, comp.logprobs),
+            "text": comp.text,
+            "finish_reason": comp.finish_reason,
+        }
+        if moe_layers is not None:
+            from rlc.runtime.policy.routes import compact  # noqa: PLC0415
+
+            sample["routed_experts"] = compact(getattr(comp, "routed_experts", None), moe_layers)
+        samples.append(sample)
     return samples
 
 

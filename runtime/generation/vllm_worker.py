@@ -33,6 +33,7 @@ class VllmGenerationWorker:
         self.bundles = list(bundles)
         self._llm: Any = None  # vllm.LLM once started
         self.sleeping = False
+        self.moe_layers: list[int] | None = None  # routing replay: the decoder layers whose routes vLLM records
 
     @property
     def llm(self) -> Any:
@@ -79,7 +80,25 @@ class VllmGenerationWorker:
         kwargs.update(engine_overrides or {})
         self._llm = LLM(**kwargs)
         self.eos_token_id = self._eos_token_id()
-        return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id}
+        if cfg.training.router_replay.enabled:
+            self.moe_layers = self._recorded_moe_layers()
+        return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id,
+                "moe_layers": self.moe_layers}
+
+    def _recorded_moe_layers(self) -> list[int]:
+        """Routing replay: the decoder layers whose routes every worker of this engine records (all MoE layers,
+        or the run stops here: a layer vLLM routes without recording could not be replayed)."""
+        reports = self.llm.collective_rpc("rlc_moe_layer_ids")
+        first = reports[0]
+        if not first["moe"]:
+            raise RuntimeError("training.router_replay is on but vLLM found no MoE layer in the model; "
+                               "turn training.router_replay.enabled off for a dense model")
+        unrecorded = sorted(set(first["moe"]) - set(first["recorded"]))
+        if unrecorded or any(r["recorded"] != first["recorded"] for r in reports):
+            raise RuntimeError(f"training.router_replay: vLLM records no routes for MoE layers {unrecorded} of "
+                               f"{first['moe']} (their router is not one vLLM's routes recorder hooks into); turn "
+                               "training.router_replay.enabled off for this model")
+        return list(first["recorded"])
 
     def _eos_token_id(self) -> int | None:
         try:
@@ -100,7 +119,8 @@ class VllmGenerationWorker:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompt_token_ids: list[list[int]], n: int) -> dict:
-        """``n`` samples per prompt: ``{"samples": [[{token_ids, logprobs, text, finish_reason}]], ...}``."""
+        """``n`` samples per prompt: ``{"samples": [[{token_ids, logprobs, text, finish_reason}]], ...}`` (with
+        routing replay each sample also has ``routed_experts``, see ``rlc.runtime.policy.routes``)."""
         from vllm import SamplingParams  # noqa: PLC0415
 
         from rlc.runtime.generation.sampling import parse_request_output, sampling_kwargs  # noqa: PLC0415
@@ -110,7 +130,7 @@ class VllmGenerationWorker:
         t0 = time.perf_counter()
         params = SamplingParams(**sampling_kwargs(self.cfg.generation.sampling, n, eos_token_id=self.eos_token_id))
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
-        samples = [parse_request_output(o) for o in outs]
+        samples = [parse_request_output(o, self.moe_layers) for o in outs]
         return {"samples": samples, "seconds": time.perf_counter() - t0, "memory": self.memory()}
 
     def prompt_logprobs(self, prompt_token_ids: list[list[int]]) -> list[list[float]]:

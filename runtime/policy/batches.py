@@ -10,18 +10,28 @@ every trainer rank takes its data-parallel shard)::
     lengths       int64   [N]       prompt + response tokens of each row (sequence packing reads them)
     old_logprobs  float32 [N, L-1]  (added after the trainer's logprob pass)
     ref_logprobs  float32 [N, L-1]  (only with a KL penalty)
+    routed_experts uint8 | int16 [N, L-1, M, K]  (only with training.router_replay)
 
 Position ``j`` of a ``[N, L-1]`` tensor is the prediction of token ``j+1`` from the logits at ``j``,
-so right padding never changes a real token's logprob under causal attention.
+so right padding never changes a real token's logprob under causal attention. Per-token tensors
+(``PER_TOKEN_KEYS``) may carry trailing dimensions: ``routed_experts[i, j]`` holds the experts vLLM
+routed input token ``j`` to in each of the model's ``M`` MoE layers (ascending layer order, ``K``
+experts per token; uint8 with up to 256 experts), i.e. the routes behind the logits at ``j``.
+Positions vLLM reports no route for (the last token, padding) hold a filler route that no counted
+logit depends on; a response token whose logits depend on a missing route has ``mask`` 0.
+``rlc.runtime.policy.routes`` builds and documents the layout.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-PER_TOKEN_KEYS = ("mask", "gen_logprobs", "old_logprobs", "ref_logprobs")
+from rlc.runtime.policy.routes import ROUTES_KEY, pack_routes, unrouted_mask
+
+PER_TOKEN_KEYS = ("mask", "gen_logprobs", "old_logprobs", "ref_logprobs", "routed_experts")
 
 
 def padded_length(max_len: int, multiple: int) -> int:
@@ -39,11 +49,15 @@ def pack_rollouts(
     pad_id: int,
     pad_to_multiple: int = 16,
     max_length: int | None = None,
+    routes: Sequence[Any] | None = None,
+    num_experts: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Pack aligned per-sample lists into a rollout batch (see the module docstring).
 
     ``max_length`` (``training.max_sequence_length``) truncates longer samples' responses and is
-    reported by the caller; here it only bounds the padded length.
+    reported by the caller; here it only bounds the padded length. ``routes`` (routing replay): each
+    sample's vLLM routes ``[rows, M, K]`` reduced to the MoE layers, or None where vLLM returned none;
+    ``num_experts``: the model's routed experts.
     """
     n = len(prompt_ids)
     if not (len(response_ids) == len(gen_logprobs) == len(advantages) == n):
@@ -77,13 +91,34 @@ def pack_rollouts(
             tokens[i, P : P + R] = torch.as_tensor(list(r), dtype=torch.int64)
             mask[i, P - 1 : P - 1 + R] = 1.0
             glp[i, P - 1 : P - 1 + R] = torch.as_tensor(list(lp), dtype=torch.float32)
-    return {
+    batch = {
         "tokens": tokens,
         "mask": mask,
         "gen_logprobs": glp,
         "advantages": torch.as_tensor(list(advantages), dtype=torch.float32),
         "lengths": torch.as_tensor(lengths, dtype=torch.int64),
     }
+    if routes is not None:
+        batch[ROUTES_KEY] = _routes_of(routes, prompt_ids, response_ids, L, mask, num_experts)
+    return batch
+
+
+def _routes_of(routes: Sequence[Any], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+               length: int, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The batch's ``routed_experts``; zeroes ``mask`` where a logit depends on a route vLLM did not record."""
+    if len(routes) != len(prompt_ids):
+        raise ValueError(f"pack_rollouts: {len(routes)} route arrays for {len(prompt_ids)} samples")
+    shapes = {tuple(np.shape(r)[1:]) for r in routes if r is not None}
+    if not shapes:
+        raise ValueError("routing replay is on but vLLM returned no routed experts for any sample of the step "
+                         "(was the engine started with enable_return_routed_experts?)")
+    if len(shapes) > 1:
+        raise ValueError(f"pack_rollouts: the samples' routes disagree on [MoE layers, experts per token]: {shapes}")
+    (layers, topk), = shapes
+    packed, routed_until = pack_routes(routes, [len(p) for p in prompt_ids], [len(r) for r in response_ids],
+                                       length, num_layers=layers, topk=topk, num_experts=num_experts)
+    mask *= unrouted_mask(routed_until, length)
+    return packed
 
 
 def batch_size(batch: dict[str, torch.Tensor]) -> int:

@@ -25,10 +25,12 @@ import torch
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
+from rlc.runtime.policy.routes import ROUTES_KEY
 
 if TYPE_CHECKING:
     from rlc.runtime.policy.megatron_setup import PolicyModel
     from rlc.runtime.policy.refit_source import RefitSource
+    from rlc.runtime.policy.router_replay import ReplayRouters
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -78,6 +80,9 @@ class MegatronPolicyWorker:
         self.total_opt_steps = 1
         self.pack_calls = 0  # packed passes planned so far (seeds the packing alike on every rank)
         self.last_reference_swap: dict = {}  # training.offload_reference_policy: the last pass's swap
+        self._replay: ReplayRouters | None = None  # training.router_replay
+        self._replay_layers: list[int] = []
+        self._replay_stats: dict[str, int] = {}
 
     @property
     def pm(self) -> PolicyModel:
@@ -135,6 +140,8 @@ class MegatronPolicyWorker:
         # one output rank per data-parallel rank: the CP ranks of a micro batch gather the same logprobs
         self.coords["is_output"] = bool(self.coords["is_last_stage"] and self.coords["tp_rank"] == 0
                                         and self.coords["cp_rank"] == 0)
+        if self.cfg.training.router_replay.enabled:
+            self._setup_router_replay()
         n_params = sum(p.numel() for m in self.pm.model for p in m.parameters())
         return {**self.coords, "params_local": int(n_params), "setup_s": time.perf_counter() - t0,
                 "memory": self.memory()}
@@ -143,6 +150,42 @@ class MegatronPolicyWorker:
         from rlc.runtime.workers import gpu_memory_snapshot  # noqa: PLC0415
 
         return gpu_memory_snapshot()
+
+    # ------------------------------------------------------------------ routing replay
+
+    def _setup_router_replay(self) -> None:
+        """``training.router_replay``: the model's MoE decoder layers (every pipeline stage's, gathered) and the
+        replay of this rank's routers."""
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        from rlc.runtime.policy.router_replay import ReplayRouters, local_moe_layers  # noqa: PLC0415
+
+        provider = self.pm.provider
+        if getattr(provider, "moe_router_fusion", False):
+            raise ValueError("training.router_replay: megatron-core's fused router (moe_router_fusion) routes without "
+                             "the replay; recompile without training.megatron_kwargs.moe_router_fusion")
+        stages: list[list[int] | None] = [None] * ps.get_pipeline_model_parallel_world_size()
+        torch.distributed.all_gather_object(stages, local_moe_layers(self.pm.model),
+                                            group=ps.get_pipeline_model_parallel_group())
+        self._replay_layers = sorted({layer for stage in stages for layer in (stage or [])})
+        recompute_modules = getattr(provider, "recompute_modules", None) or []
+        keep = provider.recompute_granularity == "full" or (provider.recompute_granularity == "selective"
+                                                             and "moe" in recompute_modules)
+        sp = bool(getattr(provider, "sequence_parallel", False)) and self.cfg.train_parallel.tp > 1
+        self._replay = ReplayRouters(self._replay_layers, num_experts=self.cfg.model.num_experts,
+                                     keep_for_recompute=keep, sp_rank=self.coords["tp_rank"] if sp else 0,
+                                     sp_size=self.cfg.train_parallel.tp if sp else 1,
+                                     check=getattr(provider, "moe_expert_capacity_factor", None) is None)
+
+    def router_replay_layers(self) -> list[int]:
+        """The model's MoE decoder layers (0-based), the order of the routes' M axis."""
+        return list(self._replay_layers)
+
+    def router_replay_check(self) -> dict[str, int]:
+        """The routing the routers returned in the logprob passes since the last call vs. the replayed routes."""
+        stats = {"routes_checked": 0, "routes_mismatched": 0, "layers_unarmed": 0, **self._replay_stats}
+        self._replay_stats = {}
+        return stats
 
     def versions(self) -> dict:
         from rlc.runtime.workers import library_versions  # noqa: PLC0415
@@ -169,9 +212,15 @@ class MegatronPolicyWorker:
         seq_len = max(int(mb.get("seq_length", mb["tokens"].shape[1])) for mb in mbs)
         mb_size = int(mbs[0]["tokens"].shape[0])
 
+        replay = self._replay
+
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens = mb["tokens"].cuda(non_blocking=True)
+            if replay is not None:
+                if ROUTES_KEY not in mb:
+                    raise RuntimeError("training.router_replay is on but the micro batch carries no routed_experts")
+                replay.arm(model_chunk, mb[ROUTES_KEY], int(tokens.shape[1]))
             if "cu_seqlens" in mb:
                 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
 
@@ -184,10 +233,14 @@ class MegatronPolicyWorker:
             else:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
                 out = model_chunk(input_ids=tokens, position_ids=pos, attention_mask=None)
+            if replay is not None:
+                replay.after_forward(model_chunk, forward_only)
             return out, partial(loss_fn, mb, tokens)
 
         iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
         fb = get_forward_backward_func()
+        if replay is not None:
+            replay.clear(model)  # nothing left armed by a pass that stopped (callers clear after each pass)
         return fb(
             forward_step_func=forward_step,
             data_iterator=iters,
@@ -253,7 +306,13 @@ class MegatronPolicyWorker:
 
         for m in model:
             m.eval()
+        if self._replay is not None:
+            self._replay.start_check()
         out = self._run(model, mbs, forward_only=True, loss_fn=lp_fn)
+        if self._replay is not None:
+            self._replay.clear(model)
+            for k, v in self._replay.stop_check().items():
+                self._replay_stats[k] = self._replay_stats.get(k, 0) + v
         for m in model:
             m.train()
         if not self.coords["is_output"]:
@@ -424,6 +483,8 @@ class MegatronPolicyWorker:
             for g in self.pm.optimizer.param_groups:
                 g["lr"] = lr
             collected = self._run(self.pm.model, mbs, forward_only=False, loss_fn=loss_fn)
+            if self._replay is not None:
+                self._replay.clear(self.pm.model)  # no routes held on the GPU past the pass
             ok, grad_norm, _ = self.pm.optimizer.step()
             if not ok:
                 raise RuntimeError(f"optimizer step {self.opt_steps} (GRPO step {step}) was skipped: inf/nan gradients")

@@ -1,5 +1,5 @@
 """Megatron settings from ``runtime.yaml`` that the policy worker applies to the Bridge's model provider
-and optimizer config: FP8, the MoE dispatcher, and the ``training.megatron_kwargs`` pass-through.
+and optimizer config: FP8, the MoE dispatcher, routing replay, and the ``training.megatron_kwargs`` pass-through.
 
 Pure Python (no torch / megatron imports) so the mapping is tested on CPU; ``megatron_setup`` applies it.
 """
@@ -21,6 +21,12 @@ def typed_provider_settings(cfg: Any) -> dict[str, Any]:
         out["moe_enable_deepep"] = bool(t.moe.deepep)
         if t.moe.router_dtype != "auto":
             out["moe_router_dtype"] = t.moe.router_dtype
+        if t.router_replay.enabled:
+            # every TopKRouter gets a RouterReplay the policy worker arms with vLLM's routes
+            out["moe_enable_routing_replay"] = True
+    elif t.router_replay.enabled:
+        raise ValueError("training.router_replay.enabled: the model has no routed experts (model.num_experts is 0); "
+                         "recompile with training.router_replay.enabled: false")
     if cfg.model.mtp_num_layers:
         # Megatron adds the MTP block's next-next-token loss to every forward that trains (0.1 by
         # default); in RL that is a cross-entropy on the model's own rollouts mixed into the policy
