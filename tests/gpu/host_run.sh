@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] ...
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
@@ -69,6 +69,12 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage ref_offload 420 python3 "$REPO"/tests/gpu/test_ref_offload.py --root /tmp/rlc-ref-offload \
         --out "$OUT/ref_offload" ${REF_OFFLOAD_SKIP_DRIVER:+--skip-driver} ;;
     moe1) run_stage moe1 590 python3 "$REPO"/tests/gpu/test_moe_one_gpu.py --out "$OUT" --steps "${MOE1_STEPS:-150}" ;;
+    r3)  # routing replay off vs on, tiny MoE on one GPU: R3_STEPS per run (default 40: both runs in ~8 min);
+      # R3_ONLY=off or on runs one of the pair (two device calls; both add to $OUT/router_replay.json);
+      # R3_SPECDEC=0 drops the MTP drafter; R3_TIMEOUT: seconds per run, startup included
+      r3_args=(--out "$OUT" --steps "${R3_STEPS:-40}" --only "${R3_ONLY:-off,on}" --timeout "${R3_TIMEOUT:-280}")
+      [[ ${R3_SPECDEC:-1} == 0 ]] && r3_args+=(--no-specdec)
+      run_stage r3 590 python3 "$REPO"/tests/gpu/test_router_replay.py "${r3_args[@]}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     prod_dense|prod_moe)  # GRPO with a KL penalty, the reference in host memory and packing, from a compiled bundle
       # (PROD_STEPS, default 150; PROD_SETS: more space-separated KEY=VALUE, e.g. routing replay for the MoE)
