@@ -70,10 +70,12 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --out "$OUT/ref_offload" ${REF_OFFLOAD_SKIP_DRIVER:+--skip-driver} ;;
     moe1) run_stage moe1 590 python3 "$REPO"/tests/gpu/test_moe_one_gpu.py --out "$OUT" --steps "${MOE1_STEPS:-150}" ;;
     r3)  # routing replay off vs on, tiny MoE on one GPU: R3_STEPS per run (default 40: both runs in ~8 min);
-      # R3_ONLY=off or on runs one of the pair (two device calls; both add to $OUT/router_replay.json);
+      # R3_ONLY=on or off runs one of the pair in a call of its own (default on,off: a replay failure shows first);
+      # R3_PRIOR=path: the first call's router_replay.json (carried in the tree) joins the second call's for the comparison;
       # R3_SPECDEC=0 drops the MTP drafter; R3_TIMEOUT: seconds per run, startup included
-      r3_args=(--out "$OUT" --steps "${R3_STEPS:-40}" --only "${R3_ONLY:-off,on}" --timeout "${R3_TIMEOUT:-280}")
+      r3_args=(--out "$OUT" --steps "${R3_STEPS:-40}" --only "${R3_ONLY:-on,off}" --timeout "${R3_TIMEOUT:-280}")
       [[ ${R3_SPECDEC:-1} == 0 ]] && r3_args+=(--no-specdec)
+      [[ -n ${R3_PRIOR:-} ]] && r3_args+=(--prior "$R3_PRIOR")
       run_stage r3 590 python3 "$REPO"/tests/gpu/test_router_replay.py "${r3_args[@]}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     prod_dense|prod_moe)  # GRPO with a KL penalty, the reference in host memory and packing, from a compiled bundle

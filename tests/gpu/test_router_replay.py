@@ -3,7 +3,7 @@
 The shipped recipe ``tiny-moe-mtp-2gpu-ep2`` compiled for one GPU exactly as ``test_moe_one_gpu.py`` does (trainer
 EP 1, one vLLM engine, MTP speculative decoding, sleep level 1, ``training.mtp_loss_scale: 0``; ``--no-specdec``
 drops the drafter), run by the bundled runtime for ``--steps`` GRPO steps twice: ``training.router_replay.enabled``
-false, then true, each from its own compiled bundle (checkpointing off). Reports, per step and side by side, the
+true, then false, each from its own compiled bundle (checkpointing off). Reports, per step and side by side, the
 gen-vs-train mismatch the driver logs (``gen_kl``, mean / max |logprob difference|) and the mean reward.
 
 Passes when both runs finish every step (exit 0) and, with the replay on, the routing probe held on every step:
@@ -12,9 +12,10 @@ recorded for that token (``router_replay/routes_mismatched == 0`` with ``routes_
 without an armed route); the driver stops a run where it does not. Whether the replay lowers the mismatch is
 measured and reported (``comparison``), not a pass condition.
 
-    python tests/gpu/test_router_replay.py [--steps 40] [--only off,on] [--no-specdec] [--root /tmp/rlc-r3] [--out DIR]
+    python tests/gpu/test_router_replay.py [--steps 40] [--only on,off] [--no-specdec] [--root /tmp/rlc-r3] [--out DIR]
 
-``--only off`` and ``--only on`` split the pair over two device calls; each call adds to ``<out>/router_replay.json``.
+``--only off`` and ``--only on`` split the pair over two device calls; each call adds to ``<out>/router_replay.json``,
+or to ``--prior FILE`` (the first call's ``router_replay.json`` carried into the second) when given.
 """
 from __future__ import annotations
 
@@ -128,13 +129,16 @@ def plot(off: dict, on: dict, png: Path) -> str | None:
 
 # ------------------------------------------------------------------ the runs
 
-def run(root: str, out: str | None, steps: int, only: list[str], specdec: bool, timeout_s: int) -> dict:
+def run(root: str, out: str | None, steps: int, only: list[str], specdec: bool, timeout_s: int,
+        prior: str | None = None) -> dict:
     import test_moe_two_gpu as moe  # noqa: PLC0415
 
     res: dict = {"check": "routing replay off vs on, tiny DeepSeek-V3 MoE, one GPU", "recipe": RECIPE, "runs": {}}
-    prior = Path(out) / "router_replay.json" if out else None
-    if prior and prior.exists():  # two device calls (--only off, --only on) add to one file
-        res = json.loads(prior.read_text(encoding="utf-8"))
+    earlier = Path(out) / "router_replay.json" if out else None
+    if prior:  # the other half of the pair, from an earlier device call (--prior)
+        earlier = Path(prior)
+    if earlier and earlier.exists():  # two device calls (--only off, --only on) add to one file
+        res = json.loads(earlier.read_text(encoding="utf-8"))
     res["command"] = f"python tests/gpu/test_router_replay.py --steps {steps} --only {','.join(only)}" + \
         ("" if specdec else " --no-specdec")
     clock, lab = Timer(), moe.Lab(root, gpus=1)
@@ -220,14 +224,15 @@ if __name__ == "__main__":
     ap.add_argument("--root", default="/tmp/rlc-r3")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--only", default="off,on")
+    ap.add_argument("--only", default="on,off")
     ap.add_argument("--no-specdec", action="store_true")
     ap.add_argument("--timeout", type=int, default=280, help="seconds per run (startup included)")
+    ap.add_argument("--prior", default=None, help="router_replay.json of the other half of the pair (earlier call)")
     a = ap.parse_args()
     names = [x for x in a.only.split(",") if x]
     if not names or set(names) - {"off", "on"}:
-        ap.error("--only takes off, on or off,on")
-    r = run(a.root, a.out, a.steps, names, not a.no_specdec, a.timeout)
+        ap.error("--only takes on, off or on,off")
+    r = run(a.root, a.out, a.steps, names, not a.no_specdec, a.timeout, a.prior)
     print({k: v for k, v in r.items() if k not in ("runs",)} | {"runs": {k: {kk: vv for kk, vv in v.items()
           if kk not in ("curves", "log_tail")} for k, v in r["runs"].items()}}, flush=True)
     sys.exit(0 if all(r["runs"].get(n, {}).get("passed") for n in names) else 1)
