@@ -53,15 +53,9 @@ def _router_replay_gaps(recipe: Recipe) -> list[Gap]:
         return []
     key, train = "training.router_replay.enabled", recipe.parallelism.train
     gaps = []
-    if train.cp > 1:
-        gaps.append(Gap(key, "routing replay with parallelism.train.cp > 1: each rank would need the routes of its "
-                             "context-parallel share of every sequence; the bundled runtime replays whole sequences"))
     if train.vpp > 1:
         gaps.append(Gap(key, "routing replay with parallelism.train.vpp > 1: the interleaved schedule's recompute "
                              "order is not verified with the replay in the bundled runtime"))
-    if recipe.training.sequence_packing.enabled:
-        gaps.append(Gap(key, "routing replay with training.sequence_packing.enabled: the bundled runtime lays the "
-                             "routes onto padded micro batches only"))
     return gaps
 
 

@@ -439,7 +439,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         if where.cpu_offload_staging:
             items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                               "calibration:megatron_cpu_offload_extra_gib"))
-        replay = replay_memory(recipe, facts, worst["layers"], tl)
+        replay = replay_memory(recipe, facts, worst["layers"], tl, train_microbatch_tokens(recipe, tl))
         if replay is not None:
             items.append(replay_gpu_item(replay, recipe))
         residue = _vllm_residue(recipe, weights, table["train"].vllm, cal, vllm_nvls)
@@ -498,7 +498,8 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         _logprob_phase(plan, recipe, facts, figs, table["logprob"], cal, ctx, weights, vllm_nvls, sleep, tl)
 
     # ---- host memory (per node)
-    replay = replay_memory(recipe, facts, max((f["layers"] for f in figs), default=0), tl)
+    replay = replay_memory(recipe, facts, max((f["layers"] for f in figs), default=0), tl,
+                           train_microbatch_tokens(recipe, tl))
     plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu,
                           extra=replay_host_items(replay, recipe, table) if replay is not None else None)
 

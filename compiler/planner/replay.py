@@ -7,8 +7,8 @@ passes run, Ray's object store holds one more and every trainer process deserial
 its data-parallel shard: ``gpus_per_node + 3`` copies on the node that holds the driver (the worst) then.
 
 On the GPU each micro batch's routes become int64 indices (megatron-core's ``RouterReplay`` gathers with them):
-``micro_batch_size × L × M_stage × K × 8`` bytes (÷ TP with sequence parallelism), next to the 1-byte copy they
-came from. With recompute
+``micro_batch_size × L`` tokens (packed: the micro batch's token budget ÷ CP) ``× M_stage × K × 8`` bytes (÷ TP
+with sequence parallelism), next to the 1-byte copy they came from. With recompute
 (``activation_checkpointing: full``) the replay keeps every micro batch in flight until its backward pass
 re-routes it: up to PP of them under 1F1B; otherwise only the current one.
 
@@ -43,11 +43,14 @@ class ReplayMemory:
     stage_moe_layers: int
     topk: int
     in_flight: int
+    mb_tokens: str  # how a micro batch's tokens were counted
 
 
-def replay_memory(recipe: Recipe, facts: ModelFacts, stage_layers: int, tl: TrainLayout) -> Optional[ReplayMemory]:
+def replay_memory(recipe: Recipe, facts: ModelFacts, stage_layers: int, tl: TrainLayout,
+                  mb_tokens: tuple[int, str]) -> Optional[ReplayMemory]:
     """``None`` without routing replay or when the model facts lack the expert count, top-k or layers.
-    ``stage_layers``: decoder layers on the worst pipeline stage."""
+    ``stage_layers``: decoder layers on the worst pipeline stage; ``mb_tokens``: the tokens of one train micro
+    batch on one GPU and how they were counted (``memory.train_microbatch_tokens``)."""
     if not recipe.training.router_replay.enabled or not facts.num_experts or not facts.experts_per_tok:
         return None
     moe = facts.moe_layer_indices()
@@ -60,14 +63,15 @@ def replay_memory(recipe: Recipe, facts: ModelFacts, stage_layers: int, tl: Trai
     sp = tl.tp if tl.sequence_parallel and tl.tp > 1 else 1  # each TP rank routes its share of the sequence
     per_token = id_bytes(facts.num_experts)
     batch = recipe.grpo.samples_per_step * seq * layers * k * per_token
-    mb = recipe.training.micro_batch_size * seq * stage * k // sp
+    tokens, how = mb_tokens
+    mb = tokens * stage * k // sp
     return ReplayMemory(batch_bytes=batch, gpu_bytes=mb * (INDEX_BYTES * in_flight + per_token), moe_layers=layers,
-                        stage_moe_layers=stage, topk=k, in_flight=in_flight)
+                        stage_moe_layers=stage, topk=k, in_flight=in_flight, mb_tokens=how)
 
 
 def gpu_item(mem: ReplayMemory, recipe: Recipe) -> Item:
     return Item("routing replay indices", mem.gpu_bytes / GIB, "megatron", "params",
-                f"{recipe.training.micro_batch_size} × {recipe.max_sequence_length} tokens × {mem.stage_moe_layers} "
+                f"{mem.mb_tokens} × {mem.stage_moe_layers} "
                 f"MoE layers × {mem.topk} experts × int64, {mem.in_flight} micro batch(es) in flight "
                 "(training.router_replay)")
 

@@ -25,7 +25,7 @@ import torch
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
-from rlc.runtime.policy.routes import ROUTES_KEY
+from rlc.runtime.policy.routes import micro_batch_routes
 
 if TYPE_CHECKING:
     from rlc.runtime.policy.megatron_setup import PolicyModel
@@ -218,9 +218,9 @@ class MegatronPolicyWorker:
             mb = next(data_iterator)
             tokens = mb["tokens"].cuda(non_blocking=True)
             if replay is not None:
-                if ROUTES_KEY not in mb:
-                    raise RuntimeError("training.router_replay is on but the micro batch carries no routed_experts")
-                replay.arm(model_chunk, mb[ROUTES_KEY], int(tokens.shape[1]))
+                routes = micro_batch_routes(mb, num_experts=self.cfg.model.num_experts,
+                                            cp_size=self.cfg.train_parallel.cp, cp_rank=self.coords["cp_rank"])
+                replay.arm(model_chunk, routes, int(tokens.shape[1]))
             if "cu_seqlens" in mb:
                 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
 

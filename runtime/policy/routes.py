@@ -17,7 +17,9 @@ alike). A completion with fewer rows than ``P + R - 1`` (none at all: vLLM retur
 without a route: those positions get the filler too, and every position from the first missing one on is
 *unrouted* — its prediction depends on a route nobody recorded — so the caller takes it out of the loss.
 
-:func:`replay_targets` turns a micro batch's routes into the index tensors Megatron's ``RouterReplay`` expects:
+:func:`micro_batch_routes` lays a micro batch's routes out like its tokens — a packed (``thd``) micro batch's
+at their packed positions, this context-parallel rank's share (:func:`packed_routes`) — and
+:func:`replay_targets` turns them into the index tensors Megatron's ``RouterReplay`` expects:
 one ``[tokens, K]`` int64 tensor per MoE layer, tokens in the order the router sees them (sequence-major:
 ``s * batch + b``, Megatron's ``[s, b, h]`` activations flattened), the sequence-parallel rank's share only.
 """
@@ -127,4 +129,39 @@ def replay_targets(routes: torch.Tensor, seq_len: int, *, num_experts: int, sp_r
     return full.permute(2, 1, 0, 3).reshape(m, share * b, k).contiguous()
 
 
-__all__ = ["ROUTES_KEY", "compact", "filler", "pack_routes", "replay_targets", "routes_dtype", "unrouted_mask"]
+def packed_routes(routes: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, total: int, *, num_experts: int,
+                  local: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A packed micro batch's routes laid out like its tokens, ``[1, T, M, K]`` (``rlc.runtime.policy.packing``):
+    the bin's rows ``routes [k, L-1, M, K]`` moved to their packed positions (``index`` / ``valid``: the micro
+    batch's ``unpack_index`` / ``unpack_valid``, position ``j`` of row ``k`` at ``cu_seqlens[k] + j``), filler
+    routes at each sequence's last token and padding; with context parallelism only this rank's ``local``
+    positions (``packing.cp_partition_indices``), in its order."""
+    k, width, m, topk = routes.shape
+    if index.shape != (k, width) or valid.shape != (k, width):
+        raise ValueError(f"packed routes: {tuple(routes.shape)} routes for an unpack index of {tuple(index.shape)}")
+    out = filler(torch.arange(total), topk, num_experts).to(routes.dtype).view(total, 1, topk)
+    out = out.expand(total, m, topk).clone()
+    out[index[valid]] = routes[valid]
+    if local is not None:
+        out = out[local]
+    return out.unsqueeze(0)
+
+
+def micro_batch_routes(mb: dict[str, Any], *, num_experts: int, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """The routes of a micro batch laid out like its ``tokens``: a padded micro batch's ``[b, L-1, M, K]`` as they
+    are, a packed one's (``cu_seqlens`` in it) through :func:`packed_routes`."""
+    if ROUTES_KEY not in mb:
+        raise RuntimeError("training.router_replay is on but the micro batch carries no routed_experts")
+    routes = mb[ROUTES_KEY]
+    if "cu_seqlens" not in mb:
+        return routes
+    from rlc.runtime.policy.packing import cp_partition_indices  # noqa: PLC0415
+
+    cu = [int(x) for x in mb["cu_seqlens"].tolist()]
+    local = cp_partition_indices(cu, cp_size, cp_rank) if cp_size > 1 else None
+    return packed_routes(routes, mb["unpack_index"], mb["unpack_valid"], cu[-1], num_experts=num_experts,
+                         local=local)
+
+
+__all__ = ["ROUTES_KEY", "compact", "filler", "micro_batch_routes", "pack_routes", "packed_routes", "replay_targets",
+           "routes_dtype", "unrouted_mask"]

@@ -102,16 +102,24 @@ def test_mtp_drafting_is_refused_where_vllms_drafter_shares_the_decoders_layer_i
     assert "qwen3_5_moe" in message and "numbers its layers from 0" in message
 
 
-@pytest.mark.parametrize("sets,words", [
-    (("parallelism.train.cp=2", "cluster.gpus_per_node=2"), "cp > 1"),
-    (("training.sequence_packing.enabled=true",), "padded micro batches"),
-])
-def test_layouts_the_runtime_cannot_replay_yet_validate_and_are_not_compiled(tmp_path, sets, words):
-    result = check(TINY_MOE, ON, *sets)
+def test_virtual_pipeline_stages_validate_and_are_not_compiled(tmp_path):
+    result = check(TINY_MOE, ON, "parallelism.train.pp=2", "parallelism.train.vpp=2", "parallelism.train.ep=1")
     gaps = [f for f in found(result, "RLC311") if f[1] == KEY]
-    assert gaps and words in gaps[0][2] and result.ok
+    assert gaps and "vpp > 1" in gaps[0][2] and result.ok
     with pytest.raises(BundleError, match="the bundled runtime cannot run this yet"):
         build_bundle(result, tmp_path / "bundle")
+
+
+def test_packed_micro_batches_with_context_parallelism_compile_and_plan_per_packed_micro_batch(tmp_path):
+    """Production R3 configurations pack (NeMo-RL's R3 recipes: CP 2, sequence packing)."""
+    result = check(TINY_MOE, ON, "parallelism.train.cp=2", "parallelism.train.ep=1", "cluster.gpus_per_node=2",
+                   "training.sequence_packing.enabled=true", "training.sequence_packing.train_mb_tokens=4096")
+    assert result.ok and not [f for f in found(result, "RLC311") if f[1] == KEY]
+    cfg = load_runtime_config(build_bundle(result, tmp_path / "bundle").path / "runtime.yaml")
+    assert cfg.training.router_replay.enabled and cfg.training.sequence_packing.enabled
+    [gpu] = [i for i in result.plan.phases["train"].items if i.label == "routing replay indices"]
+    # 4096 packed tokens, half on each CP rank: x 3 MoE layers x 2 experts x (int64 + 1 byte)
+    assert gpu.gib == pytest.approx(2048 * 3 * 2 * 9 / 2**30) and "4096 packed tokens / CP2" in gpu.note
 
 
 def test_the_engine_options_it_owns_are_refused_in_the_pass_through_blocks():

@@ -76,6 +76,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       r3_args=(--out "$OUT" --steps "${R3_STEPS:-40}" --only "${R3_ONLY:-on,off}" --timeout "${R3_TIMEOUT:-280}")
       [[ ${R3_SPECDEC:-1} == 0 ]] && r3_args+=(--no-specdec)
       [[ -n ${R3_PRIOR:-} ]] && r3_args+=(--prior "$R3_PRIOR")
+      for kv in ${R3_SETS:-}; do r3_args+=(--set "$kv"); done  # e.g. R3_SETS=training.sequence_packing.enabled=true
       run_stage r3 590 python3 "$REPO"/tests/gpu/test_router_replay.py "${r3_args[@]}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     prod_dense|prod_moe)  # GRPO with a KL penalty, the reference in host memory and packing, from a compiled bundle

@@ -12,7 +12,8 @@ recorded for that token (``router_replay/routes_mismatched == 0`` with ``routes_
 without an armed route); the driver stops a run where it does not. Whether the replay lowers the mismatch is
 measured and reported (``comparison``), not a pass condition.
 
-    python tests/gpu/test_router_replay.py [--steps 40] [--only on,off] [--no-specdec] [--root /tmp/rlc-r3] [--out DIR]
+    python tests/gpu/test_router_replay.py [--steps 40] [--only on,off] [--no-specdec] [--set KEY=VALUE ...]
+                                           [--root /tmp/rlc-r3] [--out DIR]
 
 ``--only off`` and ``--only on`` split the pair over two device calls; each call adds to ``<out>/router_replay.json``,
 or to ``--prior FILE`` (the first call's ``router_replay.json`` carried into the second) when given.
@@ -40,9 +41,11 @@ PROBE_KEYS = ("router_replay/routes_checked", "router_replay/routes_mismatched",
               "router_replay/unrouted_tokens")
 
 
-def sets_for(replay: bool, steps: int, specdec: bool) -> list[str]:
+def sets_for(replay: bool, steps: int, specdec: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    """``--set`` values of one run: the one-GPU layout, the steps, the switch, then ``extra`` (both runs alike)."""
     base = [s for s in ONE_GPU if specdec or s not in SPECDEC]
-    return [*base, f"grpo.max_steps={steps}", f"training.router_replay.enabled={'true' if replay else 'false'}"]
+    return [*base, f"grpo.max_steps={steps}", f"training.router_replay.enabled={'true' if replay else 'false'}",
+            *extra]
 
 
 # ------------------------------------------------------------------ verdicts (pure; CPU-tested below)
@@ -130,7 +133,7 @@ def plot(off: dict, on: dict, png: Path) -> str | None:
 # ------------------------------------------------------------------ the runs
 
 def run(root: str, out: str | None, steps: int, only: list[str], specdec: bool, timeout_s: int,
-        prior: str | None = None) -> dict:
+        prior: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     import test_moe_two_gpu as moe  # noqa: PLC0415
 
     res: dict = {"check": "routing replay off vs on, tiny DeepSeek-V3 MoE, one GPU", "recipe": RECIPE, "runs": {}}
@@ -140,13 +143,13 @@ def run(root: str, out: str | None, steps: int, only: list[str], specdec: bool, 
     if earlier and earlier.exists():  # two device calls (--only off, --only on) add to one file
         res = json.loads(earlier.read_text(encoding="utf-8"))
     res["command"] = f"python tests/gpu/test_router_replay.py --steps {steps} --only {','.join(only)}" + \
-        ("" if specdec else " --no-specdec")
+        ("" if specdec else " --no-specdec") + "".join(f" --set {x}" for x in extra)
     clock, lab = Timer(), moe.Lab(root, gpus=1)
     try:
         res["workspace"] = lab.workspace()
         for name in only:
             replay, t = name == "on", Timer()
-            sets = sets_for(replay, steps, specdec)
+            sets = sets_for(replay, steps, specdec, extra)
             entry: dict = {"sets": sets}
             try:
                 bundle = lab.compile(RECIPE, f"r3_{name}", tuple(sets))
@@ -217,6 +220,8 @@ def test_verdict_fails_on_each_kind_of_bad_evidence(rc, curves, words):
 def test_the_off_run_is_compiled_without_replay_and_the_drafter_can_be_dropped():
     assert "training.router_replay.enabled=false" in sets_for(False, 5, True)
     assert not set(SPECDEC) & set(sets_for(True, 5, False)) and set(SPECDEC) <= set(sets_for(True, 5, True))
+    packed = sets_for(True, 5, True, ("training.sequence_packing.enabled=true",))
+    assert packed[-1] == "training.sequence_packing.enabled=true"
 
 
 if __name__ == "__main__":
@@ -228,11 +233,13 @@ if __name__ == "__main__":
     ap.add_argument("--no-specdec", action="store_true")
     ap.add_argument("--timeout", type=int, default=280, help="seconds per run (startup included)")
     ap.add_argument("--prior", default=None, help="router_replay.json of the other half of the pair (earlier call)")
+    ap.add_argument("--set", action="append", default=[], dest="sets",
+                    help="KEY=VALUE for both runs' rlc compile (e.g. training.sequence_packing.enabled=true)")
     a = ap.parse_args()
     names = [x for x in a.only.split(",") if x]
     if not names or set(names) - {"off", "on"}:
         ap.error("--only takes on, off or on,off")
-    r = run(a.root, a.out, a.steps, names, not a.no_specdec, a.timeout, a.prior)
+    r = run(a.root, a.out, a.steps, names, not a.no_specdec, a.timeout, a.prior, tuple(a.sets))
     print({k: v for k, v in r.items() if k not in ("runs",)} | {"runs": {k: {kk: vv for kk, vv in v.items()
           if kk not in ("curves", "log_tail")} for k, v in r["runs"].items()}}, flush=True)
     sys.exit(0 if all(r["runs"].get(n, {}).get("passed") for n in names) else 1)

@@ -222,3 +222,34 @@ def test_the_trainers_moe_layers_are_its_decoder_routers_without_the_mtp_block()
     assert [m for _, _, m in replay.routers(stage1)] == [1, 2]  # index into the routes' M axis
     with pytest.raises(RuntimeError, match=r"decoder layer 4\) is not among the MoE layers vLLM records"):
         replay.routers(_chunk([5], mtp=False))
+
+
+@pytest.mark.parametrize("cp_size,tp", [(1, 1), (2, 1), (2, 2)])
+def test_packed_micro_batches_carry_each_tokens_routes_to_its_packed_position_and_shares(cp_size, tp):
+    """Sequence packing (thd): each CP rank's tokens, and each sequence-parallel TP rank's share of them, get
+    the routes of exactly those tokens; a sequence's last token and its padding get filler routes."""
+    from rlc.contract.sequence_packing import pad_multiples
+    from rlc.runtime.policy import packing as P
+
+    batch = rollout(PROMPTS, RESPONSES)
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
+    pad = pad_multiples(tp=tp, sequence_parallel=tp > 1, cp=cp_size)
+    b = P.layout_bin([2, 0, 1], [lengths[i] for i in (2, 0, 1)], pad)
+    for cp_rank in range(cp_size):
+        mb = P.packed_microbatch(batch, b, cp_size=cp_size, cp_rank=cp_rank)
+        routes = R.micro_batch_routes(mb, num_experts=E, cp_size=cp_size, cp_rank=cp_rank)
+        tokens = mb["tokens"]
+        assert routes.shape[:2] == tokens.shape and routes.shape[2:] == (len(MOE_LAYERS), K)
+        for t, packed_pos in enumerate(P.cp_partition_indices(b.cu_seqlens, cp_size, cp_rank).tolist()):
+            k = max(i for i, start in enumerate(b.cu_seqlens[:-1]) if start <= packed_pos)
+            row, j = b.rows[k], packed_pos - b.cu_seqlens[k]
+            seq = PROMPTS[row] + RESPONSES[row]
+            if j < len(seq) - 1:
+                assert int(tokens[0, t]) == seq[j]
+                for m, layer in enumerate(MOE_LAYERS):
+                    assert routes[0, t, m].tolist() == route(seq[j], j, layer), (cp_rank, t, layer)
+            else:
+                assert len(set(routes[0, t, 0].tolist())) == K
+        # the sequence-parallel ranks split this CP rank's row in order
+        shares = [R.replay_targets(routes, tokens.shape[1], num_experts=E, sp_rank=r, sp_size=tp) for r in range(tp)]
+        assert torch.equal(torch.cat(shares, dim=1), routes[0].permute(1, 0, 2).long())
