@@ -187,6 +187,13 @@ def _set_mode(worker: Any, packing: bool, mbs: int) -> None:
     worker.cfg = dataclasses.replace(worker.cfg, training=t)
 
 
+def _unwrapped(name: str) -> str:
+    """A parameter's name inside Megatron's wrappers (DDP, Float16Module): ``module.module.x`` -> ``x``."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
 @contextmanager
 def _gradients_instead_of_a_step(worker: Any) -> Iterator[dict]:
     """``train_step`` runs up to the optimizer step; the step itself records every parameter's reduced
@@ -202,8 +209,8 @@ def _gradients_instead_of_a_step(worker: Any) -> Iterator[dict]:
             for name, p in chunk.named_parameters():
                 g = getattr(p, "main_grad", None)
                 g = p.grad if g is None else g
-                if g is not None:
-                    grads[f"{i}.{name}"] = g.detach().float().cpu().clone()
+                if g is not None:  # named without the wrappers (bf16 adds Float16Module, fp32 does not)
+                    grads[f"{i}.{_unwrapped(name)}"] = g.detach().float().cpu().clone()
         store["grads"] = grads
         return True, math.sqrt(sum(float(x.double().pow(2).sum()) for x in grads.values())), None
 
