@@ -102,10 +102,12 @@ def shipped_recipe_names() -> list[str]:
 
 
 def shipped_recipe_path(name: str) -> Path:
-    """The file of the shipped recipe ``name``; ``KeyError`` when there is none."""
-    for suffix in _RECIPE_SUFFIXES:
-        candidate = _recipes_dir() / f"{name}{suffix}"
-        if candidate.is_file():
+    """The file of the shipped recipe ``name``; ``KeyError`` when there is none.
+
+    ``name`` is looked up among the shipped files, never joined into a path and opened: any text
+    (5,000 characters, ``..``, a NUL byte) is either one of those names or not found."""
+    for candidate in sorted(_recipes_dir().iterdir()):
+        if candidate.stem == name and candidate.suffix in _RECIPE_SUFFIXES and candidate.is_file():
             return candidate
     raise KeyError(name)
 

@@ -50,6 +50,19 @@ def test_validate_reports_all_errors_and_exits_1():
     assert len(lines) == 7
 
 
+@pytest.mark.parametrize("extends", [False, True])
+def test_a_5000_character_recipe_name_is_a_usage_or_recipe_error_not_a_bug(tmp_path, extends):
+    name = "a" * 5000  # longer than a file name may be: this used to exit 3 (OSError: File name too long)
+    if extends:
+        (tmp_path / "mine.yaml").write_text(f"version: 1\nextends: {name}\n")
+        r = run_rlc("validate", "mine.yaml", cwd=tmp_path)
+        assert r.code == 1 and "mine.yaml:2:1: extends: no shipped recipe named" in r.err, r.both
+    else:
+        r = run_rlc("validate", name, cwd=tmp_path)
+        assert r.code == 2 and "cannot read recipe" in r.err, r.both
+    assert "internal error" not in r.both and "Traceback" not in r.both
+
+
 def test_validate_a_shipped_recipe_by_name():
     names = shipped_recipe_names()
     if not names:

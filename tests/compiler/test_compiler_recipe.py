@@ -113,6 +113,18 @@ def test_shipped_recipes_are_found_by_name(tmp_path):
     assert other
 
 
+@pytest.mark.parametrize("ref", ["a" * 5000, "a" * 300, "x\x00y"])
+def test_a_name_no_file_can_have_is_an_unknown_shipped_recipe_not_a_crash(tmp_path, ref):
+    # 5,000 characters used to reach the filesystem as <recipes>/<name>.yaml: OSError "File name too
+    # long", exit code 3 (a bug in rlc) instead of the recipe error it is
+    (tmp_path / "mine.yaml").write_text(f"version: 1\nextends: {ref!r}\n".replace("'", '"'))
+    diags = load_errors(tmp_path / "mine.yaml")
+    assert len(diags) == 1 and diags[0].path == "extends", diags
+    assert diags[0].message.startswith("no shipped recipe named") and exit_code(diags) == 1
+    with pytest.raises(KeyError):
+        shipped_recipe_path(ref)
+
+
 def test_unknown_shipped_name_suggests_the_closest(tmp_path):
     names = shipped_recipe_names()
     if not names:
