@@ -23,7 +23,17 @@ class Gap:
 
     key: str
     message: str
-    hint: str | None = None  # the fix, where turning ``key`` off is not it
+    hint: str | None = None  # the fix, where setting ``key`` back to its default (:attr:`fix`) is not it
+
+    @property
+    def fix(self) -> str:
+        """The setting that lifts the gap, as a recipe line: the key at its schema default, which the
+        runtime always runs (``generation.precision: auto``, never an ``off`` the schema rejects)."""
+        from rlc.compiler.schema import default_at
+
+        value = default_at(self.key)
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        return f"{self.key}: {text}"
 
 
 def runtime_gaps(recipe: Recipe) -> list[Gap]:

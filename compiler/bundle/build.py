@@ -78,7 +78,7 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
 
     gaps = runtime_gaps(recipe)
     if gaps:
-        fix = gaps[0].hint or "turn the setting off to compile a bundle for this runtime"
+        fix = gaps[0].hint or f"set `{gaps[0].fix}` to compile a bundle for this runtime"
         raise BundleError(f"{gaps[0].key}: the bundled runtime cannot run this yet: {gaps[0].message}. The recipe "
                           f"validates and plans; {fix}", key=gaps[0].key)
     if runtime_config is None:

@@ -45,12 +45,12 @@ def _owner(owner: str) -> tuple[str, str]:
                 "they validate and plan. The bundled runtime cannot execute some of them yet; rlc compile refuses "
                 "to write a bundle that would silently run something else.",
       seed="rlc/compiler/runtime_support.py.",
-      fixes="Turn the setting off to compile for the bundled runtime, or run the plan with the stack that "
-            "supports it.")
+      fixes="Do what the hint says (most often: the key back to its default, e.g. `generation.precision: auto`) "
+            "to compile for the bundled runtime, or run the plan with the stack that supports it.")
 def runtime_cannot(ctx: Context) -> None:
     for gap in runtime_gaps(ctx.recipe):
         ctx.warning(f"the bundled runtime cannot run this yet ({gap.message}); rlc compile will refuse it",
-                    gap.key, hint=gap.hint or f"turn {gap.key} off to compile for the bundled runtime")
+                    gap.key, hint=gap.hint or f"set `{gap.fix}` to compile for the bundled runtime")
 
 
 @rule("RLC312", "the precision-aware optimizer needs the distributed optimizer", severities=("error",),
