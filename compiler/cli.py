@@ -322,6 +322,8 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     from rlc.compiler.importers.nemo_rl.cli_output import import_report, write_atomically
 
     out = Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"{out} is a folder; name the recipe file to write (e.g. {out / 'recipe.yaml'})")
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     try:
@@ -332,6 +334,7 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
         _print_diags(exc.diagnostics)
         return exit_code(exc.diagnostics)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # like `rlc compile -o`: a new folder is made
         write_atomically(out, imported.text)
     except OSError as exc:
         raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None

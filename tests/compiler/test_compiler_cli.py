@@ -63,6 +63,16 @@ def test_a_5000_character_recipe_name_is_a_usage_or_recipe_error_not_a_bug(tmp_p
     assert "internal error" not in r.both and "Traceback" not in r.both
 
 
+def test_import_writes_into_a_folder_that_does_not_exist_yet(tmp_path):
+    config = REPO / "tests" / "importers" / "nemo_rl_configs" / "grpo_base.yaml"
+    out = tmp_path / "new" / "deeper" / "recipe.yaml"  # used to fail: "cannot write ...: No such file or directory"
+    r = run_rlc("import", "nemo-rl", str(config), "-o", str(out), "--set", "cluster.gpu=h100-80gb")
+    assert r.code in (0, 1) and f"wrote {out}" in r.out, r.both
+    assert load_recipe(out).data["version"] == 1
+    r = run_rlc("import", "nemo-rl", str(config), "-o", str(out.parent), "--force")
+    assert r.code == 2 and "is a folder; name the recipe file" in r.err, r.both
+
+
 def test_validate_a_shipped_recipe_by_name():
     names = shipped_recipe_names()
     if not names:
