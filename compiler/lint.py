@@ -134,17 +134,21 @@ def lint(paths: Sequence[str], check: Check, jobs: int | None = None) -> tuple[l
     target = discover(paths)
     diags = [Diagnostic("error", "no such file or folder", "", p, rule="io") for p in target.missing]
     recipes = [str(r) for r in target.recipes]
-    seen: set[tuple] = set()
+    seen: dict[tuple, Diagnostic] = {}
+    found_by: dict[tuple, list[str]] = {}  # the checked recipes a finding placed elsewhere came from
     for recipe, found in zip(recipes, _check_all(recipes, check, job_count(jobs, len(recipes)))):
         own = os.path.normpath(recipe)
         for d in found:
             # the same finding at the same place of the same file (a parent's, met again through
-            # each recipe that extends it) is reported once
+            # each recipe that extends it) is reported once, naming every recipe that met it
             ident = (d.severity, d.file or own, d.line, d.col, d.path, d.message, d.rule)
-            if ident in seen:
-                continue
-            seen.add(ident)
-            diags.append(d)
+            if ident not in seen:
+                seen[ident] = d
+                diags.append(d)
+            if d.file is None or os.path.normpath(d.file) != own:
+                found_by.setdefault(ident, []).append(recipe)
+    for ident, by in found_by.items():
+        seen[ident].message += f" (checking {', '.join(by)})"
     return diags, target
 
 

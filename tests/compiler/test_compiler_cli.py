@@ -374,6 +374,28 @@ def test_lint_reports_a_parents_finding_once_not_once_per_child(tmp_path):
     r = run_rlc("lint", str(tmp_path))
     assert r.code == 0, r.both
     assert r.out.count("generation.sampling.top_p: warning: top_p 0.9") == 1, r.out
+    # ... and that one line names every recipe that met it (it is in the parent's file)
+    line = next(x for x in r.out.splitlines() if "top_p 0.9" in x)
+    assert line.startswith(f"{tmp_path / 'parent.yaml'}:4:") and all(
+        str(tmp_path / f"{n}.yaml") in line for n in "abc"), line
+
+
+def test_lint_names_the_child_whose_finding_sits_in_its_parent(tmp_path):
+    # a child's own setting (gpus_per_node: 3) breaks a key its parent sets (global_batch_size): the
+    # finding is placed at the parent's line, and used to name no child at all
+    base = REPO / "tests" / "slurm" / "recipes" / "e2e-2node.yaml"
+    config = REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json"
+    (tmp_path / "parent.yaml").write_text(f"version: 1\nextends: {base}\nmodel: {{config: {config}}}\n"
+                                          "training: {global_batch_size: 32}\n")
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: parent.yaml\nname: child\n"
+                                         "cluster: {gpus_per_node: 3}\n")
+    r = run_rlc("lint", "parent.yaml", "child.yaml", cwd=tmp_path)
+    assert r.code == 1, r.both
+    errors = [x for x in r.out.splitlines() if x.startswith("parent.yaml:4:") and "global_batch_size" in x]
+    assert len(errors) == 1 and errors[0].endswith("(checking child.yaml) [RLC107]"), r.out
+    r = run_rlc("lint", "--format", "json", "child.yaml", cwd=tmp_path)
+    found = [d for d in json.loads(r.out) if d["path"] == "training.global_batch_size"]
+    assert found and found[0]["file"] == "parent.yaml" and "(checking child.yaml)" in found[0]["message"]
 
 
 def test_validate_and_lint_do_not_load_the_bundle_renderer():
