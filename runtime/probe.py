@@ -101,11 +101,18 @@ def wait_for_cluster(exp: Expected, deadline: float, out: Callable[[str], None] 
     the deadline. Prints progress every ``interval_s`` seconds."""
     import ray
 
+    from rlc.runtime.ray_auth import join_address, refused_message, token_refused
+
     start = last = time.time()
     connected, error = False, ""
     nodes: list[NodeView] = []
+    address = join_address(exp.address)
     while True:
         if not connected:
+            refused = token_refused(address)  # a refused token is final: no waiting for the deadline
+            if refused:
+                out(f"[rlc] ERROR: {refused_message(address or exp.address, refused)}")
+                return 1
             try:
                 _connect(ray, exp)
                 connected = True
@@ -216,7 +223,14 @@ def main(runtime_yaml_path: str | Path) -> int:
     """``python -m rlc.runtime --probe runtime.yaml``: connect, check, print; 0 or 1."""
     import ray
 
+    from rlc.runtime.ray_auth import join_address, refused_message, token_refused
+
     exp = expected_from(runtime_yaml_path)
+    address = join_address(exp.address)
+    refused = token_refused(address)
+    if refused:
+        print(f"[rlc] probe FAILED: {refused_message(address or exp.address, refused)}", flush=True)
+        return 1
     try:
         _connect(ray, exp)
     except (ConnectionError, RuntimeError) as exc:

@@ -244,7 +244,8 @@ def library_versions() -> dict[str, str]:
 def connect(ray_cfg: Any, env: dict[str, str]) -> str:
     """Connect to Ray: ``local`` starts a private cluster; ``auto``/``host:port`` joins one.
 
-    Retries joining for ``ray.join_timeout_s`` (the head may still be starting inside sbatch).
+    Retries joining for ``ray.join_timeout_s`` (the head may still be starting inside sbatch), but
+    not a head that refuses this process's token (:mod:`rlc.runtime.ray_auth`): that fails at once.
     Returns a description of the cluster for the log.
     """
     import ray  # noqa: PLC0415
@@ -262,12 +263,23 @@ def connect(ray_cfg: Any, env: dict[str, str]) -> str:
         ray.init(namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=True)
     else:
+        from ray.exceptions import AuthenticationError  # noqa: PLC0415
+
+        from rlc.runtime.ray_auth import join_address, refused_message, token_refused  # noqa: PLC0415
+
         deadline = time.monotonic() + max(1, ray_cfg.join_timeout_s)
+        address = join_address(ray_cfg.address)
         while True:
+            # A head that refuses the token is not "still starting": fail now, naming the token's source.
+            refused = token_refused(address)
+            if refused:
+                raise WorkerFailure(refused_message(address or ray_cfg.address, refused))
             try:
                 ray.init(address=ray_cfg.address, namespace=ray_cfg.namespace, runtime_env=runtime_env,
                          log_to_driver=True)
                 break
+            except AuthenticationError as exc:  # no token at all on this side
+                raise WorkerFailure(refused_message(address or ray_cfg.address, exc.message)) from None
             except (ConnectionError, RuntimeError) as exc:
                 if time.monotonic() > deadline:
                     raise WorkerFailure(

@@ -108,3 +108,46 @@ def test_probe_fails_saying_why(ray_head, tmp_path):
     assert out.returncode == 1
     assert "probe FAILED: 1 alive Ray nodes, runtime.yaml expects cluster.nodes=2" in out.stdout
     assert "probe FAILED: 2 GPUs in the cluster, runtime.yaml expects world_size=4" in out.stdout
+
+
+def _other_token(ray_head, tmp_path) -> tuple[dict, Path, str]:
+    """The head's environment with another token file (a job joining a cluster started with another token)."""
+    token = os.urandom(32).hex()
+    path = tmp_path / "stale-token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return {**ray_head, "RAY_AUTH_TOKEN_PATH": str(path)}, path, token
+
+
+def test_join_fails_at_once_on_a_refused_token_naming_the_token_file_and_address(ray_head, tmp_path):
+    # connect() used to retry the refusal as "head still starting" for all of join_timeout_s (here 120 s)
+    env, path, token = _other_token(ray_head, tmp_path)
+    code = ("import types\n"
+            "from rlc.runtime.workers import WorkerFailure, connect\n"
+            "cfg = types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=120)\n"
+            "try:\n    connect(cfg, {})\nexcept WorkerFailure as exc:\n    print('FAILED:', exc)\n")
+    start = time.time()
+    out = _run(code, env, timeout=150)
+    took = time.time() - start
+    assert out.returncode == 0 and "FAILED:" in out.stdout, out.stdout + out.stderr
+    assert took < 30, f"{took:.0f} s: retried the refused token"
+    message = out.stdout
+    assert f"the Ray head at 127.0.0.1:{PORT} refused this process's token (InvalidAuthToken" in message, message
+    assert f"the token came from the file {path} (RAY_AUTH_TOKEN_PATH), written " in message, message
+    assert token not in out.stdout + out.stderr  # never the token itself
+    # the job's wait step stops as early, with the same words
+    runtime = _runtime_yaml(tmp_path, nodes=1)
+    start = time.time()
+    out = _run(f"import sys; from rlc.runtime.probe import _cli; sys.exit(_cli(['--wait', {str(runtime)!r}]))", env,
+               timeout=150)
+    assert out.returncode == 1 and time.time() - start < 30, out.stdout + out.stderr
+    assert f"refused this process's token (InvalidAuthToken" in out.stdout and str(path) in out.stdout, out.stdout
+    assert token not in out.stdout + out.stderr
+
+
+def test_join_with_the_clusters_token_still_connects(ray_head):
+    code = ("import types\n"
+            "from rlc.runtime.workers import connect\n"
+            "print(connect(types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=60), {}))\n")
+    out = _run(code, ray_head)
+    assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
