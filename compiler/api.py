@@ -79,6 +79,8 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     filled = schema.with_defaults(loaded.data)
     if not any(_below(d.path, root) for d in schema_errors for root in _bundle_keys()):
         diags += _bundle_stage(filled)
+    if not any(_below(d.path, root) for d in schema_errors for root in _path_keys()):
+        diags += _paths_stage(filled)
     if schema_errors:
         return CheckResult(loaded=loaded, recipe=None, diagnostics=_place(diags, loaded))
     recipe = recipe_from_data(filled)  # the one place defaults enter: every later stage reads this
@@ -151,6 +153,31 @@ def _bundle_stage(filled: dict[str, Any]) -> list[Diagnostic]:
 
     return bundle_diagnostics(section_from_data(ClusterSection, filled["cluster"], "cluster"), filled["name"],
                               __version__)
+
+
+def _path_keys() -> tuple[str, ...]:
+    from rlc.compiler.bundle.checks import PATH_KEYS_READ
+
+    return PATH_KEYS_READ
+
+
+def _paths_stage(filled: dict[str, Any]) -> list[Diagnostic]:
+    """Every path the job reads or writes, checked against the container's mounts."""
+    from rlc.compiler.bundle.checks import job_path_diagnostics
+    from rlc.compiler.recipe_types import (
+        CheckpointingSection,
+        ClusterSection,
+        DataSection,
+        LoggingSection,
+        ModelSection,
+        RewardSection,
+        section_from_data,
+    )
+
+    sections = [section_from_data(cls, filled[key], key) for cls, key in (
+        (ClusterSection, "cluster"), (DataSection, "data"), (ModelSection, "model"), (RewardSection, "reward"),
+        (CheckpointingSection, "checkpointing"), (LoggingSection, "logging"))]
+    return job_path_diagnostics(*sections, filled["name"])
 
 
 def _catalog_path(recipe: Recipe) -> str:

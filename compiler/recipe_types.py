@@ -148,6 +148,8 @@ class ContainerSection(_Section):
     """Python interpreter inside the container."""
     mounts: tuple[str, ...]
     """Bind mounts, each ``src:dst`` or ``src:dst:ro|rw``."""
+    image_paths: tuple[str, ...]
+    """Folders the image holds (paths the job only reads there need no mount)."""
 
 
 @section

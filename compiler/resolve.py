@@ -128,10 +128,15 @@ def output_dirs(recipe: Recipe) -> tuple[str, str]:
     A relative ``cluster.log_dir`` means "beside where rlc compile ran" (shipped recipes live inside
     the installed package, so the recipe's own folder would be the wrong anchor).
     """
-    log_dir = os.path.abspath(recipe.cluster.log_dir)
-    ckpt, logs = recipe.checkpointing.dir, recipe.logging.dir
-    return (os.path.abspath(ckpt if ckpt is not None else posixpath.join(log_dir, "checkpoints", recipe.name)),
-            os.path.abspath(logs if logs is not None else posixpath.join(log_dir, "metrics", recipe.name)))
+    return output_dirs_of(recipe.cluster.log_dir, recipe.name, recipe.checkpointing.dir, recipe.logging.dir)
+
+
+def output_dirs_of(log_dir: str, name: str, checkpoint_dir: str | None, logging_dir: str | None) -> tuple[str, str]:
+    """:func:`output_dirs` from the four settings it reads (for checks that run without a whole recipe)."""
+    log_dir = os.path.abspath(log_dir)
+    return (os.path.abspath(checkpoint_dir if checkpoint_dir is not None
+                            else posixpath.join(log_dir, "checkpoints", name)),
+            os.path.abspath(logging_dir if logging_dir is not None else posixpath.join(log_dir, "metrics", name)))
 
 
 def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:

@@ -9,6 +9,8 @@
   planner predicts with it and the runtime allocates with it.
 * :mod:`rlc.contract.host_blocks` — the pinned host blocks a weight copy in host memory is laid out in;
   the runtime allocates them, the planner counts them.
+* :mod:`rlc.contract.job_paths` — which recipe values name paths the job opens (the compiler checks
+  them against the container's mounts, the probe on every node).
 
 Both sides import these modules; neither keeps a copy.
 """

@@ -2,8 +2,11 @@
 
 ``python -m rlc.runtime --probe runtime.yaml`` (:func:`main`): connect to Ray, assert that
 ``cluster.nodes`` nodes are alive with ``cluster.gpus_per_node`` GPUs each (``world_size`` in
-all), run one task per node that takes all of its GPUs and reports where it ran and which rlc it
-imported (it must be the bundle's own copy), print a summary, return 0 or 1.
+all), run one task per node that takes all of its GPUs and reports where it ran, which rlc it
+imported (it must be the bundle's own copy) and whether the job's paths (:func:`job_paths`: data,
+a local checkpoint, the checkpoint and metrics folders) are there, inside its container (a
+missing mount shows here, in seconds, instead of at the start of training); print a summary,
+return 0 or 1.
 
 ``python -m rlc.runtime.probe --wait [--deadline EPOCH] runtime.yaml`` (:func:`wait_for_cluster`):
 wait until every node and GPU has joined, printing progress every 30 s; fail with a message that
@@ -48,6 +51,59 @@ class NodeView:
     address: str
     gpus: float
     cpus: float
+
+
+@dataclass(frozen=True)
+class JobPath:
+    """A path the job opens (from runtime.yaml), by the recipe key that names it."""
+
+    key: str
+    path: str
+    writes: bool  # the job writes there (a folder it may create); else it reads it
+    is_file: bool  # a file, else a folder
+
+
+def job_paths(runtime_yaml: str | Path) -> list[JobPath]:
+    """The paths the job opens, from ``runtime.yaml`` (the compiler checked the same ones against the
+    container's mounts: :mod:`rlc.contract.job_paths`); Hub ids and relative paths are left out."""
+    from rlc.contract.job_paths import is_local, kwarg_paths
+    from rlc.contract.runtime_config import load_runtime_config
+
+    cfg = load_runtime_config(runtime_yaml)
+    found = [JobPath("data.train", cfg.data.train_path, False, True)]
+    if cfg.data.val_path:
+        found.append(JobPath("data.val", cfg.data.val_path, False, True))
+    for key, ref in (("model.checkpoint", cfg.model.checkpoint), ("model.tokenizer", cfg.model.tokenizer)):
+        if is_local(ref) and all(p.path != ref for p in found):
+            found.append(JobPath(key, ref, False, False))
+    if cfg.checkpointing.enabled:
+        found.append(JobPath("checkpointing.dir", cfg.checkpointing.dir, True, False))
+    found.append(JobPath("logging.dir", cfg.logging.dir, True, False))
+    found += [JobPath(key, path, False, True) for key, path in kwarg_paths(cfg.reward.kwargs)]
+    return [p for p in found if os.path.isabs(os.path.expanduser(p.path))]
+
+
+def path_problems(paths: list[JobPath]) -> list[str]:
+    """What is wrong with each path here (this node, inside its container): a file or folder the job
+    reads that is missing or unreadable, a folder it writes whose nearest existing folder it cannot
+    write. Nothing is created."""
+    problems = []
+    for jp in paths:
+        path = os.path.expanduser(jp.path)
+        if not jp.writes:
+            kind = "file" if jp.is_file else "folder"
+            if not os.path.exists(path):
+                problems.append(f"{jp.key}: {path} does not exist here (a missing mount?)")
+            elif jp.is_file != os.path.isfile(path) or not os.access(path, os.R_OK | (0 if jp.is_file else os.X_OK)):
+                problems.append(f"{jp.key}: {path} is not a readable {kind}")
+            continue
+        existing = path
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{jp.key}: cannot write {path} here ({existing} is not a folder this user can "
+                            "write; a missing or read-only mount?)")
+    return problems
 
 
 def expected_from(runtime_yaml: str | Path) -> Expected:
@@ -150,18 +206,19 @@ def wait_for_cluster(exp: Expected, deadline: float, out: Callable[[str], None] 
         time.sleep(poll_s)
 
 
-def _where_task(ray: Any, index: int, gpus: int) -> Any:
+def _where_task(ray: Any, index: int, gpus: int, paths: list[JobPath]) -> Any:
     @ray.remote(num_cpus=0)
-    def where() -> dict[str, Any]:
+    def where(paths: list[JobPath]) -> dict[str, Any]:
         import socket
 
         import rlc
+        from rlc.runtime.probe import path_problems
 
         return {"slurm_node": os.environ.get("SLURMD_NODENAME", "?"), "host": socket.gethostname(),
                 "rlc": rlc.__file__, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "python": sys.executable}
+                "python": sys.executable, "path_problems": path_problems(paths)}
 
-    return where.options(num_gpus=gpus, resources={NODE_RESOURCE.format(index): 0.01}).remote()
+    return where.options(num_gpus=gpus, resources={NODE_RESOURCE.format(index): 0.01}).remote(paths)
 
 
 def _hold() -> None:
@@ -176,8 +233,9 @@ def _hold() -> None:
         time.sleep(0.5)
 
 
-def probe(exp: Expected, out: Callable[[str], None] = print) -> int:
-    """Check the connected cluster against ``exp``; 0 if it matches, 1 if not."""
+def probe(exp: Expected, out: Callable[[str], None] = print, paths: list[JobPath] | None = None) -> int:
+    """Check the connected cluster against ``exp``, and on every node that the job's ``paths`` are
+    there (inside the container); 0 if all is well, 1 if not."""
     import ray
 
     problems: list[str] = []
@@ -192,7 +250,7 @@ def probe(exp: Expected, out: Callable[[str], None] = print) -> int:
         if n.gpus != exp.gpus_per_node:
             problems.append(f"{_name(n.index)} offers {n.gpus:g} GPUs, expected {exp.gpus_per_node}")
     bundle = os.environ.get("RLC_BUNDLE_MNT")
-    tasks = {n.index: _where_task(ray, n.index, exp.gpus_per_node) for n in nodes
+    tasks = {n.index: _where_task(ray, n.index, exp.gpus_per_node, list(paths or [])) for n in nodes
              if n.index is not None and n.gpus >= exp.gpus_per_node}
     out(f"  {'node':<12} {'address':<16} {'GPUs':>4} {'CPUs':>4}  task: gpu ids, rlc imported from")
     for n in nodes:
@@ -210,12 +268,14 @@ def probe(exp: Expected, out: Callable[[str], None] = print) -> int:
                 if bundle and not r["rlc"].startswith(bundle.rstrip("/") + "/rlc_pkg/"):
                     problems.append(f"Ray workers on {_name(n.index)} import rlc from {r['rlc']}, "
                                     f"not from the bundle ({bundle}/rlc_pkg)")
+                problems += [f"on {_name(n.index)}: {p}" for p in r["path_problems"]]
         out(f"  {_name(n.index):<12} {n.address:<16} {n.gpus:>4g} {n.cpus:>4g}  {info}")
     if problems:
         for p in problems:
             out(f"[rlc] probe FAILED: {p}")
         return 1
-    out(f"[rlc] probe OK: {len(nodes)}/{exp.nodes} nodes, {gpus:g}/{exp.world_size} GPUs")
+    checked = f", {len(paths)} job paths on every node" if paths else ""
+    out(f"[rlc] probe OK: {len(nodes)}/{exp.nodes} nodes, {gpus:g}/{exp.world_size} GPUs{checked}")
     return 0
 
 
@@ -237,7 +297,7 @@ def main(runtime_yaml_path: str | Path) -> int:
         print(f"[rlc] probe FAILED: cannot connect to Ray ({exp.address}): {exc}", flush=True)
         return 1
     try:
-        rc = probe(exp, lambda s: print(s, flush=True))
+        rc = probe(exp, lambda s: print(s, flush=True), job_paths(runtime_yaml_path))
         if rc == 0:
             _hold()
         return rc

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 #: Seconds the GCS call of :func:`token_refused` may take once the head's port accepts connections.
 ASK_TIMEOUT_S = 5
@@ -75,8 +75,8 @@ def token_refused(address: str | None) -> str | None:
     if address is None or not _port_open(address):
         return None
     try:
-        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # noqa: PLC0415 - ray.init uses it
-        from ray.exceptions import AuthenticationError  # noqa: PLC0415
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # ray.init uses it
+        from ray.exceptions import AuthenticationError
     except ImportError:
         return None
     try:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from rlc.compiler.bundle.checks import job_path_problems
 from rlc.compiler.bundle.context import build_context, log_dir_warnings
 from rlc.compiler.bundle.errors import BundleError
 from rlc.compiler.bundle.lock import make_lock, write_lock, write_manifest
@@ -90,6 +91,8 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     recovered = recover(out_dir)
     check_target(out_dir, force)
     ctx = build_context(recipe.cluster, recipe.name, out_dir, runtime_config.cluster.log_dir, __version__)
+    job_path_problems(recipe.cluster, recipe.data, recipe.model, recipe.reward, recipe.checkpointing,
+                      recipe.logging, recipe.name).raise_first()
     loaded = result.loaded
     container = recipe.cluster.container
     text_values = {

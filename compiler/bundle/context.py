@@ -200,6 +200,8 @@ def build_context(cluster: ClusterSection, name: str, bundle_dir: Path | None, l
             warnings.append("cluster.container.mounts: ignored with cluster.container.runtime: none")
         if image:
             warnings.append("cluster.container.image: ignored with cluster.container.runtime: none")
+        if container.image_paths:
+            warnings.append("cluster.container.image_paths: ignored with cluster.container.runtime: none")
     else:
         found.attempt(_check_image, runtime, image)
         if bundle_dir is not None:

@@ -122,7 +122,7 @@ def test_pyxis_bundle_mounts_user_paths_bundle_and_logs(tmp_path, e2e_recipe):
     res = compile_recipe(e2e_recipe, out, _set(
         tmp_path, "cluster.container.runtime=pyxis", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
         'cluster.container.mounts=["/lustre/data:/data:ro", "/scratch/x:/x"]',
-        'cluster.shared_fs_roots=["/lustre"]'))
+        'cluster.shared_fs_roots=["/lustre"]', "data.train=/data/train.jsonl", "model.checkpoint=/x/tiny-qwen3"))
     assert (out / "mounts.txt").read_text().splitlines() == [
         "/lustre/data:/data:ro", "/scratch/x:/x", f"{out}:/opt/rlc-bundle:ro", f"{tmp_path}/logs:{tmp_path}/logs"]
     script = (out / "launch.sbatch").read_text()

@@ -56,9 +56,13 @@ def ray_head(tmp_path_factory):
     subprocess.run(["rm", "-rf", temp_dir], check=False)
 
 
-def _runtime_yaml(tmp_path: Path, nodes: int) -> Path:
+def _runtime_yaml(tmp_path: Path, nodes: int, *extra: str) -> Path:
     recipe = Path(__file__).resolve().parents[1] / "slurm" / "recipes" / "e2e-2node.yaml"
-    out = compile_recipe(recipe, tmp_path / "b", [f"cluster.log_dir={tmp_path}/logs", f"cluster.nodes={nodes}"])
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    out = compile_recipe(recipe, tmp_path / "b", [f"cluster.log_dir={tmp_path}/logs", f"cluster.nodes={nodes}",
+                                                  f"data.train={tmp_path}/data/train.jsonl",
+                                                  f"model.checkpoint={tmp_path}/data", *extra])
     return out.path / "runtime.yaml"
 
 
@@ -151,3 +155,19 @@ def test_join_with_the_clusters_token_still_connects(ray_head):
             "print(connect(types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=60), {}))\n")
     out = _run(code, ray_head)
     assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
+
+
+def test_probe_names_each_job_path_missing_on_a_node(ray_head, tmp_path):
+    # what a missing mount looks like inside a container: the path is not there on the node
+    runtime = _runtime_yaml(tmp_path, 1, f"data.val={tmp_path}/gone/val.jsonl", f"model.tokenizer={tmp_path}/gone/tok",
+                            'reward.kwargs={"table": "/nonexistent/table.json"}')
+    bundle = runtime.parent
+    env = {**ray_head, "RLC_BUNDLE_MNT": str(bundle), "PYTHONPATH": str(bundle / "rlc_pkg")}
+    out = subprocess.run([sys.executable, "-m", "rlc.runtime", "--probe", str(runtime)], env=env,
+                         cwd=bundle / "rlc_pkg", capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    failed = [line for line in out.stdout.splitlines() if line.startswith("[rlc] probe FAILED: on node1: ")]
+    assert [line.split(": ", 2)[2] for line in failed] == [
+        f"data.val: {tmp_path}/gone/val.jsonl does not exist here (a missing mount?)",
+        f"model.tokenizer: {tmp_path}/gone/tok does not exist here (a missing mount?)",
+        "reward.kwargs.table: /nonexistent/table.json does not exist here (a missing mount?)"], out.stdout

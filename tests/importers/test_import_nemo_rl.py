@@ -23,6 +23,8 @@ PUBLIC_30B = LLM / "grpo-qwen3-30ba3b-8n8g-megatron.yaml"
 PUBLIC_397B = LLM / "grpo-qwen3.5-397ba17b-32n8g-megatron.yaml"
 GPU = "cluster.gpu=h100-80gb"
 IMAGE = "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0"
+#: A container sees only what is mounted: the data and a checkpoint folder (rlc validate names both otherwise).
+MOUNTS = ("--set", 'cluster.container.mounts=["/data:/data:ro", "/ckpt:/ckpt"]', "--set", "checkpointing.dir=/ckpt/run")
 
 
 def rlc(*argv: str) -> tuple[int, str, str]:
@@ -148,7 +150,7 @@ def test_unmapped_keys_are_on_screen_and_in_the_recipe(tmp_path):
 def test_written_recipe_validates_and_compiles_with_the_sets(tmp_path):
     out = tmp_path / "recipe.yaml"
     code, stdout, err = rlc("import", "nemo-rl", str(PUBLIC_30B), "-o", str(out), "--set", GPU, "--set", IMAGE,
-                            "--set", "data.train=/data/math/train.jsonl")
+                            "--set", "data.train=/data/math/train.jsonl", *MOUNTS)
     assert code == 0, err
     result = api.check(str(out))
     assert result.errors == [], [d.message for d in result.errors]
@@ -207,7 +209,7 @@ def test_public_397b_recipe_imports_and_rlc_catches_its_refit_failure(tmp_path):
     assert got["loss.ratio_clip_high"] == 0.28 and got["training.activation_checkpointing"] == "full"
     # fixing it the way the report did makes the same import validate
     code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--set", GPU,
-                       "--set", "data.train=/data/dapo.jsonl", "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
+                       "--set", "data.train=/data/dapo.jsonl", "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0", *MOUNTS,
                        "--set", "refit.sleep_level=2",
                        "--set", "refit.buffer_memory_ratio=0.39", "--set", "generation.enforce_eager=true",
                        "policy.generation.vllm_cfg.expert_parallel_size=256")
@@ -306,7 +308,7 @@ def test_sequence_packing_is_imported_as_nemo_rl_runs_it_with_its_token_budgets(
     assert "dynamic batching" in implied["policy.sequence_packing.sequence_length_round"]
     assert "2 × CP" in implied["policy.make_sequence_length_divisible_by"]
     out = tmp_path / "r.yaml"
-    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU, "--set", IMAGE)
+    code, _, err = rlc("import", "nemo-rl", str(CHILD), "-o", str(out), "--set", GPU, "--set", IMAGE, *MOUNTS)
     assert code == 0 and "training.sequence_packing" not in err and "RLC311" not in err, err
     written = yaml.safe_load(out.read_text(encoding="utf-8"))
     assert written["training"]["sequence_packing"] == {"enabled": True, "train_mb_tokens": 4096,
@@ -384,7 +386,7 @@ def test_logprob_batch_and_the_reference_policy_in_host_memory_map_as_nemo_rl_ru
     assert "training.offload_reference_policy" not in mapped(no_kl)
     out = tmp_path / "recipe.yaml"
     code, _, err = rlc("import", "nemo-rl", str(PUBLIC_30B), "-o", str(out), "--set", GPU, "--set", IMAGE,
-                       "--set", "data.train=/data/math/train.jsonl")
+                       "--set", "data.train=/data/math/train.jsonl", *MOUNTS)
     assert code == 0, err
     code, _, err = rlc("compile", str(out), "-o", str(tmp_path / "bundle"))
     assert code == 0, err

@@ -15,7 +15,8 @@ from rlc.compiler.planner.vllm_sleep import load_sleep_table, sleep_semantics
 DSV3 = {
     "version": 1,
     "model": {"id": "deepseek-ai/DeepSeek-V3", "overrides": {"num_nextn_predict_layers": 0}},
-    "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0"}},
+    "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0",
+                                                                       "mounts": ["/data:/data:ro"]}},
     "parallelism": {"train": {"tp": 1, "pp": 16, "ep": 16, "num_layers_in_first_pipeline_stage": 3,
                               "num_layers_in_last_pipeline_stage": 2},
                     "generation": {"tp": 32}},
@@ -30,7 +31,8 @@ DSV3 = {
 QWEN35_2619 = {
     "version": 1,
     "model": {"id": "Qwen/Qwen3.5-35B-A3B-Base"},
-    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0"}},
+    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0",
+                                                                       "mounts": ["/data:/data:ro"]}},
     "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 8}},
     "generation": {"vllm_version": "0.20.0", "enforce_eager": True, "max_model_len": 4096},
     "data": {"train": "/data/train.jsonl", "max_prompt_length": 4096},

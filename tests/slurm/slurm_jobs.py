@@ -10,12 +10,23 @@ RECIPE = REPO / "tests" / "slurm" / "recipes" / "e2e-2node.yaml"
 JOB_ENV = {"RLC_RAY_OBJECT_STORE_BYTES": "100000000"}  # lean Ray on a 2-core machine
 
 
+def job_files(root: Path) -> list[str]:
+    """A prompt file and a (placeholder) checkpoint folder under ``root``, as ``--set`` overrides:
+    the probe checks on every node that the job's paths are there."""
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    (root / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (root / "model").mkdir(exist_ok=True)
+    return [f"data.train={root}/data/train.jsonl", f"model.checkpoint={root}/model"]
+
+
 def compile_e2e(tmp_path: Path, python: str, *extra: str) -> Path:
-    """Compile the 2-node recipe into ``tmp_path/bundle`` with logs in ``tmp_path/logs``."""
+    """Compile the 2-node recipe into ``tmp_path/bundle`` with logs in ``tmp_path/logs`` and the job's
+    files (:func:`job_files`) in ``tmp_path``."""
     from rlc.compiler.api import check
     from rlc.compiler.bundle import build_bundle
 
-    result = check(RECIPE, [f"cluster.log_dir={tmp_path}/logs", f"cluster.container.python={python}", *extra])
+    result = check(RECIPE, [f"cluster.log_dir={tmp_path}/logs", f"cluster.container.python={python}",
+                            *job_files(tmp_path), *extra])
     assert result.ok, result.errors
     return build_bundle(result, tmp_path / "bundle").path
 

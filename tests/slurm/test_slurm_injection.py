@@ -59,7 +59,9 @@ def test_hostile_container_image_reaches_srun_as_one_argument(slurm, ray_python,
     markers.mkdir()
     image = hostile(markers).replace("#", "")
     bundle = compile_e2e(tmp_path, ray_python, "cluster.container.runtime=pyxis",
-                         f"cluster.container.image={json.dumps(image)}")
+                         f"cluster.container.image={json.dumps(image)}",
+                         f'cluster.container.mounts=["{tmp_path}/data:{tmp_path}/data:ro", '
+                         f'"{tmp_path}/model:{tmp_path}/model:ro"]')
     job_id = slurm.sbatch(bundle / "launch.sbatch", env=JOB_ENV)
     end = slurm.wait(job_id, timeout=120)
     log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
