@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # local_slurm.sh: a throw-away SLURM on this host for rlc's tests (Debian 12, root, no systemd).
 #
-#   local_slurm.sh install          apt-install slurmctld slurmd slurm-client munge shellcheck
+#   local_slurm.sh install          apt-install slurmctld slurmd slurm-client munge shellcheck podman runc,
+#                                   and build the stand-in container image (cached)
 #   local_slurm.sh start            (re)shape and start the cluster, wait until every node is idle
 #   local_slurm.sh stop             cancel jobs, stop every daemon this script started
 #   local_slurm.sh status           print the cluster state (exit 1 if it is not up)
@@ -18,6 +19,14 @@
 # symlinks to /dev/null. `start` with an unchanged shape and live daemons returns at once; a new
 # shape restarts slurmctld and the slurmds from a clean state (munged stays up). Finished jobs
 # stay visible to `scontrol show job` for an hour and in the jobcomp file ($D/log/jobcomp.txt).
+#
+# Containers: a bundle compiled with cluster.container.runtime=apptainer runs its steps in real
+# containers when tests/harness/bin is first on the job's PATH: its `apptainer` runs `podman run`
+# (rootful, runc, host network, storage under $D/podman) with exactly the bundle's --bind list, so a
+# path the bundle does not mount is missing in the container, as on a cluster. The image is
+# $D/image/rootfs, a folder (an Apptainer "sandbox" image) built by `install` from this host's own
+# Debian packages (bash, coreutils, procps, the host's python3): no download, rebuilt only when those
+# packages change.
 set -euo pipefail
 umask 022
 
@@ -26,7 +35,9 @@ PORT=${RLC_SLURM_PORT:-17817}
 TIMEOUT=${RLC_SLURM_TIMEOUT:-60}
 ETC=$D/etc RUN=$D/run LOG=$D/log
 CONF=$ETC/slurm.conf
-PKGS=(munge slurmctld slurmd slurm-client shellcheck)
+PKGS=(munge slurmctld slurmd slurm-client shellcheck podman runc python3)
+IMAGE=$D/image
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 T0=$(date +%s%N)
 
 log() { echo "[local-slurm] $*" >&2; }
@@ -67,6 +78,16 @@ missing_pkgs() {
 
 cmd_install() {
   need_root
+  mkdir -p "$LOG"
+  install_pkgs
+  build_image
+  # The stand-in runs one container here, so a host where podman cannot run fails now, with podman's words.
+  RLC_SLURM_DIR=$D "$HERE/bin/apptainer" exec --no-home "$IMAGE/rootfs" /bin/true >"$LOG/container-check.log" 2>&1 ||
+    die "podman cannot run the stand-in image here: $(tail -n 3 "$LOG/container-check.log")"
+  log "containers run ($(elapsed))"
+}
+
+install_pkgs() {
   local missing policy_added=0 rc=0
   mapfile -t missing < <(missing_pkgs)
   if [ ${#missing[@]} -eq 0 ]; then log "packages present ($(elapsed))"; return 0; fi
@@ -84,6 +105,56 @@ cmd_install() {
   [ "$policy_added" = 1 ] && rm -f /usr/sbin/policy-rc.d
   if [ "$rc" != 0 ]; then tail -n 20 "$LOG/apt.log" >&2; die "apt-get failed (rc=$rc), see $LOG/apt.log"; fi
   log "installed in $(elapsed)"
+}
+
+# The stand-in image: the host's own packages for bash, coreutils, procps (pkill), libstdc++ (Ray's
+# binaries) and the host's python3, whatever they depend on, unpacked into $IMAGE/rootfs. A stamp of
+# the package versions decides whether the cached image is current.
+image_pkgs() {
+  local py pkg
+  py=$(readlink -f /usr/bin/python3) || return 1
+  pkg=$(dpkg -S "$py" 2>/dev/null | head -n 1 | cut -d: -f1) || return 1
+  [ -n "$pkg" ] || return 1
+  echo bash coreutils procps libstdc++6 python3-minimal "$pkg" "lib${pkg%-minimal}-stdlib"
+}
+
+build_image() {
+  local stamp new pkgs
+  pkgs=$(image_pkgs) || die "/usr/bin/python3 is missing or not from a Debian package (the stand-in image carries it)"
+  # shellcheck disable=SC2086 # a list of package names
+  stamp=$(/usr/bin/python3 "$HERE/image_files.py" $pkgs | sha256sum | cut -c1-16) || die "cannot list the image's packages"
+  if [ -f "$IMAGE/stamp" ] && [ "$(cat "$IMAGE/stamp")" = "$stamp" ] && [ -x "$IMAGE/rootfs/bin/bash" ]; then
+    log "stand-in image current ($(elapsed))"
+    return 0
+  fi
+  new=$IMAGE.new
+  rm -rf "$new"
+  mkdir -p "$new/rootfs"
+  # shellcheck disable=SC2086
+  /usr/bin/python3 "$HERE/image_files.py" --files $pkgs >"$new/files.txt" || die "cannot list the image's files"
+  tar -C / --no-recursion -cf - -T "$new/files.txt" 2>"$new/tar.log" | tar -C "$new/rootfs" -xf - ||
+    die "cannot copy the image's files, see $new/tar.log"
+  (
+    cd "$new/rootfs"
+    mkdir -p proc sys dev run tmp var/tmp root workspace etc
+    chmod 1777 tmp var/tmp
+    printf 'root:x:0:0:root:/root:/bin/bash\n' >etc/passwd
+    printf 'root:x:0:\n' >etc/group
+    cp /etc/ld.so.conf etc/ 2>/dev/null || true
+    cp -r /etc/ld.so.conf.d etc/ 2>/dev/null || true
+  )
+  ldconfig -r "$new/rootfs" 2>/dev/null || true
+  echo "$stamp" >"$new/stamp"
+  rm -rf "$IMAGE"
+  mv "$new" "$IMAGE"
+  log "stand-in image built in $IMAGE/rootfs ($(du -sm "$IMAGE/rootfs" | cut -f1) MB, $(elapsed))"
+}
+
+# remove_containers: the stand-in's containers still there (a step killed before it could stop its own)
+remove_containers() {
+  [ -x "$HERE/bin/apptainer" ] && command -v podman >/dev/null || return 0
+  RLC_SLURM_DIR=$D "$HERE/bin/apptainer" --rlc-harness-cleanup || true
+  rm -rf "${D:?}/ctmp"
 }
 
 write_conf() { # -> $ETC/slurm.conf.new, $ETC/gres.conf.new
@@ -221,6 +292,7 @@ cmd_start() {
   fi
 
   stop_slurm
+  remove_containers
   for ((g = 0; g < gpus; g++)); do ln -sfn /dev/null "$D/dev/nvidia$g"; done
   rm -rf "${D:?}/state/"* "${D:?}/spool/"* "${D:?}/tmp/"*
   # Job ids restart at 1 with the fresh state: per-job temp dirs an earlier cluster's jobs left in
@@ -250,6 +322,7 @@ summary() {
 cmd_stop() {
   local f
   stop_slurm
+  remove_containers
   for f in $(slurmd_pidfiles); do stop_pid "$f" slurmd; done
   stop_pid "$RUN/munged.pid" munged
   log "stopped in $(elapsed)"
