@@ -16,7 +16,7 @@ DSV3 = {
     "version": 1,
     "model": {"id": "deepseek-ai/DeepSeek-V3", "overrides": {"num_nextn_predict_layers": 0}},
     "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb",
-                "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0"}},
+                "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0", "mounts": ["/data:/data:ro"]}},
     "parallelism": {"train": {"tp": 1, "pp": 16, "ep": 16, "num_layers_in_first_pipeline_stage": 3,
                               "num_layers_in_last_pipeline_stage": 2},
                     "generation": {"tp": 32}},
