@@ -31,7 +31,10 @@ class Gap:
         runtime always runs (``generation.precision: auto``, never an ``off`` the schema rejects)."""
         from rlc.compiler.schema import default_at
 
-        value = default_at(self.key)
+        try:
+            value = default_at(self.key)
+        except KeyError:  # a key without a default: the message says what the runtime needs instead
+            return f"{self.key}: (a value the bundled runtime runs, see above)"
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         return f"{self.key}: {text}"
 
