@@ -90,7 +90,9 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
 
     recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
     try:
-        result.facts = catalog.model_facts(recipe.model.id, recipe_dir, recipe.model.config, recipe.model.overrides)
+        result.facts = catalog.model_facts(recipe.model.id, recipe_dir, recipe.model.config, recipe.model.overrides,
+                                           checkpoint=recipe.model.checkpoint,
+                                           mounts=recipe.cluster.container.mounts)
     except catalog.CatalogError as exc:
         result.diagnostics.append(Diagnostic("error", str(exc), path=_catalog_path(recipe), rule="RLC001"))
     try:

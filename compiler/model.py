@@ -155,6 +155,9 @@ class ModelFacts:
     fp32_params: tuple[Fp32Param, ...] = ()
     unknown: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: every place looked at for the model's config.json and what it gave (checkpoint folder, Hugging Face
+    #: cache, catalog, Hub), for errors about a fact none of them states
+    searched: tuple[str, ...] = ()
     reference_total_params: Optional[int] = None  # a published total, for cross-checks only
 
     # ------------------------------------------------------------------ derived shapes

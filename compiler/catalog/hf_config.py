@@ -179,6 +179,26 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _qwen3_5_dense(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 dense (``qwen3_5`` / ``qwen3_5_text``, e.g. Qwen3.5-9B): the MoE reader's Gated DeltaNet + gated
+    attention layers with a dense SwiGLU MLP in every layer and in the MTP block."""
+    out = _qwen3_5_moe(cfg)
+    kinds = out["layer_kinds"]
+    out.update(
+        num_experts=0,
+        experts_per_tok=None,
+        moe_intermediate=None,
+        shared_expert_intermediate=None,
+        shared_expert_gate=False,
+        dense_intermediate=_int(cfg, "intermediate_size"),
+        layer_kinds=None if kinds is None else tuple((mixer, "dense") for mixer, _ in kinds),
+        mtp_layer_kinds=(("full_attention", "dense"),),
+        expert_export=None,
+    )
+    out["_notes"] = [n for n in out["_notes"] if not n.startswith("expert export")]
+    return out
+
+
 #: The note of readers whose MTP block reuses the model's word embedding in Megatron.
 _MTP_SHARED_EMBEDDING_NOTE = "MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)"
 
@@ -364,6 +384,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _dense, "qwen2": _dense, "qwen3": _dense, "mistral": _dense,
     "qwen3_moe": _qwen3_moe,
     "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe, "qwen3_next": _qwen3_5_moe,
+    "qwen3_5": _qwen3_5_dense, "qwen3_5_text": _qwen3_5_dense,
     "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
     "nemotron_h": _nemotron_h,
     "gpt_oss": _gpt_oss,
@@ -371,7 +392,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-_CANONICAL = {"qwen3_5_moe_text": "qwen3_5_moe", "kimi_k2": "deepseek_v3"}
+_CANONICAL = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5", "kimi_k2": "deepseek_v3"}
 
 
 def family_of(cfg: dict[str, Any]) -> str:
@@ -382,7 +403,7 @@ def family_of(cfg: dict[str, Any]) -> str:
     if word in _READERS:
         return _CANONICAL.get(word, word)
     archs = " ".join(cfg.get("architectures") or [])
-    for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_moe", "Qwen3Moe"),
+    for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5"), ("qwen3_moe", "Qwen3Moe"),
                       ("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"), ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"),
                       ("llama", "Llama")):
         if arch in archs:
@@ -402,6 +423,12 @@ def facts_from_config(cfg: dict[str, Any], model_id: str, source: str) -> ModelF
     text = _text_config(cfg)
     fields = _READERS[family](text)
     notes = list(fields.pop("_notes", []))
+    if fields.get("tied_embeddings") is None and "_provenance" not in cfg:
+        # a real config.json that does not state it loads with its config class's default, in transformers
+        # (vLLM and Megatron-Bridge read the same config object); catalog entries state every fact themselves
+        fields["tied_embeddings"] = False
+        notes.append(f"tie_word_embeddings not stated: false, the default of the {family} config class "
+                     "(transformers; what vLLM and Megatron-Bridge load)")
     if fields.get("expert_bias"):
         fields["fp32_params"] = (ROUTER_BIAS, MEGATRON_EXPERT_BIAS)
     absent = cfg.get("_absent") or []

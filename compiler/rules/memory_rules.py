@@ -172,25 +172,52 @@ FACT_KEYS = {
 }
 
 
-@rule("RLC216", "memory figures that cannot be computed: a model fact is missing", severities=("warning",),
-      needs=("plan",),
-      rationale="Some architecture facts are not in the catalog entry (not public, or not recorded, e.g. "
-                "Nemotron-3-Ultra's layer count or Nemotron-3-Super's tie_word_embeddings). Without them the "
-                "planner cannot compute the train, refit or export figures and checks nothing there; a plan that "
-                "silently checks nothing would read as a pass, so this is a warning naming the key to set.",
-      seed="rlc/compiler/catalog/models/SOURCES.md.",
-      fixes="Set the missing keys under model.overrides (e.g. model.overrides: {tie_word_embeddings: false}), or "
-            "point model.config at the real config.json.")
+#: The config key that states a fact, where a family names it differently from FACT_KEYS' first name.
+_FAMILY_KEYS = {
+    "nemotron_h": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "moe_shared_expert_intermediate_size",
+                   "layer_kinds": "hybrid_override_pattern", "mtp_num_layers": "num_nextn_predict_layers"},
+    "deepseek_v3": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "n_shared_experts",
+                    "mtp_num_layers": "num_nextn_predict_layers"},
+    "glm4_moe": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "n_shared_experts",
+                 "mtp_num_layers": "num_nextn_predict_layers"},
+    "qwen3_5_moe": {"mtp_num_layers": "mtp_num_hidden_layers"},
+}
+
+
+def override_key(family: str, fact: str) -> str:
+    """The ``model.overrides`` key that supplies ``fact`` for a model of ``family``."""
+    return _FAMILY_KEYS.get(family, {}).get(fact) or FACT_KEYS.get(fact, fact).split(" ")[0]
+
+
+@rule("RLC216", "a model fact the plan needs is stated by no source", severities=("error", "warning"),
+      needs=("facts",),
+      rationale="The layout checks and the memory plan are computed from the model's architecture: layers, widths, "
+                "heads, vocabulary, whether the output layer shares the embedding, experts, MTP. rlc reads them from "
+                "the checkpoint's own config.json (its folder, the Hugging Face cache, the Hub) and the shipped "
+                "catalog, and guesses none. A plan missing one would check nothing where it matters and read as a "
+                "pass, so the recipe does not compile until the fact is supplied.",
+      seed="rlc/compiler/catalog/models/SOURCES.md (Nemotron-3-Ultra's geometry is not public; Nemotron-3-Super's "
+           "tie_word_embeddings was missing from the catalog).",
+      fixes="Make the checkpoint's config.json reachable (model.checkpoint: a folder holding it on this machine, or "
+            "the Hugging Face cache: `huggingface-cli download MODEL config.json`), or set the missing keys under "
+            "model.overrides (e.g. model.overrides: {tie_word_embeddings: false}), or point model.config at the "
+            "real config.json.")
 def unknown_figures(ctx: Context) -> None:
     facts = ctx.facts
-    missing = [f for f in (getattr(facts, "unknown", ()) or ())]
-    keys = ", ".join(FACT_KEYS.get(f, f) for f in missing)
-    hint = (f"set model.overrides: {{{', '.join(FACT_KEYS.get(f, f).split(' ')[0] + ': ...' for f in missing)}}} "
-            "from the model's config.json, or model.config: <path to config.json>") if missing else \
-        "point model.config at the model's config.json"
-    for item in ctx.plan.unknown:
-        ctx.warning(f"memory plan: {item} — not checked" + (f" (missing from the model facts: {keys})" if keys else ""),
-                    "model.id", hint=hint)
+    missing = list(getattr(facts, "unknown", ()) or ())
+    if not missing:  # figures not computed for another reason: say which, the facts are all there
+        for item in (ctx.plan.unknown if ctx.plan is not None else ()):
+            ctx.warning(f"memory plan: {item} — not checked", "model.id")
+        return
+    keys = [override_key(facts.family, f) for f in missing]
+    named = ", ".join(f"{f} ({k})" for f, k in zip(missing, keys))
+    looked = "; ".join(facts.searched) or facts.source
+    block = ", ".join(k + ": ..." for k in keys if not k.startswith("("))
+    ctx.error(f"{facts.model_id}: the plan needs {named}, which no source rlc read states. rlc looked in: "
+              f"{looked}", "model.id",
+              hint=f"set model.overrides: {{{block}}} from the model's config.json, or make the checkpoint's "
+                   "config.json reachable (model.checkpoint: a folder holding it; or the Hugging Face cache: "
+                   "`huggingface-cli download MODEL config.json`)")
 
 
 @rule("RLC218", "model facts taken from a related catalog entry or overridden", severities=("info",),

@@ -74,7 +74,9 @@ def test_nemotron_h_hybrid_layers_and_latent_moe():
     super_ = facts("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B")
     assert not super_.layer_order_known  # only per-kind counts are public
     assert super_.latent_size == 1024 and super_.moe_components()["routed_experts"].expert == 512 * 2 * 2688 * 1024
-    assert super_.param_counts()["total"] is None and "tied_embeddings" in super_.unknown
+    # untied (the NemotronHConfig default every loader applies): the total is known, 120.7B without MTP (published 120B)
+    assert super_.unknown == () and super_.tied_embeddings is False
+    assert super_.param_counts()["total_without_mtp"] == pytest.approx(120.7e9, rel=0.01)
 
 
 def test_nemotron_ultra_degrades_to_unknown_instead_of_guessing():

@@ -46,13 +46,12 @@ def test_svg_is_well_formed_with_limit_and_segments():
     assert len(segments) >= sum(len(p.items) for p in plan.phases.values())
 
 
-def test_ultra_recipe_compiles_without_errors_and_reports_unknowns():
+def test_ultra_recipe_refuses_to_compile_on_unknown_facts_and_still_renders_its_plan():
     result = api.check(str(ULTRA))
-    assert result.ok, [(d.rule, d.message) for d in result.diagnostics if d.severity == "error"]
-    warnings = [d for d in result.diagnostics if d.severity == "warning"]
-    # the facts Nemotron-3-Ultra does not publish are warnings that name the keys to set
-    assert warnings and {d.rule for d in warnings} == {"RLC216"}
-    assert all("model.overrides" in d.hint and "num_hidden_layers" in d.message for d in warnings)
+    # the facts Nemotron-3-Ultra's catalog entry lacks are one error naming the keys to set (it used to compile
+    # with warnings: a missing fact made rlc more permissive)
+    assert not result.ok and [d.rule for d in result.errors] == ["RLC216"]
+    assert "model.overrides" in result.errors[0].hint and "num_hidden_layers" in result.errors[0].message
     infos = {d.rule for d in result.diagnostics if d.severity == "info"}
     assert {"RLC104", "RLC203", "RLC204"} <= infos
     assert result.decisions["refit.per_rank_ipc_metadata"][0] is True

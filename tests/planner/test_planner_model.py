@@ -158,16 +158,26 @@ def test_prompt_plus_max_tokens_above_max_model_len_is_not_an_error(tmp_path):
 # ------------------------------------------------------------------ missing facts, variants
 
 
-def test_missing_model_facts_are_a_warning_naming_the_key_to_set(tmp_path):
-    recipe = {"version": 1, "model": {"id": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B"},
+def test_a_missing_model_fact_is_an_error_naming_the_key_to_set(tmp_path):
+    # the Nemotron-3-Super catalog entry as it was before it stated tie_word_embeddings: the plan used to be
+    # "unknown" with a warning and the recipe compiled; now nothing compiles on a fact no source states
+    import json
+
+    from rlc.compiler.catalog.models import MODELS_DIR
+
+    entry = json.loads((MODELS_DIR / "nvidia__NVIDIA-Nemotron-3-Super-120B-A12B.json").read_text())
+    del entry["tie_word_embeddings"]
+    (tmp_path / "super.json").write_text(json.dumps(entry))
+    recipe = {"version": 1, "model": {"id": "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B", "config": "super.json"},
               "cluster": {"nodes": 4, "gpus_per_node": 8, "gpu": "h100-80gb"},
               "parallelism": {"train": {"tp": 4, "pp": 2, "ep": 8, "sequence_parallel": True},
                               "generation": {"tp": 8}},
               "data": {"train": "/data/train.jsonl"}}
     result = check(tmp_path, recipe)
-    warns = [d for d in result.diagnostics if d.rule == "RLC216"]
-    assert warns and all(d.severity == "warning" for d in warns)
-    assert "tie_word_embeddings" in warns[0].message and "model.overrides" in warns[0].hint
+    errors = [d for d in result.diagnostics if d.rule == "RLC216"]
+    assert errors and all(d.severity == "error" for d in errors) and not result.ok
+    assert "tied_embeddings (tie_word_embeddings)" in errors[0].message and "local config" in errors[0].message
+    assert "tie_word_embeddings: ..." in errors[0].hint and "model.overrides" in errors[0].hint
     fixed = check(tmp_path, {**recipe, "model": {**recipe["model"], "overrides": {"tie_word_embeddings": False}}})
     assert "RLC216" not in rules(fixed) and fixed.plan.refit is not None
     assert "RLC218" in rules(fixed, "info")  # the override is stated
