@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from rlc.compiler.catalog.context import context_length
 from rlc.compiler.model import Fp32Param, LayerKind, ModelFacts
 
 ROUTER_BIAS = Fp32Param(
@@ -448,6 +449,7 @@ def facts_from_config(cfg: dict[str, Any], model_id: str, source: str) -> ModelF
     for item in absent:
         notes.append(f"not in any source: {item}")
     fields.setdefault("checkpoint_mtp_num_layers", fields.get("mtp_num_layers", 0))
+    fields["context_length"], fields["context_length_source"] = context_length(text)
     total = cfg.get("total_params_hf_api")
     return ModelFacts(
         model_id=model_id,

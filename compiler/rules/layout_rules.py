@@ -283,3 +283,34 @@ def sp_without_tp(ctx: Context) -> None:
     tl = train_layout(ctx.recipe)
     if tl.sequence_parallel and tl.tp == 1:
         ctx.info("sequence_parallel is ignored at TP 1", f"{T}.sequence_parallel")
+
+
+#: vLLM's switch that turns its max_model_len refusal into a warning (vllm/envs.py).
+ALLOW_LONG = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@rule("RLC112", "sequence lengths within the model's context length (RoPE scaling included)",
+      severities=("error", "warning"), needs=("facts",),
+      rationale="vLLM refuses a max_model_len above the length the model's config allows (max_position_embeddings, "
+                "times the RoPE scaling factor; for YaRN the factor times original_max_position_embeddings), at "
+                "engine start, after the queue. Training longer sequences than that runs RoPE positions the model "
+                "never saw. With VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in cluster.env vLLM only warns, and so does rlc.",
+      seed="vLLM 0.22 vllm/config/model.py _get_and_verify_max_len ('User-specified max_model_len (...) is greater "
+           "than the derived max_model_len').",
+      fixes="Lower generation.max_model_len (and training.max_sequence_length) to the model's context length, or use "
+            "a checkpoint whose config extends it (rope_scaling), or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in "
+            "cluster.env knowingly.")
+def context_length(ctx: Context) -> None:
+    f, r = ctx.facts, ctx.recipe
+    limit = f.context_length
+    if limit is None:
+        return
+    allowed = str(r.cluster.env.get(ALLOW_LONG, "")).strip().lower() in ("1", "true")
+    emit = ctx.warning if allowed else ctx.error
+    tail = f" ({ALLOW_LONG} is set: vLLM only warns)" if allowed else ""
+    for path, value, who in (("generation.max_model_len", r.generation.max_model_len, "vLLM refuses it at start"),
+                             ("training.max_sequence_length", r.training.max_sequence_length,
+                              "the trainer would run positions the model never saw")):
+        if value is not None and value > limit:
+            emit(f"{path} {value} is longer than {f.model_id}'s context length {limit} ({f.context_length_source}): "
+                 f"{who}{tail}", path, hint=f"set {path} to at most {limit}")
