@@ -319,7 +319,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     """Turn a NeMo-RL config into a commented rlc recipe, write it, and validate it."""
     from rlc.compiler.importers import nemo_rl
-    from rlc.compiler.importers.nemo_rl.cli_output import import_report, write_atomically
+    from rlc.compiler.importers.nemo_rl.cli_output import import_report, stopped_report, write_atomically
 
     out = Path(args.output)
     if out.is_dir():
@@ -327,9 +327,12 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     try:
-        imported = nemo_rl.import_nemo_rl(args.config, args.overrides, args.set or ())
+        imported = nemo_rl.import_nemo_rl(args.config, args.overrides, args.set or (), accept_loss=args.accept_loss)
     except nemo_rl.NemoRlConfigError as exc:
         raise UsageError(f"cannot read the NeMo-RL config: {exc}") from None
+    except nemo_rl.ImportStopped as exc:
+        sys.stderr.write(stopped_report(exc, args.config))
+        return EXIT_RECIPE
     except nemo_rl.SetError as exc:
         _print_diags(exc.diagnostics)
         return exit_code(exc.diagnostics)
@@ -531,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hydra-style override of the NeMo-RL config (key=value, +key=value, ++key=value, ~key)")
     p.add_argument("-o", "--output", metavar="RECIPE", required=True, help="recipe file to write")
     p.add_argument("--force", action="store_true", help="replace an existing recipe file")
+    p.add_argument("--accept-loss", action="store_true",
+                   help="write the recipe although settings that change the experiment have no rlc equivalent (the "
+                        "recipe lists them, and extensions.nemo_rl_import.dropped records them)")
 
     p = add("doctor", cmd_doctor, "name the rule and the fix for the failures in a job's log", with_set=True)
     p.add_argument("log", metavar="LOG", help="the failed job's log (rlc, NeMo-RL, verl, vLLM, Megatron), a folder "

@@ -394,6 +394,8 @@ class LrScheduleSection(_Section):
     """Shape after warm-up."""
     warmup_steps: int
     """Linear warm-up steps."""
+    warmup_start_lr: float
+    """Learning rate the warm-up starts from."""
 
 
 @section

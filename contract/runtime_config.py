@@ -164,6 +164,7 @@ class OptimizerConfig:
 class LRScheduleConfig:
     name: str  # "constant" | "cosine" | "linear"
     warmup_steps: int
+    warmup_start_lr: float  # the warm-up rises linearly from this to training.optimizer.lr
 
 
 @dataclass(frozen=True)

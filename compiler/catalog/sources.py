@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -180,6 +178,9 @@ def fetch_from_hub(hub_id: str, timeout: float = HUB_TIMEOUT_S) -> tuple[Optiona
     Never raises for network trouble: no network, a gated or missing repo, a slow server (at most
     ``timeout`` seconds per step) all come back as the reason.
     """
+    import urllib.error  # noqa: PLC0415 - only a model nothing local describes needs the network
+    import urllib.request  # noqa: PLC0415
+
     endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
     url = f"{endpoint}/{hub_id}/resolve/main/config.json"
     if hub_offline():

@@ -221,7 +221,8 @@ def lr_at(step: int, cfg: Any, total_steps: int) -> float:
     o = cfg.training.optimizer
     sched = cfg.training.lr_schedule
     if sched.warmup_steps > 0 and step <= sched.warmup_steps:
-        return o.lr * step / sched.warmup_steps
+        start = sched.warmup_start_lr
+        return start + (o.lr - start) * step / sched.warmup_steps
     if sched.name == "constant":
         return o.lr
     span = max(1, total_steps - sched.warmup_steps)

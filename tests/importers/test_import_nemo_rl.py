@@ -125,7 +125,7 @@ def test_megatron_child_maps_layout_optimizer_refit_and_lengths():
 
 def test_every_nemo_rl_key_is_mapped_listed_or_explained():
     for path in (CHILD, TWO_PARENTS, PUBLIC_30B, PUBLIC_397B):
-        imported = import_nemo_rl(str(path))
+        imported = import_nemo_rl(str(path), accept_loss=True)
         leaves = set(imported.config.leaves())
         sources = {s for v in imported.mapping.values for s in v.sources}
         unmapped = {u.key for u in imported.unmapped}
@@ -138,13 +138,18 @@ def test_every_nemo_rl_key_is_mapped_listed_or_explained():
 
 def test_unmapped_keys_are_on_screen_and_in_the_recipe(tmp_path):
     out = tmp_path / "r.yaml"
-    code, stdout, _ = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--set", GPU)
+    code, stdout, _ = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--set", GPU, "--accept-loss")
     text = out.read_text()
-    imported = import_nemo_rl(str(PUBLIC_397B))
+    imported = import_nemo_rl(str(PUBLIC_397B), accept_loss=True)
     assert imported.unmapped
     for u in imported.unmapped:
-        assert f"{u.key}: " in stdout and f"#   {u.key}: " in text, u.key
+        if u.effect == "default" or u.inactive:  # counted, not listed one by one
+            assert f"  {u.key}: " not in stdout and f"#   {u.key}: " not in text, u.key
+        else:
+            assert f"  {u.key}: " in stdout and f"#   {u.key}: " in text, u.key
     assert "grpo.reward_shaping.max_response_length: 8192" in text
+    defaults = [u for u in imported.unmapped if u.effect == "default" and not u.inactive]
+    assert defaults and f"{len(defaults)} more NeMo-RL key(s) keep NeMo-RL's defaults" in stdout
 
 
 def test_written_recipe_validates_and_compiles_with_the_sets(tmp_path):
@@ -201,14 +206,14 @@ def test_public_397b_recipe_imports_and_rlc_catches_its_refit_failure(tmp_path):
     by `rlc import` before anything is submitted."""
     out = tmp_path / "r.yaml"
     code, stdout, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--set", GPU,
-                            "--set", "data.train=/data/dapo.jsonl")
+                            "--set", "data.train=/data/dapo.jsonl", "--accept-loss")
     assert code == 1 and "[RLC210]" in err and "8589934592" in err
-    got = mapped(import_nemo_rl(str(PUBLIC_397B)))
+    got = mapped(import_nemo_rl(str(PUBLIC_397B), accept_loss=True))
     assert got["parallelism.train.num_layers_in_first_pipeline_stage"] == 6
     assert got["parallelism.generation.ep"] == 64 and got["grpo.dynamic_sampling.batch_multiplier"] == 2
     assert got["loss.ratio_clip_high"] == 0.28 and got["training.activation_checkpointing"] == "full"
     # fixing it the way the report did makes the same import validate
-    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--set", GPU,
+    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--accept-loss", "--set", GPU,
                        "--set", "data.train=/data/dapo.jsonl", "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0", *MOUNTS,
                        "--set", "refit.sleep_level=2",
                        "--set", "refit.buffer_memory_ratio=0.39", "--set", "generation.enforce_eager=true",
@@ -236,7 +241,7 @@ def test_engine_options_and_optimizer_keys_map_to_their_typed_rlc_keys(tmp_path)
                                                   "speculative_config": {"method": "mtp",
                                                                          "num_speculative_tokens": 1},
                                                   "max_model_len": 8192}}}}), encoding="utf-8")
-    imported = import_nemo_rl(child)
+    imported = import_nemo_rl(child, accept_loss=True)
     got = mapped(imported)
     assert got["training.use_precision_aware_optimizer"] is True
     assert got["loss.importance_sampling_correction"] is True
@@ -256,7 +261,7 @@ def test_speculative_config_maps_to_the_typed_block_by_vllm_method(tmp_path):
         child = tmp_path / "grpo-spec.yaml"
         child.write_text(yaml.safe_dump({"defaults": str(PUBLIC_397B), "policy": {"generation": {
             "vllm_kwargs": {"speculative_config": spec}}}}), encoding="utf-8")
-        return import_nemo_rl(child)
+        return import_nemo_rl(child, accept_loss=True)
 
     deepseek = imported({"method": "deepseek_mtp", "num_speculative_tokens": 1})
     got = mapped(deepseek)
@@ -272,7 +277,7 @@ def test_speculative_config_maps_to_the_typed_block_by_vllm_method(tmp_path):
 
 
 def test_precision_moe_packing_and_pass_through_options_map_to_their_keys():
-    got = mapped(import_nemo_rl(str(PUBLIC_397B)))
+    got = mapped(import_nemo_rl(str(PUBLIC_397B), accept_loss=True))
     assert got["training.use_precision_aware_optimizer"] is False
     assert got["training.moe.token_dispatcher"] == "allgather" and got["training.moe.router_dtype"] == "fp64"
     assert got["training.megatron_kwargs.defer_fp32_logits"] is True
@@ -360,12 +365,12 @@ def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_
     """NeMo-RL's GRPO configs keep bf16 grad buffers (grpo_math_1B.yaml: false); rlc's default is fp32, so
     the recipe states NeMo-RL's value whether the chain sets it, leaves it null or drops it."""
     key = "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32"
-    from_chain = import_nemo_rl(str(PUBLIC_397B))
+    from_chain = import_nemo_rl(str(PUBLIC_397B), accept_loss=True)
     assert mapped(from_chain)["training.grad_reduce_in_fp32"] is False
     assert from_chain.data["training"]["grad_reduce_in_fp32"] is False
-    assert mapped(import_nemo_rl(str(PUBLIC_397B), [f"{key}=true"]))["training.grad_reduce_in_fp32"] is True
+    assert mapped(import_nemo_rl(str(PUBLIC_397B), [f"{key}=true"], accept_loss=True))["training.grad_reduce_in_fp32"] is True
     for override in (f"{key}=null", f"~{key}"):
-        imported = import_nemo_rl(str(PUBLIC_397B), [override])
+        imported = import_nemo_rl(str(PUBLIC_397B), [override], accept_loss=True)
         assert mapped(imported)["training.grad_reduce_in_fp32"] is False, override
         note = next(v.note for v in imported.mapping.values if v.target == "training.grad_reduce_in_fp32")
         assert "grpo_math_1B.yaml" in note

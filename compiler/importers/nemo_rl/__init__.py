@@ -15,7 +15,8 @@ from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig, NemoRlCon
 from rlc.compiler.importers.nemo_rl.mapping import Mapping, MissingKey, Unmapped, map_config
 from rlc.compiler.importers.nemo_rl.recipe_writer import build_tree, comment_for, render_recipe
 
-__all__ = ["ImportedRecipe", "NemoRlConfigError", "import_nemo_rl", "load_nemo_rl_config", "map_config"]
+__all__ = ["ImportStopped", "ImportedRecipe", "NemoRlConfigError", "import_nemo_rl", "load_nemo_rl_config",
+           "map_config"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,20 @@ class ImportedRecipe:
     @property
     def unmapped(self) -> list[Unmapped]:
         return self.mapping.unmapped
+
+    @property
+    def dropped(self) -> list[Unmapped]:
+        """Settings that change the experiment and that the recipe does not carry (kept only with --accept-loss)."""
+        return [u for u in self.mapping.unmapped if u.effect == "changes"]
+
+
+class ImportStopped(Exception):
+    """The config has settings that change the experiment and have no rlc equivalent; ``--accept-loss`` was not
+    given. ``dropped`` lists them; ``config`` is the loaded NeMo-RL config (for their origins)."""
+
+    def __init__(self, dropped: list[Unmapped], config: NemoRlConfig) -> None:
+        super().__init__(f"{len(dropped)} NeMo-RL setting(s) change the experiment and have no rlc equivalent")
+        self.dropped, self.config = dropped, config
 
 
 class SetError(Exception):
@@ -50,8 +65,14 @@ def _has(tree: dict[str, Any], key: str) -> bool:
     return True
 
 
-def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequence[str] = ()) -> ImportedRecipe:
-    """Load, map and render; raises ``NemoRlConfigError`` (config) or ``SetError`` (``--set``)."""
+def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequence[str] = (),
+                   accept_loss: bool = False) -> ImportedRecipe:
+    """Load, map and render; raises ``NemoRlConfigError`` (config), ``SetError`` (``--set``), or
+    ``ImportStopped`` when a setting that changes the experiment has no rlc equivalent and ``accept_loss`` is
+    false. With ``accept_loss`` the recipe records each dropped setting (comments, and
+    ``extensions.nemo_rl_import.dropped``)."""
+    import dataclasses
+
     from rlc.compiler.recipe import apply_set_overrides
 
     cfg = load_nemo_rl_config(config_path, overrides)
@@ -63,6 +84,18 @@ def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequen
         raise SetError(set_diags)
     for key in set_keys:
         comments[key] = "from --set"
+    # a loss the import names its own fix for (e.g. --set data.prompt_template=...) is no loss once --set gives it
+    mapping.unmapped = [dataclasses.replace(u, effect="none", reason=f"{u.reason}; given with --set")
+                        if u.effect == "changes" and any(f"--set {k}=" in u.reason for k in set_keys) else u
+                        for u in mapping.unmapped]
+    dropped = [u for u in mapping.unmapped if u.effect == "changes"]
+    if dropped and not accept_loss:
+        raise ImportStopped(dropped, cfg)
+    if dropped:
+        extensions = tree.setdefault("extensions", {})
+        extensions["nemo_rl_import"] = {"dropped": {u.key: u.value for u in dropped}}
+        comments["extensions.nemo_rl_import.dropped"] = ("accepted with --accept-loss: settings that change the "
+                                                         "experiment, which this recipe does not carry")
     runtime_none = tree.get("cluster", {}).get("container", {}).get("runtime") == "none"
     missing = tuple(m for m in mapping.missing if not _has(tree, m.key)
                     and not (m.key == "cluster.container.image" and runtime_none))

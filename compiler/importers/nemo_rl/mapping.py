@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
+from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
+from rlc.compiler.importers.nemo_rl.training_keys import mtp_layers as _mtp_layers
+from rlc.compiler.importers.nemo_rl.training_keys import prompt_files as _prompt_files
 
 
 class Unmappable(ValueError):
@@ -38,6 +42,9 @@ class Unmapped:
     value: Any
     reason: str
     inactive: bool = False  # part of a NeMo-RL component this config turns off
+    #: what leaving it out does (effects.py): "changes" the experiment, "none", "default" (NeMo-RL's own
+    #: default or unset); "" until the mapper classifies it
+    effect: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,12 @@ _PACKING = {"modified_first_fit_decreasing": "modified_first_fit_decreasing", "m
             "concatenative": "concatenative"}
 
 
+def kl_type(v: Any) -> str:
+    if v in ("k1", "k2", "k3"):
+        return str(v)
+    raise Unmappable(f"reference_policy_kl_type {v!r}: rlc's loss.kl_estimator is k1, k2 or k3")
+
+
 def packing_algorithm(v: Any) -> str:
     try:
         return _PACKING[str(v)]
@@ -226,6 +239,7 @@ DIRECT: tuple[Rule, ...] = (
     ("grpo.dynamic_sampling_max_gen_batches", "grpo.dynamic_sampling.max_gen_batches", positive_int, ""),
     ("grpo.seed", "grpo.seed", non_negative_int, ""),
     ("loss_fn.reference_policy_kl_penalty", "loss.kl_penalty", number, ""),
+    ("loss_fn.reference_policy_kl_type", "loss.kl_estimator", kl_type, "Schulman's KL estimator"),
     ("loss_fn.ratio_clip_min", "loss.ratio_clip_low", number, ""),
     ("loss_fn.ratio_clip_max", "loss.ratio_clip_high", number, ""),
     ("loss_fn.token_level_loss", "loss.token_level", boolean, ""),
@@ -260,8 +274,6 @@ MEGATRON: tuple[Rule, ...] = (
      non_negative_int, ""),
     (f"{M}.num_layers_in_last_pipeline_stage", "parallelism.train.num_layers_in_last_pipeline_stage",
      non_negative_int, ""),
-    (f"{M}.activation_checkpointing", "training.activation_checkpointing", recompute,
-     "NeMo-RL recomputes full layers"),
     (f"{M}.optimizer.optimizer", "training.optimizer.name", optimizer_name, ""),
     (f"{M}.optimizer.lr", "training.optimizer.lr", number, ""),
     (f"{M}.optimizer.min_lr", "training.optimizer.min_lr", number, ""),
@@ -275,6 +287,7 @@ MEGATRON: tuple[Rule, ...] = (
     (f"{M}.optimizer.optimizer_offload_fraction", "training.optimizer_offload_fraction", number, ""),
     (f"{M}.scheduler.lr_warmup_iters", "training.lr_schedule.warmup_steps", non_negative_int, ""),
     (f"{M}.scheduler.lr_decay_style", "training.lr_schedule.name", lr_style, ""),
+    (f"{M}.scheduler.lr_warmup_init", "training.lr_schedule.warmup_start_lr", number, ""),
     (f"{M}.distributed_data_parallel_config.overlap_param_gather", "training.overlap_param_gather", boolean, ""),
     (f"{M}.distributed_data_parallel_config.overlap_grad_reduce", "training.overlap_grad_reduce", boolean, ""),
     (f"{M}.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
@@ -282,6 +295,7 @@ MEGATRON: tuple[Rule, ...] = (
     (f"{M}.moe_token_dispatcher_type", "training.moe.token_dispatcher", token_dispatcher, ""),
     (f"{M}.moe_enable_deepep", "training.moe.deepep", boolean, ""),
     (f"{M}.moe_router_dtype", "training.moe.router_dtype", router_dtype, ""),
+    (f"{M}.mtp_loss_scaling_factor", "training.mtp_loss_scale", number, "weight of the MTP loss"),
     ("policy.max_grad_norm", "training.grad_clip", number, ""),
 )
 
@@ -329,7 +343,7 @@ class _Mapper:
                 return
             for s in sources:
                 self.out.unmapped.append(Unmapped(s, self.leaves.get(s), f"{target} already comes from "
-                                                  f"{prev.sources[0]} ({prev.value!r})"))
+                                                  f"{prev.sources[0]} ({prev.value!r})", effect="none"))
             return
         self._by_target[target] = len(self.out.values)
         self.out.values.append(MappedValue(target, value, sources, note))
@@ -389,6 +403,8 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
                            "trainer's TP/CP come from policy.dtensor_cfg and its FSDP shards become data "
                            "parallelism (distributed optimizer)")
     if megatron:
+        _activation_checkpointing(m)
+        _mtp_layers(m)
         _fp8(m)
         _grad_reduce_in_fp32(m)
         _pass_through(m, [f"{M}.{k}" for k in MEGATRON_PASS_THROUGH], "training.megatron_kwargs",
@@ -402,6 +418,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _lengths(m)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
     _reward(m)
+    _prompt_files(m)
     _data(m)
     _buffer_exclusive(m)
     _params_offload(m, megatron)
@@ -412,6 +429,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     for key, value in m.leaves.items():
         if key not in m.consumed:
             m.out.unmapped.append(Unmapped(key, value, "no rlc equivalent"))
+    m.out.unmapped = [_classified(u, cfg) for u in m.out.unmapped]
     written = {s for v in m.out.values for s in v.sources} | {u.key for u in m.out.unmapped}
     m.out.implied = {k: why for k, why in m.out.implied.items() if k not in written}
     order = {key: i for i, key in enumerate(m.leaves)}
@@ -505,7 +523,7 @@ def _expert_parallel_flag(m: _Mapper) -> None:
     ep = m.cfg.get("policy.generation.vllm_cfg.expert_parallel_size") or 1
     if bool(m.leaves[key]) != (ep > 1):
         m.out.unmapped.append(Unmapped(key, m.leaves[key], f"rlc turns vLLM expert parallelism on exactly when "
-                                       f"parallelism.generation.ep > 1 (here {ep})"))
+                                       f"parallelism.generation.ep > 1 (here {ep})", effect="none"))
 
 
 def _vllm_kwargs(m: _Mapper) -> None:
@@ -531,7 +549,7 @@ def _vllm_kwargs(m: _Mapper) -> None:
             speculative[path[1]] = key
             continue
         if path[0] in VLLM_OWNED:
-            m.out.unmapped.append(Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}"))
+            m.out.unmapped.append(Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}", effect="none"))
             continue
         node = block
         for part in path[:-1]:
@@ -557,7 +575,8 @@ def _speculative_config(m: _Mapper, options: dict[str, str]) -> None:
     if typed is None:
         for key in options.values():
             m.out.unmapped.append(Unmapped(key, m.leaves[key], f"speculative method {method or '(none)'!r}: rlc "
-                                           "runs mtp or ngram (generation.speculative_decoding.method)"))
+                                           "runs mtp or ngram (generation.speculative_decoding.method); it changes speed, not the samples",
+                                           effect="none"))
         return
     m.put("generation.speculative_decoding.method", typed, (method_key,) if method_key else (),
           f"vLLM method {method!r}" if method != typed else "")
@@ -602,7 +621,7 @@ def _batch_multiplier(m: _Mapper) -> None:
         except Unmappable as exc:
             m.out.unmapped.append(Unmapped(key, value, str(exc)))
     else:
-        m.out.unmapped.append(Unmapped(key, value, "only used with grpo.use_dynamic_sampling: true"))
+        m.out.unmapped.append(Unmapped(key, value, "only used with grpo.use_dynamic_sampling: true", effect="none"))
 
 
 def _lengths(m: _Mapper) -> None:
@@ -675,7 +694,7 @@ def _env_vars(m: _Mapper, prefix: str) -> None:
             # sleep-mode pool cannot use expandable segments (RLC301 would reject the recipe).
             m.out.unmapped.append(Unmapped(key, value, "trainer-only in NeMo-RL; rlc's cluster.env reaches every "
                                            "process, and vLLM's sleep-mode memory pool cannot use expandable "
-                                           "segments (RLC301)"))
+                                           "segments (RLC301)", effect="none"))
             continue
         m.put(f"cluster.env.{name}", text, (key,), "NeMo-RL sets it for the trainer; rlc for every task")
 
@@ -698,10 +717,12 @@ def _reward(m: _Mapper) -> None:
 def _data(m: _Mapper) -> None:
     for key in ("data.dataset_name", "data.train.dataset_name"):
         name = m.cfg.get(key)
+        if isinstance(name, str) and key in m.leaves and any(v.target == "data.train" for v in m.out.values):
+            m.consume(key, why="the prompts come from the JSONL file data.train")
         if isinstance(name, str) and key in m.leaves and not any(v.target == "data.train" for v in m.out.values):
             m.consume(key, why="listed as not mapped")
             m.out.unmapped.append(Unmapped(key, name, "rlc reads prompts from a JSONL file, not a named dataset: "
-                                           "convert it and pass --set data.train=/path/train.jsonl"))
+                                           "convert it and pass --set data.train=/path/train.jsonl", effect="none"))
 
 
 def _params_offload(m: _Mapper, megatron: bool) -> None:
@@ -753,7 +774,7 @@ def _buffer_exclusive(m: _Mapper) -> None:
         ratio = m.out.values.pop(targets["refit.buffer_memory_ratio"])
         for s in ratio.sources:
             m.out.unmapped.append(Unmapped(s, ratio.value, "refit.buffer_gb (policy.refit_buffer_size_gb) wins; "
-                                           "rlc takes one of buffer_gb and buffer_memory_ratio"))
+                                           "rlc takes one of buffer_gb and buffer_memory_ratio", effect="none"))
 
 
 def _missing(m: _Mapper) -> list[MissingKey]:

@@ -71,6 +71,43 @@ def unmapped_lines(items: Sequence[Unmapped], cfg: NemoRlConfig, *, prefix: str)
     return lines
 
 
+def _examples(keys: Sequence[str], n: int = 4) -> str:
+    shown = ", ".join(keys[:n])
+    return shown + (", ..." if len(keys) > n else "")
+
+
+def _components(items: Sequence[Unmapped]) -> str:
+    """The NeMo-RL sections the inactive keys belong to (first two key parts)."""
+    return ", ".join(dict.fromkeys(".".join(u.key.split(".")[:2]) for u in items))
+
+
+def unmapped_report(mapping: Mapping, cfg: NemoRlConfig, *, prefix: str, where: str = "") -> list[str]:
+    """What the recipe does not carry, by effect: dropped settings (changes), settings with no effect on what is
+    trained (listed), NeMo-RL defaults and components the config turns off (one line each, counted)."""
+    lines: list[str] = []
+    active = [u for u in mapping.unmapped if not u.inactive]
+    dropped = [u for u in active if u.effect == "changes"]
+    listed = [u for u in active if u.effect == "none"]
+    defaults = [u for u in active if u.effect == "default"]
+    inactive = [u for u in mapping.unmapped if u.inactive]
+    lead = prefix.rstrip() + " " if prefix.strip() else ""
+    item = prefix + "  "
+    if dropped:
+        lines.append(f"{lead}Dropped (--accept-loss): {len(dropped)} NeMo-RL setting(s) that change the experiment, "
+                     f"with no rlc equivalent{where}:")
+        lines.extend(unmapped_lines(dropped, cfg, prefix=item))
+    if listed:
+        lines.append(f"{lead}Not mapped: {len(listed)} NeMo-RL key(s) that do not change what is trained{where}:")
+        lines.extend(unmapped_lines(listed, cfg, prefix=item))
+    if defaults:
+        lines.append(f"{lead}{len(defaults)} more NeMo-RL key(s) keep NeMo-RL's defaults (or are unset) and have no "
+                     f"rlc setting: {_examples([u.key for u in defaults])}")
+    if inactive:
+        lines.append(f"{lead}Ignored: {len(inactive)} key(s) of NeMo-RL components this config turns off "
+                     f"({_components(inactive)})")
+    return lines
+
+
 def render_recipe(tree: dict[str, Any], comments: dict[str, str], *, cfg: NemoRlConfig, config_path: str,
                   overrides: Sequence[str], sets: Sequence[str], mapping: Mapping,
                   still_missing: Sequence[MissingKey]) -> str:
@@ -94,13 +131,5 @@ def render_recipe(tree: dict[str, Any], comments: dict[str, str], *, cfg: NemoRl
         head.append("# Still to set (NeMo-RL does not say; rlc validate or compile fails until they are):")
         head.extend(f"#   {m.key}: {m.why}; e.g. --set {m.example}" for m in still_missing)
     body = dump_yaml(tree, comment)
-    tail: list[str] = []
-    active = [u for u in mapping.unmapped if not u.inactive]
-    inactive = [u for u in mapping.unmapped if u.inactive]
-    if active:
-        tail.append(f"# Not mapped: {len(active)} NeMo-RL key(s) rlc has no equivalent for (value, reason, origin):")
-        tail.extend(unmapped_lines(active, cfg, prefix="#   "))
-    if inactive:
-        tail.append(f"# Ignored: {len(inactive)} key(s) of NeMo-RL components this config turns off:")
-        tail.extend(unmapped_lines(inactive, cfg, prefix="#   "))
+    tail = unmapped_report(mapping, cfg, prefix="# ", where=" (value, reason, origin)")
     return "\n".join(head) + "\n" + body + ("\n" + "\n".join(tail) + "\n" if tail else "")

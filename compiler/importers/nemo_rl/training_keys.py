@@ -1,0 +1,209 @@
+"""NeMo-RL keys whose rlc value depends on other keys or on files: activation recomputation, the trainer's MTP
+blocks, prompt template files, and the classification of what is left out (:mod:`.effects`).
+
+Each function takes the mapper of :mod:`.mapping` and adds values (``m.put`` / ``m.take``), consumed keys
+(``m.consume``) or unmapped keys (``m.out.unmapped``) as the table rows there do.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from rlc.compiler.importers.nemo_rl.effects import MOOT, effect_of, is_default
+
+if TYPE_CHECKING:
+    from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+    from rlc.compiler.importers.nemo_rl.mapping import Unmapped, _Mapper
+
+M = "policy.megatron_cfg"
+
+
+def classified(u: Unmapped, cfg: NemoRlConfig) -> Unmapped:
+    """``u`` with its effect on the experiment decided (:mod:`.effects`); a key of a component the config turns
+    off changes nothing."""
+    import dataclasses
+
+    if u.effect == "none" and is_default(u.key, u.value, cfg.raw_text(u.key)):
+        return dataclasses.replace(u, effect="default")
+    if u.effect:
+        return u
+    if u.inactive:
+        return dataclasses.replace(u, effect="none")
+    effect = effect_of(u.key, u.value, cfg.raw_text(u.key))
+    for key, other, value, why in MOOT:
+        if u.key == key and cfg.get(other) == value and effect == "changes":
+            return dataclasses.replace(u, effect="none", reason=f"{u.reason}; {other} is {value!r}: {why}")
+    switch = _disabled_block(u.key, cfg)
+    if effect == "changes" and switch:
+        return dataclasses.replace(u, effect="none", reason=f"{u.reason}; {switch} is false: the block is off")
+    return dataclasses.replace(u, effect=effect)
+
+
+def _disabled_block(key: str, cfg: NemoRlConfig) -> str:
+    """The ``<block>.enabled`` key that turns the block holding ``key`` off, or ``""``."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        switch = ".".join(parts[:i]) + ".enabled"
+        if switch != key and cfg.get(switch) is False:
+            return switch
+    return ""
+
+
+def activation_checkpointing(m: _Mapper) -> None:
+    """NeMo-RL recomputes activations when ``activation_checkpointing`` is true, at ``recompute_granularity``
+    ``full`` (whole layers) or ``selective`` (``recompute_modules``; Megatron-core's default ``core_attn`` when
+    null). rlc's ``training.activation_checkpointing: selective`` sets the same granularity and leaves the
+    modules to Megatron-core, so other modules go to ``training.megatron_kwargs.recompute_modules``."""
+    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
+
+    on_key, granularity_key, modules_key = (f"{M}.activation_checkpointing", f"{M}.recompute_granularity",
+                                            f"{M}.recompute_modules")
+    if on_key not in m.leaves:
+        return
+    on = m.leaves[on_key]
+    granularity = m.leaves.get(granularity_key) or "full"
+    modules = m.leaves.get(modules_key)
+    if on is not True:
+        m.take(on_key, "training.activation_checkpointing", lambda v: "none")
+        m.consume(granularity_key, modules_key, why="activation checkpointing is off")
+        return
+    if granularity not in ("full", "selective"):
+        m.consumed.update({on_key, granularity_key})
+        m.out.unmapped.append(Unmapped(granularity_key, granularity, "rlc recomputes full layers or selective modules"))
+        return
+    m.put("training.activation_checkpointing", granularity, (on_key, granularity_key) if granularity_key in m.leaves
+          else (on_key,), "NeMo-RL recomputes full layers" if granularity == "full" else
+          "Megatron-core's selective recomputation")
+    m.consumed.update({on_key, granularity_key})
+    if granularity == "full" or modules is None:
+        m.consume(modules_key, why="full layers are recomputed" if granularity == "full" else
+                  "null: Megatron-core's default modules (core_attn)")
+        return
+    m.consumed.add(modules_key)
+    m.put("training.megatron_kwargs.recompute_modules", modules, (modules_key,),
+          "set on the Megatron-Bridge model provider unchanged")
+
+
+#: The config.json key a model family states its MTP block count with (rlc's model.overrides key).
+_MTP_KEYS = {"qwen3_5_moe": "mtp_num_hidden_layers", "qwen3_5": "mtp_num_hidden_layers",
+             "deepseek_v3": "num_nextn_predict_layers", "glm4_moe": "num_nextn_predict_layers",
+             "nemotron_h": "num_nextn_predict_layers"}
+
+
+def _model_mtp(model_id: Any) -> tuple[Optional[int], Optional[str]]:
+    """``(MTP blocks in the checkpoint, the config key stating them)`` from the offline model facts, or Nones."""
+    if not isinstance(model_id, str):
+        return None, None
+    from rlc.compiler import catalog
+
+    try:
+        facts = catalog.model_facts(model_id, Path.cwd(), hub=False)
+    except catalog.CatalogError:
+        return None, None
+    return facts.checkpoint_mtp_num_layers, _MTP_KEYS.get(facts.family)
+
+
+def mtp_layers(m: _Mapper) -> None:
+    """``mtp_num_layers``: the MTP blocks NeMo-RL builds in the trainer (0: none, its default; null: the
+    checkpoint's). rlc builds the checkpoint's blocks unless ``model.overrides`` sets the count, so a different
+    count becomes that override; with no MTP loss the main model trains the same either way."""
+    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
+
+    key = f"{M}.mtp_num_layers"
+    if key not in m.leaves:
+        return
+    value = m.leaves[key]
+    m.consumed.add(key)
+    if value is None:
+        m.out.implied[key] = "null: the checkpoint's MTP blocks, as rlc builds them"
+        return
+    have, config_key = _model_mtp(m.cfg.get("policy.model_name"))
+    if have is not None and have == value:
+        m.out.implied[key] = f"the checkpoint has {have} MTP block(s), which rlc builds"
+        return
+    if have == 0 or (have is None and value == 0):
+        m.out.implied[key] = "the model has no MTP blocks" if have == 0 else \
+            "no MTP blocks in the trainer; rlc builds the checkpoint's, which train nothing without an MTP loss"
+        return
+    if config_key is None:
+        m.out.unmapped.append(Unmapped(key, value, "rlc builds the checkpoint's MTP blocks; set the model's MTP "
+                                       "count under model.overrides"))
+        return
+    m.put(f"model.overrides.{config_key}", value, (key,),
+          f"the trainer builds {value} MTP block(s) (the checkpoint has {have})")
+
+
+def _nemo_rl_template(text: str) -> str:
+    """NeMo-RL's prompt template (``str.format`` with one positional field, the problem) as rlc's
+    ``data.prompt_template`` (the field named ``prompt``). ``Unmappable`` for other fields."""
+    from rlc.compiler.importers.nemo_rl.mapping import Unmappable
+
+    out = []
+    for literal, field, spec, conversion in string.Formatter().parse(text):
+        out.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field is None:
+            continue
+        if field not in ("", "0") or spec or conversion:
+            raise Unmappable(f"the template uses {{{field}}}; NeMo-RL fills one positional field, the problem")
+        out.append("{prompt}")
+    return "".join(out)
+
+
+def _find(name: str, config_files: list[str]) -> Optional[Path]:
+    """NeMo-RL opens a prompt file relative to its working directory, its checkout: try the working directory, then
+    every folder above each config of the chain (the checkout holding ``examples/configs``)."""
+    path = Path(name)
+    if path.is_absolute():
+        return path if path.is_file() else None
+    candidates = [Path.cwd() / path]
+    for config in config_files:
+        candidates += [parent / path for parent in Path(config).resolve().parents]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def prompt_files(m: _Mapper) -> None:
+    """``data.*.prompt_file`` (a text file NeMo-RL formats each problem into) becomes ``data.prompt_template``,
+    the file's text inline, so the job needs no NeMo-RL checkout; a file the import cannot find is dropped (it
+    changes every prompt). ``system_prompt_file`` has no rlc equivalent."""
+    from rlc.compiler.files import read_text_capped
+    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
+
+    keys = [k for k in m.leaves if k.startswith("data.") and k.rsplit(".", 1)[-1] == "prompt_file"]
+    active = [k for k in keys if m.leaves[k] is not None]
+    m.consume(*[k for k in keys if m.leaves[k] is None], why="null: the prompt as it is (data.prompt_template "
+              "'{prompt}')")
+    if len({m.leaves[k] for k in active}) > 1:
+        for k in active:
+            m.consumed.add(k)
+            m.out.unmapped.append(Unmapped(k, m.leaves[k], "datasets with different prompt files: rlc has one "
+                                           "data.prompt_template"))
+        return
+    for k in active:
+        m.consumed.add(k)
+        name = str(m.leaves[k])
+        found = _find(name, list(m.cfg.files))
+        if found is None:
+            m.out.unmapped.append(Unmapped(k, name, "NeMo-RL formats every prompt with this file, which the import "
+                                           "did not find (run it from the NeMo-RL checkout, or --set "
+                                           "data.prompt_template='...{prompt}...')", effect="changes"))
+            continue
+        try:
+            template = _nemo_rl_template(read_text_capped(found))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            m.out.unmapped.append(Unmapped(k, name, f"{found}: {getattr(exc, 'strerror', None) or exc}",
+                                           effect="changes"))
+            continue
+        m.put("data.prompt_template", template, (k,), f"the text of {found} (NeMo-RL's '{{}}' is rlc's '{{prompt}}')")
+    processors = sorted({str(m.leaves[k]) for k in m.leaves if k.startswith("data.") and k.endswith(".processor")
+                         and m.leaves[k] is not None})
+    if processors:
+        m.out.notes.append(f"NeMo-RL's data processor ({', '.join(processors)}) puts each prompt into the tokenizer's "
+                           "chat template; rlc sends the text of data.prompt_template as it is: write the chat markup "
+                           "into data.prompt_template if the run needs it")
+    for k in [k for k in m.leaves if k.startswith("data.") and k.endswith(".system_prompt_file")]:
+        m.consumed.add(k)
+        if m.leaves[k] is None:
+            m.out.implied[k] = "null: no system prompt"
+        else:
+            m.out.unmapped.append(Unmapped(k, m.leaves[k], "rlc sends no system prompt", effect="changes"))

@@ -1,0 +1,176 @@
+"""`rlc import nemo-rl` on NeMo-RL's own configs (nemo_rl_real/, copied from NVIDIA-NeMo/RL @ 7ea279ab): nothing
+that changes the experiment is dropped silently. A setting with an rlc equivalent is mapped with its value; a
+non-default setting that changes training and has none stops the import (``--accept-loss`` writes the recipe and
+records it); keys at NeMo-RL's defaults are counted in one line."""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlc.compiler.cli import main
+from rlc.compiler.importers.nemo_rl import ImportStopped, import_nemo_rl
+
+REAL = Path(__file__).resolve().parent / "nemo_rl_real" / "examples"
+CONFIGS = REAL / "configs"
+LLM = CONFIGS / "recipes" / "llm"
+BASE = CONFIGS / "grpo_math_1B.yaml"
+MEGATRON_BASE = CONFIGS / "grpo_math_1B_megatron.yaml"
+COT = (REAL / "prompts" / "cot.txt").read_text()
+
+
+def rlc(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def mapped(imported) -> dict[str, object]:
+    return {v.target: v.value for v in imported.mapping.values}
+
+
+def dropped(path: Path, overrides: tuple[str, ...] = ()) -> set[str]:
+    try:
+        import_nemo_rl(str(path), overrides)
+    except ImportStopped as stop:
+        return {u.key for u in stop.dropped}
+    return set()
+
+
+REWARD_SHAPING = {"grpo.reward_shaping.enabled", "grpo.reward_shaping.overlong_buffer_length",
+                  "grpo.reward_shaping.max_response_length", "grpo.reward_scaling.enabled",
+                  "grpo.reward_scaling.target_min"}
+#: What each real Megatron recipe sets that changes the experiment and rlc cannot express.
+RECIPES = {
+    "grpo-llama3.2-1b-instruct-1n8g-megatron.yaml": set(),
+    "grpo-qwen3-30ba3b-8n8g-megatron.yaml": set(),
+    "grpo-qwen3.5-9b-1n8g-megatron.yaml": set(),
+    "grpo-dapomath17k-dsv3-megatron.yaml": {"loss_fn.use_on_policy_kl_approximation"},
+    "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml":
+        REWARD_SHAPING | {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
+    "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": REWARD_SHAPING,
+}
+
+
+@pytest.mark.parametrize("path", [BASE, MEGATRON_BASE], ids=lambda p: p.name)
+def test_the_base_configs_import_whole_with_their_defaults_counted(path):
+    imported = import_nemo_rl(str(path))
+    assert imported.dropped == []
+    defaults = [u for u in imported.unmapped if u.effect == "default" and not u.inactive]
+    listed = [u for u in imported.unmapped if u.effect == "none" and not u.inactive]
+    # ~190 keys at NeMo-RL's defaults, summarised; the few left are listed with why they change nothing
+    assert len(defaults) > 150 and len(listed) < 35
+    assert all(u.reason for u in listed)
+    got = mapped(imported)
+    assert got["loss.kl_estimator"] == "k3" and got["grpo.leave_one_out"] is True
+    assert got["data.prompt_template"].format(prompt="2+2?") == COT.format("2+2?")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_real_megatron_recipe_maps_what_it_can_and_stops_on_what_it_cannot(name, tmp_path):
+    path = LLM / name
+    assert dropped(path) == RECIPES[name]
+    imported = import_nemo_rl(str(path), accept_loss=True)
+    got = mapped(imported)
+    assert got["model.id"] == imported.config.get("policy.model_name")
+    assert got["training.lr_schedule.warmup_start_lr"] == imported.config.get("policy.megatron_cfg.scheduler."
+                                                                               "lr_warmup_init")
+    assert got["training.activation_checkpointing"] == (
+        "full" if imported.config.get("policy.megatron_cfg.activation_checkpointing") else "none")
+    # every NeMo-RL key is accounted for: mapped, listed with a reason, or counted as default / inactive
+    leaves = set(imported.config.leaves())
+    sources = {s for v in imported.mapping.values for s in v.sources}
+    assert leaves == sources | {u.key for u in imported.unmapped} | set(imported.mapping.implied)
+    out = tmp_path / "r.yaml"
+    code, stdout, err = rlc("import", "nemo-rl", str(path), "-o", str(out), "--set", "cluster.gpu=h100-80gb")
+    if RECIPES[name]:
+        assert code == 1 and not out.exists() and "stopped, nothing written" in err and "--accept-loss" in err
+        for key in RECIPES[name]:
+            assert f"  {key}: " in err
+        code, stdout, err = rlc("import", "nemo-rl", str(path), "-o", str(out), "--set", "cluster.gpu=h100-80gb",
+                                "--accept-loss")
+        text = out.read_text()
+        assert "# Dropped (--accept-loss):" in text
+        recipe = yaml.safe_load(text)
+        assert set(recipe["extensions"]["nemo_rl_import"]["dropped"]) == RECIPES[name]
+    else:
+        assert out.exists() and "Dropped" not in out.read_text()
+    assert "more NeMo-RL key(s) keep NeMo-RL's defaults" in stdout
+
+
+def test_reference_policy_kl_type_maps_to_the_kl_estimator():
+    # used to be listed as "no rlc equivalent" while rlc ran k3: a k2 config trained with another estimator
+    for kind in ("k1", "k2", "k3"):
+        got = mapped(import_nemo_rl(str(BASE), [f"loss_fn.reference_policy_kl_type={kind}"]))
+        assert got["loss.kl_estimator"] == kind
+    assert dropped(BASE, ("loss_fn.reference_policy_kl_type=k4",)) == {"loss_fn.reference_policy_kl_type"}
+
+
+def test_recompute_granularity_selective_maps_to_selective_and_its_modules_pass_through():
+    on = "policy.megatron_cfg.activation_checkpointing=true"
+    # used to be written as activation_checkpointing: full whatever the granularity
+    got = mapped(import_nemo_rl(str(MEGATRON_BASE), [on, "policy.megatron_cfg.recompute_granularity=selective"]))
+    assert got["training.activation_checkpointing"] == "selective"
+    assert "training.megatron_kwargs.recompute_modules" not in got  # null: Megatron-core's core_attn, as rlc's
+    got = mapped(import_nemo_rl(str(MEGATRON_BASE), [on, "policy.megatron_cfg.recompute_granularity=selective",
+                                                     "policy.megatron_cfg.recompute_modules=[moe]"]))
+    assert got["training.megatron_kwargs.recompute_modules"] == ["moe"]
+    got = mapped(import_nemo_rl(str(MEGATRON_BASE), [on]))
+    assert got["training.activation_checkpointing"] == "full"
+    off = import_nemo_rl(str(MEGATRON_BASE), ["policy.megatron_cfg.recompute_granularity=selective"])
+    assert mapped(off)["training.activation_checkpointing"] == "none"
+    assert "policy.megatron_cfg.recompute_granularity" in off.mapping.implied
+
+
+def test_mtp_loss_scale_and_the_trainers_mtp_blocks_are_mapped():
+    got = mapped(import_nemo_rl(str(MEGATRON_BASE), ["policy.megatron_cfg.mtp_loss_scaling_factor=0.1"]))
+    assert got["training.mtp_loss_scale"] == 0.1  # used to be dropped, leaving rlc's 0
+    # NeMo-RL's mtp_num_layers 0 (its default) builds the Qwen3.5 trainer without its MTP block: so does the recipe
+    imported = import_nemo_rl(str(LLM / "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml"), accept_loss=True)
+    assert mapped(imported)["model.overrides.mtp_num_hidden_layers"] == 0
+    one = import_nemo_rl(str(LLM / "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml"),
+                         ["policy.megatron_cfg.mtp_num_layers=1"], accept_loss=True)
+    assert not any(k.startswith("model.overrides") for k in mapped(one))  # the checkpoint's one block
+
+
+def test_prompt_file_becomes_the_prompt_template_and_a_missing_one_stops_the_import(tmp_path):
+    got = mapped(import_nemo_rl(str(BASE)))
+    assert got["data.prompt_template"] == COT.replace("\n{}\n", "\n{prompt}\n")  # NeMo-RL's {} is rlc's {prompt}
+    # the config alone, away from its checkout: the file is not found, which would change every prompt
+    lone = tmp_path / "grpo_math_1B.yaml"
+    lone.write_text(BASE.read_text())
+    with pytest.raises(ImportStopped) as stop:
+        import_nemo_rl(str(lone))
+    (u,) = stop.value.dropped
+    assert u.key == "data.default.prompt_file" and "did not find" in u.reason
+    # the fix the message names resolves it
+    fixed = import_nemo_rl(str(lone), sets=['data.prompt_template="{prompt} Answer"'])
+    assert fixed.data["data"]["prompt_template"] == "{prompt} Answer" and fixed.dropped == []
+    assert dropped(BASE, ("data.default.system_prompt_file=examples/prompts/cot.txt",)) == {
+        "data.default.system_prompt_file"}
+
+
+def test_nvfp4_rollouts_dapo_reward_shaping_and_yarn_overrides_stop_the_import():
+    assert {"policy.generation.quant_cfg", "policy.generation.real_quant"} <= \
+        dropped(LLM / "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml")
+    assert dropped(BASE, ("grpo.reward_shaping.enabled=true",)) == {"grpo.reward_shaping.enabled"}
+    yarn = ("++policy.hf_config_overrides.rope_scaling={rope_type: yarn, factor: 4.0, "
+            "original_max_position_embeddings: 32768}",)
+    assert {k for k in dropped(BASE, yarn)} == {"policy.hf_config_overrides.rope_scaling.rope_type",
+                                               "policy.hf_config_overrides.rope_scaling.factor",
+                                               "policy.hf_config_overrides.rope_scaling."
+                                               "original_max_position_embeddings"}
+    # a disabled block changes nothing, whatever its other keys say
+    assert dropped(BASE, ("grpo.reward_shaping.overlong_buffer_length=4096",)) == set()
+
+
+def test_settings_that_change_nothing_are_listed_not_stopped():
+    imported = import_nemo_rl(str(BASE), ["logger.wandb_enabled=true", "grpo.val_period=5",
+                                          "policy.logprob_batch_size=8"])
+    listed = {u.key: u for u in imported.unmapped if u.effect == "none"}
+    assert {"logger.wandb_enabled", "grpo.val_period", "policy.logprob_batch_size"} <= set(listed)
+    assert imported.dropped == []
