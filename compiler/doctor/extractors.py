@@ -143,3 +143,51 @@ def ray_lost(m: re.Match, lines: list[str], i: int) -> Values:
 
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:
     return {}
+
+
+#: Bytes per element of the dtypes logs name (torch spelling, without ``torch.``).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "float64": 8, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "uint8": 1, "int8": 1}
+
+
+def _shape(text: str) -> list[int]:
+    return [int(d) for d in re.findall(r"[0-9]+", text)]
+
+
+def bucket_sizes(m: re.Match, lines: list[str], i: int) -> Values:
+    """verl's bucket assertion: the tensor (name, shape, dtype -> bytes) and the bucket size."""
+    shape = _shape(m.group("shape"))
+    out: dict[str, Any] = {"name": m.group("name"), "shape": shape, "dtype": m.group("dtype")}
+    per = DTYPE_BYTES.get(m.group("dtype"))
+    if per is not None and shape:
+        total = per
+        for d in shape:
+            total *= d
+        out["tensor_bytes"] = total
+    if m.group("mb"):
+        out["bucket_bytes"] = int(m.group("mb")) << 20
+    return out
+
+
+_SYNC_TENSOR = re.compile(r"update weight: (?P<name>[^\s,]+), dtype: (?:torch\.)?(?P<dtype>\w+), shape: "
+                          r"(?:torch\.Size\()?\[(?P<shape>[0-9, ]*)\]")
+_HOST = re.compile(r"\bip=(?P<ip>[0-9a-fA-F.:]+)\)|^(?P<host>[A-Za-z0-9][\w.-]*):[0-9]+:[0-9]+ \[[0-9]+\]")
+
+
+def network(m: re.Match, lines: list[str], i: int) -> Values:
+    """An NCCL / InfiniBand / socket failure: what failed (peer, status, call, collective, timeout), the host that
+    logged it, and the last tensor a weight sync named before it (OpenRLHF's ``update weight: NAME ...``)."""
+    out: dict[str, Any] = {k: v.strip() for k, v in m.groupdict().items() if v is not None}
+    for key in ("status", "seq", "timeout_ms", "secs"):
+        if key in out:
+            out[key] = int(out[key])
+    line = lines[i]
+    host = _HOST.search(line) or _HOST.search(line.split(") ", 1)[-1])
+    if host:
+        out["host"] = host.group("ip") or host.group("host")
+    for j in range(i - 1, max(-1, i - 40), -1):
+        sync = _SYNC_TENSOR.search(lines[j])
+        if sync:
+            out["name"], out["dtype"], out["shape"] = sync.group("name"), sync.group("dtype"), _shape(sync.group("shape"))
+            break
+    return out

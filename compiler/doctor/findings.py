@@ -35,6 +35,7 @@ class Finding:
     evidence: list[Match] = field(default_factory=list)  # other lines that point at the rule
     replan: Optional[str] = None  # the verdict of re-planning with the recipe and the log's numbers
     fits: Optional[bool] = None  # whether the proposed change fits (None: not judged)
+    warnings: list[str] = field(default_factory=list)  # e.g. the log's model is not the recipe's
 
     @property
     def first(self) -> Match:

@@ -60,6 +60,51 @@ def _logprob_metric(names: str, metric: str, limit: float, source: str, hints: t
 
 
 
+#: Lines of a weight sync (trainer -> rollout engine) in the frameworks' logs: OpenRLHF's "update weight: NAME",
+#: verl's update_weights / bucket, NeMo-RL's refit, slime's update_weight, rlc's refit, a broadcast of weights.
+_WEIGHT_SYNC = _rx(r"update[ _]weights?\b|_broadcast_to_vllm|broadcast_weights|sync_weights|weight[ _]sync|refit|"
+                   r"update_weight_from|stream_weights")
+_NETWORK_FIX = (
+    "a network fault, not a memory or layout one. Check the InfiniBand / RoCE links of the hosts the log names "
+    "(`ibstat` / `ibv_devinfo`: port State Active, error counters not rising; `ibdiagnet`), that NCCL uses the "
+    "fabric you expect (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX for RoCE; NCCL_DEBUG=INFO prints its "
+    "choice) and that every node reaches the peer's address; leave a bad node out (cluster.slurm.extra_flags: "
+    "[--exclude=HOST]) and resume from the last checkpoint. A watchdog timeout names a collective that never "
+    "finished: the first error of another rank is the cause")
+_NETWORK_REPORTS = ("OpenRLHF #621 (vLLM weight update across nodes: 'mlx5: host_unknown: got completion with "
+                    "error'); OpenRLHF #335 ('NCCL WARN Call to ibv_modify_qp failed with error Connection timed out' "
+                    "in update_weight); NVIDIA/nccl #1405 ('NET/IB : Got completion from peer ... status=12'); "
+                    "OpenRLHF #265 (NCCL watchdog timeout, client socket timeout)",)
+#: Each NCCL / InfiniBand / socket failure line: (regex, lower-case hint).
+_NETWORK_LINES = (
+    (r"NET/IB\w* ?: Got completion from peer (?P<peer>[^\s<]+)(?:<\d+>)? with (?:status|error)[= ](?P<status>\d+)",
+     "got completion from peer"),
+    (r"mlx5: \S+: got completion with error", "got completion with error"),
+    (r"NCCL WARN Call to (?P<call>ibv_\w+) failed with error (?P<error>.+)", "ncclwarn call to ibv_"),
+    (r"NCCL error in: \S+, (?P<error>remote process exited or there was a network error|unhandled system error|"
+     r"unhandled cuda error|internal error|invalid usage)", "nccl error in"),
+    (r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+).*?"
+     r"Timeout\(ms\)=(?P<timeout_ms>\d+)\)", "watchdog caught collective operation timeout"),
+    (r"client socket has timed out after (?P<secs>\d+)s while trying to connect to \((?P<peer>[^)]+)\)",
+     "client socket has timed out"),
+)
+
+
+def _network_rows() -> tuple[Pattern, ...]:
+    """NCCL / InfiniBand / socket failures: during a weight sync (a sync line within the window), else anywhere."""
+    rows = []
+    for regex, hint in _NETWORK_LINES:
+        hints = (hint.replace("ncclwarn ", ""),)
+        rows.append(Pattern("weight-sync-network", None, "NCCL / InfiniBand failure during a weight sync",
+                            _rx(regex), x.network, _NETWORK_FIX, _NETWORK_REPORTS, near=_WEIGHT_SYNC, window=12,
+                            hints=hints))
+    for regex, hint in _NETWORK_LINES:
+        hints = (hint.replace("ncclwarn ", ""),)
+        rows.append(Pattern("nccl-network", None, "NCCL / InfiniBand / network failure", _rx(regex), x.network,
+                            _NETWORK_FIX, _NETWORK_REPORTS, hints=hints))
+    return tuple(rows)
+
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern(
         "mtp-duplicate-owner", "RLC201", "a parameter owned by two pipeline stages (MTP shared embedding)",
@@ -92,6 +137,28 @@ PATTERNS: tuple[Pattern, ...] = (
         "(a larger generation EP, generation.enforce_eager: true)",
         ("rlc refit bucket planner (plans the transfer before any byte moves)",),
         hints=('larger than a ping-pong half',)),
+    Pattern(
+        "refit-bucket-too-small", "RLC210", "a tensor larger than the refit bucket (verl)",
+        _rx(r"Weight (?P<name>[^\s(]+)\((?:torch\.Size\()?\[(?P<shape>[0-9, ]*)\]\)?, (?:torch\.)?(?P<dtype>\w+)\) is "
+            r"too large to fit in the bucket\.\s*(?:Please increase rollout\.update_weights_bucket_megabytes\("
+            r"(?P<mb>[0-9]+) MB\))?"),
+        x.bucket_sizes,
+        "in verl, rollout.update_weights_bucket_megabytes (rollout.checkpoint_engine.update_weights_bucket_megabytes) "
+        "at least the tensor's size; in rlc the refit buffer is sized against the largest exported tensor before "
+        "submission (RLC210: refit.buffer_memory_ratio or refit.buffer_gb)",
+        ("verl #5779: 'is too large to fit in the bucket. Please increase rollout.update_weights_bucket_megabytes' "
+         "(verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py)",),
+        hints=("too large to fit in the bucket",)),
+    Pattern(
+        "refit-bucket-too-small", "RLC210", "a tensor larger than the refit bucket (slime)",
+        _rx(r"ValueError: one source-to-target expert transfer bundle exceeds update_weight_buffer_size"), x.nothing,
+        "in slime, --update-weight-buffer-size at least one layer's experts that one trainer rank sends to one "
+        "rollout rank; in rlc the refit buffer is sized against the largest exported tensor before submission "
+        "(RLC210: refit.buffer_memory_ratio or refit.buffer_gb)",
+        ("slime slime/backends/megatron_utils/update_weight/expert_routing.py ('ValueError: one source-to-target "
+         "expert transfer bundle exceeds update_weight_buffer_size')",),
+        hints=("exceeds update_weight_buffer_size",)),
+    *_network_rows(),
     Pattern(
         "refit-buffer-over-free", "RLC210", "the fixed refit buffer is larger than the free memory",
         _rx(rf"refit\.buffer_gb=(?P<gb>[0-9.]+) asks for (?P<tensor>{SIZE}).*?only (?P<free>{SIZE}) is free"),

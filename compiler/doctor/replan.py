@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Callable, Optional
 
 from rlc.compiler.doctor.findings import Finding
+from rlc.compiler.doctor.model_match import mismatch
 from rlc.compiler.doctor.sizes import GIB, gib
 
 if TYPE_CHECKING:
@@ -22,6 +23,14 @@ def replan(findings: list[Finding], result: CheckResult) -> None:
     for f in findings:
         judge = _JUDGES.get(f.pattern)
         recipe = result.recipe
+        if result.facts is not None:
+            why = next((w for w in (mismatch(m.values, result.facts) for m in f.matches) if w), None)
+            if why:
+                f.warnings.append(f"the log's model does not match the recipe's: {why}. The log is from another "
+                                  "model's job, or the recipe names the wrong model; a re-plan with this recipe says "
+                                  "nothing about the log")
+                f.replan, f.fits = None, None
+                continue
         if judge is None or recipe is None:
             continue
         verdict = judge(f, result, recipe)
@@ -208,6 +217,28 @@ def _judge_worker(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
             + ("" if ckpt.enabled else " and checkpointing.enabled: true"), False)
 
 
+def _judge_bucket(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
+    """Another framework's refit bucket: would this recipe's refit buffer hold the log's tensor?"""
+    v = f.values
+    refit = result.plan.refit if result.plan is not None else None
+    if refit is None or "tensor_bytes" not in v:
+        return None
+    tensor = v["tensor_bytes"]
+    fits = refit.per_side >= tensor and refit.free_at_stack >= tensor
+    return (f"this recipe's refit halves are {gib(refit.per_side)} ({refit.buffer_source}) with {gib(refit.free_at_stack)} "
+            f"at the staging site; the log's {v.get('name')} needs {gib(tensor)}: "
+            + ("both hold it" if fits else "rlc compile stops on RLC210 / RLC211 with the ratio window")), fits
+
+
+def _judge_network(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
+    """A network failure: where this recipe's weights travel, and whether the job resumes after a bad node."""
+    path = ("refits over CUDA IPC within each node (colocated): the weights never cross the network; the trainer's "
+            "own collectives across nodes still use NCCL" if recipe.colocated else
+            "sends weights between nodes")
+    resume = _judge_worker(f, result, recipe)
+    return f"this recipe {path}; {resume[0] if resume else ''}", None
+
+
 _JUDGES: dict[str, Judge] = {
     "refit-buffer-too-small": _judge_buffer,
     "export-stack-oom": _judge_stack,
@@ -220,4 +251,7 @@ _JUDGES: dict[str, Judge] = {
     "cumem-wake-oom": _judge_wake,
     "dynamic-sampling-exhausted": _judge_ds,
     "worker-lost": _judge_worker,
+    "refit-bucket-too-small": _judge_bucket,
+    "weight-sync-network": _judge_network,
+    "nccl-network": _judge_network,
 }

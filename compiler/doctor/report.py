@@ -24,6 +24,8 @@ def render(findings: Sequence[Finding], log_name: str, recipe_name: str | None =
         if f.candidates:
             lines.append(f"   other possible causes: {', '.join(f.candidates)}")
         lines.append(f"   fix: {f.fix}")
+        for w in f.warnings:
+            lines.append(f"   warning: {w}")
         if f.replan:
             verdict = {True: "fits", False: "does not fit", None: "not judged"}[f.fits]
             lines.append(f"   re-plan ({verdict}): {f.replan}")

@@ -120,6 +120,15 @@ def summarize(f: Finding) -> str:
         if "free_bytes" in v:
             text += f"; {gib(v['free_bytes'])} free at refit"
         return text + times
+    if f.pattern == "refit-bucket-too-small":
+        if "tensor_bytes" not in v:
+            return f"one layer's expert bundle (one trainer rank to one rollout rank) exceeds the update buffer{times}"
+        text = f"{v['name']} {v.get('shape')} {v.get('dtype')}: {gib(v['tensor_bytes'])} ({v['tensor_bytes']} bytes)"
+        if "bucket_bytes" in v:
+            text += f" does not fit the bucket of {v['bucket_bytes'] >> 20} MB ({gib(v['bucket_bytes'])})"
+        return text + times
+    if f.pattern in ("weight-sync-network", "nccl-network"):
+        return _network_summary(f)
     if f.pattern == "refit-buffer-over-free":
         return f"refit.buffer_gb {v['buffer_gb']:g} asks for {gib(v['ask_bytes'])}, {gib(v['free_bytes'])} free{times}"
     if f.pattern in ("export-stack-oom", "cumem-wake-oom", "cuda-oom"):
@@ -168,3 +177,30 @@ def summarize(f: Finding) -> str:
         host = "; the host ran out of memory" if v.get("host_oom") else ""
         return (f"an actor or node died" + (f" ({where})" if where else "") + host + times)
     return f"{n} time(s) in the log"
+
+
+def _network_summary(f: Finding) -> str:
+    """What failed where: each distinct failure (NET/IB completion status, an ibverbs call, an NCCL error, a
+    watchdog timeout, a socket timeout) with the host that logged it, and the tensor being synced."""
+    parts: list[str] = []
+    for m in f.matches:
+        v = m.values
+        host = f" on {v['host']}" if "host" in v else ""
+        if "status" in v:
+            text = f"InfiniBand completion error status={v['status']} from peer {v.get('peer', '?')}{host}"
+        elif "call" in v:
+            text = f"{v['call']} failed ({v.get('error', '')}){host}"
+        elif "op" in v:
+            text = f"NCCL {v['op']} (SeqNum {v['seq']}) timed out after {v['timeout_ms'] // 1000} s{host}"
+        elif "secs" in v:
+            text = f"socket connect to {v.get('peer')} timed out after {v['secs']} s{host}"
+        elif "error" in v:
+            text = f"NCCL error: {v['error']}{host}"
+        else:
+            text = f"the InfiniBand adapter (mlx5) reported a completion error{host}"
+        if text not in parts:
+            parts.append(text)
+    v = f.values
+    tensor = f"; while syncing {v['name']} {v.get('shape')}" if "name" in v and f.pattern == "weight-sync-network" \
+        else ""
+    return "; ".join(parts) + tensor

@@ -154,3 +154,39 @@ def test_replan_uses_the_recipes_calibration_not_the_shipped_table(tmp_path):
     code, with_own, _ = rlc(*args, "--set", f"cluster.calibration={own}")
     assert code == 0
     assert abs(staging_gib(shipped) - staging_gib(with_own) - 10.0) < 0.05, (shipped, with_own)
+
+
+def test_a_log_from_another_model_is_flagged_not_replanned():
+    """The log's tensor is not in the recipe's model: doctor used to re-plan it with the recipe's numbers anyway."""
+    tiny = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
+    code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_buffer_too_small.log"), "--recipe", str(tiny))
+    assert code == 0 and "[RLC210]" in out
+    assert "warning: the log's model does not match the recipe's" in out and "named under model.language_model" in out
+    assert "re-plan (" not in out
+    # the recipe of the job the log came from: no warning, re-planned
+    code, out, _ = rlc("doctor", str(LOGS / "nemo_rl_buffer_too_small.log"), "--recipe",
+                       str(SEED_RECIPES / "qwen35-397b-nemo-rl-2471-1-defaults.yaml"))
+    assert "warning:" not in out and "re-plan (fits)" in out
+
+
+def test_a_tensor_of_another_size_or_layer_is_flagged_too():
+    from rlc.compiler import catalog
+    from rlc.compiler.doctor.model_match import mismatch
+
+    small = catalog.model_facts("Qwen/Qwen3.5-35B-A3B", REPO)  # same names as the 397B, other sizes
+    gate_up = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert "256" not in (mismatch({"name": gate_up, "tensor_bytes": 8589934592}, small) or "")
+    assert "8589934592 bytes" in mismatch({"name": gate_up, "tensor_bytes": 8589934592}, small)
+    assert mismatch({"name": gate_up, "tensor_bytes": 2 * 256 * 2 * 512 * 2048}, small) is None
+    assert "layer 45" in mismatch({"name": "model.language_model.layers.45.mlp.gate.weight"}, small)
+    llama = catalog.model_facts("meta-llama/Llama-3.1-8B", REPO)
+    assert "[128256, 4096]" in mismatch({"name": "model.embed_tokens.weight", "shape": [152064, 5120]}, llama)
+    assert mismatch({"name": "model.embed_tokens.weight", "shape": [128256, 4096]}, llama) is None
+
+
+def test_the_verl_bucket_assertion_is_replanned_with_the_recipes_refit_buffer():
+    code, out, _ = rlc("doctor", str(LOGS / "verl_bucket_too_small.log"), "--recipe", str(FINAL))
+    assert code == 0 and "[RLC210]" in out and "update_weights_bucket_megabytes" in out
+    assert "re-plan (fits): this recipe's refit halves are" in out and "needs 8.00 GiB: both hold it" in out
+    code, out, _ = rlc("doctor", str(LOGS / "openrlhf_weight_sync_ib.log"), "--recipe", str(FINAL))
+    assert "warning: the log's model does not match" in out  # Qwen2.5-32B-style names vs the 397B recipe

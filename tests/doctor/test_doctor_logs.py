@@ -28,6 +28,17 @@ EXPECTED = {
     "verl_dapo_gen_batches.log": ("dynamic-sampling-exhausted", None, {"max_gen_batches": 10, "batches": 10}),
     "ray_node_lost.log": ("worker-lost", None, {"ip": "10.0.4.17", "pid": "159258"}),
     "ray_host_oom.log": ("worker-lost", None, {"ip": "10.0.4.21", "host_oom": True}),
+    "verl_bucket_too_small.log": ("refit-bucket-too-small", "RLC210", {
+        "name": "model.language_model.layers.0.mlp.experts.gate_up_proj", "shape": [512, 2048, 4096],
+        "tensor_bytes": 8589934592, "bucket_bytes": 2048 << 20}),
+    "slime_bucket_too_small.log": ("refit-bucket-too-small", "RLC210", {}),
+    "openrlhf_weight_sync_ib.log": ("weight-sync-network", None, {
+        "status": 12, "peer": "172.19.162.122", "host": "172.19.24.110", "name": "model.embed_tokens.weight",
+        "shape": [152064, 5120]}),
+    "nccl_ibv_modify_qp.log": ("weight-sync-network", None, {"call": "ibv_modify_qp", "error": "Connection timed out",
+                                                             "host": "172.26.5.7", "name": "model.embed_tokens.weight"}),
+    "nccl_watchdog_timeout.log": ("nccl-network", None, {"op": "ALLREDUCE", "seq": 3856, "timeout_ms": 1800000,
+                                                         "host": "10.0.1.75"}),
 }
 # logs with more than one finding: (pattern, rule) in order
 EXPECTED_MANY = {
@@ -119,3 +130,15 @@ def test_every_row_hint_is_in_every_line_its_regex_matches():
         for p in PATTERNS:
             if p.regex.search(line):
                 assert p.may_match(line.lower()), (p.id, line)
+
+
+def test_a_network_failure_is_named_as_one_during_a_weight_sync_or_not():
+    sync = (LOGS / "openrlhf_weight_sync_ib.log").read_text()
+    (f,) = diagnose(sync)
+    assert f.title == "NCCL / InfiniBand failure during a weight sync" and f.rule is None
+    assert "InfiniBand completion error status=12 from peer 172.19.162.122 on 172.19.24.110" in f.summary
+    assert "while syncing model.embed_tokens.weight [152064, 5120]" in f.summary
+    assert "ibstat" in f.fix and "NCCL_IB_HCA" in f.fix and "NCCL_SOCKET_IFNAME" in f.fix
+    # the same failure with no weight sync near it is a network failure, not a weight-sync one
+    (g,) = diagnose("\n".join(line for line in sync.splitlines() if "update" not in line))
+    assert g.pattern == "nccl-network" and "while syncing" not in g.summary
