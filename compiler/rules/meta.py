@@ -6,11 +6,14 @@ from rlc.compiler.rules.engine import Rule, register
 register(Rule(
     id="RLC001", title="model or GPU not in the catalog", severities=("error",),
     rationale="The planner and the layout rules need the model's real architecture (layers, heads, experts, "
-              "vocabulary) and the GPU's usable memory. Both come from the shipped catalog, or, for a model "
-              "outside it, from a local config.json named by model.config.",
+              "vocabulary) and the GPU's usable memory. The architecture comes from the checkpoint's own config.json "
+              "(the model.checkpoint folder, the Hugging Face cache, or the Hub where the machine has network), the "
+              "shipped catalog, or a local config.json named by model.config; the GPU from the shipped catalog. The "
+              "error lists every place rlc looked.",
     seed="Design: plans are computed from real configs, never guessed (rlc/compiler/catalog/models/SOURCES.md).",
-    fixes="Use a catalog id (rlc/compiler/catalog/models/SOURCES.md; the error names the closest), or set "
-          "model.config to the model's config.json; "
+    fixes="Use a catalog id (rlc/compiler/catalog/models/SOURCES.md; the error names the closest), point "
+          "model.checkpoint at a folder holding the model's config.json, download it into the Hugging Face cache "
+          "(`huggingface-cli download MODEL config.json`), or set model.config to it; "
           "pick cluster.gpu from the schema's list.",
 ))
 register(Rule(
