@@ -80,4 +80,8 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     assert listed.stdout.split() == shipped_recipe_names()
     for name in shipped_recipe_names():
         shipped = _run([str(rlc), "validate", name], work)
+        if name == "nemotron3-ultra-grpo-64xh200":  # its facts are only in its checkpoint's config.json (offline here)
+            assert shipped.returncode == 1 and "[RLC216]" in shipped.stderr and "1 error," in shipped.stderr, \
+                shipped.stderr
+            continue
         assert shipped.returncode == 0, f"{name}: {shipped.stdout}{shipped.stderr}"
