@@ -170,7 +170,7 @@ def test_nvfp4_rollouts_dapo_reward_shaping_and_yarn_overrides_stop_the_import()
 
 def test_settings_that_change_nothing_are_listed_not_stopped():
     imported = import_nemo_rl(str(BASE), ["logger.wandb_enabled=true", "grpo.val_period=5",
-                                          "policy.logprob_batch_size=8"])
+                                          "policy.megatron_cfg.empty_unused_memory_level=2"])
     listed = {u.key: u for u in imported.unmapped if u.effect == "none"}
-    assert {"logger.wandb_enabled", "grpo.val_period", "policy.logprob_batch_size"} <= set(listed)
+    assert {"logger.wandb_enabled", "grpo.val_period", "policy.megatron_cfg.empty_unused_memory_level"} <= set(listed)
     assert imported.dropped == []
