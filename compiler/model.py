@@ -20,6 +20,7 @@ layers), mlp in :data:`MLPS` or ``None`` (Nemotron-H Mamba/attention-only layers
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -382,14 +383,21 @@ class ModelFacts:
 
         ``None`` when a fact needed to size any candidate is unknown (then the largest is unknown).
         """
-        b = bytes_per_param
+        shapes = self.export_tensor_shapes()
+        if shapes is None:
+            return None
+        return [(name, math.prod(shape) * bytes_per_param) for name, shape in shapes]
+
+    def export_tensor_shapes(self) -> Optional[list[tuple[str, tuple[int, ...]]]]:
+        """The candidates of :meth:`export_tensors` with their shapes (rows, columns; experts first when
+        stacked), ``None`` when a fact needed to shape any of them is unknown."""
         h, v = self.hidden, self.vocab
         if h is None or v is None or self.layer_kinds is None or self.tied_embeddings is None:
             return None
         p = self.hf_prefix
-        out: list[tuple[str, int]] = [(f"{p}.embed_tokens.weight", v * h * b)]
+        out: list[tuple[str, tuple[int, ...]]] = [(f"{p}.embed_tokens.weight", (v, h))]
         if not self.tied_embeddings:
-            out.append(("lm_head.weight", v * h * b))
+            out.append(("lm_head.weight", (v, h)))
         for idx, kind in _first_of_each_kind(self.layer_kinds):
             mixer, mlp = kind
             name = f"{p}.layers.{idx}"
@@ -397,42 +405,42 @@ class ModelFacts:
                 if self.heads is None or self.head_dim is None:
                     return None
                 q_out = self.heads * self.head_dim * (2 if self.attn_output_gate else 1)
-                out.append((f"{name}.self_attn.q_proj.weight", q_out * h * b))
+                out.append((f"{name}.self_attn.q_proj.weight", (q_out, h)))
             elif mixer == "linear_attention":
                 if (self.linear_key_heads is None or self.linear_key_head_dim is None or
                         self.linear_value_heads is None or self.linear_value_head_dim is None):
                     return None
                 width = 2 * self.linear_key_heads * self.linear_key_head_dim + \
                     2 * self.linear_value_heads * self.linear_value_head_dim
-                out.append((f"{name}.linear_attn.in_proj_qkvz.weight", width * h * b))
+                out.append((f"{name}.linear_attn.in_proj_qkvz.weight", (width, h)))
             elif mixer == "mamba":
                 if (self.mamba_heads is None or self.mamba_head_dim is None or self.mamba_groups is None or
                         self.mamba_state is None):
                     return None
                 d_in, gs = self.mamba_heads * self.mamba_head_dim, self.mamba_groups * self.mamba_state
-                out.append((f"{name}.mixer.in_proj.weight", (2 * d_in + 2 * gs + self.mamba_heads) * h * b))
+                out.append((f"{name}.mixer.in_proj.weight", (2 * d_in + 2 * gs + self.mamba_heads, h)))
             elif mixer == "mla":
                 if (self.heads is None or self.kv_lora_rank is None or self.qk_nope_head_dim is None or
                         self.v_head_dim is None):
                     return None
                 out.append((f"{name}.self_attn.kv_b_proj.weight",
-                            self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim) * b))
+                            (self.heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)))
             if mlp == "dense":
                 if self.dense_intermediate is None:
                     return None
-                out.append((f"{name}.mlp.gate_proj.weight", self.dense_intermediate * h * b))
+                out.append((f"{name}.mlp.gate_proj.weight", (self.dense_intermediate, h)))
             elif mlp == "moe":
                 e, i, he = self.num_experts, self.moe_intermediate, self.expert_input_width
                 if e is None or i is None or he is None or self.expert_export is None:
                     return None
-                up = (2 if self.gated_mlp else 1) * i * he * b
+                up = (2 if self.gated_mlp else 1) * i
                 if self.expert_export == "stacked":
-                    out.append((f"{name}.mlp.experts.gate_up_proj", e * up))
-                    out.append((f"{name}.mlp.experts.down_proj", e * i * he * b))
+                    out.append((f"{name}.mlp.experts.gate_up_proj", (e, up, he)))
+                    out.append((f"{name}.mlp.experts.down_proj", (e, i, he)))
                 else:
-                    out.append((f"{name}.mlp.experts.0.up_proj.weight", up))
+                    out.append((f"{name}.mlp.experts.0.up_proj.weight", (up, he)))
                 if self.shared_expert_intermediate:
-                    out.append((f"{name}.mlp.shared_expert.up_proj.weight", self.shared_expert_intermediate * h * b))
+                    out.append((f"{name}.mlp.shared_expert.up_proj.weight", (self.shared_expert_intermediate, h)))
         return out
 
     def largest_export_tensor(self, bytes_per_param: int = 2) -> tuple[str, Optional[int]]:

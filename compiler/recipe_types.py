@@ -331,6 +331,17 @@ class SpeculativeDecodingSection(_Section):
 
 
 @section
+class Fp8RolloutSection(_Section):
+    """FP8 rollouts (``generation.precision: fp8``)."""
+
+    scales: Literal["auto", "block", "tensor"]
+    """``block``: 128×128 block scales, quantized by the trainer; ``tensor``: one scale per matrix, by vLLM;
+    ``auto``: block where the layout keeps every projection 128-aligned (``rlc.compiler.fp8_layout``)."""
+    pow2_scales: bool
+    """Block scales rounded up to powers of two."""
+
+
+@section
 class GenerationSection(_Section):
     """The rollout engine."""
 
@@ -346,6 +357,8 @@ class GenerationSection(_Section):
     """Fixed KV-cache size (None: sized by ``gpu_memory_utilization``)."""
     precision: Literal["auto", "fp8"]
     """Rollout weight precision (``auto``: ``model.dtype``)."""
+    fp8: Fp8RolloutSection
+    """FP8 rollouts (with ``precision: fp8``)."""
     max_model_len: int
     """Prompt + generation tokens at most."""
     sampling: SamplingSection
@@ -844,7 +857,7 @@ def typed_fields(cls: type) -> dict[str, Any]:
 
 
 __all__ = ["NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerSection", "DataSection",
-           "DynamicSamplingSection", "Fp8Section", "GenerationParallelism", "GenerationSection", "GrpoSection",
+           "DynamicSamplingSection", "Fp8RolloutSection", "Fp8Section", "GenerationParallelism", "GenerationSection", "GrpoSection",
            "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "ModelSection",
            "MoeSection", "OptimizerSection", "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError",
            "RefitSection", "RewardSection", "SamplingSection", "SequencePackingSection", "SlurmSection",

@@ -74,6 +74,21 @@ def _fp32_params(refit: RefitSection, decisions: dict[str, tuple[Any, str]]) -> 
     return list(patterns), reason
 
 
+def _fp8_scales(recipe: Recipe, decisions: dict[str, tuple[Any, str]]) -> tuple[str, str]:
+    """``generation.fp8.scales`` for the runtime: the recipe's, or the one RLC330 decided for ``auto``
+    (``block`` for bf16 rollouts, where nothing reads it)."""
+    scales = recipe.generation.fp8.scales
+    if scales != "auto":
+        return scales, "set in recipe"
+    decided = decisions.get("generation.fp8.scales")
+    if decided is None:
+        if recipe.generation.precision == "fp8":
+            raise ResolveError("generation.fp8.scales: 'auto' was not decided by any rule")
+        return "block", "not used: bf16 rollouts"
+    value, reason = decided
+    return str(value), reason
+
+
 def _plain(value: Any) -> Any:
     """A typed-recipe value as runtime-config data: tuples as lists, mappings copied."""
     if isinstance(value, tuple):
@@ -154,6 +169,9 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
     fp32, fp32_reason = _fp32_params(refit, decisions)
     refit_decisions = {k: reason for k, (_, reason) in switches.items()}
     refit_decisions["fp32_params"] = fp32_reason
+    scales, scales_reason = _fp8_scales(r, decisions)
+    if r.generation.precision == "fp8":
+        refit_decisions["fp8_scales"] = scales_reason
 
     model, data = r.model, r.data
     return RuntimeConfig(
@@ -176,7 +194,8 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
                        buffer_memory_ratio=None if refit.buffer_gb is not None else refit.buffer_memory_ratio,
                        fp32_params=fp32, decisions=refit_decisions,
                        **{k: flag for k, (flag, _) in switches.items()}),
-        generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r)),
+        generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r),
+                            fp8={"scales": scales, "pow2_scales": r.generation.fp8.pow2_scales}),
         training=_section(TrainingConfig, r.training, "training", global_batch_size=r.global_batch_size,
                           logprob_batch_size=r.logprob_batch_size, max_sequence_length=r.max_sequence_length,
                           sequence_packing=dataclasses.asdict(_section(

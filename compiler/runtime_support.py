@@ -42,21 +42,13 @@ class Gap:
 def runtime_gaps(recipe: Recipe) -> list[Gap]:
     """Settings of ``recipe`` that this runtime cannot run yet."""
     gaps = []
-    generation, training = recipe.generation, recipe.training
-    if generation.precision == "fp8":
-        gaps.append(Gap("generation.precision",
-                        "FP8 rollouts need a refit that quantizes every delivered weight into vLLM's FP8 "
-                        "parameters; the bundled runtime's refit writes bf16 weights"))
+    training = recipe.training
     if recipe.parallelism.train.cp > 1 and not training.sequence_packing.enabled:
         gaps.append(Gap("parallelism.train.cp",
                         "the bundled runtime splits sequences over context-parallel ranks only in packed micro "
                         "batches (NeMo-RL's Megatron trainer requires packing with context parallelism too)",
                         hint="set training.sequence_packing.enabled: true (or parallelism.train.cp: 1)"))
     gaps.extend(_router_replay_gaps(recipe))
-    if training.fp8.enabled and training.fp8.param_gather:
-        gaps.append(Gap("training.fp8.param_gather",
-                        "FP8 parameters would reach the refit exporter as FP8; the bundled runtime exports "
-                        "bf16 weights only"))
     return gaps
 
 

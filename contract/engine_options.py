@@ -19,6 +19,7 @@ VLLM_OWNED: dict[str, str] = {
     "kv_cache_memory_bytes": "generation.kv_cache_memory_bytes",
     "max_model_len": "generation.max_model_len",
     "quantization": "generation.precision",
+    "quantization_config": "generation.fp8",
     "seed": "grpo.seed",
     "speculative_config": "generation.speculative_decoding",
     "logprobs_mode": "generation.sampling (set from temperature / top_p / top_k)",

@@ -136,6 +136,12 @@ def vllm_speculative_config(spec: SpeculativeDecodingConfig) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Fp8RolloutConfig:
+    scales: str  # "block" (128x128 block scales, quantized by the trainer) | "tensor" (per matrix, by vLLM); never auto
+    pow2_scales: bool  # block scales rounded up to powers of two (vLLM use_ue8m0)
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     backend: str  # "vllm"
     vllm_version: str  # the version the plan assumed (recipe, or the calibration entry's); checked at start
@@ -143,6 +149,7 @@ class GenerationConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None  # fixed KV cache (vLLM kv_cache_memory_bytes); None = by utilization
     precision: str  # "auto" (model.dtype) | "fp8"
+    fp8: Fp8RolloutConfig  # FP8 rollouts (with precision fp8)
     max_model_len: int
     sampling: SamplingConfig
     speculative_decoding: SpeculativeDecodingConfig | None  # None = off

@@ -30,8 +30,10 @@ from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from rlc.contract import fp8 as fp8_contract
 from rlc.contract import refit_buffer
 from rlc.contract.sequence_packing import pad_multiples, round_up
+from rlc.compiler.fp8_layout import fp8_scales
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
@@ -311,10 +313,37 @@ def _headroom(per_side: int, largest: int) -> float:
     return (per_side - largest) / largest if largest else 1.0
 
 
-def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration) -> tuple[int, int, float]:
+def _stack_free(free: int, per_side: int, largest: int, gathered: int, cal: Calibration,
+                reload_halves: int = 0) -> tuple[int, int, float]:
+    """Free memory at the staging site; ``reload_halves``: bucket copies (one half each) vLLM's layerwise
+    reload may hold at that moment with FP8 rollouts (:func:`reload_copy_halves`)."""
     headroom = _headroom(per_side, largest)
     frag = _g(cal.fragmentation_gib(headroom, largest / GIB))
-    return free - 2 * per_side - gathered - _g(cal.export_staging_overhead_gib) - frag, frag, headroom
+    return (free - (2 + reload_halves) * per_side - gathered - _g(cal.export_staging_overhead_gib) - frag,
+            frag, headroom)
+
+
+#: FP8 rollouts: vLLM processes a layer once all its tensors are in, so the consumer loads from a private
+#: copy of each bucket, and a layer that spans two buckets keeps both copies until it completes.
+FP8_RELOAD_COPY_HALVES = 2
+
+
+def reload_copy_halves(recipe: Recipe) -> int:
+    """Bucket copies vLLM's layerwise reload may hold during a refit (0 for bf16 rollouts)."""
+    return FP8_RELOAD_COPY_HALVES if recipe.generation.precision == "fp8" else 0
+
+
+def wire_tensor(recipe: Recipe, facts: ModelFacts, bpp: int) -> Optional[tuple[str, int]]:
+    """FP8 rollouts: the largest tensor on the refit's wire (block scales: projections quantized to 1 byte
+    plus fp32 block scales, ``rlc.contract.fp8``; tensor scales: the export as it is); None for bf16
+    rollouts or when the shapes are unknown."""
+    scales, _ = fp8_scales(recipe, facts)
+    if scales is None:
+        return None
+    shapes = facts.export_tensor_shapes()
+    if not shapes:
+        return None
+    return fp8_contract.largest_wire_tensor(shapes, bpp, scales)
 
 
 def _ratio_at(k: int) -> float:
@@ -322,7 +351,7 @@ def _ratio_at(k: int) -> float:
 
 
 def ratio_window(free: int, recipe: Recipe, largest: int, gathered: int,
-                 cal: Calibration) -> Optional[tuple[float, float]]:
+                 cal: Calibration, wire: Optional[int] = None) -> Optional[tuple[float, float]]:
     """The widest contiguous range of ``buffer_memory_ratio`` (grid ``RATIO_STEP`` up to ``RATIO_MAX``)
     passing both refit checks at ``free``.
 
@@ -331,17 +360,19 @@ def ratio_window(free: int, recipe: Recipe, largest: int, gathered: int,
     within each piece the staging-site check is monotone and its boundary is found by bisection.
     """
     steps = int(RATIO_MAX / RATIO_STEP)
+    on_wire = largest if wire is None else wire
+    copies = reload_copy_halves(recipe)
 
     def per_side(k: int) -> int:
         return _per_side(free, recipe.refit, _ratio_at(k))[0]
 
     def stack_ok(k: int) -> bool:
-        return _stack_free(free, per_side(k), largest, gathered, cal)[0] >= largest
+        return _stack_free(free, per_side(k), largest, gathered, cal, copies)[0] >= largest
 
     def headroom_reaches(x: float) -> Callable[[int], bool]:
         return lambda k: _headroom(per_side(k), largest) >= x
 
-    holds = first_true(1, steps, lambda k: refit_buffer.half_holds(per_side(k), largest))
+    holds = first_true(1, steps, lambda k: refit_buffer.half_holds(per_side(k), on_wire))
     starts = [holds] + [max(holds, first_true(1, steps, headroom_reaches(x))) for x, _ in cal.fragmentation_points]
     return widest(passing_runs(steps, starts, stack_ok), _ratio_at)
 
@@ -353,23 +384,30 @@ def _gathered(name: str, largest: int, tl: TrainLayout) -> int:
 
 
 def _refit_math(free: int, recipe: Recipe, largest_name: str, largest: int, tl: TrainLayout,
-                cal: Calibration) -> RefitMath:
+                cal: Calibration, wire: Optional[tuple[str, int]] = None) -> RefitMath:
+    """The refit math at ``free``; ``wire``: the largest tensor on the wire when it is not the exported one
+    (FP8 rollouts, :func:`wire_tensor`)."""
     per_side, ratio, source = _per_side(free, recipe.refit)
     gathered = _gathered(largest_name, largest, tl)
-    stack, frag, headroom = _stack_free(free, per_side, largest, gathered, cal)
-    window = ratio_window(free, recipe, largest, gathered, cal)
+    copies = reload_copy_halves(recipe)
+    stack, frag, headroom = _stack_free(free, per_side, largest, gathered, cal, copies)
+    on_wire = largest if wire is None else wire[1]
+    window = ratio_window(free, recipe, largest, gathered, cal, on_wire)
     tolerance = None
     margins = []
-    if refit_buffer.half_holds(per_side, largest) and ratio:
-        margins.append((per_side - largest) / GIB / (ratio / 2))
-    if stack >= largest:
-        margins.append((stack - largest) / GIB / ((1 - ratio) if ratio else 1.0))
-    if refit_buffer.half_holds(per_side, largest) and stack >= largest:
+    if refit_buffer.half_holds(per_side, on_wire) and ratio:
+        margins.append((per_side - on_wire) / GIB / (ratio / 2))
+    slope = (1 - ratio * (2 + copies) / 2) if ratio else 1.0  # free at stack per byte of free memory
+    if stack >= largest and slope > 0:
+        margins.append((stack - largest) / GIB / slope)
+    if refit_buffer.half_holds(per_side, on_wire) and stack >= largest:
         tolerance = min(margins) if margins else None
     return RefitMath(free_at_refit=free, buffer_source=source, ratio=ratio, per_side=per_side,
                      largest_name=largest_name, largest=largest, gathered=gathered,
                      staging_overhead=_g(cal.export_staging_overhead_gib), fragmentation=frag,
-                     headroom_fraction=headroom, free_at_stack=stack, ratio_window=window, tolerance_gib=tolerance)
+                     headroom_fraction=headroom, free_at_stack=stack, ratio_window=window, tolerance_gib=tolerance,
+                     wire_largest_name=None if wire is None else wire[0],
+                     wire_largest=None if wire is None else wire[1], reload_copies=copies * per_side)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -521,7 +559,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         plan.unknown.append(f"largest exported tensor: {name}")
         return plan
     free = int(refit_phase.free_gib * GIB)
-    math = _refit_math(free, recipe, name, largest, tl, cal)
+    math = _refit_math(free, recipe, name, largest, tl, cal, wire_tensor(recipe, facts, bpp))
     plan.refit = math
     plan.phases["refit"] = Phase("refit", refit_phase.title, refit_phase.items, limit, stage=worst_f["stage"],
                                  request=Item("IPC buffer (2 halves)", gib(2 * math.per_side), "refit",
@@ -534,20 +572,26 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         Item("allocator fragmentation", gib(math.fragmentation), "refit", "calibration:fragmentation_points",
              f"half {math.headroom_fraction:+.1%} over the largest tensor"),
     ]
+    if math.reload_copies:
+        s_items.append(Item("vLLM FP8 reload: bucket copies", gib(math.reload_copies), "refit", "recipe:refit",
+                            f"{FP8_RELOAD_COPY_HALVES} × per side: a layer spanning two buckets keeps both copies"))
     plan.phases["stack"] = Phase("stack", "export staging site (torch.stack of the largest tensor)",
                                  tuple(s_items), limit, stage=worst_f["stage"],
                                  request=Item("torch.stack of the largest tensor", gib(largest), "refit", "params",
                                               name))
+    wire_name, on_wire = math.wire
+    on_the_wire = " on the wire" if math.wire_largest is not None else ""
     plan.checks["buffer"] = Check(
-        "buffer", refit_buffer.half_holds(math.per_side, largest), gib(math.per_side), gib(largest),
-        f"per side = {math.buffer_source} / 2 = {gib(math.per_side):.2f} GiB vs. largest tensor {name} "
-        f"{gib(largest):.2f} GiB ({largest} bytes)")
-    reached = refit_buffer.half_holds(math.per_side, largest)
+        "buffer", refit_buffer.half_holds(math.per_side, on_wire), gib(math.per_side), gib(on_wire),
+        f"per side = {math.buffer_source} / 2 = {gib(math.per_side):.2f} GiB vs. largest tensor{on_the_wire} "
+        f"{wire_name} {gib(on_wire):.2f} GiB ({on_wire} bytes)")
+    reached = refit_buffer.half_holds(math.per_side, on_wire)
     plan.checks["stack"] = Check(
         "stack", (math.free_at_stack >= largest) if reached else None, gib(math.free_at_stack), gib(largest),
         ("not reached: the half cannot hold the tensor, the transfer fails before the staging site; " if not reached
          else "") +
-        f"free at stack = {gib(free):.2f} − 2 × {gib(math.per_side):.2f} − {gib(math.gathered):.2f} (gathered) − "
+        f"free at stack = {gib(free):.2f} − {2 + reload_copy_halves(recipe)} × {gib(math.per_side):.2f} − "
+        f"{gib(math.gathered):.2f} (gathered) − "
         f"{cal.export_staging_overhead_gib:.2f} (staging) − {gib(math.fragmentation):.2f} (fragmentation) = "
         f"{gib(math.free_at_stack):.2f} GiB vs. {gib(largest):.2f} GiB for torch.stack")
     return plan

@@ -88,10 +88,24 @@ class RefitMath:
     free_at_stack: int
     ratio_window: Optional[tuple[float, float]]  # ratios that pass both checks at this free memory
     tolerance_gib: Optional[float]  # how much less free memory would flip a passing check
+    #: FP8 rollouts with block scales: the largest tensor on the wire (a weight quantized to 1 byte with its
+    #: block scales, or one that stays in model.dtype), which the buffer half must hold; None when the wire
+    #: carries the export as it is
+    wire_largest_name: Optional[str] = None
+    wire_largest: Optional[int] = None
+    #: FP8 rollouts: bucket copies vLLM's layerwise reload may hold while the exporter stacks (0 otherwise)
+    reload_copies: int = 0
+
+    @property
+    def wire(self) -> tuple[str, int]:
+        """The tensor the buffer half must hold: the largest on the wire."""
+        if self.wire_largest is None or self.wire_largest_name is None:
+            return self.largest_name, self.largest
+        return self.wire_largest_name, self.wire_largest
 
     @property
     def buffer_margin(self) -> int:
-        return self.per_side - self.largest
+        return self.per_side - self.wire[1]
 
     @property
     def stack_margin(self) -> int:
@@ -156,6 +170,14 @@ class MemoryPlan:
         return (self.refit.largest_name, self.refit.largest)
 
     @property
+    def largest_wire_tensor(self) -> tuple[str, Optional[int]]:
+        """The largest tensor the refit moves (FP8 rollouts with block scales: quantized), which a buffer
+        half must hold."""
+        if self.refit is None:
+            return ("unknown", None)
+        return self.refit.wire
+
+    @property
     def free_at_refit_bytes(self) -> Optional[int]:
         return None if self.refit is None else self.refit.free_at_refit
 
@@ -217,8 +239,12 @@ class MemoryPlan:
         }
         if self.refit is not None:
             r = self.refit
-            out["refit"] = {**asdict(r), "buffer_margin": r.buffer_margin, "stack_margin": r.stack_margin,
-                            "ratio_window": list(r.ratio_window) if r.ratio_window else None}
+            refit = {**asdict(r), "buffer_margin": r.buffer_margin, "stack_margin": r.stack_margin,
+                     "ratio_window": list(r.ratio_window) if r.ratio_window else None}
+            if r.wire_largest is None:  # bf16 rollouts: the wire is the export (no FP8 fields)
+                for key in ("wire_largest_name", "wire_largest", "reload_copies"):
+                    refit.pop(key)
+            out["refit"] = refit
         return out
 
     def to_text(self) -> str:

@@ -48,16 +48,23 @@ def _refit_lines(plan: MemoryPlan) -> list[str]:
     r = plan.refit
     if r is None:
         return ["refit math: unknown (" + "; ".join(u for u in plan.unknown) + ")"]
-    side_ok = half_holds(r.per_side, r.largest)
+    wire_name, on_wire = r.wire
+    side_ok = half_holds(r.per_side, on_wire)
     stack_ok = r.free_at_stack >= r.largest
+    copies = f" − vLLM reload copies {r.reload_copies / GIB:.2f}" if r.reload_copies else ""
     lines = [
         "refit math",
         f"  free at refit      {r.free_at_refit / GIB:8.2f} GiB ({r.free_at_refit / 1e9:.2f} GB)",
         f"  per side           {r.per_side / GIB:8.2f} GiB = {r.buffer_source} / 2 ({r.per_side / 1e9:.2f} GB)",
         f"  largest tensor     {r.largest / GIB:8.2f} GiB = {r.largest_name} ({r.largest} bytes)",
+    ]
+    if r.wire_largest is not None:
+        lines.append(f"  largest on wire    {on_wire / GIB:8.2f} GiB = {wire_name} ({on_wire} bytes, FP8 rollouts)")
+    lines += [
         f"  buffer check       {'ok  ' if side_ok else 'FAIL'}  per side − largest = {r.buffer_margin / GIB:+.2f} GiB",
         f"  free at stack      {r.free_at_stack / GIB:8.2f} GiB = free − 2 × per side − gathered "
-        f"{r.gathered / GIB:.2f} − staging {r.staging_overhead / GIB:.2f} − fragmentation {r.fragmentation / GIB:.2f}",
+        f"{r.gathered / GIB:.2f} − staging {r.staging_overhead / GIB:.2f} − fragmentation {r.fragmentation / GIB:.2f}"
+        f"{copies}",
         f"  stack check        {('ok  ' if stack_ok else 'FAIL') if side_ok else 'n/a '}  free at stack − largest = "
         f"{r.stack_margin / GIB:+.2f} GiB" + ("" if side_ok else " (not reached: the buffer check fails first)"),
     ]

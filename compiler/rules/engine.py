@@ -117,6 +117,7 @@ def _load_rules() -> None:
     from rlc.compiler.rules import (  # noqa: F401
         engine_rules, env_rules, layout_rules, memory_rules, meta, refit_rules, replay_rules,
     )
+    from rlc.compiler.rules import fp8_rules  # noqa: F401
 
 
 class UnknownRuleError(KeyError):

@@ -37,10 +37,12 @@ def buffer_half(ctx: Context) -> None:
     if check is None or check.ok:
         return
     r = plan.refit
+    name, size = r.wire
+    what = "the largest tensor on the wire (FP8 rollouts)" if r.wire_largest is not None else "the largest exported tensor"
     ctx.error(f"refit buffer: each ping-pong half is {r.per_side / GIB:.2f} GiB ({r.per_side / 1e9:.2f} GB = "
-              f"{r.buffer_source} / 2) but the largest exported tensor {r.largest_name} is "
-              f"{r.largest / GIB:.2f} GiB ({r.largest} bytes); the transfer would assert "
-              f"'{r.largest} > {r.per_side}'", _buffer_path(ctx), hint=_fix_hint(plan))
+              f"{r.buffer_source} / 2) but {what} {name} is "
+              f"{size / GIB:.2f} GiB ({size} bytes); the transfer would assert "
+              f"'{size} > {r.per_side}'", _buffer_path(ctx), hint=_fix_hint(plan))
 
 
 @rule("RLC211", "the export staging site must have room to stack the largest tensor", severities=("error",),

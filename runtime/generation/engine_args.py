@@ -3,7 +3,13 @@
 Typed settings first (model, parallelism, memory, sleep mode, speculative decoding, the refit consumer, routing
 replay's routes), then ``generation.vllm_kwargs`` unchanged. A pass-through key that would replace a typed setting is an
 error here too (the compiler rejects it first, RLC310), so a hand-edited bundle cannot silently
-run something the plan did not check. FP8 rollouts are refused: the refit writes bf16 weights.
+run something the plan did not check.
+
+FP8 rollouts (``generation.precision: fp8``, :func:`fp8_engine_kwargs`): with ``generation.fp8.scales: block``
+the engine is a DeepSeek-V3-style FP8 checkpoint (vLLM ``Fp8Config`` with ``weight_block_size: [128, 128]``)
+started from random weights (``load_format: dummy``): the refit's first transfer writes the trainer's
+quantized weights and their scales. With ``scales: tensor`` vLLM's online ``fp8_per_tensor`` quantizes the
+checkpoint (and every refit's bf16 weights) as it loads them. Both keep the MoE routers unquantized.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import logging
 from typing import Any
 
 from rlc.contract.engine_options import VLLM_OWNED
+from rlc.contract.fp8 import BLOCK, ROUTER_IGNORE_REGEX, router_ignore_prefixes
 from rlc.contract.runtime_config import vllm_speculative_config
 from rlc.runtime.generation.sampling import logprobs_mode
 
@@ -22,9 +29,6 @@ EXTENSION = "rlc.runtime.generation.extension.RlcWorkerExtension"
 def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str, Any]:
     """``vllm.LLM`` arguments of engine ``engine_index`` (``distributed``: more than one GPU)."""
     gp, gen = cfg.generation_parallel, cfg.generation
-    if gen.precision != "auto":
-        raise ValueError(f"generation.precision={gen.precision!r}: this runtime's refit writes {cfg.model.dtype} "
-                         "weights and cannot fill FP8 engine weights; recompile with generation.precision: auto")
     kwargs: dict[str, Any] = dict(
         model=cfg.model.checkpoint,
         tokenizer=cfg.model.tokenizer,
@@ -55,8 +59,44 @@ def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str
         owners = "; ".join(f"{key} from {VLLM_OWNED[key]}" for key in clash)
         raise ValueError(f"generation.vllm_kwargs sets {', '.join(clash)}, which the runtime sets from typed keys "
                          f"({owners}); recompile the bundle without them")
-    kwargs.update(gen.vllm_kwargs)
+    fp8 = fp8_engine_kwargs(cfg)
+    passed = dict(gen.vllm_kwargs)
+    if "hf_overrides" in fp8 and isinstance(passed.get("hf_overrides"), dict):
+        if "quantization_config" in passed["hf_overrides"]:
+            raise ValueError("generation.vllm_kwargs.hf_overrides.quantization_config: the FP8 engine sets its "
+                             "quantization config from generation.fp8; recompile the bundle without it")
+        passed["hf_overrides"] = {**passed["hf_overrides"], **fp8.pop("hf_overrides")}
+    if "load_format" in fp8 and "load_format" in passed:
+        raise ValueError(f"generation.vllm_kwargs.load_format={passed['load_format']!r}: the FP8 engine with block "
+                         "scales starts from random weights (load_format dummy) that the first refit replaces; "
+                         "recompile the bundle without it")
+    kwargs.update(fp8)
+    kwargs.update(passed)
     return kwargs
+
+
+def fp8_engine_kwargs(cfg: Any) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of FP8 rollouts (empty for ``generation.precision: auto``)."""
+    gen = cfg.generation
+    if gen.precision == "auto":
+        return {}
+    if gen.precision != "fp8":
+        raise ValueError(f"generation.precision={gen.precision!r}: expected auto or fp8")
+    if gen.fp8.scales == "tensor":
+        return {"quantization": "fp8_per_tensor", "quantization_config": {"ignore": [ROUTER_IGNORE_REGEX]}}
+    if gen.fp8.scales != "block":
+        raise ValueError(f"generation.fp8.scales={gen.fp8.scales!r}: expected block or tensor")
+    layers = int(cfg.model.num_layers) + int(cfg.model.mtp_num_layers)
+    return {
+        "quantization": "fp8",
+        "load_format": "dummy",
+        "hf_overrides": {"quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(BLOCK),
+            "ignored_layers": router_ignore_prefixes(layers),
+        }},
+    }
 
 
 def check_vllm_version(planned: str, installed: str) -> str | None:

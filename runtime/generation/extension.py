@@ -2,10 +2,19 @@
 ``LLM.collective_rpc``: the refit consumer lives here, next to ``model_runner.model``.
 
 vLLM refuses extension attributes that clash with its worker's, so every name starts with ``rlc_``.
+
+FP8 rollouts (``generation.precision: fp8``): every load into the engine (the refit, and the reference load
+of ``refit.verify_every``) runs inside vLLM's layerwise reload (``initialize_layerwise_reload`` /
+``finalize_layerwise_reload``, what vLLM's own ``reload_weights`` does): each layer is rebuilt in its load
+format, loaded, put through the quantization method's ``process_weights_after_loading`` (vLLM's quantization
+of a bf16 weight with ``scales: tensor``; kernel layouts and fused-expert formats with ``scales: block``) and
+copied into the parameters the engine holds. A layer is processed once all its tensors are in, possibly
+buckets later, so the consumer hands ``load_weights`` a private copy of each bucket.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterable, Iterator
 
 
 class RlcWorkerExtension:
@@ -18,8 +27,12 @@ class RlcWorkerExtension:
 
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
-    def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently)."""
+    def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0,
+                          fp8_scales: str | None = None, fp8_pow2: bool = False) -> dict[str, Any]:
+        """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently).
+
+        ``fp8_scales`` / ``fp8_pow2``: ``generation.fp8`` of an FP8 engine (None: bf16 rollouts). With ``block``
+        the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit import RefitConsumer  # noqa: PLC0415
@@ -30,8 +43,21 @@ class RlcWorkerExtension:
                                      timeout_s=timeout_s)
             self._rlc_consumer = consumer
         specs = consumer.prepare()
-        return {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
-                "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs)}
+        self._rlc_fp8_scales = fp8_scales
+        self._rlc_fp8_pow2 = fp8_pow2
+        info: dict[str, Any] = {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
+                                "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs)}
+        if fp8_scales == "block":
+            from rlc.runtime.refit.errors import RefitError  # noqa: PLC0415
+            from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
+
+            model = self.model_runner.model
+            fp8, every = fp8_module_names(model)
+            report = check_layout([s.name for s in specs], fp8, every, getattr(model, "packed_modules_mapping", {}))
+            info["fp8_layout"] = report.to_dict()
+            if not report.ok:
+                raise RefitError(f"{consumer.name}: {report.error_text()}")
+        return info
 
     def rlc_refit_receive(self) -> dict[str, Any]:
         """Receive one refit into the live model (``load_weights`` bucket by bucket)."""
@@ -41,7 +67,68 @@ class RlcWorkerExtension:
         def load(weights):
             model.load_weights(weights=weights)
 
-        return consumer.receive(load).to_dict()
+        if getattr(self, "_rlc_fp8_scales", None) is None:
+            return consumer.receive(load).to_dict()
+        with self._rlc_reload():
+            metrics = consumer.receive(load, copy_buckets=True)
+        return metrics.to_dict()
+
+    @contextlib.contextmanager
+    def _rlc_reload(self) -> Iterator[None]:
+        """vLLM's layerwise reload around a load (see the module docstring); the memory the rebuilt layers
+        used goes back to the device at the end, for the trainer."""
+        import torch  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload import (  # noqa: PLC0415
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.model
+        device = torch.device("cuda", torch.cuda.current_device())
+        with torch.device(device):
+            initialize_layerwise_reload(model)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception), torch.device(device):
+                finalize_layerwise_reload(model, self.model_runner.model_config)
+            raise
+        with torch.device(device):
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def _rlc_reference(self, exported: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """What vLLM itself makes of the trainer's bf16 export: with block scales each projection quantized
+        here by vLLM's own per-block function (one tensor at a time), else the bf16 tensors as they are
+        (vLLM quantizes them as it loads)."""
+        import torch  # noqa: PLC0415
+
+        from rlc.contract.fp8 import block_quantized, scale_name  # noqa: PLC0415
+        from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
+
+        if getattr(self, "_rlc_fp8_scales", None) != "block":
+            yield from exported
+            return
+        quantize = block_quantizer(bool(getattr(self, "_rlc_fp8_pow2", False)))
+        self._rlc_reference_quantizer = quantize.source
+        device = torch.device("cuda", torch.cuda.current_device())
+        for name, tensor in exported:
+            if block_quantized(name, tensor.dim()):
+                with torch.no_grad():
+                    q, s = quantize(tensor.to(device))
+                yield name, q
+                yield scale_name(name), s
+            else:
+                yield name, tensor
+
+    def _rlc_reference_load(self, weights: Iterable[tuple[str, Any]]) -> Any:
+        """``load_weights`` of the reference (:meth:`_rlc_reference` inside the layerwise reload for FP8)."""
+        model = self.model_runner.model
+        if getattr(self, "_rlc_fp8_scales", None) is None:
+            return model.load_weights(weights=iter(weights))
+        with self._rlc_reload():
+            return model.load_weights(weights=self._rlc_reference(weights))
 
     def rlc_refit_verify(self, export_dir: str) -> dict[str, Any]:
         """``refit.verify_every``: compare every parameter, bit for bit, with vLLM's own load of the
@@ -57,7 +144,8 @@ class RlcWorkerExtension:
         path = os.path.join(export_dir, f"export-rank{rank}.pt")
         exported = torch.load(path, map_location="cpu", weights_only=True)
         refitted = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-        loaded = model.load_weights(weights=iter(exported.items()))
+        # FP8: vLLM's own quantization of the same bf16 weights, through the refit's load path
+        loaded = self._rlc_reference_load(exported.items())
         torch.cuda.synchronize()
         reference = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         report = compare_parameters(refitted, reference, loaded=set(loaded) if isinstance(loaded, set) else None)
@@ -66,7 +154,8 @@ class RlcWorkerExtension:
         except FileNotFoundError:  # another worker of a TP group paired with the same rank removed it
             pass
         return {"producer_rank": rank, "device_key": self._rlc_consumer.device_key,
-                "exported_tensors": len(exported), **report.to_dict()}
+                "exported_tensors": len(exported), "fp8_scales": getattr(self, "_rlc_fp8_scales", None),
+                "reference_quantizer": getattr(self, "_rlc_reference_quantizer", None), **report.to_dict()}
 
     def rlc_refit_verify_tensors(self, exported_by_device: dict[str, dict[str, Any]],
                                  param_names: list[str]) -> dict[str, Any]:
@@ -78,6 +167,9 @@ class RlcWorkerExtension:
         key = self.rlc_device_uuid()
         if key not in exported_by_device:
             raise KeyError(f"no exported tensors for this worker's GPU {key} (have {sorted(exported_by_device)})")
+        if getattr(self, "_rlc_fp8_scales", None) is not None:
+            raise RuntimeError("a spot check by reload needs every tensor of the layers it touches on an FP8 engine "
+                               "(vLLM processes a layer once it is complete); use rlc_refit_verify")
         report = verify_by_reload(self.model_runner.model, exported_by_device[key], param_names)
         return {"device_key": key, **report}
 

@@ -167,7 +167,10 @@ class VllmGenerationWorker:
     # ------------------------------------------------------------------ refit
 
     def refit_prepare(self, session: str, timeout_s: float = 600.0) -> list[dict]:
-        return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s))
+        gen = self.cfg.generation
+        fp8 = gen.fp8.scales if gen.precision == "fp8" else None
+        return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s,
+                                                                  fp8, gen.fp8.pow2_scales))
 
     def refit_receive(self) -> list[dict]:
         return self.llm.collective_rpc("rlc_refit_receive")

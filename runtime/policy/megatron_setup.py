@@ -107,21 +107,26 @@ class PolicyModel:
     ref_host: Any = None
 
 
-def build_policy(cfg: Any) -> PolicyModel:
-    """AutoBridge HF -> Megatron model under ``train_parallel``, DDP-wrapped, with its optimizer."""
+def build_policy(cfg: Any, *, bridge: Any = None) -> PolicyModel:
+    """AutoBridge HF -> Megatron model under ``train_parallel``, DDP-wrapped, with its optimizer.
+
+    ``bridge``: a bridge built elsewhere (GPU checks build one from a bare ``config.json`` and keep the
+    random initialisation); by default the checkpoint's, whose weights are loaded."""
     from megatron.bridge import AutoBridge  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: PLC0415
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
     from megatron.core.utils import get_model_config  # noqa: PLC0415
 
-    from rlc.runtime.policy.provider_options import optimizer_settings  # noqa: PLC0415
+    from rlc.runtime.policy.provider_options import ddp_settings, optimizer_settings  # noqa: PLC0415
 
     dtype = torch_dtype(cfg.model.dtype)
     t = cfg.training
-    bridge = AutoBridge.from_hf_pretrained(
-        cfg.model.checkpoint, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=dtype
-    )
-    provider = make_provider(bridge, cfg)
+    load_weights = bridge is None
+    if bridge is None:
+        bridge = AutoBridge.from_hf_pretrained(
+            cfg.model.checkpoint, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=dtype
+        )
+    provider = make_provider(bridge, cfg, load_weights=load_weights)
     ref_model, ref_host = None, None
     if cfg.loss.kl_penalty > 0 and t.offload_reference_policy:
         # Built before the trainer and moved to host memory at once, so that setup never holds both on the
@@ -137,6 +142,7 @@ def build_policy(cfg: Any) -> PolicyModel:
         use_distributed_optimizer=t.use_distributed_optimizer,
         check_for_nan_in_grad=True,
         average_in_collective=False,
+        **ddp_settings(cfg),
     )
     model = provider.provide_distributed_model(
         ddp_config=ddp_config,

@@ -1,6 +1,14 @@
 """Megatron settings from ``runtime.yaml`` that the policy worker applies to the Bridge's model provider
 and optimizer config: FP8, the MoE dispatcher, routing replay, and the ``training.megatron_kwargs`` pass-through.
 
+FP8 training (megatron-core 0.19 ``TransformerConfig``): ``fp8`` is the format (``e4m3`` / ``hybrid``),
+``fp8_recipe`` the scaling recipe (``tensorwise``, ``delayed``, ``blockwise``, ``mxfp8``; Transformer Engine's
+``Float8CurrentScaling``, ``DelayedScaling``, ``Float8BlockScaling``, ``MXFP8BlockScaling``), ``fp8_param`` keeps
+the weights themselves in FP8 (Transformer Engine FP8 parameters), and the distributed optimizer then
+all-gathers them in FP8 (``DistributedDataParallelConfig.fp8_param_gather``): Megatron-LM's
+``--fp8-param-gather`` sets both, and so does ``training.fp8.param_gather``. Which recipes the cluster's GPUs
+run is checked at compile time (RLC331).
+
 Pure Python (no torch / megatron imports) so the mapping is tested on CPU; ``megatron_setup`` applies it.
 """
 from __future__ import annotations
@@ -54,6 +62,12 @@ def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
         setattr(provider, key, value)
         applied[key] = value
     return applied
+
+
+def ddp_settings(cfg: Any) -> dict[str, Any]:
+    """Extra ``megatron.core.distributed.DistributedDataParallelConfig`` arguments from ``runtime.yaml``."""
+    fp8 = cfg.training.fp8
+    return {"fp8_param_gather": bool(fp8.enabled and fp8.param_gather)}
 
 
 def optimizer_settings(cfg: Any) -> dict[str, Any]:

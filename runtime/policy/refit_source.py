@@ -11,6 +11,14 @@
 - ``RefitSource``: specs (a dry export pass, once), ``prepare`` with the consumer on this GPU,
   ``send`` every step through ``rlc.runtime.refit.RefitProducer``. fp32 parameters stay fp32 on the
   wire (``refit.fp32_params``; SkyRL #1816) because the producer's wire specs keep them.
+- FP8 rollouts with block scales (``generation.fp8.scales: block``): ``send`` quantizes the export stream
+  on this GPU with vLLM's own per-block function (``rlc.runtime.refit.fp8``) and the wire carries each
+  projection as float8_e4m3fn plus its fp32 ``weight_scale_inv``. ``export`` stays the bf16 stream:
+  ``refit.verify_every`` checks vLLM against vLLM's own quantization of exactly these bf16 weights.
+- FP8 training with ``training.fp8.param_gather`` (FP8 primary weights): Megatron-Bridge's export
+  dequantizes every Transformer Engine FP8 parameter to its nominal dtype (``maybe_dequantize`` in each
+  parameter mapping), so the exporter yields ``model.dtype`` weights either way and the refit quantizes
+  them for FP8 rollouts (or sends them as they are) like any other.
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+
+from rlc.contract.fp8 import SCALE_SUFFIX
 
 if TYPE_CHECKING:
     from rlc.runtime.refit import RefitProducer
@@ -135,6 +145,13 @@ class RefitSource:
         self.producer: RefitProducer | None = None
         self.specs: list = []
         self.dropped: list[str] = []
+        gen = cfg.generation
+        self.block_fp8 = gen.precision == "fp8" and gen.fp8.scales == "block"
+        self.quantizer: Any = None
+        if self.block_fp8:
+            from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
+
+            self.quantizer = block_quantizer(gen.fp8.pow2_scales)
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if cfg.refit.dedupe_mtp_embedding:
@@ -157,14 +174,27 @@ class RefitSource:
         return self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False, conversion_tasks=self.tasks)
 
     def dry_specs(self) -> list:
-        """The export list (name, shape, dtype in export order), from one export pass."""
+        """The export list (name, shape, dtype in export order), from one export pass; with FP8 block
+        scales, the list the quantized stream yields (``rlc.runtime.refit.fp8.quantized_specs``)."""
         from rlc.runtime.refit.specs import TensorSpec  # noqa: PLC0415
 
         specs = []
         for name, tensor in self.export():
             specs.append(TensorSpec.from_tensor(name, tensor))
             del tensor
+        if self.block_fp8:
+            from rlc.runtime.refit.fp8 import quantized_specs  # noqa: PLC0415
+
+            specs = quantized_specs(specs)
         return specs
+
+    def stream(self):
+        """What a refit sends: the export, block-quantized for FP8 rollouts with block scales."""
+        if not self.block_fp8:
+            return self.export()
+        from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
+
+        return quantize_export(self.export(), self.quantizer)
 
     def prepare(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute the specs and pair with the consumer (which must call prepare at the same time)."""
@@ -181,6 +211,7 @@ class RefitSource:
                 export_dtype=self.cfg.model.dtype,
                 device=torch.cuda.current_device(),
                 timeout_s=timeout_s,
+                extra_fp32_params=["*" + SCALE_SUFFIX] if self.block_fp8 else (),
             )
         producer = self.producer
         producer.prepare(self.specs)
@@ -190,12 +221,13 @@ class RefitSource:
             "dropped_mtp_duplicates": self.dropped,
             "prepare_s": time.perf_counter() - t0,
             "device_key": producer.device_key,
+            "fp8_quantizer": self.quantizer.source if self.quantizer is not None else None,
         }
 
     def send(self) -> dict[str, Any]:
         if self.producer is None:
             raise RuntimeError("RefitSource.send before prepare")
-        return self.producer.send(self.export()).to_dict()
+        return self.producer.send(self.stream()).to_dict()
 
     def close(self) -> None:
         if self.producer is not None:

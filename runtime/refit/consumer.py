@@ -9,7 +9,10 @@ Usage (inside the vLLM worker extension)::
 ``receive`` handles one refit: for each bucket it opens new buffers, checks the bucket's metadata
 against the manifest its own producer announced at ``prepare`` (provenance, names, shapes, bytes,
 bounds), calls ``load_weights`` with zero-copy views, waits for the device, verifies that no view
-outlived ``load_weights`` (the half is overwritten two buckets later), and acks. At the end it
+outlived ``load_weights`` (the half is overwritten two buckets later), and acks. With
+``copy_buckets=True`` each bucket is first copied out of the shared buffer in one device copy and
+``load_weights`` gets views of that copy, which it may keep: vLLM's layerwise reload (FP8 rollouts)
+holds a layer's tensors until the layer is complete, possibly several buckets later. At the end it
 checks that every expected tensor arrived exactly once and closes every buffer mapping except those
 of the halves the producer keeps for the next refit (``End.kept_slots``): their handles are opened
 once and reused. ``close`` releases them.
@@ -167,12 +170,14 @@ class RefitConsumer:
                     f"{msg.meta.refit_id}/{msg.meta.index})"
                 )
 
-    def receive(self, load_weights: LoadWeights) -> ConsumerMetrics:
-        """Receive one refit and load it; returns this side's metrics. Raises on any mismatch."""
+    def receive(self, load_weights: LoadWeights, *, copy_buckets: bool = False) -> ConsumerMetrics:
+        """Receive one refit and load it; returns this side's metrics. Raises on any mismatch.
+
+        ``copy_buckets``: hand ``load_weights`` views of a private copy of each bucket (it may keep them)."""
         self._check_usable()
         if self._chan is None or self._hello is None:
             raise RefitProtocolError(f"{self.name}: call prepare() before receive()")
-        run = _ConsumerRun(self, load_weights)
+        run = _ConsumerRun(self, load_weights, copy_buckets)
         try:
             return run.execute()
         except BaseException as e:
@@ -202,8 +207,9 @@ class RefitConsumer:
 class _ConsumerRun:
     """State of one ``receive``: opened buffers, manifest, metrics."""
 
-    def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights) -> None:
+    def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights, copy_buckets: bool = False) -> None:
         self.c = consumer
+        self.copy_buckets = copy_buckets
         assert consumer._chan is not None and consumer._hello is not None  # the caller checked prepare() ran
         self.chan: Channel = consumer._chan
         self.hello = consumer._hello
@@ -253,12 +259,13 @@ class _ConsumerRun:
             tracker.check_bucket(meta, buf.nbytes)
             c._emit("load_start", own.index)
             t1 = time.perf_counter()
-            weights = [(e.name, buf.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
+            source: Buffer = _BucketCopy.of(buf, meta.entries) if self.copy_buckets else buf
+            weights = [(e.name, source.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
             loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
             if loaded != meta.nbytes:
                 raise RefitProtocolError(f"{c.name}: bucket {own.index} sliced {loaded} bytes, metadata says {meta.nbytes}")
             self.load_weights(weights)
-            del weights
+            del weights, source
             c.backend.synchronize()  # loads have read the buffer before the producer may overwrite it
             m.load_seconds += time.perf_counter() - t1
             buf.check_no_live_views(c.name)
@@ -319,3 +326,28 @@ class _ConsumerRun:
                 errors.append(e)
         if errors and check:
             raise errors[0]
+
+
+class _BucketCopy(Buffer):
+    """A private copy of one bucket's byte range of a shared buffer (one device copy), sliced like the
+    buffer: offsets stay the bucket's. Its views are not tracked: whoever keeps them keeps the copy alive,
+    and the shared buffer is free for the producer as soon as the copy is made."""
+
+    def __init__(self, tensor: torch.Tensor, start: int, end: int, label: str) -> None:
+        super().__init__(tensor, end - start, label)
+        self.start = start
+
+    @classmethod
+    def of(cls, buf: Buffer, entries: Any) -> "_BucketCopy":
+        if buf.tensor is None:
+            raise RefitProtocolError(f"buffer {buf.label} is closed")
+        start = min((e.offset for e in entries), default=0)
+        end = max((e.offset + e.nbytes for e in entries), default=start)
+        return cls(buf.tensor[start:end].clone(), start, end, buf.label + "/copy")
+
+    def view(self, offset: int, nbytes: int, shape: Any, dtype: torch.dtype, name: str = "",
+             track: bool = True) -> torch.Tensor:
+        return super().view(offset - self.start, nbytes, shape, dtype, name, track=False)
+
+    def close(self) -> None:
+        self.tensor = None

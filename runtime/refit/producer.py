@@ -90,6 +90,7 @@ class RefitProducer:
         metadata_subscribers: int | None = None,
         empty_cache: bool = True,
         keep_buffers_max_bytes: int = KEEP_BUFFERS_MAX_BYTES,
+        extra_fp32_params: Sequence[str] = (),
     ) -> None:
         """
         Args:
@@ -117,6 +118,8 @@ class RefitProducer:
             keep_buffers_max_bytes: keep both halves allocated (and mapped by the consumer) from one
                 refit to the next while together they are at most this many bytes; 0 releases them
                 after every refit.
+            extra_fp32_params: fnmatch patterns that also travel in fp32 besides ``refit_cfg.fp32_params``
+                (the block scales of FP8 rollouts).
         """
         self.cfg = refit_cfg
         self.session = session
@@ -139,6 +142,7 @@ class RefitProducer:
         self.metadata_subscribers = metadata_subscribers
         self.empty_cache = empty_cache
         self.keep_buffers_max_bytes = keep_buffers_max_bytes
+        self.fp32_patterns = [*refit_cfg.fp32_params, *extra_fp32_params]
         self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
         self._last_plan: RefitPlan | None = None  # for the current export list (reset by prepare)
         self.name = f"refit producer rank {rank} (GPU {self.device_key})"
@@ -170,7 +174,7 @@ class RefitProducer:
         export list changes; the consumer must call ``prepare`` at the same time.
         """
         self._check_usable()
-        wire = wire_specs(specs, self.export_dtype, self.cfg.fp32_params)
+        wire = wire_specs(specs, self.export_dtype, self.fp32_patterns)
         effective_alignment(self.cfg.alignment_bytes, wire)  # fail fast on a bad alignment
         if self._chan is None:
             sock = new_socket(zmq.PAIR)
@@ -193,7 +197,7 @@ class RefitProducer:
             if self.metadata_source_rank == self.rank
             else self._relay_endpoint(self.metadata_source_rank),
             export_dtype=self.export_dtype,
-            fp32_params=list(self.cfg.fp32_params),
+            fp32_params=list(self.fp32_patterns),
         )
         try:
             self._chan.send(hello, timeout_s=self.timeout_s)

@@ -5,8 +5,9 @@ string such as ``"bfloat16"``) and the byte count that follows from them. The pr
 exporter's specs into *wire* specs with ``wire_specs``: fp32 parameters named by
 ``refit.fp32_params`` (router ``e_score_correction_bias``, expert bias) stay fp32 on the wire,
 because a bf16 ULP at their magnitude (~25-57) erases the per-expert offsets (std ~7e-4) and
-corrupts routing (SkyRL #1816); every other floating tensor travels in the export dtype; integer and
-bool tensors keep their own dtype.
+corrupts routing (SkyRL #1816); FP8 tensors (weights the trainer quantized for FP8 rollouts) travel as
+they are; every other floating tensor travels in the export dtype; integer and bool tensors keep their
+own dtype.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ DTYPE_SIZES: dict[str, int] = {
     "bool": 1,
 }
 FLOATING_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+#: Already quantized: never cast to the export dtype on the wire.
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 _ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32"}
 
 
@@ -99,9 +102,9 @@ def matches_any(name: str, patterns: Iterable[str]) -> bool:
 
 
 def wire_dtype(name: str, source_dtype: str, export_dtype: str, fp32_patterns: Sequence[str]) -> str:
-    """The dtype a tensor travels in: fp32 for ``fp32_patterns``, its own for non-floats, else export."""
+    """The dtype a tensor travels in: fp32 for ``fp32_patterns``, its own for non-floats and FP8, else export."""
     source_dtype = normalize_dtype(source_dtype)
-    if source_dtype not in FLOATING_DTYPES:
+    if source_dtype not in FLOATING_DTYPES or source_dtype in FP8_DTYPES:
         return source_dtype
     if matches_any(name, fp32_patterns):
         return "float32"

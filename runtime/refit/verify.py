@@ -7,7 +7,9 @@ through vLLM's own ``load_weights`` (the path a checkpoint load takes: same fusi
 slicing) and compares each parameter with its snapshot. Equal everywhere means the engine delivered
 every tensor, under the right name, with the right slicing metadata and dtype; anything else is named
 with how far it is off, and a value that equals the reference rounded to bf16 is called out as such
-(an fp32 parameter sent in bf16: ``refit.fp32_params``).
+(an fp32 parameter sent in bf16: ``refit.fp32_params``). With FP8 rollouts the reference load is vLLM's
+own quantization of the same bf16 export (``rlc.runtime.generation.extension``), and FP8 weights are
+compared byte for byte.
 
 Pure comparison logic here (torch only, CPU-tested); the worker side is in
 ``rlc.runtime.generation.extension`` and ``rlc.runtime.policy.megatron_worker``.
@@ -15,7 +17,7 @@ Pure comparison logic here (torch only, CPU-tested); the worker side is in
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -74,6 +76,14 @@ def _bits_lost(refitted: torch.Tensor, reference: torch.Tensor) -> tuple[bool, i
     return False, 0
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality; 1-byte floats (FP8 weights) are compared as bytes (``torch.equal`` compares
+    values: it would take -0 for +0)."""
+    if a.dtype.is_floating_point and a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
 def compare_parameters(refitted: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
                        *, loaded: set[str] | None = None) -> VerifyReport:
     """Compare every parameter of ``refitted`` (the snapshot after the refit) with ``reference``
@@ -93,7 +103,7 @@ def compare_parameters(refitted: Mapping[str, torch.Tensor], reference: Mapping[
         nbytes += ref.numel() * ref.element_size()
         if ref.dtype == torch.float32:
             fp32.append(name)
-        if got is not None and got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(got, ref):
+        if got is not None and got.shape == ref.shape and got.dtype == ref.dtype and _same_bits(got, ref):
             continue
         if got is None or got.shape != ref.shape:
             mismatches.append(ParamMismatch(name, str(ref.dtype).removeprefix("torch."), list(ref.shape),
@@ -124,7 +134,8 @@ def verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verify_by_reload(model: Any, exported: Mapping[str, torch.Tensor], param_names: list[str]) -> dict[str, Any]:
+def verify_by_reload(model: Any, exported: Mapping[str, torch.Tensor], param_names: list[str],
+                     load: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None) -> dict[str, Any]:
     """Spot check of a refit, cheap enough for a 30B model: snapshot ``param_names`` of the live model,
     load ``exported`` (a few of the trainer's HF tensors) through the model's own ``load_weights`` and
     compare each snapshot with the reloaded parameter. The loader does the fusing and tensor-parallel
@@ -132,12 +143,14 @@ def verify_by_reload(model: Any, exported: Mapping[str, torch.Tensor], param_nam
 
     Returns ``VerifyReport.to_dict()`` plus ``missing_params`` (asked for, absent from the model) and
     ``loaded_unchecked`` (written by the reload but not snapshotted: the check did not cover them).
+    ``load``: how to load (default ``model.load_weights``).
     """
     params = dict(model.named_parameters())
     missing = sorted(n for n in param_names if n not in params)
     with torch.no_grad():
         refitted = {n: params[n].detach().clone() for n in param_names if n in params}
-        loaded = model.load_weights(weights=list(exported.items()))
+        items = list(exported.items())
+        loaded = model.load_weights(weights=items) if load is None else load(items)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     loaded_set = set(loaded) if isinstance(loaded, (set, list, tuple)) else None

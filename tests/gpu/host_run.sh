@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] [fp8_refit] [fp8_refit_moe] [fp8_grpo] [fp8_grpo_block] [fp8_train] ...
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
+# fp8_refit / fp8_refit_moe: a verified refit into FP8 vLLM parameters at Qwen3-8B / Qwen3-30B-A3B shapes with refit
+#   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor); fp8_grpo: the tiny GRPO run with FP8
+#   rollouts, 150 steps (FP8_GRPO_SCALES: tensor (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with
+#   block scales on the head_dim 64 tiny model; fp8_train: FP8 training (FP8_TRAIN_RECIPE, default blockwise): the
+#   tiny GRPO smoke run and a real-shape train step with memory next to the plan.
 # STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
 # the last part (carried with this call) has unpack.sh. Unpacks into /tmp/site once per machine,
 # puts the checkout (its rlc/ package) on PYTHONPATH, then runs the named stages, each under a
@@ -92,6 +97,16 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage packing_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-packing-smoke \
         --out "$OUT/packing_smoke" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.sequence_packing.enabled=true ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
+    fp8_refit) run_stage fp8_refit 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case dense-8b \
+      --scales "${FP8_SCALES:-block}" --out "$OUT" ;;
+    fp8_refit_moe) run_stage fp8_refit_moe 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case moe-1gpu \
+      --scales "${FP8_SCALES:-block}" --fp8-util 0.40 --refits 2 --out "$OUT" ;;
+    fp8_grpo) run_stage fp8_grpo 540 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales "${FP8_GRPO_SCALES:-tensor}" \
+      --steps "${FP8_GRPO_STEPS:-150}" --timeout 420 --out "$OUT/fp8_grpo" ;;
+    fp8_grpo_block) run_stage fp8_grpo_block 540 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales block \
+      --root /tmp/rlc-fp8-grpo-block --steps "${FP8_GRPO_STEPS:-150}" --timeout 420 --out "$OUT/fp8_grpo_block" ;;
+    fp8_train) run_stage fp8_train 540 python3 "$REPO"/tests/gpu/test_fp8_train.py --recipe "${FP8_TRAIN_RECIPE:-blockwise}" \
+      --steps 8 --timeout 240 --out "$OUT/fp8_train" ;;
     *) log "unknown stage $stage" ;;
   esac
 done

@@ -406,3 +406,26 @@ def test_logprob_chunking_is_listed_with_what_bounds_the_logits_instead():
     off = import_nemo_rl(str(PUBLIC_30B), ["+policy.logprob_chunk_size=null"])
     assert "policy.logprob_chunk_size" in off.mapping.implied
     assert "policy.logprob_chunk_size" not in {u.key for u in off.unmapped}
+
+
+def test_nemo_rl_fp8_rollouts_map_to_block_scales_and_its_vllm_patches_are_listed():
+    """NeMo-RL's FP8 rollouts (grpo_math_8B_megatron_fp8.yaml, the Moonlight / DeepSeek-V3 FP8 recipes) are
+    128x128 block scales; its vLLM patches have no rlc equivalent and are listed unless left at defaults."""
+    imported = import_nemo_rl(str(CHILD), [
+        "++policy.generation.vllm_cfg.precision=fp8", "++policy.generation.vllm_cfg.use_deep_gemm=true",
+        "++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
+        "++policy.generation.vllm_cfg.num_first_layers_in_bf16=0",
+        "++policy.generation.vllm_cfg.quantization_ignored_layer_kws=[a_proj,b_proj]",
+        "++policy.megatron_cfg.fp8_cfg={enabled: true, fp8: e4m3, fp8_recipe: blockwise, fp8_param: false}",
+    ])
+    got = mapped(imported)
+    assert (got["generation.precision"], got["generation.fp8.scales"], got["generation.fp8.pow2_scales"]) == \
+        ("fp8", "block", True)
+    assert (got["training.fp8.enabled"], got["training.fp8.recipe"]) == (True, "blockwise")
+    unmapped = {u.key: u.reason for u in imported.mapping.unmapped}
+    assert "DeepGEMM" in unmapped["policy.generation.vllm_cfg.use_deep_gemm"]
+    assert "routers" in unmapped["policy.generation.vllm_cfg.quantization_ignored_layer_kws"]
+    assert "policy.generation.vllm_cfg.num_first_layers_in_bf16" in imported.mapping.implied
+    plain = import_nemo_rl(str(CHILD), ["++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true"])
+    assert "generation.fp8.pow2_scales" not in mapped(plain)  # bf16 rollouts: FP8 options are not read
+    assert "FP8 rollouts" in plain.mapping.implied["policy.generation.vllm_cfg.pow2_weight_scaling_factors"]

@@ -66,7 +66,7 @@ MUTATIONS = (
              ("tests/planner/test_rules_each.py",)),
     Mutation("rlc210-planner-strict", "RLC210 / refit buffer",
              "rlc/compiler/planner/memory.py",
-             '"buffer", refit_buffer.half_holds(math.per_side, largest),', '"buffer", math.per_side > largest,',
+             '"buffer", refit_buffer.half_holds(math.per_side, on_wire),', '"buffer", math.per_side > on_wire,',
              ("tests/planner/test_rules_each.py",)),
     Mutation("shell-del-allowed", "shell quoting",
              "rlc/compiler/shell.py",

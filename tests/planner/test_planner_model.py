@@ -239,9 +239,9 @@ def test_an_option_rlc_fixes_itself_is_named_with_its_reason(tmp_path):
 def test_settings_the_runtime_cannot_run_warn_and_compile_refuses(tmp_path):
     from rlc.compiler.bundle import BundleError, build_bundle
 
-    result = check(tmp_path, DSV3, "refit.buffer_memory_ratio=0.45", "generation.precision=fp8")
+    result = check(tmp_path, DSV3, "refit.buffer_memory_ratio=0.45", "parallelism.train.cp=2")
     assert result.ok and "RLC311" in rules(result, "warning")
-    with pytest.raises(BundleError, match="generation.precision"):
+    with pytest.raises(BundleError, match="parallelism.train.cp"):
         build_bundle(result, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
 

@@ -38,8 +38,9 @@ def test_a_hand_edited_pass_through_cannot_replace_a_typed_setting():
                                                                      vllm_kwargs={"max_model_len": 10}))
     with pytest.raises(ValueError, match="max_model_len"):
         engine_kwargs(edited, 0, distributed=False)
-    fp8 = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, precision="fp8"))
-    with pytest.raises(ValueError, match="generation.precision"):
+    fp8 = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, precision="fp8",
+                                                                  vllm_kwargs={"quantization": "fp8"}))
+    with pytest.raises(ValueError, match="quantization from generation.precision"):
         engine_kwargs(fp8, 0, distributed=False)
 
 

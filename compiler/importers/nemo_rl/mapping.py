@@ -413,6 +413,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _tokenizer(m)
     _expert_parallel_flag(m)
     _vllm_precision(m)
+    _vllm_fp8(m)
     _vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
@@ -605,6 +606,45 @@ def _vllm_precision(m: _Mapper) -> None:
     if not same_dtype:
         m.out.unmapped.append(Unmapped(key, m.leaves[key], "rlc rolls out in model.dtype (the trainer's "
                                        "precision) or fp8 (generation.precision)"))
+
+
+VLLM_FP8 = "policy.generation.vllm_cfg"
+#: NeMo-RL's FP8-rollout options (vllm_cfg) with the value that means "nothing special".
+_FP8_DEFAULTS = {"use_deep_gemm": False, "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
+                 "pow2_activation_scaling_factors": False, "quantization_ignored_layer_kws": []}
+_FP8_UNMAPPED = {
+    "use_deep_gemm": "vLLM picks its block-FP8 GEMM kernels itself (DeepGEMM when installed); set VLLM_USE_DEEP_GEMM "
+                     "in cluster.env to force it",
+    "num_first_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
+    "num_last_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
+    "pow2_activation_scaling_factors": "a NeMo-RL patch of vLLM's activation quantization; rlc runs vLLM's own",
+    "quantization_ignored_layer_kws": "rlc keeps only the embedding, LM head, norms and routers in bf16; "
+                                      "generation.fp8.scales: tensor lets vLLM quantize layers of any shape",
+}
+
+
+def _vllm_fp8(m: _Mapper) -> None:
+    """NeMo-RL's FP8 rollouts are DeepSeek-style 128×128 block scales, quantized for vLLM at refit
+    (``nemo_rl/models/generation/fp8.py``): ``generation.fp8.scales: block``; its power-of-two weight scales
+    are ``pow2_scales``. Its other FP8 options patch vLLM and have no rlc equivalent unless left at their
+    defaults."""
+    keys = ["pow2_weight_scaling_factors", *_FP8_DEFAULTS]
+    present = [f"{VLLM_FP8}.{k}" for k in keys if f"{VLLM_FP8}.{k}" in m.leaves]
+    if str(m.leaves.get(f"{VLLM_FP8}.precision", "")).lower() != "fp8":
+        m.consume(*present, why="only used with FP8 rollouts (policy.generation.vllm_cfg.precision: fp8)")
+        return
+    m.put("generation.fp8.scales", "block", (f"{VLLM_FP8}.precision",), "NeMo-RL's FP8 rollouts: 128×128 block scales")
+    m.take(f"{VLLM_FP8}.pow2_weight_scaling_factors", "generation.fp8.pow2_scales", boolean)
+    for key, default in _FP8_DEFAULTS.items():
+        source = f"{VLLM_FP8}.{key}"
+        if source not in m.leaves:
+            continue
+        value = m.leaves[source]
+        if value is None or value == default or (isinstance(default, list) and not value):
+            m.consume(source, why=f"{value!r}: the FP8 engine's default")
+        else:
+            m.consumed.add(source)
+            m.out.unmapped.append(Unmapped(source, value, _FP8_UNMAPPED[key]))
 
 
 def _batch_multiplier(m: _Mapper) -> None:
