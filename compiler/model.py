@@ -132,6 +132,7 @@ class ModelFacts:
     qk_norm: bool = False
     attention_bias: bool = False
     expert_bias: bool = False  # router e_score_correction_bias (aux-loss-free routing)
+    router_groups: Optional[int] = None  # group-limited routing (HF n_group; None: not stated)
     expert_mlp_bias: bool = False  # gpt-oss experts carry biases
     # linear attention (Gated DeltaNet)
     linear_key_heads: Optional[int] = None

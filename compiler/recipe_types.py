@@ -342,11 +342,33 @@ class Fp8RolloutSection(_Section):
 
 
 @section
+class MegatronGenerationSection(_Section):
+    """Megatron-core inference (``generation.backend: megatron``)."""
+
+    mode: Literal["auto", "shared", "dedicated"]
+    """Generate on the training model (``shared``) or on a second model refit by swap (``dedicated``)."""
+    transformer_impl: Literal["auto", "transformer_engine", "inference_optimized"]
+    """Layer implementation of the generating model (``auto``: the trainer's)."""
+    kv_cache: Literal["recompute", "offload", "persist"]
+    """What happens to the KV pool while the trainer runs."""
+    block_size_tokens: int
+    """Tokens per KV-cache block."""
+    max_tokens: Optional[int]
+    """Tokens per engine step at most (None: megatron-core's default)."""
+    max_requests: Optional[int]
+    """Requests per engine step at most (None: as many as the pool has blocks)."""
+    refit_backend: Literal["nccl", "gloo"]
+    """Copy service of ``swap_model_weights`` in dedicated mode."""
+
+
+@section
 class GenerationSection(_Section):
     """The rollout engine."""
 
-    backend: Literal["vllm"]
+    backend: Literal["vllm", "megatron"]
     """Generation backend."""
+    megatron: MegatronGenerationSection
+    """Megatron-core inference settings (``backend: megatron``)."""
     vllm_version: Optional[str]
     """vLLM version of the job's container (None: the calibration entry's)."""
     enforce_eager: bool
@@ -858,7 +880,8 @@ def typed_fields(cls: type) -> dict[str, Any]:
 
 __all__ = ["NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerSection", "DataSection",
            "DynamicSamplingSection", "Fp8RolloutSection", "Fp8Section", "GenerationParallelism", "GenerationSection", "GrpoSection",
-           "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "ModelSection",
+           "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "MegatronGenerationSection",
+           "ModelSection",
            "MoeSection", "OptimizerSection", "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError",
            "RefitSection", "RewardSection", "SamplingSection", "SequencePackingSection", "SlurmSection",
            "SpeculativeDecodingSection", "Switch", "TrainParallelism", "TrainingSection", "recipe_from_data",

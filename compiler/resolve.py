@@ -22,6 +22,7 @@ from rlc.contract.runtime_config import (
     GrpoConfig,
     LoggingConfig,
     LossConfig,
+    MegatronGenerationConfig,
     ModelConfig,
     RefitConfig,
     RewardConfig,
@@ -172,6 +173,7 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
     scales, scales_reason = _fp8_scales(r, decisions)
     if r.generation.precision == "fp8":
         refit_decisions["fp8_scales"] = scales_reason
+    megatron = _megatron(r, decisions, refit_decisions)
 
     model, data = r.model, r.data
     return RuntimeConfig(
@@ -195,7 +197,8 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
                        fp32_params=fp32, decisions=refit_decisions,
                        **{k: flag for k, (flag, _) in switches.items()}),
         generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r),
-                            fp8={"scales": scales, "pow2_scales": r.generation.fp8.pow2_scales}),
+                            fp8={"scales": scales, "pow2_scales": r.generation.fp8.pow2_scales},
+                            megatron=megatron),
         training=_section(TrainingConfig, r.training, "training", global_batch_size=r.global_batch_size,
                           logprob_batch_size=r.logprob_batch_size, max_sequence_length=r.max_sequence_length,
                           sequence_packing=dataclasses.asdict(_section(
@@ -210,6 +213,30 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
         env={k: _env_str(v) for k, v in cluster.env.items()},
         extensions=_plain(r.extensions),
     )
+
+
+#: Megatron-backend decisions the rules record (``generation.megatron.*`` and the refit kind), into ``refit.decisions``.
+MEGATRON_DECISIONS = ("weight_sync", "generation.megatron.mode", "generation.megatron.transformer_impl",
+                      "generation.megatron.reset_router_num_groups")
+
+
+def _megatron(recipe: Recipe, decisions: dict[str, tuple[Any, str]],
+              refit_decisions: dict[str, str]) -> dict[str, Any] | None:
+    """``generation.megatron`` of runtime.yaml (None with the vLLM backend); its decisions go to ``refit.decisions``."""
+    if recipe.generation.backend != "megatron":
+        return None
+    for key in MEGATRON_DECISIONS:
+        if key in decisions:
+            refit_decisions[key] = decisions[key][1]
+    for key in MEGATRON_DECISIONS[:3]:
+        if key not in decisions:
+            raise ResolveError(f"{key}: not decided by any rule (generation.backend megatron)")
+    m = recipe.generation.megatron
+    reset = decisions.get("generation.megatron.reset_router_num_groups")
+    return dataclasses.asdict(_section(
+        MegatronGenerationConfig, m, "generation.megatron", mode=decisions["generation.megatron.mode"][0],
+        transformer_impl=decisions["generation.megatron.transformer_impl"][0],
+        reset_router_num_groups=bool(reset[0]) if reset else False))
 
 
 def to_runtime_config(result: CheckResult) -> dict[str, Any]:

@@ -49,6 +49,41 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
                         "batches (NeMo-RL's Megatron trainer requires packing with context parallelism too)",
                         hint="set training.sequence_packing.enabled: true (or parallelism.train.cp: 1)"))
     gaps.extend(_router_replay_gaps(recipe))
+    if recipe.generation.backend == "megatron":
+        gaps.extend(megatron_gaps(recipe))
+    return gaps
+
+
+def megatron_gaps(recipe: Recipe) -> list[Gap]:
+    """What of ``generation.backend: megatron`` the bundled runtime cannot run yet: it runs one eager engine per
+    GPU (direct mode, no data-parallel coordinator) on the trainer's layout."""
+    from rlc.compiler.mcore_generation import layout_differences  # noqa: PLC0415
+
+    gaps = []
+    t = recipe.parallelism.train
+    if t.tp * t.pp * t.ep * t.cp > 1:
+        gaps.append(Gap("parallelism.train",
+                        f"Megatron inference with model parallelism (TP{t.tp} PP{t.pp} EP{t.ep} CP{t.cp}): the bundled "
+                        "runtime runs one engine per GPU (data parallelism only); model-parallel engines need "
+                        "megatron-core's data-parallel inference coordinator",
+                        hint="parallelism.train tp, pp, ep and cp 1 (or generation.backend: vllm)"))
+    elif layout_differences(recipe):
+        gaps.append(Gap("parallelism.generation",
+                        "resharding into an inference layout other than the trainer's ("
+                        + "; ".join(layout_differences(recipe)) + ")",
+                        hint="parallelism.generation equal to parallelism.train"))
+    if not recipe.generation.enforce_eager:
+        gaps.append(Gap("generation.enforce_eager", "CUDA graphs in the Megatron engine (the bundled runtime runs it "
+                        "eager; the graphs would have to be chosen when the model is built)",
+                        hint="generation.enforce_eager: true"))
+    if recipe.generation.speculative_decoding is not None:
+        gaps.append(Gap("generation.speculative_decoding", "MTP speculative decoding in the Megatron engine"))
+    if recipe.training.fp8.enabled:
+        gaps.append(Gap("training.fp8.enabled", "FP8 models in the Megatron engine (megatron-core converts them for "
+                        "inference in place, which the shared training model cannot take)"))
+    if recipe.training.router_replay.enabled:
+        gaps.append(Gap("training.router_replay.enabled", "routing replay with the Megatron engine (the runtime "
+                        "replays the routes vLLM records; it does not collect the Megatron engine's)"))
     return gaps
 
 

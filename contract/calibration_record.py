@@ -28,6 +28,8 @@ PHASES: dict[str, str] = {
     "after_wake": "vLLM awake again after a refit (weights + KV cache), trainer offloaded",
     "after_initial_refit": "after the first refit, before step 1",
     "after_sleep": "vLLM asleep after a rollout, trainer about to compute logprobs",
+    "megatron_engine_started": "generation.backend megatron: the policy workers' inference engines built and "
+                               "suspended (the dedicated model's weights freed), before the first refit",
 }
 
 #: Phases the runtime samples into ``metrics.jsonl`` every step (``memory/<phase>/{free,used}_gib``).

@@ -142,8 +142,23 @@ class Fp8RolloutConfig:
 
 
 @dataclass(frozen=True)
+class MegatronGenerationConfig:
+    """Megatron-core inference inside the policy workers (``generation.backend: megatron``), every ``auto``
+    settled by the compiler (the rule and reason are in ``refit.decisions``)."""
+
+    mode: str  # "shared" (generate on the training model) | "dedicated" (a second model, refit by swap)
+    transformer_impl: str  # "transformer_engine" | "inference_optimized" (of the generating model)
+    kv_cache: str  # "recompute" | "offload" | "persist" (megatron-core KVCacheManagementMode)
+    block_size_tokens: int
+    max_tokens: int | None  # None = megatron-core's default
+    max_requests: int | None  # None = as many as the KV pool has blocks
+    refit_backend: str  # "nccl" | "gloo": swap_model_weights' copy service (dedicated)
+    reset_router_num_groups: bool  # moe_router_num_groups 1 -> None for the inference-optimized router
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
-    backend: str  # "vllm"
+    backend: str  # "vllm" | "megatron"
     vllm_version: str  # the version the plan assumed (recipe, or the calibration entry's); checked at start
     enforce_eager: bool
     gpu_memory_utilization: float
@@ -154,6 +169,7 @@ class GenerationConfig:
     sampling: SamplingConfig
     speculative_decoding: SpeculativeDecodingConfig | None  # None = off
     vllm_kwargs: dict[str, Any]  # engine options handed to vllm.LLM unchanged (none that rlc sets itself)
+    megatron: MegatronGenerationConfig | None  # backend "megatron" only (None with vLLM)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,18 @@
 """The GRPO driver: ``python -m rlc.runtime runtime.yaml``.
 
 The same code runs a 1-GPU toy and a 32-node job: it joins Ray, reserves one bundle per GPU, puts a
-Megatron policy worker and a vLLM generation worker on every GPU, and loops::
+Megatron policy worker and a vLLM generation worker on every GPU (with ``generation.backend: megatron`` the
+policy worker hosts megatron-core's engine itself), and loops::
 
     for step in steps:
         offload trainer params              # refit.offload_params_for_generation: to host memory
-        groups   = rollout(step)            # prompts -> N generations each (vLLM, with logprobs)
+        groups   = rollout(step)            # prompts -> N generations each (with logprobs)
                                             #   -> rewards -> dynamic sampling -> advantages
-        sleep generation                    # vLLM frees its memory (refit.sleep_level)
+        release generation                  # vLLM sleeps (refit.sleep_level) / the Megatron engine suspends
         onload trainer params               # back before the trainer's first forward
         batch    = trainer_logprobs(groups) # old logprobs (+ reference) and the gen-KL check
         train(batch)                        # clipped GRPO loss, optimizer step(s)
-        refit(step)                         # new weights into vLLM through the refit engine
+        refit(step)                         # the weight sync (rlc.runtime.weight_sync) readies the engines
         log(step); checkpoint(step)
 
 Failures end the run with a report: a worker that dies names itself, its node and GPU; a gen-KL
@@ -19,7 +20,6 @@ above ``grpo.max_gen_kl`` explains the likely causes; exhausted dynamic sampling
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -35,8 +35,10 @@ from rlc.runtime.metrics import JsonlFile, MetricsLogger, PhaseTimer
 from rlc.runtime.worker_groups import GenerationGroup, Memory, PolicyGroup, RankCoords, RefitSent
 
 if TYPE_CHECKING:
+    from rlc.runtime.generation.backend import GenerationBackend
     from rlc.runtime.grpo.data import PromptCursor
     from rlc.runtime.grpo.rewards import RewardScorer
+    from rlc.runtime.weight_sync import WeightSync
 
 log = logging.getLogger("rlc.runtime.driver")
 
@@ -75,6 +77,8 @@ class GrpoRun:
         self.scorer: RewardScorer
         self.cursor: PromptCursor
         self.pg: Any  # the Ray placement group
+        self.backend: GenerationBackend  # generates and releases (vLLM engines, or the policy workers' engines)
+        self.weight_sync: WeightSync  # every refit goes through it
         logs = Path(cfg.logging.dir)
         self.calibration = JsonlFile(logs / "calibration.jsonl")
         self.ranks_log = JsonlFile(logs / "refit_ranks.jsonl")  # one line per trainer rank and refit
@@ -114,14 +118,7 @@ class GrpoRun:
         self.log_calibration(start_step, "after_initial_refit")
         for step in range(start_step + 1, cfg.grpo.max_steps + 1):
             self.step_metrics = {}
-            with self.timer("step"):
-                self.offload_trainer_params()  # after the refit (and any checkpoint), before vLLM generates
-                groups = self.rollout(step)
-                self.sleep_generation(step)
-                self.onload_trainer_params()
-                batch = self.trainer_logprobs(step, groups)
-                self.train(step, batch)
-                self.refit(step)
+            self.run_step(step)
             self.step_metrics.update(self.timer.drain())
             self.metrics.log(step, self.step_metrics)
             if self.cfg.checkpointing.enabled and self._should_save(step):
@@ -129,6 +126,17 @@ class GrpoRun:
         return EXIT_OK
 
     # ================================================================== phases
+
+    def run_step(self, step: int) -> None:
+        """One GRPO step's phases, in order (the loop in the module docstring)."""
+        with self.timer("step"):
+            self.offload_trainer_params()  # after the refit (and any checkpoint), before the engines generate
+            groups = self.rollout(step)
+            self.sleep_generation(step)
+            self.onload_trainer_params()
+            batch = self.trainer_logprobs(step, groups)
+            self.train(step, batch)
+            self.refit(step)
 
     def rollout(self, step: int) -> list[Group]:
         """Prompts -> generations -> rewards, with dynamic sampling; sets reward metrics."""
@@ -150,7 +158,7 @@ class GrpoRun:
         self.step_metrics.update(self.scorer.take_metrics())
         self.step_metrics.update(sampler.metrics())
         self.step_metrics["throughput/generated_tokens"] = gen_tokens
-        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(self.timer.seconds("vllm_generate"),
+        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(self.timer.seconds(self.backend.timer),
                                                                                  1e-9)
         lengths = [len(g["token_ids"]) for grp in groups for g in grp.generations]
         self.step_metrics["response_length/mean"] = sum(lengths) / max(len(lengths), 1)
@@ -162,11 +170,11 @@ class GrpoRun:
         """Split prompts over the engines; score each generation with the reward function."""
         n = self.cfg.grpo.generations_per_prompt
         ids = [self.encode(p.prompt) for p in prompts]
-        engines = len(self.generation)
+        engines = self.backend.engines
         per = (len(ids) + engines - 1) // engines
         chunks = [(e, ids[e * per : (e + 1) * per]) for e in range(engines)]
-        with self.timer("vllm_generate"):
-            results = self.generation.generate([(e, c) for e, c in chunks if c], n)
+        with self.timer(self.backend.timer):
+            results = self.backend.generate([(e, c) for e, c in chunks if c], n)
         samples = [s for r in results for s in r["samples"]]
         groups = []
         for prompt, pids, gens in zip(prompts, ids, samples):
@@ -176,9 +184,10 @@ class GrpoRun:
         return groups
 
     def sleep_generation(self, step: int) -> None:
-        """vLLM releases its memory for the trainer (refit.sleep_level)."""
+        """The engines release their memory for the trainer (vLLM: refit.sleep_level; Megatron: the engine
+        suspends, its KV pool as generation.megatron.kv_cache says)."""
         with self.timer("sleep"):
-            slept = self.generation.sleep(self.cfg.refit.sleep_level)[0]
+            slept = self.backend.release(step)
         self.step_metrics["memory/sleep_freed_gib"] = slept.freed_gib
         self.sample_memory("after_sleep", slept.memory)
         if step <= 2 or step % 50 == 0:
@@ -271,74 +280,8 @@ class GrpoRun:
         self.sample_memory("train")
 
     def refit(self, step: int) -> None:
-        """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache."""
-        from rlc.runtime.workers import wait_all  # noqa: PLC0415
-
-        cfg = self.cfg
-        with self.timer("refit"):
-            offloaded = self.policy.refit_offload()[0]
-            self.sample_memory("refit_offload", offloaded.memory)
-            with self.timer("wake_weights"):
-                self.generation.wake_up(["weights"])
-            with self.timer("refit_transfer"):
-                pending = [(self.policy.group, i, r) for i, r in self.policy.submit_refit_send()]
-                pending += [(self.generation.group, i, r) for i, r in self.generation.submit_refit_receive()]
-                results = wait_all(pending, "refit")
-            sent = [RefitSent.from_dict(r) for r in results[: len(self.policy)]]
-            with self.timer("wake_kv"):
-                woke = self.generation.wake_up(["kv_cache"])[0]
-                self.generation.reset_prefix_cache()
-        self.log_refit_ranks(step, sent)
-        r0 = sent[0]
-        worst = min(sent, key=lambda r: r.free_before_bytes)  # the tightest GPU decides OOM
-        m = self.step_metrics
-        m["refit/seconds"] = self.timer.seconds("refit_transfer")
-        m["refit/bytes"] = r0.bytes
-        m["refit/gbps"] = r0.gbps
-        m["refit/buckets"] = r0.num_buckets
-        m["refit/tensors"] = r0.num_tensors
-        m["refit/free_before_gib"] = worst.free_before_bytes / GIB
-        m["refit/min_free_gib"] = min(r.min_free_bytes for r in sent) / GIB
-        m["refit/half_gib"] = r0.half_bytes / GIB
-        m["refit/sleep_level"] = cfg.refit.sleep_level
-        m["refit/synced_params"] = float(offloaded.synced_params)
-        m["refit/offloaded_optimizer"] = float(offloaded.offloaded)
-        if cfg.refit.verify_every and self.refits_done % cfg.refit.verify_every == 0:
-            self.verify_refit(step)
-        self.refits_done += 1
-        self.sample_memory("after_wake", woke)
-        if step <= 2 or step % 50 == 0:
-            total = offloaded.memory.total_gib
-            self.log_calibration(step, "refit_free", Memory(free_gib=r0.free_before_bytes / GIB,
-                                                            used_gib=total - r0.free_before_bytes / GIB,
-                                                            total_gib=total),
-                                 extra={"half_gib": r0.half_bytes / GIB,
-                                        "offload_optimizer": cfg.refit.offload_optimizer_for_refit})
-            self.log_calibration(step, "after_wake", woke)
-        if step == 0 or self.refits_done <= 1:
-            keys = ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")
-            log.info("refit %d: %s", self.refits_done, json.dumps({k: r0.raw.get(k) for k in keys}))
-
-    def verify_refit(self, step: int) -> None:
-        """``refit.verify_every``: every vLLM worker checks its parameters bit for bit against vLLM's own
-        load of the trainer's export (``rlc.runtime.refit.verify``); a difference stops the run."""
-        import tempfile  # noqa: PLC0415
-
-        from rlc.runtime.refit.verify import RefitVerifyError, verify_error_text  # noqa: PLC0415
-
-        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
-        with self.timer("refit_verify"):
-            self.policy.dump_export(export_dir)
-            reports = self.generation.verify_refit(export_dir)
-        for worker, report in enumerate(reports):
-            self.verify_log.write({"step": step, "worker": worker, **report})
-        mismatches = sum(len(r["mismatches"]) for r in reports)
-        self.step_metrics["refit/verify_mismatches"] = mismatches
-        self.step_metrics["refit/verify_params"] = sum(r["params_compared"] for r in reports)
-        if mismatches or not all(r["params_compared"] for r in reports):
-            raise RefitVerifyError(verify_error_text(step, reports))
-        log.info("refit %d verified bit-exact: %d parameters on %d vLLM workers", step,
-                 sum(r["params_compared"] for r in reports), len(reports))
+        """Trainer weights -> the engines, through the weight synchronizer (``rlc.runtime.weight_sync``)."""
+        self.weight_sync.sync(step)
 
     def log_refit_ranks(self, step: int, sent: list[RefitSent]) -> None:
         """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
@@ -388,12 +331,13 @@ class GrpoRun:
     # ================================================================== setup
 
     def start_workers(self) -> None:
-        """Ray, placement group, vLLM engines (then asleep), Megatron ranks, refit pairing."""
+        """Ray, placement group, vLLM engines (then asleep), Megatron ranks, refit pairing; with
+        ``generation.backend: megatron`` the Megatron ranks, then their engines."""
         from rlc.runtime import workers as W  # noqa: PLC0415
-        from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
+        from rlc.runtime.generation.backend import MegatronBackend, VllmBackend  # noqa: PLC0415
         from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config  # noqa: PLC0415
         from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn  # noqa: PLC0415
-        from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
+        from rlc.runtime.weight_sync import make_weight_sync  # noqa: PLC0415
 
         cfg = self.cfg
         self.versions = W.library_versions()  # the driver runs in the workers' container
@@ -407,24 +351,48 @@ class GrpoRun:
         log.info("%s", W.connect(cfg.cluster.ray, env))
         pg, order = W.reserve_gpus(placement)
         self.pg = pg
-        per_engine = placement.gpus_per_engine
-        gen_actors = []
-        for e, bundles in enumerate(placement.engine_bundles):
-            phys = [order[b] for b in bundles]
-            gen_actors.append(W.spawn(
-                VllmGenerationWorker, pg=pg, bundle=phys[0],
-                num_gpus=placement.gpu_fraction if per_engine == 1 else 0.0,
-                env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
-        self._generation = GenerationGroup(W.WorkerGroup("generation", gen_actors))
-        self.generation.describe()
-        started = self.generation.start()[0]
-        self.eos_token_id = started.eos_token_id
-        log.info("vLLM engines up in %.1f s", started.seconds)
-        self.log_memory_line("vllm_started", started.memory)
-        self.generation.sleep(cfg.refit.sleep_level)
+        if cfg.generation.backend == "megatron":
+            self._start_policy(W, placement, env, order)
+            megatron = MegatronBackend(self.policy)
+            self.backend = megatron
+            started = megatron.start()
+            self.eos_token_id = started.eos_token_id
+            log.info("Megatron inference engines up in %.1f s", started.seconds)
+            self.log_memory_line("megatron_engine_started", started.memory)
+        else:
+            from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
+
+            per_engine = placement.gpus_per_engine
+            gen_actors = []
+            for e, bundles in enumerate(placement.engine_bundles):
+                phys = [order[b] for b in bundles]
+                gen_actors.append(W.spawn(
+                    VllmGenerationWorker, pg=pg, bundle=phys[0],
+                    num_gpus=placement.gpu_fraction if per_engine == 1 else 0.0,
+                    env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
+            self._generation = GenerationGroup(W.WorkerGroup("generation", gen_actors))
+            self.generation.describe()
+            vllm = VllmBackend(self.generation, cfg.refit.sleep_level)
+            self.backend = vllm
+            started = vllm.start()
+            self.eos_token_id = started.eos_token_id
+            log.info("vLLM engines up in %.1f s", started.seconds)
+            self.log_memory_line("vllm_started", started.memory)
+            vllm.sleep_after_start()
+            self._start_policy(W, placement, env, order)
+            if cfg.training.router_replay.enabled:
+                self.check_replay_layers(started.moe_layers)
+        self.weight_sync = make_weight_sync(self)
+        self.weight_sync.prepare()
+
+    def _start_policy(self, W: Any, placement: Any, env: dict[str, str], order: list[int]) -> None:
+        """The Megatron ranks: spawn, NCCL and model setup."""
+        from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
+
         policy_env = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
-        pol = [W.spawn(MegatronPolicyWorker, pg=pg, bundle=order[b], num_gpus=placement.gpu_fraction, env=policy_env,
-                       name=f"{self.session}-policy{r}", args=(self.cfg_dict, r, placement.world_size, order[b]))
+        pol = [W.spawn(MegatronPolicyWorker, pg=self.pg, bundle=order[b], num_gpus=placement.gpu_fraction,
+                       env=policy_env, name=f"{self.session}-policy{r}",
+                       args=(self.cfg_dict, r, placement.world_size, order[b]))
                for r, b in enumerate(placement.policy_bundles)]
         self._policy = PolicyGroup(W.WorkerGroup("policy", pol))
         self.policy.describe()
@@ -434,9 +402,6 @@ class GrpoRun:
         log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", self.timer.drain()["timing/policy_setup_s"],
                  len(pol), self.coords[0].dp_size)
         self.log_memory_line("policy_started", self.coords[0].memory)
-        if cfg.training.router_replay.enabled:
-            self.check_replay_layers(started.moe_layers)
-        self.prepare_refit(placement)
 
     def check_replay_layers(self, recorded: list[int] | None) -> None:
         """Routing replay pairs vLLM's routes with the trainer's routers by decoder layer: both must see the
@@ -447,21 +412,6 @@ class GrpoRun:
                                f"trainer's MoE routers sit at layers {trainer[0] if trainer else []}; they must be "
                                "the same layers (turn training.router_replay.enabled off for this model)")
         log.info("routing replay: routes of %d MoE layers (%s) replayed in the trainer", len(recorded), recorded)
-
-    def prepare_refit(self, placement: Any) -> None:
-        """Pair every trainer rank with the vLLM worker on its GPU (both sides at once)."""
-        from rlc.runtime.workers import wait_all  # noqa: PLC0415
-
-        gpn = self.cfg.cluster.gpus_per_node
-        node_rank: dict[str, int] = {}
-        local = []
-        for info in self.policy.infos:
-            local.append(node_rank.get(info.node_ip, 0))
-            node_rank[info.node_ip] = local[-1] + 1
-        pending = [(self.policy.group, r, ref) for r, ref in self.policy.submit_refit_prepare(self.session, local, gpn)]
-        pending += [(self.generation.group, e, ref) for e, ref in self.generation.submit_refit_prepare(self.session)]
-        res = wait_all(pending, "refit prepare")
-        log.info("refit paired: %s", json.dumps(res[0]))
 
     def load_tokenizer(self) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415

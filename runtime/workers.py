@@ -116,11 +116,13 @@ def plan_placement(cfg: Any) -> Placement:
             "colocated: true"
         )
     bundles = [{"GPU": 1.0, "CPU": float(CPUS_PER_BUNDLE)} for _ in range(world)]
+    # generation.backend megatron: the engines live in the policy workers, no generation actors
+    in_policy = getattr(cfg.generation, "backend", "vllm") == "megatron"
     return Placement(
         world_size=world,
         bundles=bundles,
         policy_bundles=list(range(world)),
-        engine_bundles=[list(range(e * per_engine, (e + 1) * per_engine)) for e in range(engines)],
+        engine_bundles=[] if in_policy else [list(range(e * per_engine, (e + 1) * per_engine)) for e in range(engines)],
         gpu_fraction=COLOCATED_GPU_FRACTION,
         colocated=True,
     )

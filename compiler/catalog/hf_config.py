@@ -252,6 +252,7 @@ def _deepseek(cfg: dict[str, Any]) -> dict[str, Any]:
         qk_rope_head_dim=_int(cfg, "qk_rope_head_dim"),
         v_head_dim=_int(cfg, "v_head_dim"),
         expert_bias=expert_bias,
+        router_groups=_int(cfg, "n_group"),
     )
     if mtp:
         notes.append(_MTP_SHARED_EMBEDDING_NOTE)
@@ -267,6 +268,7 @@ def _glm4_moe(cfg: dict[str, Any]) -> dict[str, Any]:
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         expert_bias=True,
+        router_groups=_int(cfg, "n_group"),
     )
     out["_notes"] = ["expert export per expert: HF GLM-4.5 checkpoints store experts.{i}.gate_proj/up_proj/down_proj",
                      "router e_score_correction_bias (sigmoid, aux-loss-free routing)"]

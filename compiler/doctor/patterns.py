@@ -276,6 +276,69 @@ PATTERNS: tuple[Pattern, ...] = (
         ("verl #953 / #1108 (DAPO dynamic sampling)",),
         hints=('max_num_gen_batches',)),
     Pattern(
+        "mcore-vpp", "RLC401", "Megatron inference with virtual pipeline stages",
+        _rx(r"MCore colocated reshard is not supported with virtual pipeline parallelism|interleaving schedule is "
+            r"not supported for inference|virtual pipeline chunks: megatron-core's engine"), x.nothing,
+        "parallelism.train.vpp: 1 (or generation.backend: vllm)",
+        ("NeMo-RL PR #3490 review: the colocated reshard truncated the inference model to chunk 0 with virtual "
+         "pipeline stages (guard in nemo_rl/models/megatron/setup.py)",),
+        hints=("virtual pipeline", "interleaving schedule")),
+    Pattern(
+        "mcore-router-num-groups", "RLC405", "megatron-core's inference router refuses grouped routing",
+        _rx(r"InferenceTopKRouter requires moe_router_num_groups=None, got (?P<groups>\S+)"), x.nothing,
+        "generation.megatron.transformer_impl: auto (Transformer Engine layers); rlc resets a degenerate n_group of 1",
+        ("megatron-core 0.19 moe/router.py InferenceTopKRouter; NeMo-RL PR #3490 (_apply_moe_config resets "
+         "moe_router_num_groups 1 -> None)",),
+        hints=("inferencetopkrouter requires",)),
+    Pattern(
+        "mcore-inference-optimized-moe", "RLC405", "megatron-core's inference-optimized MoE refuses the model",
+        _rx(r"inference_optimized'? does not yet support gated linear units|Inference-optimized MoE layers does not "
+            r"support expert tensor parallelism|inference_optimized'? requires --moe-router-dtype=fp32|GDN layers are "
+            r"not supported for inference"), x.nothing,
+        "generation.megatron.transformer_impl: auto for SwiGLU MoE models; parallelism.train.etp: 1; "
+        "training.moe.router_dtype: fp32 (gated delta-net models: generation.backend: vllm)",
+        ("megatron-core 0.19 transformer_config.py (inference_optimized MoE checks; fixed for SwiGLU on Megatron-LM "
+         "main by PR #5700)",),
+        hints=("gated linear units", "expert tensor parallelism", "moe-router-dtype=fp32", "gdn layers")),
+    Pattern(
+        "mcore-top-k-top-p", "RLC404", "megatron-core's sampler refuses top-k with top-p",
+        _rx(r"Cannot have top-p and top-k both greater than zero"), x.nothing,
+        "generation.sampling.top_k: -1 or top_p: 1.0",
+        ("megatron-core 0.19 inference/sampling/torch_sampling.py",),
+        hints=("top-p and top-k",)),
+    Pattern(
+        "mcore-speculative", "RLC404", "megatron-core speculative decoding settings it cannot run",
+        _rx(r"Number of speculative tokens (?P<tokens>[0-9]+) must be less than or equal to number of MTP layers"
+            r"|logprobs_mode='processed_logprobs' is not yet supported with speculative decoding"), x.nothing,
+        "generation.speculative_decoding with method mtp, at most one token per MTP layer, temperature 1 without "
+        "top-k/top-p",
+        ("megatron-core 0.19 engines/dynamic_engine.py and inference/config.py",),
+        hints=("speculative tokens", "speculative decoding")),
+    Pattern(
+        "mcore-kv-pool", "RLC406", "megatron-core's KV pool or token budget cannot take a request",
+        _rx(r"failed to be added to the engine \((?:BlockOverflowError|TokenOverflowError|"
+            r"MaxSequenceLengthOverflowError)|max_tokens \((?P<max_tokens>[0-9]+)\) must be >= max_requests "
+            r"\((?P<max_requests>[0-9]+)\)|megatron-core failed request [0-9]+"), x.nothing,
+        "raise generation.kv_cache_memory_bytes (rlc plan names the size one request needs), or set "
+        "generation.megatron.max_requests <= max_tokens",
+        ("megatron-core 0.19 engines/dynamic_engine.py (_add_request) and contexts/dynamic_context.py",),
+        hints=("added to the engine", "must be >= max_requests", "megatron-core failed request")),
+    Pattern(
+        "mcore-flash-attention", None, "megatron-core's inference engine found no FlashAttention it accepts",
+        _rx(r"flash attn verion v2\.7\.3 and above is required for dynamic batching|megatron-core's dynamic "
+            r"inference engine needs FlashAttention"), x.nothing,
+        "install flash-attn >= 2.7.3, FlashAttention-3 (flash_attn_3) or flash-attn-4 in the container image, or "
+        "generation.backend: vllm",
+        ("megatron-core 0.19 transformer/attention.py (dynamic batching asserts a paged-KV FlashAttention)",),
+        hints=("flash attn verion", "needs flashattention")),
+    Pattern(
+        "mcore-cuda-graph-ep", None, "megatron-core CUDA graphs with expert parallelism need padded experts",
+        _rx(r"--moe-pad-experts-for-cuda-graph-inference must be set when using CUDA graphs with expert "
+            r"parallelism"), x.nothing,
+        "generation.enforce_eager: true (rlc runs the Megatron engine eager)",
+        ("megatron-core 0.19 text_generation_controller.py; NeMo-RL PR #3490 sets it automatically",),
+        hints=("moe-pad-experts-for-cuda-graph-inference",)),
+    Pattern(
         "worker-lost", None, "a Ray worker or node was lost",
         _rx(r"(?P<role>policy|generation) worker (?P<rank>[0-9]+) \(node (?P<node>[^ /]+) / (?P<host>[^,]+), "
             r"GPU (?P<gpu>[^,]+),.*?\) died during (?P<phase>[^:]+):"), x.ray_lost,

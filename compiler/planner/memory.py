@@ -861,6 +861,10 @@ def plan_memory(recipe: Recipe, facts: ModelFacts, gpu: Any,
     ``cluster.calibration`` file); the shipped table when None.
     """
     cal = calibration_for(gpu.name, table=calibration)
+    if recipe.generation.backend == "megatron":
+        from rlc.compiler.planner.mcore_memory import plan_megatron_generation
+
+        return plan_megatron_generation(recipe, facts, gpu, cal)
     plan = _core_plan(recipe, facts, gpu, cal)
     checks = plan.checks
     failing = any(checks.get(k) is not None and checks[k].ok is False for k in ("buffer", "stack"))

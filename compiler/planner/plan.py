@@ -156,6 +156,8 @@ class MemoryPlan:
     # with optimizer_cpu_offload on: the train step (GiB) with the whole optimizer state on the GPU instead,
     # so a rule can tell a layout that needs the CPU optimizer from one that merely uses it
     train_gib_without_cpu_offload: Optional[float] = None
+    backend: str = "vllm"  # generation.backend the plan is for
+    mcore: Optional[dict[str, Any]] = None  # generation.backend megatron: mode, weight sync, KV pool arithmetic
 
     # ------------------------------------------------------------------ figures the rules read
 
@@ -237,6 +239,8 @@ class MemoryPlan:
                 "limit_gib": self.host.limit_gib, "phase": self.host.phase, "used_gib": self.host.used_gib,
                 "ok": self.host.ok, "items": [asdict(i) for i in self.host.items]},
         }
+        if self.mcore is not None:
+            out["megatron"] = self.mcore
         if self.refit is not None:
             r = self.refit
             refit = {**asdict(r), "buffer_margin": r.buffer_margin, "stack_margin": r.stack_margin,

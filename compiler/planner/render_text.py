@@ -17,6 +17,10 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     t, g = plan.layout["train"], plan.layout["generation"]
     moe = plan.layout.get("moe", True)  # a dense model has no expert lines
     stages = "/".join(str(s["layers"]) for s in plan.stages) if plan.stages else "unknown"
+    if plan.mcore is not None:
+        from rlc.compiler.planner.mcore_text import mcore_layout_lines
+
+        return mcore_layout_lines(plan, stages)
     return [
         f"  train:      TP{t['tp']} PP{t['pp']} CP{t['cp']}" + (f" EP{t['ep']} ETP{t['etp']}" if moe else "")
         + (f" VPP{t['vpp']}" if t["vpp"] > 1 else "")
@@ -80,7 +84,8 @@ def _refit_lines(plan: MemoryPlan) -> list[str]:
 
 def _host_lines(plan: MemoryPlan) -> list[str]:
     h = plan.host
-    lines = [f"host memory per node ({h.phase} phase; vLLM {plan.vllm_version}: {plan.sleep_label})",
+    what = f"vLLM {plan.vllm_version}: {plan.sleep_label}" if plan.mcore is None else "Megatron inference"
+    lines = [f"host memory per node ({h.phase} phase; {what})",
              f"  {'item':<44}{'GiB':>8}  source"]
     for i in h.items:
         lines.append(f"  {i.label:<44}{i.gib or 0.0:>8.1f}  {i.source}" + (f"  [{i.note}]" if i.note else ""))
@@ -106,7 +111,12 @@ def render_text(plan: MemoryPlan) -> str:
         lines.append("")
         lines += _host_lines(plan)
     lines.append("")
-    lines += _refit_lines(plan)
+    if plan.mcore is not None:
+        from rlc.compiler.planner.mcore_text import mcore_refit_lines
+
+        lines += mcore_refit_lines(plan)
+    else:
+        lines += _refit_lines(plan)
     others = [c for k, c in plan.checks.items() if k not in ("buffer", "stack")]
     if others:
         lines.append("")

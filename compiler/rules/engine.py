@@ -4,7 +4,8 @@ A rule is a function ``check(ctx) -> None`` registered with :func:`rule`. It rep
 :class:`Context` (``ctx.error/warning/info``, each with the recipe key path, a message with the
 actual numbers, and the cheapest fix as ``hint``) and settles ``auto`` switches with
 ``ctx.decide``. Ids: ``RLC0xx`` meta (catalog, lint.ignore), ``RLC1xx`` layout/divisibility,
-``RLC2xx`` refit and memory, ``RLC3xx`` environment, sampling and algorithm.
+``RLC2xx`` refit and memory, ``RLC3xx`` environment, sampling and algorithm, ``RLC4xx`` the Megatron
+generation backend.
 
 ``lint.ignore: [{rule, reason}]`` silences a rule's warnings and infos; an error cannot be
 silenced, and trying is itself an error (RLC002).
@@ -115,7 +116,7 @@ def all_rules() -> list[Rule]:
 
 def _load_rules() -> None:
     from rlc.compiler.rules import (  # noqa: F401
-        engine_rules, env_rules, layout_rules, memory_rules, meta, refit_rules, replay_rules,
+        engine_rules, env_rules, layout_rules, megatron_rules, memory_rules, meta, refit_rules, replay_rules,
     )
     from rlc.compiler.rules import fp8_rules  # noqa: F401
 

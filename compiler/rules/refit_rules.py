@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from rlc.compiler.mcore_generation import uses_megatron
 from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.recipe_types import Switch
 from rlc.compiler.schema import default_at
@@ -45,6 +46,8 @@ def decide_switch(ctx: Context, name: str, *, needed: bool, why: str, off_error:
            "_should_skip_mtp_duplicate_embedding_export.",
       fixes="Leave refit.dedupe_mtp_embedding at auto (or on).")
 def mtp_dedupe(ctx: Context) -> None:
+    if uses_megatron(ctx.recipe):
+        return  # vLLM's IPC stream only (RLC403 records it as n/a)
     pp = train_layout(ctx.recipe).pp
     f = ctx.facts
     if f is None:
@@ -98,6 +101,8 @@ def sync_params(ctx: Context) -> None:
            "per-GPU metadata; worked by luck at PP 2, broke at PP > 2 / EP > 16.",
       fixes="Leave refit.per_rank_ipc_metadata at auto (or on).")
 def per_rank_metadata(ctx: Context) -> None:
+    if uses_megatron(ctx.recipe):
+        return  # vLLM's IPC stream only (RLC403 records it as n/a)
     tl = train_layout(ctx.recipe)
     needed = tl.ep > 1 or tl.pp > 1
     why = (f"EP{tl.ep} / PP{tl.pp}: trainer ranks pack different tensors (SkyRL #1816)" if needed
@@ -117,6 +122,8 @@ def per_rank_metadata(ctx: Context) -> None:
            "its ~25–57 magnitude collapses the tiny per-expert offsets (std ~7e-4) and corrupts routing'.",
       fixes="Use refit.fp32_params: auto, or add the missing pattern (e.g. '*e_score_correction_bias*').")
 def fp32_params(ctx: Context) -> None:
+    if uses_megatron(ctx.recipe):
+        return  # vLLM's IPC stream only (RLC403 records it as n/a)
     key, path = "refit.fp32_params", f"{R}.fp32_params"
     value = ctx.recipe.refit.fp32_params
     f = ctx.facts

@@ -25,6 +25,7 @@ import torch
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
+from rlc.runtime.policy.megatron_generation import MegatronGenerationMixin
 from rlc.runtime.policy.routes import micro_batch_routes
 
 if TYPE_CHECKING:
@@ -64,8 +65,9 @@ def packed_token_logprobs(logits: torch.Tensor, mb: dict, temperature: float, cp
     return unpack(lp, mb["unpack_index"].to(dev), mb["unpack_valid"].to(dev))
 
 
-class MegatronPolicyWorker:
-    """Megatron-Bridge model + megatron-core optimizer on one GPU (see the module docstring)."""
+class MegatronPolicyWorker(MegatronGenerationMixin):
+    """Megatron-Bridge model + megatron-core optimizer on one GPU (see the module docstring); with
+    ``generation.backend: megatron`` also megatron-core's inference engine (``MegatronGenerationMixin``)."""
 
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, bundle: int = -1) -> None:
         self.cfg = runtime_config_from_dict(cfg_dict)

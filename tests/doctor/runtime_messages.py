@@ -163,3 +163,19 @@ def refit_not_bit_exact(rounded: bool) -> tuple[BaseException, str]:
 
 ALL["RLC204/verify"] = lambda: refit_not_bit_exact(rounded=True)
 ALL["RLC306/verify"] = lambda: refit_not_bit_exact(rounded=False)
+
+
+def megatron_request_failed() -> tuple[BaseException, str]:
+    """A request megatron-core's engine refused (the KV pool cannot hold it), as the worker reports it."""
+    from types import SimpleNamespace
+
+    from rlc.runtime.generation.megatron_sampling import parse_request
+
+    error = type("BlockOverflowError", (Exception,), {})("request 17")
+    req = SimpleNamespace(request_id=17, status=SimpleNamespace(name="FAILED"), prompt_tokens=list(range(3900)),
+                          events=[SimpleNamespace(payload=error)], generated_tokens=[], generated_log_probs=None)
+    exc = _raised(lambda: parse_request(req, eos_token_id=2, max_tokens=8192, decode=str))
+    return exc, _log(exc)
+
+
+ALL["RLC406"] = megatron_request_failed

@@ -39,10 +39,16 @@ EXPECTED = {
                                                              "host": "172.26.5.7", "name": "model.embed_tokens.weight"}),
     "nccl_watchdog_timeout.log": ("nccl-network", None, {"op": "ALLREDUCE", "seq": 3856, "timeout_ms": 1800000,
                                                          "host": "10.0.1.75"}),
+    "megatron_router_groups.log": ("mcore-router-num-groups", "RLC405", {}),
+    "megatron_top_k_top_p.log": ("mcore-top-k-top-p", "RLC404", {}),
+    "megatron_vpp.log": ("mcore-vpp", "RLC401", {}),
+    "megatron_kv_pool.log": ("mcore-kv-pool", "RLC406", {}),
 }
 # logs with more than one finding: (pattern, rule) in order
 EXPECTED_MANY = {
     "nemo_rl_residue_growth_logprob_oom.log": [("cuda-oom", None), ("vllm-sleep-residue", "RLC220")],
+    "megatron_inference_limits.log": [("mcore-inference-optimized-moe", "RLC405"), ("mcore-speculative", "RLC404"),
+                                      ("mcore-cuda-graph-ep", None), ("mcore-flash-attention", None)],
 }
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] [fp8_refit] [fp8_refit_moe] [fp8_grpo] [fp8_grpo_block] [fp8_train] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit_moe] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo_block] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_train] ...
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
+# mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
+#   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -96,6 +98,18 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     packing_smoke)  # the tiny GRPO smoke run with training.sequence_packing on: driver, gen-KL check and refit over packed passes
       run_stage packing_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-packing-smoke \
         --out "$OUT/packing_smoke" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.sequence_packing.enabled=true ;;
+    mcore_shared)  # generation.backend megatron, shared mode: the dense toy task learns (docs/generation-backends.md)
+      run_stage mcore_shared 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case shared --root /tmp/rlc-mcore-shared \
+        --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
+    mcore_moe)  # the same on the tiny MoE (fp32 router bias, MTP layer), shared mode
+      run_stage mcore_moe 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case moe --root /tmp/rlc-mcore-moe \
+        --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
+    mcore_dedicated)  # dedicated mode: swap_model_weights every step, each swap checked bit for bit (>= 20 refits)
+      run_stage mcore_dedicated 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case dedicated \
+        --root /tmp/rlc-mcore-dedicated --out "$OUT" --steps "${MCORE_DEDICATED_STEPS:-25}" --timeout 400 ;;
+    mcore_vs_vllm)  # the dense recipe with each backend: step, generation and refit time, memory per phase
+      run_stage mcore_vs_vllm 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case compare \
+        --root /tmp/rlc-mcore-compare --out "$OUT" --compare-steps "${MCORE_COMPARE_STEPS:-20}" --timeout 200 ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     fp8_refit) run_stage fp8_refit 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case dense-8b \
       --scales "${FP8_SCALES:-block}" --out "$OUT" ;;

@@ -429,3 +429,53 @@ def test_nemo_rl_fp8_rollouts_map_to_block_scales_and_its_vllm_patches_are_liste
     plain = import_nemo_rl(str(CHILD), ["++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true"])
     assert "generation.fp8.pow2_scales" not in mapped(plain)  # bf16 rollouts: FP8 options are not read
     assert "FP8 rollouts" in plain.mapping.implied["policy.generation.vllm_cfg.pow2_weight_scaling_factors"]
+
+
+# --------------------------------------------------------------------------- megatron-core generation
+
+MCORE_GEN = LLM / "grpo-qwen3-8b-1n8g-megatron-generation.yaml"
+
+
+def test_megatron_generation_maps_the_mcore_config_and_leaves_vllm_out(tmp_path):
+    imported = import_nemo_rl(str(MCORE_GEN))
+    got = mapped(imported)
+    assert got["generation.backend"] == "megatron"
+    assert got["generation.kv_cache_memory_bytes"] == 10 * (1 << 30)
+    assert (got["generation.megatron.block_size_tokens"], got["generation.megatron.max_tokens"],
+            got["generation.megatron.kv_cache"], got["generation.megatron.refit_backend"]) == (256, 16384, "persist",
+                                                                                               "nccl")
+    assert got["generation.enforce_eager"] is True  # cuda_graph_impl "none"
+    assert got["parallelism.generation.tp"] == 1  # the trainer's, not vllm_cfg's
+    assert "generation.gpu_memory_utilization" not in got and "refit.sleep_level" not in got
+    # shared mode generates on the trainer's parameters: NeMo-RL does not offload them, neither does the recipe
+    assert "refit.offload_params_for_generation" not in got
+    unmapped = {u.key: u for u in imported.unmapped}
+    assert unmapped["policy.generation.vllm_cfg.gpu_memory_utilization"].inactive
+    assert "eager" in unmapped["policy.generation.mcore_generation_config.num_cuda_graphs"].reason
+    assert "chunked prefill" in unmapped["policy.generation.mcore_generation_config.enable_chunked_prefill"].reason
+    leaves = set(imported.config.leaves())
+    sources = {s for v in imported.mapping.values for s in v.sources}
+    assert leaves == sources | set(unmapped) | set(imported.mapping.implied)
+    assert not (sources & set(unmapped))
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(MCORE_GEN), "-o", str(out), "--set", GPU, "--set", IMAGE)
+    assert code == 0, err
+    code, _, err = rlc("validate", str(out))
+    assert code == 0, err
+
+
+def test_megatron_generation_with_another_layout_is_dedicated_and_offloads_the_trainer():
+    got = mapped(import_nemo_rl(str(MCORE_GEN), overrides=[
+        "+policy.generation.mcore_generation_config.transformer_impl=inference_optimized"]))
+    assert got["generation.megatron.transformer_impl"] == "inference_optimized"
+    # NeMo-RL moves the trainer's parameters to host memory after each swap into the dedicated model
+    assert got["refit.offload_params_for_generation"] is True
+
+
+def test_megatron_generation_refuses_what_rlc_cannot_express():
+    imported = import_nemo_rl(str(MCORE_GEN), overrides=[
+        "policy.generation.mcore_generation_config.refit_backend=nvshmem",
+        "policy.generation.mcore_generation_config.kv_cache_management_mode=paged"])
+    unmapped = {u.key: u.reason for u in imported.unmapped}
+    assert "nccl or gloo" in unmapped["policy.generation.mcore_generation_config.refit_backend"]
+    assert "persist, offload or recompute" in unmapped["policy.generation.mcore_generation_config.kv_cache_management_mode"]

@@ -148,6 +148,13 @@ def vllm_only(v: Any) -> str:
     return "vllm"
 
 
+def generation_backend(v: Any) -> str:
+    """NeMo-RL ``policy.generation.backend``: ``vllm`` or ``megatron`` (megatron-core inference)."""
+    if v in ("vllm", "megatron"):
+        return str(v)
+    raise Unmappable(f"generation backend {v!r}: rlc generates with vllm or megatron")
+
+
 def int_list(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
         raise Unmappable(f"expected a list of token ids, got {v!r}")
@@ -211,7 +218,7 @@ DIRECT: tuple[Rule, ...] = (
     ("policy.max_total_sequence_length", "training.max_sequence_length", positive_int, ""),
     ("policy.refit_buffer_size_gb", "refit.buffer_gb", number, "both ping-pong halves together"),
     ("policy.offload_optimizer_for_refit", "refit.offload_optimizer_for_refit", boolean, ""),
-    ("policy.generation.backend", "generation.backend", vllm_only, ""),
+    ("policy.generation.backend", "generation.backend", generation_backend, ""),
     ("policy.generation.temperature", "generation.sampling.temperature", number, ""),
     ("policy.generation.top_p", "generation.sampling.top_p", number, ""),
     ("policy.generation.top_k", "generation.sampling.top_k", top_k, ""),
@@ -382,7 +389,10 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     m = _Mapper(cfg)
     megatron = cfg.get(f"{M}.enabled") is True
     m.consume(f"{M}.enabled", f"{D}.enabled", why="selects the trainer (rlc always trains with Megatron-core)")
+    mcore = cfg.get("policy.generation.backend") == "megatron"
     for rule in DIRECT:
+        if mcore and rule[0].startswith(VLLM_CFG):
+            continue  # NeMo-RL keeps vllm_cfg in its defaults; megatron generation does not read it
         m.take(*rule)
     if megatron:
         for rule in MEGATRON:
@@ -411,18 +421,21 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
                       "set on the Megatron-Bridge model provider unchanged")
     _packing(m)
     _tokenizer(m)
-    _expert_parallel_flag(m)
-    _vllm_precision(m)
-    _vllm_fp8(m)
-    _vllm_kwargs(m)
+    if not mcore:
+        _expert_parallel_flag(m)
+        _vllm_precision(m)
+        _vllm_fp8(m)
+        _vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
+    if mcore:
+        _mcore_generation(m, megatron)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
     _reward(m)
     _prompt_files(m)
     _data(m)
     _buffer_exclusive(m)
-    _params_offload(m, megatron)
+    _params_offload(m, megatron and (not mcore or _mcore_dedicated(m)))
     _reference_policy(m)
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
@@ -827,3 +840,107 @@ def _missing(m: _Mapper) -> list[MissingKey]:
         out.append(MissingKey("data.train", "rlc needs a JSONL prompt file (NeMo-RL names a dataset)",
                               "data.train=/data/train.jsonl"))
     return out
+
+
+# --------------------------------------------------------------------------- megatron-core generation
+
+VLLM_CFG = "policy.generation.vllm_cfg"
+MCORE = "policy.generation.mcore_generation_config"
+#: ``mcore_generation_config`` layout keys -> (the trainer's key, the rlc generation key).
+MCORE_LAYOUT = {"tensor_model_parallel_size": "parallelism.generation.tp",
+                "pipeline_model_parallel_size": "parallelism.generation.pp",
+                "expert_model_parallel_size": "parallelism.generation.ep"}
+#: ``mcore_generation_config`` keys rlc has no setting for, and why.
+MCORE_UNMAPPED = {
+    "num_cuda_graphs": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
+    "use_cuda_graphs_for_non_decode_steps": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
+    "inference_cuda_graph_scope": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
+    "enable_chunked_prefill": "rlc runs the Megatron engine without chunked prefill",
+    "enable_prefix_caching": "rlc runs the Megatron engine without prefix caching",
+    "expose_http_server": "rlc generates in process; it serves no HTTP endpoint",
+    "parsers": "rlc generates in process; it serves no HTTP endpoint",
+}
+
+
+def _kv_cache_mode(v: Any) -> str:
+    if v in ("persist", "offload", "recompute"):
+        return str(v)
+    raise Unmappable(f"kv_cache_management_mode {v!r}: rlc runs persist, offload or recompute")
+
+
+def _refit_backend(v: Any) -> str:
+    if v in ("nccl", "gloo"):
+        return str(v)
+    raise Unmappable(f"refit_backend {v!r}: rlc's swap runs nccl or gloo")
+
+
+def _transformer_impl(v: Any) -> str:
+    if v in ("transformer_engine", "inference_optimized"):
+        return str(v)
+    raise Unmappable(f"transformer_impl {v!r}: rlc builds transformer_engine or inference_optimized layers")
+
+
+def _gib_to_bytes(v: Any) -> int:
+    return int(float(number(v)) * (1 << 30))
+
+
+def _mcore_dedicated(m: _Mapper) -> bool:
+    """NeMo-RL builds a dedicated inference model when the merged inference layout or transformer_impl differs
+    from the trainer's (its inference context parallelism is always 1)."""
+    for key in (*MCORE_LAYOUT, "expert_tensor_parallel_size"):
+        own = m.cfg.get(f"{MCORE}.{key}")
+        if own is not None and own != (m.cfg.get(f"{M}.{key}") or 1):
+            return True
+    impl = m.cfg.get(f"{MCORE}.transformer_impl")
+    if impl is not None and impl != m.cfg.get(f"{M}.transformer_impl", "transformer_engine"):
+        return True
+    return (m.cfg.get(f"{M}.context_parallel_size") or 1) > 1
+
+
+def _mcore_generation(m: _Mapper, megatron: bool) -> None:
+    """``policy.generation.backend: megatron``: ``mcore_generation_config`` -> ``generation.megatron`` and its
+    neighbours; the inference layout is the trainer's unless ``mcore_generation_config`` overrides it (NeMo-RL
+    merges it over ``megatron_cfg``)."""
+    m.inactive(VLLM_CFG, "vLLM settings; policy.generation.backend is megatron")
+    m.inactive("policy.generation.vllm_kwargs", "vLLM settings; policy.generation.backend is megatron")
+    m.take(f"{MCORE}.buffer_size_gb", "generation.kv_cache_memory_bytes", _gib_to_bytes,
+           "megatron-core's fixed KV pool")
+    m.take(f"{MCORE}.block_size_tokens", "generation.megatron.block_size_tokens", positive_int)
+    m.take(f"{MCORE}.max_tokens", "generation.megatron.max_tokens", positive_int)
+    m.take(f"{MCORE}.max_requests", "generation.megatron.max_requests", positive_int)
+    m.take(f"{MCORE}.kv_cache_management_mode", "generation.megatron.kv_cache", _kv_cache_mode)
+    m.take(f"{MCORE}.refit_backend", "generation.megatron.refit_backend", _refit_backend)
+    m.take(f"{MCORE}.transformer_impl", "generation.megatron.transformer_impl", _transformer_impl)
+    m.take(f"{MCORE}.max_model_len", "generation.max_model_len", positive_int)
+    m.take(f"{MCORE}.moe_router_dtype", "training.moe.router_dtype", router_dtype,
+           "the inference model's router dtype is the trainer's in rlc")
+    recompute = "grpo.async_grpo.recompute_kv_cache_after_weight_updates"
+    if m.cfg.get(recompute) is True:
+        m.take(recompute, "generation.megatron.kv_cache", lambda v: "recompute",
+               "NeMo-RL selects megatron-core's recompute mode with this flag")
+    graphs = f"{MCORE}.cuda_graph_impl"
+    m.take(graphs, "generation.enforce_eager", lambda v: v == "none",
+           "rlc runs the Megatron engine eager; 'local' graphs are refused by rlc compile (RLC311)")
+    spec = f"{MCORE}.num_speculative_tokens"
+    tokens = m.cfg.get(spec)
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+        m.consume(spec, why="generation.speculative_decoding")
+        m.put("generation.speculative_decoding.method", "mtp", (spec,), "megatron-core drafts with the MTP layers")
+        m.put("generation.speculative_decoding.num_speculative_tokens", tokens, (spec,))
+    else:
+        m.consume(spec, why="0: no speculative decoding")
+    m.consume(f"{MCORE}.materialize_only_last_token_logits",
+              why="rlc always materializes the sampled rows' logits only (decode logprobs)")
+    m.consume(f"{MCORE}.activation_checkpointing", why="the inference model never recomputes activations")
+    m.consume(f"{MCORE}.sequence_parallel", why="the inference model takes the trainer's sequence parallelism")
+    for key, why in MCORE_UNMAPPED.items():
+        if f"{MCORE}.{key}" in m.leaves:
+            m.consumed.add(f"{MCORE}.{key}")
+            m.out.unmapped.append(Unmapped(f"{MCORE}.{key}", m.leaves[f"{MCORE}.{key}"], why))
+    for key, target in MCORE_LAYOUT.items():
+        own = f"{MCORE}.{key}"
+        if m.cfg.get(own) is not None:
+            m.take(own, target, positive_int, "the inference model's layout (NeMo-RL merges it over megatron_cfg)")
+        elif megatron and m.cfg.get(f"{M}.{key}") is not None:
+            m.put(target, m.cfg.get(f"{M}.{key}"), (f"{M}.{key}",), "the trainer's, as NeMo-RL's inference model")
+

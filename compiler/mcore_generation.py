@@ -1,0 +1,204 @@
+"""Megatron-core inference (``generation.backend: megatron``): what the recipe's settings become.
+
+One source for the decisions the rules record, the resolver writes into ``runtime.yaml`` and the planner
+counts: which model generates (``shared`` or ``dedicated``), with which layer implementation, which
+switches the vLLM refit has that mean nothing here, and the KV pool's block arithmetic (megatron-core
+``DynamicInferenceContext``: a block holds ``block_size_tokens`` tokens of K and V of every attention layer
+of the stage; a request needs ``ceil(max_sequence_length / block)`` blocks, one more with speculative
+decoding; one block of the pool is megatron-core's dummy block).
+
+Pure Python on the typed recipe and the model facts (no torch).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlc.compiler.recipe_types import Recipe
+
+MEGATRON = "megatron"
+#: megatron-core ``DynamicInferenceContext.REQUEST_ROUNDER``: the default request count is a multiple of it.
+REQUEST_ROUNDER = 4
+#: megatron-core ``DynamicInferenceContext.DEFAULT_MAX_TOKENS``.
+DEFAULT_MAX_TOKENS = 16384
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def uses_megatron(recipe: Recipe) -> bool:
+    """The recipe generates with megatron-core's engine."""
+    return recipe.generation.backend == MEGATRON
+
+
+# --------------------------------------------------------------------------- which model generates
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """The model megatron-core's engine runs on, and why."""
+
+    mode: str  # "shared" | "dedicated"
+    transformer_impl: str  # "transformer_engine" | "inference_optimized"
+    differs: tuple[str, ...]  # what makes the inference model differ from the training model
+    reason: str
+
+
+def layout_differences(recipe: Recipe) -> list[str]:
+    """What of the inference layout (``parallelism.generation``; context parallelism is always 1 in
+    megatron-core inference) differs from the trainer's."""
+    t, g = recipe.parallelism.train, recipe.parallelism.generation
+    out = [f"{k.upper()} {getattr(t, k)} -> {getattr(g, k)}" for k in ("tp", "pp", "ep") if getattr(t, k) != getattr(g, k)]
+    if t.cp > 1:
+        out.append(f"CP {t.cp} -> 1 (megatron-core inference runs without context parallelism)")
+    return out
+
+
+def inference_model(recipe: Recipe) -> InferenceModel:
+    """Shared or dedicated, and the layer implementation (``generation.megatron.mode`` / ``transformer_impl``)."""
+    m = recipe.generation.megatron
+    impl = "transformer_engine" if m.transformer_impl == "auto" else m.transformer_impl
+    differs = layout_differences(recipe)
+    if impl != "transformer_engine":
+        differs.append(f"transformer_impl transformer_engine -> {impl}")
+    if m.mode == "shared":
+        return InferenceModel("shared", impl, tuple(differs), "set in recipe")
+    if m.mode == "dedicated":
+        why = "set in recipe" + ("" if differs else " (same layout: every swap is a local copy)")
+        return InferenceModel("dedicated", impl, tuple(differs), why)
+    if differs:
+        return InferenceModel("dedicated", impl, tuple(differs),
+                              f"auto -> dedicated: the inference model differs from the training model ({'; '.join(differs)})")
+    return InferenceModel("shared", impl, (), "auto -> shared: the inference model would equal the training model "
+                          "(same layout and transformer_impl), so the engine runs on it and no weights move")
+
+
+def weight_sync_kind(recipe: Recipe) -> str:
+    """``vllm-ipc`` | ``megatron-shared`` | ``megatron-swap``: what the refit does every step."""
+    if not uses_megatron(recipe):
+        return "vllm-ipc"
+    return "megatron-swap" if inference_model(recipe).mode == "dedicated" else "megatron-shared"
+
+
+def reset_router_num_groups(recipe: Recipe, facts: Any) -> bool:
+    """megatron-core's ``InferenceTopKRouter`` asserts ``moe_router_num_groups is None``; Megatron-Bridge maps a
+    degenerate HF ``n_group: 1`` to 1, which routes exactly like None (NeMo-RL PR #3490 resets it)."""
+    return (uses_megatron(recipe) and inference_model(recipe).transformer_impl == "inference_optimized"
+            and facts is not None and getattr(facts, "router_groups", None) == 1)
+
+
+# --------------------------------------------------------------------------- vLLM-only settings
+
+
+@dataclass(frozen=True)
+class VllmOnly:
+    """A setting that only the vLLM backend reads; ``neutral`` values (besides the schema default) are harmless."""
+
+    key: str
+    why: str
+    neutral: tuple[Any, ...] = ()
+
+
+_IPC = "sizes or shapes the CUDA-IPC stream into vLLM; Megatron inference reads the trainer's weights in process"
+VLLM_ONLY: tuple[VllmOnly, ...] = (
+    VllmOnly("refit.sleep_level", "selects vLLM's sleep mode; the Megatron engine's KV pool follows "
+             "generation.megatron.kv_cache"),
+    VllmOnly("refit.buffer_memory_ratio", _IPC),
+    VllmOnly("refit.buffer_gb", _IPC),
+    VllmOnly("refit.alignment_bytes", _IPC),
+    VllmOnly("refit.transport", _IPC),
+    VllmOnly("refit.per_rank_ipc_metadata", "is the IPC slicing metadata of the vLLM refit (SkyRL #1816); nothing is "
+             "sliced in process", ("auto",)),
+    VllmOnly("refit.dedupe_mtp_embedding", "drops the MTP replica of the word embedding from the HF export to vLLM "
+             "(NeMo-RL #2471); the Megatron engine and swap_model_weights address Megatron's own tensors", ("auto",)),
+    VllmOnly("refit.fp32_params", "keeps tensors fp32 on the IPC wire (SkyRL #1816); the shared engine reads the "
+             "trainer's tensors and swap_model_weights keeps each buffer's dtype (the fp32 router bias stays fp32)",
+             ("auto",)),
+    VllmOnly("generation.vllm_version", "selects vLLM's sleep-mode semantics in the plan"),
+    VllmOnly("generation.gpu_memory_utilization", "is vLLM's share of the GPU; the Megatron engine's KV pool is "
+             "generation.kv_cache_memory_bytes"),
+    VllmOnly("generation.vllm_kwargs", "is handed to vllm.LLM", ({},)),
+    VllmOnly("generation.precision", "selects FP8 vLLM rollouts; the Megatron engine runs the trainer's precision",
+             ("auto",)),
+)
+
+
+# --------------------------------------------------------------------------- the KV pool
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """megatron-core's KV pool for a recipe (one GPU of the worst pipeline stage)."""
+
+    pool_bytes: int
+    block_bytes: int
+    block_tokens: int
+    blocks: int  # in the pool, the dummy block included
+    blocks_per_request: int  # of one full-length request (max_model_len)
+    max_requests: int  # per engine step (recipe, or megatron-core's default from the pool)
+    max_tokens: int
+
+    @property
+    def full_requests(self) -> int:
+        """Full-length requests the pool holds at once (the dummy block excluded)."""
+        return max(0, self.blocks - 1) // max(1, self.blocks_per_request)
+
+
+def kv_block_bytes(recipe: Recipe, facts: Any) -> Optional[int]:
+    """Bytes of one KV block on one GPU (megatron-core ``DynamicInferenceContext``: dtype × 2 (K, V) × attention
+    layers of the stage × block tokens × KV heads per TP rank × head dim); None when a fact is missing."""
+    if facts is None or facts.num_layers is None:
+        return None
+    heads = facts.kv_heads or facts.heads
+    if heads is None:
+        return None
+    head_dim = facts.head_dim or (facts.hidden // facts.heads if facts.hidden and facts.heads else None)
+    if head_dim is None:
+        return None
+    g = recipe.parallelism.generation
+    per_rank = max(1, heads // g.tp) if heads >= g.tp else 1
+    layers = math.ceil(facts.num_layers / max(1, g.pp))
+    kinds = facts.layer_kinds
+    if kinds is not None:  # attention layers only (a hybrid model's Mamba layers keep no KV)
+        attention = sum(1 for mixer, _ in kinds if mixer in ("full_attention", "mla"))
+        layers = math.ceil(attention / max(1, g.pp))
+    dtype = DTYPE_BYTES[recipe.model.dtype]
+    return dtype * 2 * layers * recipe.generation.megatron.block_size_tokens * per_rank * head_dim
+
+
+def speculative_tokens(recipe: Recipe) -> int:
+    spec = recipe.generation.speculative_decoding
+    return spec.num_speculative_tokens if spec is not None else 0
+
+
+def kv_pool(recipe: Recipe, facts: Any) -> Optional[KvPool]:
+    """The pool of ``generation.kv_cache_memory_bytes``; None when it or a fact is missing."""
+    m = recipe.generation.megatron
+    pool = recipe.generation.kv_cache_memory_bytes
+    block = kv_block_bytes(recipe, facts)
+    if pool is None or block is None:
+        return None
+    blocks = max(2, int(pool) // block)  # megatron-core keeps at least one active block and the dummy block
+    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (1 if speculative_tokens(recipe) else 0)
+    tp = recipe.parallelism.generation.tp
+    if m.max_requests is not None:
+        max_requests = m.max_requests
+    else:
+        max_requests = (blocks - 1) // tp * tp // REQUEST_ROUNDER * REQUEST_ROUNDER
+    return KvPool(pool_bytes=int(pool), block_bytes=block, block_tokens=m.block_size_tokens, blocks=blocks,
+                  blocks_per_request=per_request, max_requests=max_requests,
+                  max_tokens=m.max_tokens if m.max_tokens is not None else DEFAULT_MAX_TOKENS)
+
+
+def pool_bytes_for(recipe: Recipe, facts: Any, requests: int) -> Optional[int]:
+    """The smallest ``kv_cache_memory_bytes`` that holds ``requests`` full-length requests at once."""
+    block = kv_block_bytes(recipe, facts)
+    if block is None:
+        return None
+    m = recipe.generation.megatron
+    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (1 if speculative_tokens(recipe) else 0)
+    return (max(1, requests) * per_request + 1) * block
+
+
+__all__ = ["DEFAULT_MAX_TOKENS", "InferenceModel", "KvPool", "MEGATRON", "REQUEST_ROUNDER", "VLLM_ONLY", "VllmOnly",
+           "inference_model", "kv_block_bytes", "kv_pool", "layout_differences", "pool_bytes_for",
+           "reset_router_num_groups", "speculative_tokens", "uses_megatron", "weight_sync_kind"]

@@ -1,0 +1,101 @@
+"""The generation interface the driver calls, and its two implementations (pure Python; no ray, no torch).
+
+A backend starts its engines, generates ``n`` samples per prompt with the sampled tokens' logprobs (the sample
+dicts ``{token_ids, logprobs, text, finish_reason}``), and releases its GPU memory before the trainer's passes::
+
+    started = backend.start()                       # once, after the policy workers exist (megatron) or before (vllm)
+    results = backend.generate([(engine, prompts), ...], n)   # each engine's {"samples": [[sample] * n per prompt]}
+    slept = backend.release(step)                   # before the trainer's logprob pass
+    # ... trainer passes, then the weight sync (rlc.runtime.weight_sync) readies the engines again
+
+* :class:`VllmBackend`: one vLLM engine per generation data-parallel rank (``GenerationGroup``), put to sleep at
+  ``refit.sleep_level`` (what the driver did before there were two backends).
+* :class:`MegatronBackend`: megatron-core's engine inside every policy worker (``PolicyGroup``, the ``mg_*``
+  methods of ``rlc.runtime.policy.megatron_generation``); each trainer rank generates its share of the prompts.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rlc.runtime.worker_groups import EngineStarted, GenerationGroup, Memory, PolicyGroup, Slept
+
+
+class GenerationBackend(Protocol):
+    """What the driver needs from a generation backend (see the module docstring)."""
+
+    name: str
+    #: ``timing/<timer>_s`` of the generate calls (``vllm_generate`` keeps the vLLM backend's metric name).
+    timer: str
+
+    @property
+    def engines(self) -> int: ...
+
+    def start(self) -> EngineStarted: ...
+
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]: ...
+
+    def release(self, step: int) -> Slept: ...
+
+
+class VllmBackend:
+    """vLLM engines (``GenerationGroup``): start then sleep; generate; sleep at ``refit.sleep_level``."""
+
+    name = "vllm"
+    timer = "vllm_generate"
+
+    def __init__(self, group: GenerationGroup, sleep_level: int) -> None:
+        self.group = group
+        self.sleep_level = sleep_level
+
+    @property
+    def engines(self) -> int:
+        return len(self.group)
+
+    def start(self) -> EngineStarted:
+        """Start every engine (loads the checkpoint, allocates the KV cache); the caller logs the memory, then
+        :meth:`sleep_after_start` frees it for the trainer."""
+        return self.group.start()[0]
+
+    def sleep_after_start(self) -> None:
+        self.group.sleep(self.sleep_level)
+
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]:
+        return self.group.generate(chunks, n)
+
+    def release(self, step: int) -> Slept:
+        return self.group.sleep(self.sleep_level)[0]
+
+
+class MegatronBackend:
+    """megatron-core's dynamic inference engine inside each policy worker (one per GPU, direct mode)."""
+
+    name = "megatron"
+    timer = "megatron_generate"
+
+    def __init__(self, policy: PolicyGroup) -> None:
+        self.policy = policy
+
+    @property
+    def engines(self) -> int:
+        return len(self.policy)
+
+    def start(self) -> EngineStarted:
+        """Build every rank's engine (and, in dedicated mode, its inference model); the engines start suspended."""
+        started = [EngineStarted(float(d["start_s"]), Memory.from_dict(d["memory"]), d["eos_token_id"])
+                   for d in self.policy.group.call("mg_start")]
+        return started[0]
+
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]:
+        """``chunks``: (trainer rank, prompts); each rank's ``{"samples": ...}`` in that order."""
+        prompts = dict(chunks)
+        refs = self.policy.group.submit("mg_generate", ranks=[r for r, _ in chunks],
+                                        per_rank=lambda r: (prompts[r], n))
+        return self.policy.group.wait(refs, "generate")
+
+    def release(self, step: int) -> Slept:
+        """Suspend every engine (its KV pool per ``generation.megatron.kv_cache``) before the trainer's passes."""
+        return [Slept(float(d["freed_gib"]), Memory.from_dict(d["memory"]))
+                for d in self.policy.group.call("mg_release", step)][0]
+
+
+__all__ = ["GenerationBackend", "MegatronBackend", "VllmBackend"]
