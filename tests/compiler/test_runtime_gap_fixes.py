@@ -7,8 +7,7 @@ from rlc.compiler.recipe import shipped_recipe_path
 from rlc.compiler.runtime_support import runtime_gaps
 
 RECIPE = shipped_recipe_path("tiny-qwen3-1gpu")
-EVERY_GAP = ("generation.precision=fp8", "parallelism.train.cp=2", "training.fp8.enabled=true",
-             "training.fp8.param_gather=true", "training.router_replay.enabled=true", "parallelism.train.vpp=2")
+EVERY_GAP = ("parallelism.train.cp=2", "training.router_replay.enabled=true", "parallelism.train.vpp=2")
 
 
 def _set(fix: str) -> str:
@@ -20,9 +19,8 @@ def test_every_gap_names_a_setting_the_schema_accepts_and_that_lifts_it():
     result = check(RECIPE, EVERY_GAP)
     assert result.recipe is not None, result.errors
     gaps = runtime_gaps(result.recipe)
-    assert {g.key for g in gaps} == {"generation.precision", "parallelism.train.cp", "training.fp8.param_gather",
-                                     "training.router_replay.enabled"}
-    assert [g.fix for g in gaps if g.key == "generation.precision"] == ["generation.precision: auto"]
+    assert {g.key for g in gaps} == {"parallelism.train.cp", "training.router_replay.enabled"}
+    assert [g.fix for g in gaps if g.key == "training.router_replay.enabled"] == ["training.router_replay.enabled: false"]
     hints = {d.path: d.hint for d in result.diagnostics if d.rule == "RLC311"}
     for gap in gaps:  # a gap with a fix of its own (cp: turn packing on) keeps it
         assert hints[gap.key] == (gap.hint or f"set `{gap.fix}` to compile for the bundled runtime")
