@@ -18,6 +18,8 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
+from rlc.contract.files import JsonError, parse_json
+
 KIND = "calibration"
 
 #: Phases a calibration record may name, and what the device holds at that moment.
@@ -167,9 +169,9 @@ class CalibrationRecord:
     def from_json(cls, line: str) -> "CalibrationRecord":
         """Parse one line of ``calibration.jsonl``."""
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CalibrationRecordError(f"calibration record is not JSON: {exc}") from None
+            data = parse_json(line)
+        except JsonError as exc:
+            raise CalibrationRecordError(f"calibration record is {exc}") from None
         return cls.from_dict(data)
 
 

@@ -39,6 +39,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from rlc.contract.files import parse_json, read_capped
+
+#: Largest metrics.jsonl :func:`read_metrics` reads back (a line per step: a few KB each).
+METRICS_BYTES = 1 << 30
+
 MemorySampler = Callable[[], Mapping[str, float]]
 
 #: Metrics shown on the progress line when present.
@@ -320,5 +325,5 @@ class JsonlFile:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` back (tests, summaries)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    text = read_capped(path, METRICS_BYTES).decode("utf-8")
+    return [parse_json(line) for line in text.splitlines() if line.strip()]

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlc.contract.files import parse_json, read_text_capped
+
 def _shipped_tiny_config() -> dict[str, Any]:
     """The dense tiny Qwen3 of ``rlc/recipes/models/tiny-qwen3/config.json`` (the recipe plans with it)."""
     from importlib.resources import files  # noqa: PLC0415
@@ -82,7 +84,7 @@ def build_toy_model(
 
     fields = dict(MOE_CONFIG if moe else DENSE_CONFIG)
     if config is not None:
-        extra = config if isinstance(config, dict) else json.loads(Path(config).read_text(encoding="utf-8"))
+        extra = config if isinstance(config, dict) else parse_json(read_text_capped(config))
         fields.update(extra)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.catalog.hf_config import MTP_COUNT_KEYS, ConfigFormatError, facts_from_config
 from rlc.compiler.catalog.sources import fetch_from_hub, find_local_config, hub_ids
-from rlc.compiler.files import read_text_capped
+from rlc.compiler.files import JsonError, parse_json, read_text_capped
 from rlc.compiler.model import ModelFacts
 
 MODELS_DIR = Path(__file__).with_name("models")
@@ -85,13 +84,13 @@ def close_ids(model_id: str, n: int = 3) -> list[str]:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(read_text_capped(path))
+        data = parse_json(read_text_capped(path))
     except UnicodeDecodeError:
         raise CatalogError(f"{what} {path} is not UTF-8 text") from None
     except OSError as exc:
         raise CatalogError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise CatalogError(f"{what} {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except JsonError as exc:
+        raise CatalogError(f"{what} {path}: {exc}") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{what} {path} must hold a JSON object")
     return data

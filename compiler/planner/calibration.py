@@ -128,6 +128,9 @@ def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise CalibrationError(f"{where}: not YAML{at} (a calibration table is written by `rlc calibrate`)") from None
+    except (ValueError, TypeError, RecursionError):  # a tagged value PyYAML cannot build (`!!int text`): not shown
+        raise CalibrationError(f"{where}: not a calibration table (a value that is not plain YAML data; a "
+                               "calibration table is written by `rlc calibrate`)") from None
     if not isinstance(raw, dict) or raw.get("format") != 1 or not isinstance(raw.get("entries"), list) \
             or not raw["entries"]:
         raise CalibrationError(f"{where}: a calibration table has 'format: 1' and a non-empty 'entries' list "

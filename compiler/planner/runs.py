@@ -7,13 +7,12 @@ line raises ``CalibrationError`` naming the file and line.
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlc.compiler.files import read_text_capped
+from rlc.compiler.files import JsonError, parse_json, read_text_capped
 from rlc.compiler.planner.calibration import CalibrationError, parse_record
 from rlc.contract.calibration_record import STEP_MEMORY_PHASES, CalibrationRecord, memory_metric_key
 
@@ -84,9 +83,9 @@ def read_run(run_dir: str | Path) -> RunMeasurements:
     if metrics_path.exists():
         for n, line in _lines(metrics_path):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"{metrics_path}:{n}: not JSON ({exc})") from None
+                row = parse_json(line)
+            except JsonError as exc:
+                raise CalibrationError(f"{metrics_path}:{n}: {exc}") from None
             if not isinstance(row, dict):
                 raise CalibrationError(f"{metrics_path}:{n}: a metrics line is a JSON object")
             for phase in STEP_MEMORY_PHASES:

@@ -11,7 +11,6 @@ goes into the driver checkpoint; ``load_state_dict()`` continues at the same sam
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
@@ -19,6 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlc.contract.files import JsonError, parse_json, read_capped
+
+#: Largest prompt file read (it is held in memory whole).
+DATA_BYTES = 1 << 34
 
 
 class PromptDataError(ValueError):
@@ -94,9 +98,12 @@ def load_prompts(
             "lambda s: len(tokenizer(s).input_ids)) or set data.max_prompt_length: 0"
         )
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_capped(p, DATA_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise PromptDataError(f"data file {p} does not exist; fix data.train_path / data.val_path") from None
+    except OSError as exc:
+        raise PromptDataError(f"data file {p}: cannot read it ({exc.strerror or exc}); fix data.train_path / "
+                              "data.val_path") from None
     except UnicodeDecodeError as exc:
         raise PromptDataError(f"{p}: not UTF-8 text ({exc}); prompt files must be UTF-8 JSONL") from None
 
@@ -107,11 +114,9 @@ def load_prompts(
             continue
         where = f"{p}:{lineno}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptDataError(
-                f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
-            ) from None
+            record = parse_json(line)
+        except JsonError as exc:
+            raise PromptDataError(f"{where}: invalid JSON ({exc.detail}); each line must be one JSON object") from None
         if not isinstance(record, dict):
             raise PromptDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
         for key, setting in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):

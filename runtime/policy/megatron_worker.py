@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from rlc.contract.files import parse_json, read_text_capped
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.policy import batches as B
 from rlc.runtime.policy.megatron_generation import MegatronGenerationMixin
@@ -616,8 +617,6 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         return {"seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str) -> dict:
-        import json  # noqa: PLC0415
-
         from megatron.core import dist_checkpointing  # noqa: PLC0415
 
         t0 = time.perf_counter()
@@ -628,8 +627,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         for i, chunk in enumerate(self.pm.model):
             chunk.module.load_state_dict(loaded[f"model{i}"], strict=False)
         self.pm.optimizer.load_state_dict(loaded["optimizer"])
-        with open(os.path.join(path, "rlc_policy.json"), encoding="utf-8") as f:
-            self.opt_steps = int(json.load(f)["opt_steps"])
+        self.opt_steps = int(parse_json(read_text_capped(os.path.join(path, "rlc_policy.json")))["opt_steps"])
         torch.distributed.barrier()
         return {"seconds": time.perf_counter() - t0, "opt_steps": self.opt_steps}
 
