@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 from rlc.compiler.diagnostics import SET_ORIGIN, Diagnostic, PathPart, format_path, parse_path
 from rlc.compiler.suggest import did_you_mean
 from rlc.compiler.yaml_loader import YamlLoadError, load_yaml, parse_text
+from rlc.contract.bounds import key_path_problem
 
 #: Longest ``extends:`` chain followed before giving up.
 MAX_EXTENDS_DEPTH = 32
@@ -194,7 +195,7 @@ def _read(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
 
 def _parse(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
     try:
-        doc = load_yaml(path, display)
+        doc = load_yaml(path, display, marker="version")
     except YamlLoadError as exc:
         raise RecipeLoadError(exc.diagnostics) from None
     except OSError as exc:
@@ -260,8 +261,17 @@ def _load_chain(path: Path, display: str) -> list[_Link]:
 
 # --------------------------------------------------------------------------- --set
 
+#: Characters of a ``--set`` argument quoted back in a message.
+_SHOWN_CHARS = 200
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def _set_error(text: str, message: str, path: str = "", rule: str | None = None, hint: str | None = None) -> Diagnostic:
-    return Diagnostic("error", f"{message} (in --set {text})", path, SET_ORIGIN, rule=rule, hint=hint)
+    return Diagnostic("error", f"{message} (in --set {_shown(text)})", _shown(path), SET_ORIGIN, rule=rule,
+                      hint=hint)
 
 
 def _describe(value: Any) -> str:
@@ -326,10 +336,14 @@ def _apply_overrides(data: dict, origins: dict[Key, Origin], overrides: Sequence
             diags.append(_set_error(text, "expected KEY=VALUE, e.g. parallelism.train.tp=2",
                                     rule="usage"))
             continue
+        too_big = key_path_problem(key_text.strip())
+        if too_big is not None:
+            diags.append(_set_error(text, too_big, rule="usage"))
+            continue
         try:
             parts = parse_path(key_text.strip())
         except ValueError as exc:
-            diags.append(_set_error(text, f"bad key path {key_text.strip()!r}: {exc}", rule="usage"))
+            diags.append(_set_error(text, f"bad key path {_shown(key_text.strip())!r}: {exc}", rule="usage"))
             continue
         path = format_path(parts)
         if parts[0] == "extends":

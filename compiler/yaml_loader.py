@@ -38,13 +38,10 @@ import yaml
 from yaml.resolver import BaseResolver
 
 from rlc.compiler.diagnostics import Diagnostic, PathPart, format_path
+from rlc.contract.bounds import MAX_DEPTH, MAX_NODES  # noqa: F401 - the limits every resolver shares
 
 #: Largest recipe file accepted, in bytes.
 MAX_BYTES = 1 << 20
-#: Most YAML nodes a document may expand to (aliases counted at every use).
-MAX_NODES = 20_000
-#: Deepest nesting of mappings/lists accepted.
-MAX_DEPTH = 64
 
 _STR = "tag:yaml.org,2002:str"
 _INT = "tag:yaml.org,2002:int"
@@ -265,6 +262,11 @@ def _read_text(file: str, raw: bytes) -> str:
 
     if len(raw) > MAX_BYTES:
         raise fail(f"more than {MAX_BYTES} bytes; recipes are limited to 1 MiB")
+    for bom, codec in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                       (b"\xfe\xff", "UTF-16")):
+        if raw.startswith(bom):
+            raise fail(f"not UTF-8: the file is {codec} text (it starts with a {codec} byte-order mark)", (1, 1),
+                       hint="save the file as UTF-8")
     nul = raw.find(b"\x00")
     if nul >= 0:
         pos = _line_col(raw[:nul].decode("utf-8", "replace"), nul) if nul < 65536 else None
@@ -288,13 +290,17 @@ def _redact(message: str) -> str:
     return _QUOTED.sub("(text not shown)", message)
 
 
-def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocument | Any:
+def parse_text(text: str, file: str, require_mapping: bool = True, marker: str | None = None) -> YamlDocument | Any:
     """Parse YAML ``text``. With ``require_mapping`` the top level must be a mapping and a
-    :class:`YamlDocument` is returned; otherwise the plain value (used for ``--set`` values)."""
+    :class:`YamlDocument` is returned; otherwise the plain value (used for ``--set`` values).
+    With ``marker`` the mapping must have that top-level key (``version`` for a recipe); a mapping
+    without it is refused before any of its values is read, so nothing of it is echoed."""
     def fail(message: str, pos: Position | None, hint: str | None = None) -> YamlLoadError:
         line, col = pos if pos else (None, None)
         return YamlLoadError([Diagnostic("error", message, "", file, line, col, hint=hint)])
 
+    if len(text) > MAX_BYTES:
+        raise fail(f"{len(text)} characters; rlc reads at most {MAX_BYTES}", None)
     try:
         node = _Composer(text).get_single_node()
     except yaml.MarkedYAMLError as exc:
@@ -323,6 +329,12 @@ def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocume
         # named by mistake (say, in `extends:`), and messages reach terminals and CI annotations.
         kind = "a list" if isinstance(node, yaml.SequenceNode) else "a single value (not shown)"
         raise fail(f"top level must be a mapping of recipe keys, found {kind}", _pos(node.start_mark))
+    if require_mapping and marker is not None and not any(
+            isinstance(k, yaml.ScalarNode) and k.tag == _STR and k.value == marker for k, _ in node.value):
+        # A mapping without the marker is some other YAML file (a secrets or password file named by
+        # mistake reads as one: every `name:hash` line is a key): none of its keys or values is shown.
+        raise fail(f"not an rlc recipe: it has no top-level `{marker}:` key (nothing of this file is shown)",
+                   _pos(node.start_mark), hint=f"a recipe starts with `{marker}: 1`")
     builder = _Builder(file)
     try:
         data = builder.build(node, ())
@@ -335,8 +347,9 @@ def parse_text(text: str, file: str, require_mapping: bool = True) -> YamlDocume
     return YamlDocument(data, builder.positions)
 
 
-def load_yaml(path: str | Path, display: str | None = None) -> YamlDocument:
-    """Read and parse the recipe file at ``path``; ``display`` is the file name in diagnostics.
+def load_yaml(path: str | Path, display: str | None = None, marker: str | None = None) -> YamlDocument:
+    """Read and parse the recipe file at ``path``; ``display`` is the file name in diagnostics;
+    ``marker``: the top-level key the file must have (see :func:`parse_text`).
 
     Raises :class:`YamlLoadError` (problems in the file) or ``OSError`` (cannot read it).
     """
@@ -349,4 +362,4 @@ def load_yaml(path: str | Path, display: str | None = None) -> YamlDocument:
         raise YamlLoadError([Diagnostic(
             "error", f"file is {exc.size} bytes; recipes are limited to {MAX_BYTES} bytes (1 MiB)",
             "", file, None, None)]) from None
-    return parse_text(_read_text(file, raw), file)
+    return parse_text(_read_text(file, raw), file, marker=marker)

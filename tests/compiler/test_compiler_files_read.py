@@ -81,6 +81,13 @@ def _secret_files(tmp_path):
         "unclosed": f"[{SECRET}\n",
         "bad-escape": f'"{SECRET}\\q"\n',
         "tagged": f"!{SECRET} value\n",
+        # YAML mappings that are not recipes: every `name:hash:...:::` line of /etc/shadow reads as a
+        # key, and a secrets file is a mapping of names to secrets (neither has `version:`)
+        "shadow": f"root:{SECRET}:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+        "secret-keys": f"{SECRET}: 1\nother: 2\n",
+        "secret-values": f"api_key: {SECRET}\npassword: hunter2\n",
+        "secret-duplicates": f"password: {SECRET}\npassword: {SECRET}\n",
+        "secret-tags": f"token: !!binary {SECRET}\nport: !!int {SECRET}\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
