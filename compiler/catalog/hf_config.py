@@ -59,6 +59,10 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 #: Largest architecture size (layers, widths, heads, experts, vocabulary) taken from a config.
 MAX_FACT = 1 << 40
+#: Most decoder (and MTP) layers a model may have: the planner lays out every layer, so a count of
+#: 2**40 would exhaust memory (the largest public models have under 200; the recipe's per-stage
+#: layer keys allow up to the same number).
+MAX_LAYERS = 10_000
 
 
 def _int(cfg: dict[str, Any], *keys: str) -> Optional[int]:
@@ -418,12 +422,34 @@ def family_of(cfg: dict[str, Any]) -> str:
     )
 
 
+def _check_layer_counts(cfg: dict[str, Any]) -> None:
+    """Layer counts and layer patterns of at most :data:`MAX_LAYERS` (checked before any reader
+    builds a per-layer list from them)."""
+    for key in ("num_hidden_layers", NEXTN_KEY, MTP_HIDDEN_KEY, "recipe_mtp_num_layers", "first_k_dense_replace"):
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and MAX_LAYERS < value <= MAX_FACT:
+            raise ConfigFormatError(f"{key} is {value}, more layers than rlc plans (at most {MAX_LAYERS}); "
+                                    "fix the config or model.overrides")
+    for key in ("hybrid_override_pattern", "mtp_hybrid_override_pattern"):
+        value = cfg.get(key)
+        if isinstance(value, str) and len(value) > MAX_LAYERS:
+            raise ConfigFormatError(f"{key} has {len(value)} layers, more than rlc plans (at most {MAX_LAYERS}); "
+                                    "fix the config or model.overrides")
+    counts = cfg.get("_layer_counts")
+    if isinstance(counts, dict):
+        total = sum(v for v in counts.values() if isinstance(v, int) and not isinstance(v, bool))
+        if total > MAX_LAYERS:
+            raise ConfigFormatError(f"_layer_counts add up to {total} layers, more than rlc plans (at most "
+                                    f"{MAX_LAYERS})")
+
+
 def facts_from_config(cfg: dict[str, Any], model_id: str, source: str) -> ModelFacts:
     """Read ``cfg`` (an HF ``config.json`` as a dict) into :class:`ModelFacts`."""
     if not isinstance(cfg, dict):
         raise ConfigFormatError("config.json must hold a JSON object")
     family = family_of(cfg)
     text = _text_config(cfg)
+    _check_layer_counts(text)
     fields = _READERS[family](text)
     notes = list(fields.pop("_notes", []))
     if fields.get("tied_embeddings") is None and "_provenance" not in cfg:

@@ -50,13 +50,15 @@ class TrainLayout:
             return [num_layers]
         counts: list[Optional[int]] = [None] * pp
         rest, free = num_layers, pp
+        # An override larger than the layers left is taken as what is left (RLC104 reports it): the
+        # split never names a layer the model does not have.
         if self.first is not None:
-            counts[0] = self.first
-            rest -= self.first
+            counts[0] = min(max(self.first, 0), rest)
+            rest -= counts[0]
             free -= 1
         if self.last is not None:
-            counts[-1] = self.last
-            rest -= self.last
+            counts[-1] = min(max(self.last, 0), rest)
+            rest -= counts[-1]
             free -= 1
         if free:
             base, extra = divmod(max(rest, 0), free)
@@ -73,18 +75,19 @@ class TrainLayout:
         """
         counts = self.stage_layer_counts(num_layers)
         v = max(1, self.vpp)
-        chunks: dict[tuple[int, int], int] = {}
+        # Only the chunks that hold layers (at most one per layer), in model order (chunk k of every
+        # stage, then k + 1): never PP × VPP entries, which a recipe can make billions of.
+        chunks: list[tuple[int, int, int]] = []  # (chunk, stage, layers)
         for s, n in enumerate(counts):
             base, extra = divmod(n, v)
-            for k in range(v):
-                chunks[(k, s)] = base + (1 if k < extra else 0)
+            for k in range(min(v, n)):
+                chunks.append((k, s, base + (1 if k < extra else 0)))
+        chunks.sort()
         out: list[list[int]] = [[] for _ in counts]
         index = 0
-        for k in range(v):
-            for s in range(len(counts)):
-                n = chunks[(k, s)]
-                out[s].extend(range(index, index + n))
-                index += n
+        for _k, s, n in chunks:
+            out[s].extend(range(index, index + n))
+            index += n
         return out
 
 

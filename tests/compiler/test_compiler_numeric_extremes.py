@@ -155,3 +155,33 @@ def test_architecture_facts_from_overrides_are_range_checked(fact, value):
     assert run.code in (0, 1) and "internal error" not in run.both, run.both
     if isinstance(value, int) and not 0 <= value <= 2**40:
         assert run.code == 1 and f"{fact} is {value}, which is no architecture size" in run.err
+
+
+@pytest.mark.parametrize("fact, recipe", [("num_hidden_layers", BASE),
+                                          ("num_nextn_predict_layers", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml")),
+                                          ("first_k_dense_replace", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"))])
+@pytest.mark.parametrize("value", [10_001, 10**8, 2**40])
+def test_layer_counts_past_any_real_model_are_a_recipe_error_not_an_out_of_memory(fact, value, recipe):
+    """The planner lays out every layer: 2**40 layers (in range as a size) used to end in a MemoryError
+    after minutes; 10,000 layers is the limit, the same as the per-stage layer keys'."""
+    run = run_rlc("validate", recipe, "--set", f"model.overrides.{fact}={value}")
+    assert run.code == 1, run.both
+    assert f"{fact} is {value}, more layers than rlc plans (at most 10000)" in run.err, run.both
+
+
+def test_first_or_last_stage_larger_than_the_model_is_a_recipe_error_in_every_command(tmp_path):
+    """num_layers_in_first/last_pipeline_stage beyond the model's layers used to crash the planner's
+    per-stage shards (IndexError, exit 3) in validate, plan, lint, compile and doctor --recipe."""
+    moe = str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-2gpu-pp2.yaml")
+    log = tmp_path / "job.log"
+    log.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        recipe = tmp_path / f"{key}.yaml"
+        recipe.write_text(f"version: 1\nextends: {moe}\nparallelism:\n  train: {{{key}: 100}}\n")
+        for argv in (["validate", str(recipe)], ["plan", str(recipe)], ["lint", str(recipe)],
+                     ["compile", str(recipe), "-o", str(tmp_path / "b")], ["doctor", str(log), "--recipe", str(recipe)]):
+            run = run_rlc(*argv)
+            assert "internal error" not in run.both, (argv, run.both)
+            if argv[0] != "doctor":
+                assert run.code == 1, (argv, run.both)
+                assert "4 layers with" in run.both and "=100 leave" in run.both, (argv, run.both)
