@@ -88,9 +88,11 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
 
     from rlc.compiler import catalog
 
-    recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
     try:
-        result.facts = catalog.model_facts(recipe.model.id, recipe_dir, recipe.model.config, recipe.model.overrides,
+        recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
+        # a relative model.config is beside the recipe file that sets it (a shipped parent's, say)
+        base = _base_dir(loaded, "model.config", recipe_dir) if recipe.model.config else recipe_dir
+        result.facts = catalog.model_facts(recipe.model.id, base, recipe.model.config, recipe.model.overrides,
                                            checkpoint=recipe.model.checkpoint,
                                            mounts=recipe.cluster.container.mounts)
     except catalog.CatalogError as exc:
@@ -125,14 +127,20 @@ def _calibration_table(recipe: Recipe, loaded: Any, diags: list[Diagnostic]) -> 
         return ()
     from rlc.compiler.planner.calibration import CalibrationError, calibration_path, load_table
 
-    origin = loaded.locate("cluster.calibration")
-    base = Path(origin.file).parent if origin is not None and Path(origin.file).is_file() else Path.cwd()
     try:
-        return load_table(str(calibration_path(ref, base)))
+        return load_table(str(calibration_path(ref, _base_dir(loaded, "cluster.calibration", Path.cwd()))))
     except CalibrationError as exc:
         diags.append(Diagnostic("error", str(exc), path="cluster.calibration", rule="RLC004",
                                 hint="write one with `rlc calibrate RUN_DIR... --recipe RECIPE -o FILE`"))
         return False
+
+
+def _base_dir(loaded: LoadedRecipe, key: str, otherwise: Path) -> Path:
+    """The folder a relative path in ``key`` is taken from: that of the recipe file that set the key (a
+    shipped parent's ``model.config`` is beside the parent, wherever the child is), else ``otherwise``
+    (a value from ``--set``)."""
+    origin = loaded.locate(key)
+    return Path(origin.file).parent if origin is not None and Path(origin.file).is_file() else otherwise
 
 
 def _below(path: str, root: str) -> bool:
