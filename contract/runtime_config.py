@@ -411,6 +411,7 @@ def section_from_dict(cls: type[T], data: Any, path: str) -> T:
 def runtime_config_from_dict(data: dict[str, Any]) -> RuntimeConfig:
     """Build a ``RuntimeConfig`` from a mapping; unknown or missing keys raise ``RuntimeConfigError``."""
     from rlc import RUNTIME_CONFIG_VERSION
+    from rlc.contract.ranges import range_problems
 
     cfg = _build(RuntimeConfig, data, "")
     if cfg.version != RUNTIME_CONFIG_VERSION:
@@ -418,6 +419,9 @@ def runtime_config_from_dict(data: dict[str, Any]) -> RuntimeConfig:
             f"version: runtime.yaml is version {cfg.version}, this runtime reads {RUNTIME_CONFIG_VERSION}; "
             "recompile the bundle"
         )
+    out_of_range = range_problems(data)
+    if out_of_range:
+        raise RuntimeConfigError("; ".join(out_of_range))
     return cfg
 
 
@@ -427,9 +431,7 @@ def runtime_config_to_dict(cfg: RuntimeConfig) -> dict[str, Any]:
 
 
 def load_runtime_config(path: str | Path) -> RuntimeConfig:
-    """Read ``runtime.yaml`` (YAML, safe loader) into a ``RuntimeConfig``."""
-    import yaml
+    """Read ``runtime.yaml`` (:func:`rlc.contract.runtime_file.read_runtime_yaml`) into a ``RuntimeConfig``."""
+    from rlc.contract.runtime_file import read_runtime_yaml
 
-    text = Path(path).read_text(encoding="utf-8")
-    data = yaml.safe_load(text)
-    return runtime_config_from_dict(data)
+    return runtime_config_from_dict(read_runtime_yaml(path))

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlc.runtime.driver")
 
-EXIT_OK, EXIT_WORKER_FAILED, EXIT_GEN_KL, EXIT_CONFIG = 0, 2, 3, 4
+#: Exit codes (rlc's own: 0 ok, 1 the input is refused, 2 usage or I/O, 3 a bug in rlc; then the run's stops).
+EXIT_OK, EXIT_CONFIG, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_WORKER_FAILED, EXIT_GEN_KL, EXIT_RUN_FAILED = 4, 5, 6
 
 
 @dataclass
@@ -531,7 +533,7 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_WORKER_FAILED
     if isinstance(exc, GenKLExceeded):
         return EXIT_GEN_KL
-    return 1
+    return EXIT_RUN_FAILED
 
 
 def stop_report(exc: BaseException) -> str:
@@ -548,9 +550,12 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
 
     try:
         cfg, changed = load_with_overrides(cfg_path, overrides or [])
-    except (OSError, RuntimeConfigError) as exc:
-        print(f"rlc.runtime: cannot read {cfg_path}: {exc}", file=sys.stderr)
+    except RuntimeConfigError as exc:
+        print(f"rlc.runtime: {cfg_path}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except OSError as exc:
+        print(f"rlc.runtime: cannot read {cfg_path}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     for line in changed:
         log.warning("runtime.yaml overridden at start: %s", line)
     os.environ.update({str(k): str(v) for k, v in cfg.env.items()})

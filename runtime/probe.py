@@ -311,9 +311,18 @@ def _cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="give up at this Unix time (default: now + join timeout)")
     parser.add_argument("runtime_yaml")
     args = parser.parse_args(argv)
+    from rlc.contract.runtime_config import RuntimeConfigError
+
+    try:
+        exp = expected_from(args.runtime_yaml)
+    except RuntimeConfigError as exc:
+        print(f"[rlc] probe: {args.runtime_yaml}: {exc}", flush=True)
+        return 1
+    except OSError as exc:
+        print(f"[rlc] probe: cannot read {args.runtime_yaml}: {exc.strerror or exc}", flush=True)
+        return 2
     if not args.wait:
         return main(args.runtime_yaml)
-    exp = expected_from(args.runtime_yaml)
     deadline = args.deadline if args.deadline else time.time() + exp.join_timeout_s
     return wait_for_cluster(exp, deadline, out=lambda s: print(s, flush=True))
 

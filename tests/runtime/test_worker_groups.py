@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlc.runtime.driver import EXIT_GEN_KL, EXIT_WORKER_FAILED, exit_code_for
+from rlc.runtime.driver import EXIT_GEN_KL, EXIT_RUN_FAILED, EXIT_WORKER_FAILED, exit_code_for
 from rlc.runtime.metrics import PhaseTimer
 from rlc.runtime.worker_groups import Memory, RefitSent
 from rlc.runtime.workers import WorkerFailure
@@ -49,4 +49,4 @@ def test_exit_codes_are_chosen_by_exception_class():
         pass
 
     GenKLExceededLookalike.__name__ = "GenKLExceeded"
-    assert exit_code_for(GenKLExceededLookalike("x")) == 1
+    assert exit_code_for(GenKLExceededLookalike("x")) == EXIT_RUN_FAILED
