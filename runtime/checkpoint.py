@@ -15,12 +15,14 @@ way, and prunes to the last ``checkpointing.keep_last``. ``latest`` / ``load`` /
 only ever see complete checkpoints, so a crash at any point leaves the previous one as the latest.
 
 Experiments never share state: each save records the run's :func:`experiment` (the resolved
-settings that define what is being trained: model, data, reward, loss, optimizer, sampling, GRPO
-but ``max_steps``), and a resume from a checkpoint whose experiment differs is refused, naming the
-keys, unless ``checkpointing.resume_changed_recipe`` says it is on purpose. Two recipes that share
-a parent and its ``name`` (so its checkpoint folder) and differ only in ``lr`` can no longer resume
-from each other's checkpoints. What may change between restarts (``max_steps``, the cluster,
-parallel layout, memory and refit settings, logging, checkpoint cadence) is not part of it.
+settings that define what is being trained: model and tokenizer, data, reward, loss, optimizer,
+sampling and context length, fp8 training, GRPO but ``max_steps``, ``extensions``), and a resume
+from a checkpoint whose experiment differs is refused, naming the keys, unless
+``checkpointing.resume_changed_recipe`` says it is on purpose. Two recipes that share a parent and
+its ``name`` (so its checkpoint folder) and differ only in ``lr`` can no longer resume from each
+other's checkpoints. What may change between restarts (``max_steps``, the cluster, parallel layout,
+memory and refit settings, logging, checkpoint cadence) is listed, with why, in
+:data:`RESTART_KEYS`; every key of ``runtime.yaml`` is in one of the two lists.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlc.contract.files import CONFIG_BYTES, JsonError, parse_json, read_text_capped
 
 log = logging.getLogger("rlc.runtime.checkpoint")
 
@@ -192,9 +196,13 @@ def load(root: str | Path, step: int | None = None) -> Checkpoint:
     if not is_complete(d):
         raise CheckpointError(f"checkpoint {d} is missing or incomplete (no {COMPLETE_MARKER} marker)")
     try:
-        payload = json.loads((d / DRIVER_STATE).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+        payload = parse_json(read_text_capped(d / DRIVER_STATE, CONFIG_BYTES))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{d / DRIVER_STATE}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    except JsonError as exc:
         raise CheckpointError(f"{d / DRIVER_STATE}: corrupt JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{d / DRIVER_STATE}: corrupt (not a JSON object)")
     if payload.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{d / DRIVER_STATE}: format {payload.get('format')!r}, this runtime reads {FORMAT_VERSION}"
@@ -239,16 +247,41 @@ def should_save(every_steps: int, step: int, max_steps: int) -> bool:
     return (every_steps > 0 and step % every_steps == 0) or step == max_steps
 
 
-#: The runtime config keys that define an experiment (see the module docstring).
+#: The runtime config keys that define an experiment (see the module docstring). Every key of
+#: ``runtime.yaml`` is either here or in :data:`RESTART_KEYS` (a test checks it), so a new key is
+#: classified when it is added.
 EXPERIMENT_KEYS = (
-    "model.name", "model.checkpoint", "model.dtype",
+    "model.name", "model.checkpoint", "model.tokenizer", "model.dtype",
+    "model.num_layers", "model.num_experts", "model.mtp_num_layers", "model.mtp_shared_embedding",
     "data.train_path", "data.prompt_key", "data.answer_key", "data.prompt_template", "data.max_prompt_length",
-    "data.shuffle", "reward", "loss", "generation.sampling",
+    "data.shuffle", "reward", "loss", "generation.sampling", "generation.max_model_len",
     "training.optimizer", "training.lr_schedule", "training.grad_clip", "training.global_batch_size",
-    "training.max_sequence_length", "training.seed", "training.mtp_loss_scale",
+    "training.max_sequence_length", "training.seed", "training.mtp_loss_scale", "training.fp8",
     "grpo.prompts_per_step", "grpo.generations_per_prompt", "grpo.normalize_advantages", "grpo.leave_one_out",
-    "grpo.dynamic_sampling", "grpo.seed",
+    "grpo.dynamic_sampling", "grpo.seed", "extensions",
 )
+_SPEED = "the trainer's speed and memory, not what it computes"
+_ENGINE = "the generation engine's speed and memory, not what it samples"
+#: The runtime config keys that may change between restarts of one experiment, each with why.
+RESTART_KEYS: dict[str, str] = {
+    "version": "the runtime.yaml format", "name": "the run's label (its folders come from checkpointing.dir)",
+    "model.trust_remote_code": "how the checkpoint's code is loaded, not what it holds",
+    "cluster": "where the run runs", "train_parallel": "how the trainer is laid out over the GPUs",
+    "generation_parallel": "how vLLM is laid out over the GPUs", "colocated": "where each engine runs",
+    "refit": "how the weights reach vLLM, not their values",
+    "generation.backend": _ENGINE, "generation.vllm_version": _ENGINE, "generation.enforce_eager": _ENGINE,
+    "generation.gpu_memory_utilization": _ENGINE, "generation.kv_cache_memory_bytes": _ENGINE,
+    "generation.precision": _ENGINE, "generation.speculative_decoding": _ENGINE, "generation.vllm_kwargs": _ENGINE,
+    "training.micro_batch_size": "how the global batch is split", "training.use_distributed_optimizer": _SPEED,
+    "training.overlap_param_gather": _SPEED, "training.overlap_grad_reduce": _SPEED,
+    "training.grad_reduce_in_fp32": _SPEED, "training.optimizer_cpu_offload": _SPEED,
+    "training.optimizer_offload_fraction": _SPEED, "training.activation_checkpointing": _SPEED,
+    "training.use_precision_aware_optimizer": _SPEED, "training.moe": _SPEED, "training.sequence_packing": _SPEED,
+    "training.megatron_kwargs": _SPEED,
+    "grpo.max_steps": "how long the run goes", "grpo.max_gen_kl": "when the run stops",
+    "data.val_path": "validation only", "checkpointing": "the checkpoints' folder and cadence",
+    "logging": "where metrics go", "env": "the job's environment",
+}
 EXPERIMENT_STATE_KEY = "experiment"
 
 
