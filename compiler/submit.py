@@ -1,7 +1,8 @@
 """``rlc submit DIR [--test-only]``: hand a compiled bundle to ``sbatch --parsable``.
 
-:func:`submit` returns the job id and the log folder (from the bundle's lock file) or raises
-:class:`SubmitError` with sbatch's own message. :func:`main` is the command's body for the CLI.
+:func:`submit` checks the whole bundle against its lock file (every entry's kind, permissions and
+bytes), then returns the job id and the log folder (the one the job script, hashed by the lock, names)
+or raises :class:`SubmitError` with sbatch's own message. :func:`main` is the command's body for the CLI.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from rlc.compiler.bundle.lock import lock_mismatches, read_lock
+from rlc.compiler.bundle.lock import lock_mismatches, read_lock, script_value
 
 
 class SubmitError(Exception):
@@ -42,14 +43,7 @@ class SubmitResult:
 
 def _compiled_for(script: Path) -> str | None:
     """The bundle folder that ``launch.sbatch`` names (its ``readonly RLC_BUNDLE=`` line)."""
-    for line in script.read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.startswith("readonly RLC_BUNDLE="):
-            try:
-                words = shlex.split(line[len("readonly RLC_BUNDLE="):])
-            except ValueError:
-                return None
-            return words[0] if len(words) == 1 else None
-    return None
+    return script_value(script, "RLC_BUNDLE")
 
 
 def submit(bundle_dir: str | Path, test_only: bool = False,
@@ -61,8 +55,8 @@ def submit(bundle_dir: str | Path, test_only: bool = False,
         raise SubmitError(f"{bundle} is not an rlc bundle (no valid bundle.lock.json); "
                           "make one with `rlc compile RECIPE -o DIR`")
     script = bundle / "launch.sbatch"
-    if not script.is_file():
-        raise SubmitError(f"{script} is missing; recompile the bundle")
+    if not script.is_file() or script.is_symlink():
+        raise SubmitError(f"{script} is missing (or not a file); recompile the bundle")
     compiled_for = _compiled_for(script)
     if compiled_for is not None and Path(compiled_for).resolve() != bundle:
         raise SubmitError(f"{bundle} was compiled into {compiled_for} and moved or copied since; a bundle runs "
@@ -73,10 +67,15 @@ def submit(bundle_dir: str | Path, test_only: bool = False,
         shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
         raise SubmitError(f"{bundle} does not match its bundle.lock.json ({shown}): a bundle is not edited "
                           "after compiling; change the recipe (or --set) and recompile it with --force")
+    # The log folder the job uses is the script's (the lock hashes the script; its own log_dir is a copy)
+    script_log_dir = script_value(script, "RLC_LOG_ROOT")
+    if script_log_dir is None or script_log_dir != lock.get("log_dir"):
+        raise SubmitError(f"{bundle}: bundle.lock.json names the log folder {lock.get('log_dir')!r}, launch.sbatch "
+                          f"{script_log_dir!r}: the lock was edited; recompile the bundle with --force")
+    log_dir = Path(script_log_dir)
     sbatch = shutil.which("sbatch", path=(env or os.environ).get("PATH"))
     if sbatch is None:
         raise SubmitError("sbatch not found on PATH: submit from a SLURM login node")
-    log_dir = Path(lock.get("log_dir") or bundle / "logs")
     try:
         log_dir.mkdir(parents=True, exist_ok=True)  # sbatch writes slurm-<jobid>.out there
     except OSError as exc:

@@ -36,6 +36,7 @@ def normalise(name: str, text: str, bundle: Path, cwd: Path) -> str:
     if name == "bundle.lock.json":
         lock = json.loads(text)
         lock["files"] = {k: v for k, v in lock["files"].items() if not k.startswith("rlc_pkg/")}
+        lock["tree"] = {k: v for k, v in lock["tree"].items() if not k.startswith("rlc_pkg/")}
         text = json.dumps(lock, indent=2, sort_keys=True) + "\n"
     text = text.replace(str(bundle), "<BUNDLE>").replace(str(cwd), "<CWD>").replace(str(REPO), "<REPO>")
     text = re.sub(r"\b[0-9a-f]{64}\b", "<SHA256>", text)

@@ -36,12 +36,14 @@ def reseal(bundle: Path) -> None:
     environment): record the new file hashes, as a compile would, so the job's check passes."""
     import re
 
-    from rlc.compiler.bundle.lock import write_manifest
+    from rlc.compiler.bundle.lock import write_manifests
 
-    digest = write_manifest(bundle, skip=("launch.sbatch",))
+    hashes = write_manifests(bundle)
     script = bundle / "launch.sbatch"
-    script.write_text(re.sub(r"^readonly RLC_MANIFEST_SHA256=[0-9a-f]{64}$", f"readonly RLC_MANIFEST_SHA256={digest}",
-                             script.read_text(), count=1, flags=re.M))
+    text = script.read_text()
+    for name, key in (("RLC_MANIFEST_SHA256", "manifest_sha256"), ("RLC_TREE_SHA256", "tree_sha256")):
+        text = re.sub(rf"^readonly {name}=[0-9a-f]{{64}}$", f"readonly {name}={hashes[key]}", text, count=1, flags=re.M)
+    script.write_text(text)
 
 
 def wait_for_text(path: Path, text: str, slurm, job_id: str, timeout: float = 150) -> None:

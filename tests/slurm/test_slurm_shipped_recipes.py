@@ -53,7 +53,7 @@ def _launch_script(recipe_path: Path, out: Path, tmp_path: Path) -> tuple[Path, 
         ctx = build_context(result.recipe.cluster, result.recipe.name, out, str(tmp_path / "logs"), __version__)
         out.mkdir()
         # (sbatch --test-only never runs the script: its file-hash check needs no real manifest)
-        values = {**ctx.values, "manifest_sha256": Quoted("0" * 64)}
+        values = {**ctx.values, "manifest_sha256": Quoted("0" * 64), "tree_sha256": Quoted("0" * 64)}
         (out / "launch.sbatch").write_text(render_script("launch.sbatch.j2", values))
         (tmp_path / "logs").mkdir()
     return out / "launch.sbatch", result.recipe
