@@ -96,8 +96,8 @@ def test_broken_configs_are_clear_errors(tmp_path):
     (tmp_path / "c.yaml").write_text("defaults: missing.yaml\n")
     with pytest.raises(NemoRlConfigError, match=r"missing.yaml: no such file \(named in defaults of"):
         load_nemo_rl_config(tmp_path / "c.yaml")
-    (tmp_path / "d.yaml").write_text("x: ${nope.not_there}\n")
-    with pytest.raises(NemoRlConfigError, match="cannot resolve the interpolation of x"):
+    (tmp_path / "d.yaml").write_text("policy:\n  x: ${nope.not_there}\n")
+    with pytest.raises(NemoRlConfigError, match="cannot resolve the interpolation of policy.x"):
         load_nemo_rl_config(tmp_path / "d.yaml")
     code, _, err = rlc("import", "nemo-rl", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "r.yaml"))
     assert code == 2 and "no such file" in err and "Traceback" not in err

@@ -66,16 +66,17 @@ def _has(tree: dict[str, Any], key: str) -> bool:
 
 
 def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequence[str] = (),
-                   accept_loss: bool = False) -> ImportedRecipe:
+                   accept_loss: bool = False, allow_env: bool = False) -> ImportedRecipe:
     """Load, map and render; raises ``NemoRlConfigError`` (config), ``SetError`` (``--set``), or
     ``ImportStopped`` when a setting that changes the experiment has no rlc equivalent and ``accept_loss`` is
     false. With ``accept_loss`` the recipe records each dropped setting (comments, and
-    ``extensions.nemo_rl_import.dropped``)."""
+    ``extensions.nemo_rl_import.dropped``). ``allow_env``: resolve ``${oc.env:...}`` (its values are
+    written into the recipe)."""
     import dataclasses
 
     from rlc.compiler.recipe import apply_set_overrides
 
-    cfg = load_nemo_rl_config(config_path, overrides)
+    cfg = load_nemo_rl_config(config_path, overrides, allow_env=allow_env)
     mapping = map_config(cfg)
     tree, _ = build_tree(mapping, config_path)
     comments = comment_for(mapping, cfg)
