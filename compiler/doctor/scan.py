@@ -2,8 +2,10 @@
 into the failures they explain."""
 from __future__ import annotations
 
+import bisect
 import math
 import re
+from collections.abc import Iterable
 
 from rlc.compiler.doctor.findings import Finding, Match
 from rlc.compiler.doctor.patterns import PATTERNS, Pattern
@@ -41,8 +43,29 @@ def scan_files(logs: list[tuple[str, str]]) -> list[Finding]:
     return findings
 
 
+def _candidates(lines: list[str]) -> Iterable[int]:
+    """Indices of the lines that hold a hint of some pattern (a row is only tried on those): each hint
+    is looked for once in the whole log, so a long healthy log is passed over quickly."""
+    joined = "\n".join(lines)
+    lower = joined.lower()
+    if len(lower) != len(joined):  # a character whose lower case is longer: positions would not line up
+        return range(len(lines))
+    starts, at = [], 0
+    for line in lines:
+        starts.append(at)
+        at += len(line) + 1
+    hits: set[int] = set()
+    for hint in sorted({h for p in PATTERNS for h in p.hints}):
+        i = lower.find(hint)
+        while i >= 0:
+            hits.add(bisect.bisect_right(starts, i) - 1)
+            i = lower.find(hint, i + 1)
+    return sorted(hits)
+
+
 def _scan_one(name: str, lines: list[str], found: dict[str, Finding], observed: dict[str, Finding]) -> None:
-    for i, line in enumerate(lines):
+    for i in _candidates(lines):
+        line = lines[i]
         lower = line.lower()
         for p in PATTERNS:
             if not p.may_match(lower):
