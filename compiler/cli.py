@@ -14,6 +14,8 @@ megatron.
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import os
 import shlex
@@ -144,7 +146,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
                                file=path, rule=INTERNAL_RULE)]
         return _ordered(result.diagnostics, result) + outputs
 
-    found, target = lint(args.paths, check, args.jobs)
+    found, target = lint(args.paths, check, args.jobs, skip_non_recipes=args.skip_non_recipes)
     diags = [d for d in found if d.rule != OUTPUTS_RULE]
     diags += shared_output_warnings([d for d in found if d.rule == OUTPUTS_RULE])
     sys.stdout.write(FORMATTERS[args.format](diags))
@@ -327,7 +329,8 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     try:
-        imported = nemo_rl.import_nemo_rl(args.config, args.overrides, args.set or (), accept_loss=args.accept_loss)
+        imported = nemo_rl.import_nemo_rl(args.config, args.overrides, args.set or (), accept_loss=args.accept_loss,
+                                          allow_env=args.allow_env)
     except nemo_rl.NemoRlConfigError as exc:
         raise UsageError(f"cannot read the NeMo-RL config: {exc}") from None
     except nemo_rl.ImportStopped as exc:
@@ -355,10 +358,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from rlc.compiler.doctor.logs import LogReadError, read_logs
     from rlc.compiler.doctor.report import render
 
+    notes: list[str] = []
     try:
-        logs = read_logs(args.log)
+        logs = read_logs(args.log, notes)
     except LogReadError as exc:
         raise UsageError(str(exc)) from None
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     result = None
     if args.recipe:
         result, diags, code = _checked(argparse.Namespace(file=args.recipe, set=args.set))
@@ -482,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print the summary in every format")
     p.add_argument("-j", "--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: one per CPU, at most one per 100 recipes)")
+    p.add_argument("--skip-non-recipes", action="store_true",
+                   help="skip named files that do not look like recipes, as in folders (pre-commit passes "
+                        "every YAML file); by default a named file is always checked")
 
     p = add("show", cmd_show, "print the resolved recipe (extends, --set and defaults applied)",
             with_set=True)
@@ -537,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-loss", action="store_true",
                    help="write the recipe although settings that change the experiment have no rlc equivalent (the "
                         "recipe lists them, and extensions.nemo_rl_import.dropped records them)")
+    p.add_argument("--allow-env", action="store_true",
+                   help="resolve ${oc.env:VAR} from this environment (refused by default: the values are written "
+                        "into the recipe)")
 
     p = add("doctor", cmd_doctor, "name the rule and the fix for the failures in a job's log", with_set=True)
     p.add_argument("log", metavar="LOG", help="the failed job's log (rlc, NeMo-RL, verl, vLLM, Megatron), a folder "
@@ -550,8 +562,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ClosedOutput(io.TextIOBase):
+    """Standard output or error that was closed before rlc started (``rlc schema >&-``): Python
+    sets it to ``None``; writing reports it as the I/O error it is."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, f"standard {self._name} is closed")
+
+
+def _discard_stdout() -> None:
+    """After stdout failed: no more writes to it, not even Python's flush at exit."""
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+    except OSError:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rlc`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput("output")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - nowhere to report to; the exit code still says
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -564,18 +602,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     debug = getattr(args, "debug", False)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed output fails here, not in Python's exit
+        return code
     except UsageError as exc:
         print(f"rlc {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. `rlc schema | head`
-        try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
-        except OSError:
-            pass
+        _discard_stdout()
         return EXIT_OK
+    except OSError as exc:  # the output could not be written (disk full, closed), or a file read failed
+        _discard_stdout()
+        if debug:
+            traceback.print_exc()
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(f"rlc {args.command}: I/O error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # a bug in rlc, not bad input
         if debug:
             traceback.print_exc()

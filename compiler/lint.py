@@ -1,10 +1,13 @@
 """``rlc lint``: check many recipes at once (files and folders), for CI and pre-commit.
 
-Folders are searched recursively for ``*.yaml``/``*.yml`` files (hidden folders skipped). Only
-files that look like recipes are checked, so pre-commit can hand every YAML file of a repository
-(workflows, compose files, ...) to ``rlc lint``: a recipe has a top-level ``version:`` or
-``extends:`` key, or the ``yaml-language-server`` schema comment pointing at the recipe schema.
-Each recipe goes through the same check as ``rlc validate`` (:func:`rlc.compiler.cli.run_check`).
+A file named on the command line is always checked, as ``rlc validate`` and ``rlc compile`` would
+check it. In folders (searched recursively for ``*.yaml``/``*.yml`` files, hidden folders skipped),
+and for named files with ``--skip-non-recipes`` (pre-commit hands every YAML file of a repository to
+``rlc lint``: workflows, compose files, ...), only files that look like recipes are checked: a
+top-level ``version:`` or ``extends:`` key in any YAML style (block, flow, JSON; UTF-8 or UTF-16/32
+with a byte-order mark; after a comment header of any length), or the ``yaml-language-server`` schema
+comment pointing at the recipe schema. Each recipe goes through the same check as ``rlc validate``
+(:func:`rlc.compiler.cli.run_check`).
 
 A recipe's ``lint.ignore`` silences warnings by rule id (each with a reason); errors cannot be
 silenced.
@@ -24,27 +27,58 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.files import is_regular_file
+from rlc.compiler.files import FileTooLarge, is_regular_file, read_capped
 from rlc.compiler.recipe import shared_parents
+from rlc.compiler.yaml_loader import MAX_BYTES
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
-_MARKER = re.compile(
-    rb"^(?:version|extends)[ \t]*:|^#[ \t]*yaml-language-server:[^\n]*recipe\.schema\.json", re.M
-)
-#: Bytes read to decide whether a file looks like a recipe.
-SNIFF_BYTES = 64 * 1024
+_KEYS = ("version", "extends")
+#: A recipe key at the start of a line, in block, flow or JSON style (quoted or not).
+_KEY_LINE = re.compile(r"^[ \t]*[{,]?[ \t]*[\"']?(?:version|extends)[\"']?[ \t]*:", re.M)
+_SCHEMA_COMMENT = re.compile(r"^#[ \t]*yaml-language-server:[^\n]*recipe\.schema\.json", re.M)
+#: Bytes read to decide whether a file looks like a recipe: all a recipe may have.
+SNIFF_BYTES = MAX_BYTES
+_BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"),
+         (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))
+
+
+def _sniff_text(raw: bytes) -> str:
+    """``raw`` as text for the sniff: by its byte-order mark, as UTF-16 when every other byte of its
+    start is NUL, else UTF-8 (undecodable bytes replaced: the check reports the encoding)."""
+    for bom, codec in _BOMS:
+        if raw.startswith(bom):
+            return raw[len(bom):].decode(codec, "replace")
+    start = raw[:256]
+    if len(start) >= 4 and start[1::2].count(0) == len(start[1::2]):
+        return raw.decode("utf-16-le", "replace")
+    if len(start) >= 4 and start[0::2].count(0) == len(start[0::2]):
+        return raw.decode("utf-16-be", "replace")
+    return raw.decode("utf-8", "replace")
 
 
 def looks_like_recipe(path: Path) -> bool:
-    """True when the file has a top-level ``version:``/``extends:`` or the recipe schema comment."""
+    """True when the file has a top-level ``version:``/``extends:`` (in any YAML style and encoding,
+    after any comment header) or the recipe schema comment."""
     if not is_regular_file(path):
         return True  # a FIFO or device is never opened here: the check reports it
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(SNIFF_BYTES)
+        raw = read_capped(path, SNIFF_BYTES)
+    except FileTooLarge:
+        return True  # too large for a recipe: the check says so
     except OSError:
         return True  # let the check report why it cannot be read
-    return _MARKER.search(head.lstrip(b"\xef\xbb\xbf")) is not None
+    text = _sniff_text(raw)
+    if _SCHEMA_COMMENT.search(text):
+        return True
+    try:
+        import yaml
+
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except Exception:  # noqa: BLE001 - not YAML PyYAML reads (a broken recipe too): look at the lines
+        return _KEY_LINE.search(text) is not None
+    if isinstance(root, yaml.MappingNode):
+        return any(isinstance(k, yaml.ScalarNode) and k.value in _KEYS for k, _ in root.value)
+    return False
 
 
 def _walk(folder: Path) -> Iterator[Path]:
@@ -64,15 +98,18 @@ class LintTarget:
     missing: list[str] = field(default_factory=list)
 
 
-def discover(paths: Iterable[str | os.PathLike[str]]) -> LintTarget:
-    """Expand files and folders into the recipes to lint (each once, in the order found)."""
+def discover(paths: Iterable[str | os.PathLike[str]], skip_non_recipes: bool = False) -> LintTarget:
+    """Expand files and folders into the recipes to lint (each once, in the order found). A file named
+    in ``paths`` is a recipe to lint, unless ``skip_non_recipes`` (pre-commit); in folders only the
+    files that look like recipes are (:func:`looks_like_recipe`)."""
     found = LintTarget()
     seen: set[str] = set()
     for raw in paths:
         path = Path(raw)
+        named = not path.is_dir()
         if path.is_dir():
             candidates: Iterable[Path] = _walk(path)
-        elif path.exists():
+        elif path.exists() or path.is_symlink():
             candidates = [path]
         else:
             found.missing.append(str(raw))
@@ -82,7 +119,8 @@ def discover(paths: Iterable[str | os.PathLike[str]]) -> LintTarget:
             if key in seen:
                 continue
             seen.add(key)
-            (found.recipes if looks_like_recipe(candidate) else found.skipped).append(candidate)
+            is_recipe = (named and not skip_non_recipes) or looks_like_recipe(candidate)
+            (found.recipes if is_recipe else found.skipped).append(candidate)
     return found
 
 
@@ -128,10 +166,11 @@ def _check_all(recipes: list[str], check: Check, jobs: int) -> list[Sequence[Dia
     return [diags for part in parts for diags in part]
 
 
-def lint(paths: Sequence[str], check: Check, jobs: int | None = None) -> tuple[list[Diagnostic], LintTarget]:
+def lint(paths: Sequence[str], check: Check, jobs: int | None = None,
+         skip_non_recipes: bool = False) -> tuple[list[Diagnostic], LintTarget]:
     """Run ``check`` on every recipe under ``paths`` (over ``jobs`` worker processes; default: see
-    :func:`job_count`); missing paths become usage errors."""
-    target = discover(paths)
+    :func:`job_count`); missing paths become usage errors. ``skip_non_recipes``: see :func:`discover`."""
+    target = discover(paths, skip_non_recipes)
     diags = [Diagnostic("error", "no such file or folder", "", p, rule="io") for p in target.missing]
     recipes = [str(r) for r in target.recipes]
     seen: dict[tuple, Diagnostic] = {}

@@ -182,9 +182,13 @@ def test_lint_discovery_skips_non_recipes_and_hidden_folders():
     assert sorted(p.name for p in target.skipped) == ["notes.yaml", "workflow.yml"]
 
 
-def test_lint_explicit_non_recipe_files_are_skipped_too():
-    r = run_rlc("lint", "lintdir/workflow.yml", "lintdir/notes.yaml", cwd=FIXTURES)
+def test_lint_explicit_non_recipe_files_are_skipped_with_skip_non_recipes():
+    """pre-commit names every YAML file: with --skip-non-recipes the non-recipes are skipped; without
+    it a named file is checked like `rlc validate` checks it."""
+    r = run_rlc("lint", "--skip-non-recipes", "lintdir/workflow.yml", "lintdir/notes.yaml", cwd=FIXTURES)
     assert r.code == 0 and r.out == "" and "linted 0 recipe(s), skipped 2" in r.err
+    r = run_rlc("lint", "lintdir/workflow.yml", "lintdir/notes.yaml", cwd=FIXTURES)
+    assert r.code == 1 and "not an rlc recipe" in r.out and "linted 2 recipe(s)" in r.err
 
 
 def test_looks_like_recipe(tmp_path):
@@ -193,7 +197,7 @@ def test_looks_like_recipe(tmp_path):
              "e.yaml": "name: x\n"}
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
-    assert {n for n in cases if looks_like_recipe(tmp_path / n)} == {"a.yaml", "b.yaml", "d.yaml"}
+    assert {n for n in cases if looks_like_recipe(tmp_path / n)} == {"a.yaml", "b.yaml", "c.yaml", "d.yaml"}
 
 
 def test_lint_exit_codes():
@@ -256,7 +260,7 @@ def test_lint_ignore_drops_listed_warnings_but_never_errors():
 def test_pre_commit_hook_definition():
     hooks = yaml.safe_load((REPO / ".pre-commit-hooks.yaml").read_text())
     (hook,) = [h for h in hooks if h["id"] == "rlc-lint"]
-    assert hook["entry"] == "rlc lint" and hook["language"] == "python"
+    assert hook["entry"] == "rlc lint --skip-non-recipes" and hook["language"] == "python"
     pattern = re.compile(hook["files"])
     assert pattern.search("a/b.yaml") and pattern.search("c.yml") and not pattern.search("d.json")
 
