@@ -53,12 +53,12 @@ class TrainLayout:
         # An override larger than the layers left is taken as what is left (RLC104 reports it): the
         # split never names a layer the model does not have.
         if self.first is not None:
-            counts[0] = min(max(self.first, 0), rest)
-            rest -= counts[0]
+            first = counts[0] = min(max(self.first, 0), rest)
+            rest -= first
             free -= 1
         if self.last is not None:
-            counts[-1] = min(max(self.last, 0), rest)
-            rest -= counts[-1]
+            last = counts[-1] = min(max(self.last, 0), rest)
+            rest -= last
             free -= 1
         if free:
             base, extra = divmod(max(rest, 0), free)

@@ -410,7 +410,7 @@ def _plain(container: Any, budget: _Budget) -> tuple[Any, int]:
             if isinstance(value, (DictConfig, ListConfig)):
                 value, n = _plain(value, budget)
             elif isinstance(value, str) and len(value) > MAX_TEXT:
-                raise BoundsError(f"{key} resolves to {len(value)} characters, more than the {MAX_TEXT} rlc resolves")
+                raise BoundsError(f"{key!s} resolves to {len(value)} characters, more than the {MAX_TEXT} rlc resolves")
             if node is not None and node._is_interpolation():
                 budget.done[id(node)] = (value, n)
         budget.take(n if reused is not None else 1)
@@ -479,7 +479,7 @@ def load_nemo_rl_config(path: str | Path, overrides: Sequence[str] = (), allow_e
             if line is not None:
                 origins[leaf] = f"{source.label}:{line}"
                 break
-    return NemoRlConfig(values=cast("dict[str, Any]", values), raw=cast("dict[str, Any]", raw), origins=origins, files=tuple(s.label for s in sources))
+    return NemoRlConfig(values=values, raw=cast("dict[str, Any]", raw), origins=origins, files=tuple(s.label for s in sources))
 
 
 def _line_for(lines: dict[str, int], leaf: str) -> int | None:
