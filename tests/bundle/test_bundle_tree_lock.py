@@ -77,27 +77,32 @@ def _dir_link(path: Path) -> None:
     path.symlink_to(outside)
 
 
+#: case -> (the entry changed, how, what rlc submit says about it)
 TAMPERS = {
-    "added sitecustomize.py": ("rlc_pkg/sitecustomize.py", lambda p: p.write_text("import os\n")),
-    "added folder": ("rlc_pkg/extra", lambda p: p.mkdir()),
-    "removed file": ("plan.txt", lambda p: p.unlink()),
-    "file replaced by a FIFO": ("node.sh", _fifo),
-    "file replaced by a link to /dev/zero": ("env.sh", lambda p: _link(p, "/dev/zero")),
-    "file replaced by a link outside": ("runtime.yaml", _outside_copy),
-    "folder replaced by a link outside": ("rlc_pkg/rlc/runtime", _dir_link),
-    "hard link from outside": ("node.sh", _hard_link),
-    "permissions opened": ("node.sh", lambda p: p.chmod(0o777)),
-    "secret made world-readable": ("env.sh", lambda p: p.chmod(0o644)),
-    "setuid bit": ("node.sh", lambda p: p.chmod(0o4755)),
-    "file edited": ("runtime.yaml", lambda p: p.write_text(p.read_text().replace("max_steps:", "max_steps: 9 #"))),
-    "manifest replaced by a FIFO": ("files.sha256", _fifo),
-    "tree listing edited": ("files.tree", lambda p: p.write_text(p.read_text() + "f 644 1 rlc_pkg/sitecustomize.py\n")),
+    "added sitecustomize.py": ("rlc_pkg/sitecustomize.py", lambda p: p.write_text("import os\n"), "was added"),
+    "added folder": ("rlc_pkg/extra", lambda p: p.mkdir(), "was added"),
+    "removed file": ("plan.txt", lambda p: p.unlink(), "is missing"),
+    "file replaced by a FIFO": ("node.sh", _fifo, "is now a FIFO (compiled: a file)"),
+    "file replaced by a link to /dev/zero": ("env.sh", lambda p: _link(p, "/dev/zero"),
+                                             "is now a symbolic link (compiled: a file)"),
+    "file replaced by a link outside": ("runtime.yaml", _outside_copy, "is now a symbolic link (compiled: a file)"),
+    "folder replaced by a link outside": ("rlc_pkg/rlc/runtime", _dir_link,
+                                          "is now a symbolic link (compiled: a folder)"),
+    "hard link from outside": ("node.sh", _hard_link, "has 2 hard links (compiled: 1)"),
+    "permissions opened": ("node.sh", lambda p: p.chmod(0o777), "has mode 777 (compiled: 755)"),
+    "secret made world-readable": ("env.sh", lambda p: p.chmod(0o644), "has mode 644 (compiled: 600)"),
+    "setuid bit": ("node.sh", lambda p: p.chmod(0o4755), "has mode 4755 (compiled: 755)"),
+    "file edited": ("runtime.yaml", lambda p: p.write_text(p.read_text().replace("max_steps:", "max_steps: 9 #")),
+                    "was changed"),
+    "manifest replaced by a FIFO": ("files.sha256", _fifo, "is now a FIFO (compiled: a file)"),
+    "tree listing edited": ("files.tree", lambda p: p.write_text(p.read_text() + "f 644 1 rlc_pkg/sitecustomize.py\n"),
+                            "was changed"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERS))
 def test_a_changed_tree_fails_the_job_check_quickly_and_submit_names_it(bundle, case):
-    rel, change = TAMPERS[case]
+    rel, change, says = TAMPERS[case]
     change(bundle / rel)
     code, seconds = job_check(bundle)
     assert code != 0, f"{case}: the job's check passed"
@@ -105,7 +110,7 @@ def test_a_changed_tree_fails_the_job_check_quickly_and_submit_names_it(bundle, 
     lock = read_lock(bundle)
     assert lock is not None
     problems = lock_mismatches(bundle, lock)
-    assert any(p.startswith(rel) for p in problems), (case, problems)
+    assert any(p.startswith(f"{rel} {says}") for p in problems), (case, problems)
 
 
 def test_submit_refuses_a_changed_tree_before_sbatch(bundle):

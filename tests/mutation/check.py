@@ -10,8 +10,9 @@ of this check: update its ``old`` text.
     python tests/mutation/check.py            # all mutations, a table, exit 1 if any survives or is stale
     python tests/mutation/check.py --list     # names only
     python tests/mutation/check.py NAME...    # some of them
+    python tests/mutation/check.py -j 2       # two at a time
 
-The score is reported in docs/testing.md.
+The score is reported in docs/testing.md; CI runs every mutation (tests/mutation/test_mutation_run.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +98,99 @@ MUTATIONS = (
              "rlc/runtime/grpo/rewards.py",
              "    except Exception as exc:  # noqa: BLE001", "    except ArithmeticError as exc:  # noqa: BLE001",
              ("tests/runtime/test_grpo_rewards.py",)),
+    # ---- per-GPU shard math (the planner's stage shards)
+    Mutation("shards-experts-ignore-etp", "shard math",
+             "rlc/compiler/planner/shards.py",
+             "        expert = split.expert // expert_shards", "        expert = split.expert // layout.ep",
+             ("tests/planner/test_shard_math.py",)),
+    Mutation("shards-replicated-dropped", "shard math",
+             "rlc/compiler/planner/shards.py",
+             "        dense = split.tp // layout.tp + split.replicated + copies * vocab\n        out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert",
+             "        dense = split.tp // layout.tp + copies * vocab\n        out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert",
+             ("tests/planner/test_shard_math.py",)),
+    Mutation("shards-mtp-replica-on-one-stage", "shard math",
+             "rlc/compiler/planner/shards.py",
+             "                elif not first and not facts.tied_embeddings:",
+             "                elif not facts.tied_embeddings:",
+             ("tests/planner/test_shard_math.py",)),
+    Mutation("shards-vllm-experts-by-ep", "shard math",
+             "rlc/compiler/planner/shards.py",
+             "expert=split.expert // layout.expert_shards", "expert=split.expert // layout.ep",
+             ("tests/planner/test_shard_math.py",)),
+    Mutation("shards-vllm-drafter-embedding", "shard math",
+             "rlc/compiler/planner/shards.py",
+             "            if len(stages) > 1:\n                copies += 1  # the drafter",
+             "            if len(stages) > 0:\n                copies += 1  # the drafter",
+             ("tests/planner/test_shard_math.py",)),
+    # ---- shell quoting of #SBATCH values
+    Mutation("sbatch-hash-plain", "#SBATCH quoting",
+             "rlc/compiler/shell.py",
+             '_SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:=,%+@-]+")', '_SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:=,%+@#-]+")',
+             ("tests/bundle/test_sbatch_tokenizer.py",)),
+    Mutation("sbatch-backslash-unescaped", "#SBATCH quoting",
+             "rlc/compiler/shell.py",
+             """return Quoted('"' + text.replace("\\\\", "\\\\\\\\").replace('"', '\\\\"') + '"')""",
+             """return Quoted('"' + text.replace('"', '\\\\"') + '"')""",
+             ("tests/bundle/test_sbatch_tokenizer.py",)),
+    Mutation("sbatch-percent-once", "#SBATCH quoting",
+             "rlc/compiler/shell.py",
+             'text = text.replace("%", "%%")', 'text = text.replace("%", "%%", 1)',
+             ("tests/bundle/test_sbatch_tokenizer.py",)),
+    # ---- the lock's verification of the file tree
+    Mutation("lock-added-entries-ignored", "bundle tree lock",
+             "rlc/compiler/bundle/lock.py",
+             '    problems += [f"{rel} was added" for rel in sorted(set(present) - set(recorded_tree))]',
+             "    problems += []",
+             ("tests/bundle/test_bundle_tree_lock.py",)),
+    Mutation("lock-modes-ignored", "bundle tree lock",
+             "rlc/compiler/bundle/lock.py",
+             "            if now[1] != was[1]:", "            if False:",
+             ("tests/bundle/test_bundle_tree_lock.py",)),
+    Mutation("job-check-tree-skipped", "bundle tree lock",
+             "rlc/templates/bundle/launch.sbatch.j2",
+             '  [ "$tree" = "$(<files.tree)" ] || exit 1', "  true",
+             ("tests/bundle/test_bundle_tree_lock.py",)),
+    Mutation("job-check-links-listed-as-files", "bundle tree lock",
+             "rlc/compiler/bundle/lock.py",
+             '_TYPES = ((stat.S_ISREG, "f"), (stat.S_ISDIR, "d"), (stat.S_ISLNK, "l"),',
+             '_TYPES = ((stat.S_ISREG, "f"), (stat.S_ISDIR, "d"), (stat.S_ISLNK, "f"),',
+             ("tests/bundle/test_bundle_tree_lock.py",)),
+    # ---- the checkpoint fingerprint
+    Mutation("fingerprint-fp8-dropped", "checkpoint fingerprint",
+             "rlc/runtime/checkpoint.py",
+             '"training.mtp_loss_scale", "training.fp8",', '"training.mtp_loss_scale",',
+             ("tests/runtime/test_checkpoint_fingerprint.py",)),
+    Mutation("fingerprint-sections-not-flattened", "checkpoint fingerprint",
+             "rlc/runtime/checkpoint.py",
+             "        if isinstance(value, dict):\n            for k in sorted(value):",
+             "        if False:\n            for k in sorted(value):",
+             ("tests/runtime/test_checkpoint_fingerprint.py",)),
+    Mutation("fingerprint-restart-key-counted", "checkpoint fingerprint",
+             "rlc/runtime/checkpoint.py",
+             '"grpo.dynamic_sampling", "grpo.seed", "extensions",', '"grpo.dynamic_sampling", "grpo.seed", "extensions", "grpo.max_steps",',
+             ("tests/runtime/test_checkpoint_fingerprint.py",)),
+    # ---- origin tracking through merged mappings
+    Mutation("origins-merged-mapping-keeps-parent", "origin tracking",
+             "rlc/compiler/recipe.py",
+             "                dst_origins[path] = src_origins[path]", "                pass",
+             ("tests/compiler/test_origins_merge.py",)),
+    Mutation("origins-replaced-not-pruned", "origin tracking",
+             "rlc/compiler/recipe.py",
+             "                _prune(dst_origins, path)", "                pass",
+             ("tests/compiler/test_origins_merge.py",)),
+    Mutation("origins-nested-not-grafted", "origin tracking",
+             "rlc/compiler/recipe.py",
+             "    for key in (prefix, *_subpaths(value, prefix)):", "    for key in (prefix,):",
+             ("tests/compiler/test_origins_merge.py",)),
+    Mutation("origins-set-not-pruned", "origin tracking",
+             "rlc/compiler/recipe.py",
+             "            _prune(origins, key_path)\n            node[part] = copy.deepcopy(value)",
+             "            node[part] = copy.deepcopy(value)",
+             ("tests/compiler/test_origins_merge.py",)),
 )
+
+#: The behaviours whose mutations run in CI (tests/mutation/test_mutation_run.py).
+CI_BEHAVIOURS = ("shard math", "#SBATCH quoting", "bundle tree lock", "checkpoint fingerprint", "origin tracking")
 
 PRODUCT = ("rlc", "tests", "pyproject.toml")
 
@@ -135,10 +229,17 @@ def run_one(mutation: Mutation) -> str:
         raise RuntimeError(f"{mutation.name}: pytest exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
+def run_many(mutations: list[Mutation], jobs: int = 1) -> list[tuple[Mutation, str]]:
+    """``(mutation, verdict)`` for each, ``jobs`` at a time (each runs in its own copy and process)."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(zip(mutations, pool.map(run_one, mutations)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutations run at a time")
     args = parser.parse_args(argv)
     by_name = {m.name: m for m in MUTATIONS}
     if args.list:
@@ -149,10 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mutation(s) {', '.join(unknown)}; see --list")
     chosen = [by_name[n] for n in args.names] if args.names else list(MUTATIONS)
-    results = []
-    for m in chosen:
-        verdict = run_one(m)
-        results.append((m, verdict))
+    results = run_many(chosen, args.jobs)
+    for m, verdict in results:
         print(f"{verdict:9} {m.name:26} {m.behaviour:22} {m.path}", flush=True)
     caught = sum(v == "caught" for _, v in results)
     print(f"score: {caught}/{len(results)} mutations caught")
