@@ -11,6 +11,12 @@
   the runtime allocates them, the planner counts them.
 * :mod:`rlc.contract.job_paths` — which recipe values name paths the job opens (the compiler checks
   them against the container's mounts, the probe on every node).
+* :mod:`rlc.contract.files` — the one bounded reader for every file either half opens (regular files
+  only, size-capped, never blocking) and a JSON parser that never crashes on input.
+* :mod:`rlc.contract.bounds` — the limits every key path, value and resolution stays within
+  (``--set``, the importer's interpolations, runtime overrides).
+* :mod:`rlc.contract.ranges` and :mod:`rlc.contract.runtime_file` — every number of ``runtime.yaml``
+  checked against the recipe schema's range where the runtime reads it, and ``runtime.yaml`` read safely.
 
 Both sides import these modules; neither keeps a copy.
 """
