@@ -16,7 +16,8 @@ only ever see complete checkpoints, so a crash at any point leaves the previous 
 
 Experiments never share state: each save records the run's :func:`experiment` (the resolved
 settings that define what is being trained: model and tokenizer, data, reward, loss, optimizer,
-sampling and context length, fp8 training, GRPO but ``max_steps``, ``extensions``), and a resume
+sampling and context length, fp8 training and rollouts, routing replay, GRPO but ``max_steps``,
+``extensions``), and a resume
 from a checkpoint whose experiment differs is refused, naming the keys, unless
 ``checkpointing.resume_changed_recipe`` says it is on purpose. Two recipes that share a parent and
 its ``name`` (so its checkpoint folder) and differ only in ``lr`` can no longer resume from each
@@ -255,6 +256,7 @@ EXPERIMENT_KEYS = (
     "model.num_layers", "model.num_experts", "model.mtp_num_layers", "model.mtp_shared_embedding",
     "data.train_path", "data.prompt_key", "data.answer_key", "data.prompt_template", "data.max_prompt_length",
     "data.shuffle", "reward", "loss", "generation.sampling", "generation.max_model_len",
+    "generation.precision", "generation.fp8", "training.router_replay",
     "training.optimizer", "training.lr_schedule", "training.grad_clip", "training.global_batch_size",
     "training.max_sequence_length", "training.seed", "training.mtp_loss_scale", "training.fp8",
     "grpo.prompts_per_step", "grpo.generations_per_prompt", "grpo.normalize_advantages", "grpo.leave_one_out",
@@ -271,13 +273,14 @@ RESTART_KEYS: dict[str, str] = {
     "refit": "how the weights reach vLLM, not their values",
     "generation.backend": _ENGINE, "generation.vllm_version": _ENGINE, "generation.enforce_eager": _ENGINE,
     "generation.gpu_memory_utilization": _ENGINE, "generation.kv_cache_memory_bytes": _ENGINE,
-    "generation.precision": _ENGINE, "generation.speculative_decoding": _ENGINE, "generation.vllm_kwargs": _ENGINE,
+    "generation.speculative_decoding": _ENGINE, "generation.vllm_kwargs": _ENGINE, "generation.megatron": _ENGINE,
     "training.micro_batch_size": "how the global batch is split", "training.use_distributed_optimizer": _SPEED,
     "training.overlap_param_gather": _SPEED, "training.overlap_grad_reduce": _SPEED,
     "training.grad_reduce_in_fp32": _SPEED, "training.optimizer_cpu_offload": _SPEED,
     "training.optimizer_offload_fraction": _SPEED, "training.activation_checkpointing": _SPEED,
     "training.use_precision_aware_optimizer": _SPEED, "training.moe": _SPEED, "training.sequence_packing": _SPEED,
-    "training.megatron_kwargs": _SPEED,
+    "training.megatron_kwargs": _SPEED, "training.logprob_batch_size": _SPEED,
+    "training.offload_reference_policy": _SPEED,
     "grpo.max_steps": "how long the run goes", "grpo.max_gen_kl": "when the run stops",
     "data.val_path": "validation only", "checkpointing": "the checkpoints' folder and cadence",
     "logging": "where metrics go", "env": "the job's environment",

@@ -20,14 +20,13 @@ missing fact can say where rlc looked.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rlc.compiler.files import read_text_capped
+from rlc.compiler.files import JsonError, parse_json, read_text_capped
 
 #: Longest a Hub request for ``config.json`` may take (connect + read), in seconds.
 HUB_TIMEOUT_S = 10.0
@@ -74,7 +73,7 @@ def hub_cache_dir() -> Path:
 
 def _read_config(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; ``ValueError`` / ``OSError`` with the reason otherwise."""
-    data = json.loads(read_text_capped(path))
+    data = parse_json(read_text_capped(path))  # a JsonError is a ValueError
     if not isinstance(data, dict):
         raise ValueError("it does not hold a JSON object")
     return data
@@ -125,8 +124,8 @@ def _snapshot_config(repo: Path) -> Optional[Path]:
     snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"
     try:
-        rev = ref.read_text(encoding="utf-8").strip() if ref.is_file() else ""
-    except OSError:
+        rev = read_text_capped(ref, 4096).strip() if ref.is_file() else ""
+    except (OSError, UnicodeDecodeError):
         rev = ""
     if rev and (snapshots / rev / "config.json").is_file():
         return snapshots / rev / "config.json"
@@ -201,8 +200,8 @@ def fetch_from_hub(hub_id: str, timeout: float = HUB_TIMEOUT_S) -> tuple[Optiona
     if len(body) > HUB_CONFIG_BYTES:
         return None, f"the Hub ({url}): config.json larger than {HUB_CONFIG_BYTES} bytes"
     try:
-        data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = parse_json(body.decode("utf-8"))
+    except (UnicodeDecodeError, JsonError):
         return None, f"the Hub ({url}): not a JSON config.json"
     if not isinstance(data, dict):
         return None, f"the Hub ({url}): config.json holds no JSON object"
