@@ -31,6 +31,8 @@ from rlc.compiler.suggest import did_you_mean
 from rlc.compiler.yaml_loader import YamlLoadError, load_yaml, parse_text
 from rlc.contract.bounds import key_path_problem
 
+#: A recipe file has one of these top-level keys; any other YAML mapping is refused without being shown.
+RECIPE_MARKERS = ("version", "extends")
 #: Longest ``extends:`` chain followed before giving up.
 MAX_EXTENDS_DEPTH = 32
 _RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -195,7 +197,7 @@ def _read(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
 
 def _parse(path: Path, display: str, *, via: Diagnostic | None) -> _Link:
     try:
-        doc = load_yaml(path, display, marker="version")
+        doc = load_yaml(path, display, marker=RECIPE_MARKERS)
     except YamlLoadError as exc:
         raise RecipeLoadError(exc.diagnostics) from None
     except OSError as exc:

@@ -290,10 +290,12 @@ def _redact(message: str) -> str:
     return _QUOTED.sub("(text not shown)", message)
 
 
-def parse_text(text: str, file: str, require_mapping: bool = True, marker: str | None = None) -> YamlDocument | Any:
+def parse_text(text: str, file: str, require_mapping: bool = True,
+               marker: tuple[str, ...] = ()) -> YamlDocument | Any:
     """Parse YAML ``text``. With ``require_mapping`` the top level must be a mapping and a
     :class:`YamlDocument` is returned; otherwise the plain value (used for ``--set`` values).
-    With ``marker`` the mapping must have that top-level key (``version`` for a recipe); a mapping
+    With ``marker`` the mapping must have one of those top-level keys (``version`` or ``extends`` for a
+    recipe); a mapping
     without it is refused before any of its values is read, so nothing of it is echoed."""
     def fail(message: str, pos: Position | None, hint: str | None = None) -> YamlLoadError:
         line, col = pos if pos else (None, None)
@@ -329,12 +331,13 @@ def parse_text(text: str, file: str, require_mapping: bool = True, marker: str |
         # named by mistake (say, in `extends:`), and messages reach terminals and CI annotations.
         kind = "a list" if isinstance(node, yaml.SequenceNode) else "a single value (not shown)"
         raise fail(f"top level must be a mapping of recipe keys, found {kind}", _pos(node.start_mark))
-    if require_mapping and marker is not None and not any(
-            isinstance(k, yaml.ScalarNode) and k.tag == _STR and k.value == marker for k, _ in node.value):
+    if require_mapping and marker and not any(
+            isinstance(k, yaml.ScalarNode) and k.tag == _STR and k.value in marker for k, _ in node.value):
         # A mapping without the marker is some other YAML file (a secrets or password file named by
         # mistake reads as one: every `name:hash` line is a key): none of its keys or values is shown.
-        raise fail(f"not an rlc recipe: it has no top-level `{marker}:` key (nothing of this file is shown)",
-                   _pos(node.start_mark), hint=f"a recipe starts with `{marker}: 1`")
+        keys = " or ".join(f"`{m}:`" for m in marker)
+        raise fail(f"not an rlc recipe: it has no top-level {keys} key (nothing of this file is shown)",
+                   _pos(node.start_mark), hint=f"a recipe starts with `{marker[0]}: 1`")
     builder = _Builder(file)
     try:
         data = builder.build(node, ())
@@ -347,9 +350,9 @@ def parse_text(text: str, file: str, require_mapping: bool = True, marker: str |
     return YamlDocument(data, builder.positions)
 
 
-def load_yaml(path: str | Path, display: str | None = None, marker: str | None = None) -> YamlDocument:
+def load_yaml(path: str | Path, display: str | None = None, marker: tuple[str, ...] = ()) -> YamlDocument:
     """Read and parse the recipe file at ``path``; ``display`` is the file name in diagnostics;
-    ``marker``: the top-level key the file must have (see :func:`parse_text`).
+    ``marker``: the top-level keys the file must have one of (see :func:`parse_text`).
 
     Raises :class:`YamlLoadError` (problems in the file) or ``OSError`` (cannot read it).
     """
