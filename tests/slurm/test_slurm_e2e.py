@@ -202,3 +202,20 @@ def test_a_bundle_recompiled_while_the_job_waits_fails_the_job_at_once(slurm, ra
     assert end.state == "FAILED", log
     assert f"the bundle {bundle} is not the one this job was submitted with" in log
     assert not (tmp_path / "logs" / job_id).exists() and "starting the Ray head" not in log
+
+
+def test_a_file_added_to_the_bundle_after_submitting_fails_the_job_before_it_runs(slurm, ray_python, tmp_path):
+    """A sitecustomize.py dropped into the bundle's rlc_pkg/ would run in every Python of the job; the
+    job's own check lists the bundle's tree and refuses it before any step starts (it used to pass:
+    the check hashed only the files it knew)."""
+    slurm.shape(nodes=2, gpus=2, cpus=4)
+    bundle = compile_e2e(tmp_path, ray_python)
+    job_id = slurm.sbatch(bundle / "launch.sbatch", "--hold", env=JOB_ENV)
+    marker = tmp_path / "sitecustomize-ran"
+    (bundle / "rlc_pkg" / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    slurm.run("scontrol", "release", job_id)
+    end = slurm.wait(job_id, timeout=120)
+    log = (tmp_path / "logs" / f"slurm-{job_id}.out").read_text()
+    assert end.state == "FAILED", log
+    assert f"the bundle {bundle} is not the one this job was submitted with" in log
+    assert not marker.exists() and "starting the Ray head" not in log
