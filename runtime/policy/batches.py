@@ -24,11 +24,13 @@ logit depends on; a response token whose logits depend on a missing route has ``
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from rlc.runtime.policy.packing import concat_ranges
 from rlc.runtime.policy.routes import ROUTES_KEY, pack_routes, unrouted_mask
 
 PER_TOKEN_KEYS = ("mask", "gen_logprobs", "old_logprobs", "ref_logprobs", "routed_experts")
@@ -67,13 +69,15 @@ def pack_rollouts(
         )
     if n == 0:
         raise ValueError("pack_rollouts: empty batch")
-    lengths = []
+    prompt_lens, response_lens = [], []
     for i, (p, r, lp) in enumerate(zip(prompt_ids, response_ids, gen_logprobs)):
         if len(p) == 0:
             raise ValueError(f"pack_rollouts: sample {i} has an empty prompt")
         if len(lp) != len(r):
             raise ValueError(f"pack_rollouts: sample {i} has {len(r)} response tokens but {len(lp)} logprobs")
-        lengths.append(len(p) + len(r))
+        prompt_lens.append(len(p))
+        response_lens.append(len(r))
+    lengths = [a + b for a, b in zip(prompt_lens, response_lens)]
     longest = max(lengths)
     if max_length is not None and longest > max_length:
         raise ValueError(
@@ -84,13 +88,18 @@ def pack_rollouts(
     tokens = torch.full((n, L), int(pad_id), dtype=torch.int64)
     mask = torch.zeros((n, L - 1), dtype=torch.float32)
     glp = torch.zeros((n, L - 1), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(zip(prompt_ids, response_ids, gen_logprobs)):
-        P, R = len(p), len(r)
-        tokens[i, :P] = torch.as_tensor(list(p), dtype=torch.int64)
-        if R:
-            tokens[i, P : P + R] = torch.as_tensor(list(r), dtype=torch.int64)
-            mask[i, P - 1 : P - 1 + R] = 1.0
-            glp[i, P - 1 : P - 1 + R] = torch.as_tensor(list(lp), dtype=torch.float32)
+    # one conversion of all samples' lists and one scatter each, not a few small tensors per sample
+    rows = torch.arange(n, dtype=torch.int64)
+    plen = torch.tensor(prompt_lens, dtype=torch.int64)
+    rlen = torch.tensor(response_lens, dtype=torch.int64)
+    every_token = chain.from_iterable(chain.from_iterable(zip(prompt_ids, response_ids)))
+    flat_tokens = np.fromiter(every_token, dtype=np.int64, count=sum(lengths))
+    tokens.view(-1)[concat_ranges(rows * L, plen + rlen)] = torch.from_numpy(flat_tokens)
+    # response token j of row i is predicted at position P_i - 1 + j
+    predicted = concat_ranges(rows * (L - 1) + plen - 1, rlen)
+    flat_lps = np.fromiter(chain.from_iterable(gen_logprobs), dtype=np.float64, count=sum(response_lens))
+    mask.view(-1)[predicted] = 1.0
+    glp.view(-1)[predicted] = torch.from_numpy(flat_lps).to(torch.float32)
     batch = {
         "tokens": tokens,
         "mask": mask,
@@ -186,7 +195,10 @@ def optimizer_step_slices(n: int, global_batch_size: int, dp_size: int) -> list[
 
 def response_values(per_token: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     """Per-sample lists of the masked positions of a ``[N, L-1]`` tensor (e.g. trainer logprobs)."""
-    out = []
-    for row, m in zip(per_token, mask):
-        out.append(row[m > 0].tolist())
+    keep = mask > 0
+    values = per_token[keep].tolist()
+    out, start = [], 0
+    for count in keep.sum(-1).tolist():
+        out.append(values[start : start + count])
+        start += count
     return out

@@ -282,8 +282,8 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                            pad, seed=t.seed * 1_000_003 + self.pack_calls, common_length=tp.pp > 1,
                            count_multiple=tp.pp if tp.vpp > 1 else 1, budget_key=budget_key)
         cp_rank = self.coords["cp_rank"]
-        return [{**P.packed_microbatch(shards[dp_rank], b, cp_size=tp.cp, cp_rank=cp_rank), "seq_length": b.total}
-                for b in bins]
+        mbs = P.packed_microbatches(shards[dp_rank], bins, cp_size=tp.cp, cp_rank=cp_rank)
+        return [{**mb, "seq_length": b.total} for mb, b in zip(mbs, bins)]
 
     @torch.no_grad()
     def _logprobs(self, model: list, batch: dict) -> torch.Tensor | None:

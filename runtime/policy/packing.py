@@ -30,6 +30,7 @@ The per-token logprobs of the ranks are all-gathered and put back in packed orde
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -40,6 +41,9 @@ from rlc.runtime.policy import bin_packing
 
 # Per-token tensors of a rollout batch ([N, L-1]); a dummy bin has them zero
 PER_TOKEN_LOSS_KEYS = ("mask", "advantages")
+# The keys a packed micro batch sets itself (a batch tensor of the same name is not copied in)
+MB_KEYS = ("tokens", "position_ids", "labels", "cu_seqlens", "max_seqlen", "unpack_index", "unpack_valid", "rows",
+           "num_real", "cp_restore")
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,28 @@ def plan_bins(shard_lengths: Sequence[Sequence[int]], rank: int, budget: int, al
     bin to the longest (pipeline schedules send tensors of one shape between stages);
     ``count_multiple`` rounds the number of bins up (the interleaved pipeline schedule runs micro
     batches in groups of PP).
+
+    A plan depends only on these arguments (``seed`` only for ``first_fit_shuffle``), so the last
+    few are kept: a step's logprob passes (the policy's and the reference's) and, with one optimizer
+    step and equal budgets, its train pass pack the batch once.
     """
+    shards = tuple(tuple(int(n) for n in lengths) for lengths in shard_lengths)
+    if bin_packing.ALGORITHMS.get(algorithm) is not bin_packing.first_fit_shuffle:
+        seed = 0  # the other algorithms are deterministic: one plan for every seed
+    return list(_plan_bins(shards, int(rank), int(budget), algorithm, pad, int(seed), bool(common_length),
+                           int(count_multiple), budget_key))
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_bins(shard_lengths: tuple[tuple[int, ...], ...], rank: int, budget: int, algorithm: str, pad: PadMultiples,
+               seed: int, common_length: bool, count_multiple: int, budget_key: str) -> tuple[PackedBin, ...]:
     planned = []
     for lengths in shard_lengths:
-        padded = [round_up(n, pad.sequence) for n in lengths]
+        padded = [round_up(n, pad.sequence) for n in lengths] if pad.sequence > 1 else list(lengths)
         planned.append(bin_packing.pack(padded, budget, algorithm, seed=seed, budget_key=budget_key))
     count = round_up(max((len(b) for b in planned), default=0), count_multiple)
     mine = bin_packing.split_to(planned[rank], count)
-    lengths = list(shard_lengths[rank])
+    lengths = shard_lengths[rank]
     fillers = count - len(mine)
     total = None
     if common_length:
@@ -117,43 +135,68 @@ def plan_bins(shard_lengths: Sequence[Sequence[int]], rank: int, budget: int, al
     if fillers:
         filler = layout_bin([0], [lengths[0]], pad, total, filler=True)
         out.extend([filler] * fillers)
-    return out
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- the packed row
 
 
-def _cat_ranges(starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    parts = [torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, sizes) if n > 0]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+def concat_ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, sizes)])`` without a Python loop (int64).
+
+    A running sum of steps of 1 that jumps to each range's start where it begins (no
+    ``repeat_interleave``, whose CPU kernel starts a thread pool that a forked process inherits locked)."""
+    starts, sizes = starts.to(torch.int64), sizes.to(torch.int64)
+    if bool((sizes <= 0).any()):
+        keep = sizes > 0
+        starts, sizes = starts[keep], sizes[keep]
+    if sizes.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    steps = torch.ones(int(sizes.sum()), dtype=torch.int64)
+    begin = torch.cumsum(sizes, 0) - sizes  # where each range starts in the output
+    steps[begin[1:]] = starts[1:] - (starts[:-1] + sizes[:-1] - 1)
+    steps[0] = starts[0]
+    return torch.cumsum(steps, 0)
+
+
+def _pack_rows(tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+               sizes: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Sequences ``rows`` of ``tokens`` (``lengths`` real tokens each) laid out at ``starts`` of one row of
+    ``sizes.sum()`` positions, sequence ``k`` owning ``sizes[k]`` of them: ``tokens``, ``positions``, ``labels``."""
+    total = int(sizes.sum())
+    width = tokens.shape[1]
+    flat = tokens.reshape(-1)
+    # every real token once: sequence k's token t goes to packed position starts[k] + t
+    out_tokens = torch.full((total,), int(pad_id), dtype=torch.int64)
+    out_tokens[concat_ranges(starts, lengths)] = flat[concat_ranges(rows * width, lengths)].to(torch.int64)
+    # labels: the next token of the same sequence (tokens 1 .. n-1 of each, at positions 0 .. n-2)
+    labels = torch.zeros(total, dtype=torch.int64)
+    shorter = (lengths - 1).clamp(min=0)
+    labels[concat_ranges(starts, shorter)] = flat[concat_ranges(rows * width + 1, shorter)].to(torch.int64)
+    # positions restart at every (padded) sequence boundary; the boundaries cover the whole row
+    positions = concat_ranges(torch.zeros_like(sizes), sizes)
+    return {"tokens": out_tokens, "positions": positions, "labels": labels}
+
+
+def _unpack_index(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    j = torch.arange(width, dtype=torch.int64).unsqueeze(0)
+    valid = j < (lengths.unsqueeze(1) - 1)
+    return (starts.unsqueeze(1) + j) * valid, valid
 
 
 def pack_tokens(tokens: torch.Tensor, b: PackedBin, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """``tokens`` ``[N, L]`` (right padded) → the bin's packed ``tokens``, ``positions`` and ``labels``, each
     ``[T]`` (see the module docstring)."""
-    T = b.total
-    out_tokens = torch.full((T,), int(pad_id), dtype=torch.int64)
-    labels = torch.zeros(T, dtype=torch.int64)
-    positions = torch.empty(T, dtype=torch.int64)
-    for k, (row, n) in enumerate(zip(b.rows, b.lengths)):
-        a, e = b.cu_seqlens[k], b.cu_seqlens[k + 1]
-        seq = tokens[row, :n]
-        out_tokens[a : a + n] = seq
-        labels[a : a + n - 1] = seq[1:]
-        positions[a:e] = torch.arange(e - a)
-    return {"tokens": out_tokens, "positions": positions, "labels": labels}
+    cu = torch.tensor(b.cu_seqlens, dtype=torch.int64)
+    return _pack_rows(tokens, torch.tensor(b.rows, dtype=torch.int64), torch.tensor(b.lengths, dtype=torch.int64),
+                      cu[:-1], cu[1:] - cu[:-1], pad_id)
 
 
 def unpack_index(b: PackedBin, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, valid)``, each ``[len(rows), width]``: ``index[k, j]`` is the packed position whose logits
     predict ``tokens[rows[k], j+1]`` (``a_k + j``), valid for ``j < n_k - 1``; elsewhere 0 and invalid."""
-    k = len(b.rows)
-    j = torch.arange(width, dtype=torch.int64).expand(k, width)
-    starts = torch.tensor(b.cu_seqlens[:-1], dtype=torch.int64).unsqueeze(1)
-    lens = torch.tensor(b.lengths, dtype=torch.int64).unsqueeze(1)
-    valid = j < (lens - 1)
-    index = torch.where(valid, starts + j, torch.zeros_like(j))
-    return index, valid
+    return _unpack_index(torch.tensor(b.cu_seqlens[:-1], dtype=torch.int64),
+                         torch.tensor(b.lengths, dtype=torch.int64), width)
 
 
 def unpack(packed: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -173,25 +216,26 @@ def pack_per_token(values: torch.Tensor, b: PackedBin) -> torch.Tensor:
 # --------------------------------------------------------------------------- context parallelism
 
 
-def cp_partition_indices(cu_seqlens: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
+def cp_partition_indices(cu_seqlens: Sequence[int] | torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Packed positions CP rank ``cp_rank`` holds, in its local order: chunks ``r`` and ``2·CP−1−r`` of each
     sequence cut into ``2·CP`` equal chunks (every padded sequence length must divide by ``2·CP``)."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1)
     if cp_size == 1:
-        return torch.arange(int(cu_seqlens[-1]), dtype=torch.int64)
+        return torch.arange(int(cu[-1]), dtype=torch.int64)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside a context-parallel group of {cp_size}")
-    starts, sizes = [], []
-    for a, e in zip(cu_seqlens, cu_seqlens[1:]):
-        n = int(e) - int(a)
-        if n % (2 * cp_size):
-            raise ValueError(f"a packed sequence of {n} tokens does not split into 2 × CP = {2 * cp_size} chunks")
-        c = n // (2 * cp_size)
-        starts += [int(a) + cp_rank * c, int(a) + (2 * cp_size - 1 - cp_rank) * c]
-        sizes += [c, c]
-    return _cat_ranges(starts, sizes)
+    sizes = cu[1:] - cu[:-1]
+    uneven = sizes % (2 * cp_size) != 0
+    if bool(uneven.any()):
+        n = int(sizes[uneven][0])
+        raise ValueError(f"a packed sequence of {n} tokens does not split into 2 × CP = {2 * cp_size} chunks")
+    c = sizes // (2 * cp_size)
+    # per sequence: chunk r, then chunk 2·CP−1−r
+    starts = torch.stack([cu[:-1] + cp_rank * c, cu[:-1] + (2 * cp_size - 1 - cp_rank) * c], dim=1).reshape(-1)
+    return concat_ranges(starts, torch.stack([c, c], dim=1).reshape(-1))
 
 
-def cp_restore_index(cu_seqlens: Sequence[int], cp_size: int) -> torch.Tensor:
+def cp_restore_index(cu_seqlens: Sequence[int] | torch.Tensor, cp_size: int) -> torch.Tensor:
     """Index into the ranks' local rows concatenated in rank order (``[CP × T/CP]``) that gives the packed
     order ``[T]``: ``packed = gathered[cp_restore_index(...)]``."""
     order = torch.cat([cp_partition_indices(cu_seqlens, cp_size, r) for r in range(cp_size)])
@@ -240,32 +284,62 @@ def packed_microbatch(batch: dict[str, Any], b: PackedBin, *, cp_size: int = 1, 
     and the bin's rows of every per-row tensor of ``batch`` (``[k, ...]``), with ``mask`` and
     ``advantages`` zero in a filler bin; ``rows`` and ``num_real`` (0 for a filler).
     """
+    return packed_microbatches(batch, [b], cp_size=cp_size, cp_rank=cp_rank, pad_id=pad_id)[0]
+
+
+def packed_microbatches(batch: dict[str, Any], bins: Sequence[PackedBin], *, cp_size: int = 1, cp_rank: int = 0,
+                        pad_id: int = 0) -> list[dict[str, Any]]:
+    """:func:`packed_microbatch` of every bin of a pass, built together: the bins' rows are laid end to end
+    and each tensor is gathered once for all of them, then split per bin (views), so the host work grows
+    with the tokens, not with the number of bins or sequences."""
+    if not bins:
+        return []
     tokens = batch["tokens"]
-    packed = pack_tokens(tokens, b, pad_id)
-    local = cp_partition_indices(b.cu_seqlens, cp_size, cp_rank)
-    index, valid = unpack_index(b, tokens.shape[1] - 1)
-    mb: dict[str, Any] = {
-        "tokens": packed["tokens"][local].unsqueeze(0),
-        "position_ids": packed["positions"][local].unsqueeze(0),
-        "labels": packed["labels"][local].unsqueeze(0),
-        "cu_seqlens": torch.tensor(b.cu_seqlens, dtype=torch.int32),
-        "max_seqlen": b.max_seqlen,
-        "unpack_index": index,
-        "unpack_valid": valid,
-        "rows": torch.tensor(b.rows, dtype=torch.int64),
-        "num_real": 0 if b.filler else len(b.rows),
-    }
+    counts = [len(b.rows) for b in bins]
+    totals = [b.total for b in bins]
+    rows = torch.tensor([r for b in bins for r in b.rows], dtype=torch.int64)
+    lengths = torch.tensor([n for b in bins for n in b.lengths], dtype=torch.int64)
+    starts = torch.tensor([a for b in bins for a in b.cu_seqlens[:-1]], dtype=torch.int64)  # within each bin
+    sizes = torch.tensor([e - a for b in bins for a, e in zip(b.cu_seqlens, b.cu_seqlens[1:])], dtype=torch.int64)
+    offsets, offset = [], 0  # where each sequence's bin starts in the bins' rows laid end to end
+    for count, total in zip(counts, totals):
+        offsets += [offset] * count
+        offset += total
+    packed = _pack_rows(tokens, rows, lengths, starts + torch.tensor(offsets, dtype=torch.int64), sizes, pad_id)
     if cp_size > 1:
-        mb["cp_restore"] = cp_restore_index(b.cu_seqlens, cp_size)
-    rows = list(b.rows)
-    for key, value in batch.items():
-        if key in mb or not isinstance(value, torch.Tensor) or key == "tokens":
-            continue
-        part = value[rows]
-        if b.filler and key in PER_TOKEN_LOSS_KEYS:
-            part = torch.zeros_like(part)
-        mb[key] = part
-    return mb
+        # each sequence's chunks, in sequence order: the same as every bin's share, one bin after another
+        local = cp_partition_indices(torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]),
+                                     cp_size, cp_rank)
+        packed = {k: v[local] for k, v in packed.items()}
+    shares = [t // cp_size for t in totals]
+    parts = {k: torch.split(v, shares) for k, v in packed.items()}
+    index, valid = _unpack_index(starts, lengths, tokens.shape[1] - 1)
+    per_bin = {"unpack_index": torch.split(index, counts), "unpack_valid": torch.split(valid, counts),
+               "rows": torch.split(rows, counts)}
+    own = MB_KEYS if cp_size > 1 else MB_KEYS[:-1]
+    row_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "tokens" and k not in own]
+    for key in row_keys:
+        per_bin[key] = torch.split(batch[key].index_select(0, rows), counts)
+    out = []
+    for i, b in enumerate(bins):
+        mb: dict[str, Any] = {
+            "tokens": parts["tokens"][i].unsqueeze(0),
+            "position_ids": parts["positions"][i].unsqueeze(0),
+            "labels": parts["labels"][i].unsqueeze(0),
+            "cu_seqlens": torch.tensor(b.cu_seqlens, dtype=torch.int32),
+            "max_seqlen": b.max_seqlen,
+            "unpack_index": per_bin["unpack_index"][i],
+            "unpack_valid": per_bin["unpack_valid"][i],
+            "rows": per_bin["rows"][i],
+            "num_real": 0 if b.filler else len(b.rows),
+        }
+        if cp_size > 1:
+            mb["cp_restore"] = cp_restore_index(b.cu_seqlens, cp_size)
+        for key in row_keys:
+            part = per_bin[key][i]
+            mb[key] = torch.zeros_like(part) if b.filler and key in PER_TOKEN_LOSS_KEYS else part
+        out.append(mb)
+    return out
 
 
 def sequence_lengths(batch: dict[str, Any]) -> list[int]:
@@ -276,6 +350,6 @@ def sequence_lengths(batch: dict[str, Any]) -> list[int]:
     return [int(n) for n in batch["lengths"].tolist()]
 
 
-__all__ = ["PackedBin", "cp_partition_indices", "cp_restore_index", "gather_context_parallel", "layout_bin",
-           "pack_per_token", "pack_tokens", "packed_microbatch", "plan_bins", "sequence_lengths", "unpack",
-           "unpack_index"]
+__all__ = ["PackedBin", "concat_ranges", "cp_partition_indices", "cp_restore_index", "gather_context_parallel",
+           "layout_bin", "pack_per_token", "pack_tokens", "packed_microbatch", "packed_microbatches", "plan_bins",
+           "sequence_lengths", "unpack", "unpack_index"]
