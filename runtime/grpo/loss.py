@@ -232,27 +232,37 @@ def gen_kl(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch
     distribution: the same temperature scaling on both sides (vLLM returns raw-logit logprobs unless
     told otherwise). Returns 0.0 for an empty mask.
     """
+    d = _generated_difference(gen_logprobs, train_logprobs, mask)
+    return _k3_mean(d) if d.numel() else 0.0
+
+
+def _generated_difference(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log p_train - log p_gen`` in float64 at the generated tokens (``mask > 0``), 1-D: only those
+    positions are read (the padding may hold anything, NaN included, and is most of a long batch)."""
     if gen_logprobs.shape != train_logprobs.shape or gen_logprobs.shape != mask.shape:
         raise ValueError(
             f"gen_kl: gen_logprobs {tuple(gen_logprobs.shape)}, train_logprobs {tuple(train_logprobs.shape)} "
             f"and mask {tuple(mask.shape)} must have the same shape"
         )
-    keep = mask > 0
-    n = keep.sum()
-    if n.item() == 0:
-        return 0.0
-    d = train_logprobs.detach().to(torch.float64) - gen_logprobs.detach().to(torch.float64)
-    d = torch.where(keep, d, torch.zeros_like(d))  # padding may hold anything, NaN included
+    where = (mask > 0).reshape(-1).nonzero().squeeze(1)  # row-major, as boolean indexing reads them
+
+    def at(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().reshape(-1).index_select(0, where).to(torch.float64)
+
+    return at(train_logprobs) - at(gen_logprobs)
+
+
+def _k3_mean(d: torch.Tensor) -> float:
     k3 = torch.exp(d.clamp(max=50.0)) - d - 1.0
-    return (k3.sum() / n).item()
+    return (k3.sum() / d.numel()).item()
 
 
 def gen_kl_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """``gen_kl`` plus the mean and max absolute logprob difference on the masked tokens."""
-    m = mask.to(torch.bool)
-    diff = (train_logprobs.detach().double() - gen_logprobs.detach().double()).abs()[m]
+    d = _generated_difference(gen_logprobs, train_logprobs, mask)
+    diff = d.abs()
     return {
-        "gen_kl": gen_kl(gen_logprobs, train_logprobs, mask),
+        "gen_kl": _k3_mean(d) if d.numel() else 0.0,
         "gen_logprob_abs_diff_mean": diff.mean().item() if diff.numel() else 0.0,
         "gen_logprob_abs_diff_max": diff.max().item() if diff.numel() else 0.0,
     }
