@@ -1,5 +1,6 @@
 """Megatron settings from ``runtime.yaml`` that the policy worker applies to the Bridge's model provider
-and optimizer config: FP8, the MoE dispatcher, routing replay, and the ``training.megatron_kwargs`` pass-through.
+and optimizer config: FP8, the MoE dispatcher, routing replay, fused RoPE for sequence packing, and the
+``training.megatron_kwargs`` pass-through.
 
 FP8 training (megatron-core 0.19 ``TransformerConfig``): ``fp8`` is the format (``e4m3`` / ``hybrid``),
 ``fp8_recipe`` the scaling recipe (``tensorwise``, ``delayed``, ``blockwise``, ``mxfp8``; Transformer Engine's
@@ -43,6 +44,27 @@ def typed_provider_settings(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def packed_rope_fusion(provider: Any, cfg: Any) -> bool:
+    """Whether to turn on Transformer Engine's fused RoPE (``apply_rope_fusion``) for sequence packing.
+
+    Unfused, megatron-core 0.19 applies RoPE to a packed (``thd``) row one sequence at a time: about a dozen small
+    kernels per sequence, in every attention layer, for the queries and the keys, and again backward, so a micro
+    batch of many short sequences spends its time launching them. The fused kernel takes the whole row at once (and
+    computes in fp32); NeMo-RL's Megatron configurations turn it on too. It is left alone when the recipe sets
+    ``training.megatron_kwargs.apply_rope_fusion`` (that value is applied), and for models whose RoPE the fused
+    packed kernel does not cover: other position embeddings, YaRN scaling, multi-latent attention, multimodal
+    RoPE sections.
+    """
+    if not cfg.training.sequence_packing.enabled or "apply_rope_fusion" in cfg.training.megatron_kwargs:
+        return False
+    if getattr(provider, "apply_rope_fusion", False) or getattr(provider, "position_embedding_type", None) != "rope":
+        return False
+    # the fused thd kernel takes no YaRN concentration factor; MLA and multimodal sections have RoPE paths of their own
+    return (getattr(provider, "yarn_rotary_scaling_factor", None) is None
+            and not getattr(provider, "multi_latent_attention", False)
+            and getattr(provider, "mrope_section", None) is None)
+
+
 def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
     """Set the typed settings, then ``training.megatron_kwargs`` unchanged; returns what was set.
 
@@ -50,6 +72,8 @@ def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
     otherwise become a silently ignored attribute), raises ``ValueError`` naming the key.
     """
     applied = typed_provider_settings(cfg)
+    if packed_rope_fusion(provider, cfg):
+        applied["apply_rope_fusion"] = True
     for key, value in applied.items():
         setattr(provider, key, value)
     for key, value in cfg.training.megatron_kwargs.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [ref_offload] [r3] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit_moe] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo_block] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_train] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [packed_rope] [ref_offload] [r3] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit_moe] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo_block] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_train] ...
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -98,6 +98,8 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     packing_smoke)  # the tiny GRPO smoke run with training.sequence_packing on: driver, gen-KL check and refit over packed passes
       run_stage packing_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-packing-smoke \
         --out "$OUT/packing_smoke" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.sequence_packing.enabled=true ;;
+    packed_rope)  # RoPE on packed rows: megatron-core's unfused per-sequence loop vs the fused kernel (time, error vs fp32)
+      run_stage packed_rope 300 python3 "$REPO"/tests/gpu/test_packed_rope.py --out "$OUT/packed_rope" ;;
     mcore_shared)  # generation.backend megatron, shared mode: the dense toy task learns (docs/generation-backends.md)
       run_stage mcore_shared 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case shared --root /tmp/rlc-mcore-shared \
         --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
