@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR [env] [refit] [bench] [refit_scale] [grpo] [grpo_smoke] [grad_bf16] [param_offload] [specdec] [host_copy] [moe1] [packing] [packing_cp2] [packing_smoke] [packed_rope] [ref_offload] [r3] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_refit_moe] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_grpo_block] [mcore_shared] [mcore_moe] [mcore_dedicated] [mcore_vs_vllm] [fp8_train] ...
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
