@@ -334,7 +334,7 @@ class GpuSession:
         cfg_dict = runtime_cfg_dict(first, model_dir, self.a, self.root)
         env = self.env(cfg_dict)
         if not ray.is_initialized():
-            ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+            ray.init(address="local", runtime_env={"env_vars": env}, include_dashboard=False)
         pg = placement_group([{"GPU": 1.0, "CPU": 4.0}] * first.gpus, strategy="PACK")
         ray.get(pg.ready(), timeout=300)
         gen = None

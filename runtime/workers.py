@@ -262,7 +262,9 @@ def connect(ray_cfg: Any, env: dict[str, str]) -> str:
         if by_hand:
             print("[rlc] RAY_ADDRESS is not set (not inside an rlc sbatch job): starting a local Ray cluster",
                   flush=True)
-        ray.init(namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
+        # address="local": always a new cluster. With no address Ray joins the cluster named in
+        # /tmp/ray/ray_current_cluster, which a killed earlier run leaves behind, and retries it forever.
+        ray.init(address="local", namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=True)
     else:
         from ray.exceptions import AuthenticationError  # noqa: PLC0415

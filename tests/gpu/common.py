@@ -115,7 +115,7 @@ def lone_vllm_worker(cfg: dict, name: str, pythonpath: str) -> Iterator[Any]:
 
     env = worker_env(runtime_config_from_dict(cfg))
     env["PYTHONPATH"] = pythonpath
-    ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
+    ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
     try:
         pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
         ray.get(pg.ready(), timeout=300)

@@ -36,6 +36,9 @@ run_stage() {  # name timeout cmd...
   local rc=${PIPESTATUS[0]}
   log "stage $name: rc=$rc in $((SECONDS - t0)) s"
   echo "$name rc=$rc s=$((SECONDS - t0))" >>"$OUT/stages.txt"
+  # each stage stands alone: no Ray processes (holding GPU memory) or cluster address left for the next one
+  python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+  rm -f /tmp/ray/ray_current_cluster
 }
 for stage in "$@"; do
   case $stage in

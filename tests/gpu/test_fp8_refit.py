@@ -218,7 +218,7 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     env = worker_env(runtime_config_from_dict(cfgs["bf16"]))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(BENCH), env.get("PYTHONPATH", "")) if p)
-    ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
+    ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
     pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
     trainer = None
     try:

@@ -192,7 +192,7 @@ def train_step(model_id: str, recipe: str, root: Path) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(BENCH), env.get("PYTHONPATH", "")) if p)
         got: dict[str, Any] = {"plan": plan, "training_fp8": cfg_dict["training"]["fp8"]}
         out[mode] = got
-        ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
+        ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
         pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
         actor = None
         try:

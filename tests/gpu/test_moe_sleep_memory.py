@@ -143,7 +143,7 @@ def run(root: str, out: str | None) -> dict:
         cfg_dict = compile_runtime_config(root_p)
         env = worker_env(runtime_config_from_dict(cfg_dict))
         env["PYTHONPATH"] = _env(REPO)["PYTHONPATH"]
-        ray.init(num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
+        ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
         pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
         ray.get(pg.ready(), timeout=300)
         try:

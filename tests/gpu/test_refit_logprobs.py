@@ -127,7 +127,7 @@ def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
     cfg = runtime_config_from_dict(cfg_dict)
     env = worker_env(cfg)
     if not ray.is_initialized():
-        ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+        ray.init(address="local", runtime_env={"env_vars": env}, include_dashboard=False)
     pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
     ray.get(pg.ready())
     gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name="t3-gen", args=(cfg_dict, 0, [0]))

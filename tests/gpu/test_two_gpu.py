@@ -36,7 +36,7 @@ def _ray_start(env: dict, gpus: int = 2):
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
     if not ray.is_initialized():
-        ray.init(runtime_env={"env_vars": env}, include_dashboard=False)
+        ray.init(address="local", runtime_env={"env_vars": env}, include_dashboard=False)
     if __name__ != "__main__":
         import ray.cloudpickle  # noqa: PLC0415
 
