@@ -327,8 +327,9 @@ PATTERNS: tuple[Pattern, ...] = (
         "mcore-flash-attention", None, "megatron-core's inference engine found no FlashAttention it accepts",
         _rx(r"flash attn verion v2\.7\.3 and above is required for dynamic batching|megatron-core's dynamic "
             r"inference engine needs FlashAttention"), x.nothing,
-        "install flash-attn >= 2.7.3, FlashAttention-3 (flash_attn_3) or flash-attn-4 in the container image, or "
-        "generation.backend: vllm",
+        "install flash-attn >= 2.7.3, FlashAttention-3 (flash_attn_3) or flash-attn-4 in the container image (next to "
+        "vLLM 0.22 on Hopper: tokenspeed-fa3 with flash_attn_interface.py copied into flash_attn_3/; flash-attn-4 "
+        "breaks vLLM 0.22's rotary embedding, vLLM #42675), or generation.backend: vllm",
         ("megatron-core 0.19 transformer/attention.py (dynamic batching asserts a paged-KV FlashAttention)",),
         hints=("flash attn verion", "needs flashattention")),
     Pattern(

@@ -56,7 +56,30 @@ FLASH_ATTENTION_MISSING = (
     "(flash-attn >= 2.7.3, FlashAttention-3 as flash_attn_3, or flash-attn-4 >= 4.0.0b20; megatron-core asserts "
     "'flash attn verion v2.7.3 and above is required for dynamic batching' at the first forward), and none "
     "imports in this container (vLLM's own vllm_flash_attn is not one of them); install one in the container "
-    "image, or generate with generation.backend: vllm")
+    "image (on Hopper next to vLLM 0.22: FlashAttention-3, e.g. tokenspeed-fa3 3.0.0.post20260810, with its "
+    "flash_attn_interface.py also in the flash_attn_3 package; flash-attn-4 breaks vLLM 0.22's rotary embedding, "
+    "vLLM #42675), or generate with generation.backend: vllm")
+
+FA3_LAYOUT_HINT = (
+    "FlashAttention-3 is installed, but its interface is the top-level module flash_attn_interface ({src}) and "
+    "megatron-core 0.19 imports flash_attn_3.flash_attn_interface: copy that file into {dst}")
+
+
+def fa3_layout_hint() -> str | None:
+    """The fix when a FlashAttention-3 wheel's interface module is not where megatron-core imports it, else None
+    (finds modules without importing them: no CUDA needed)."""
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        top = importlib.util.find_spec("flash_attn_interface")
+        pkg = importlib.util.find_spec("flash_attn_3")
+        if top is None or pkg is None or not pkg.submodule_search_locations:
+            return None
+        if importlib.util.find_spec("flash_attn_3.flash_attn_interface") is not None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    return FA3_LAYOUT_HINT.format(src=top.origin, dst=next(iter(pkg.submodule_search_locations)))
 
 
 def flash_attention() -> str | None:
@@ -81,7 +104,8 @@ def require_flash_attention() -> str:
     """The FlashAttention in use, or a clear error before any model is built (not an assert mid-rollout)."""
     found = flash_attention()
     if found is None:
-        raise RuntimeError(FLASH_ATTENTION_MISSING)
+        hint = fa3_layout_hint()
+        raise RuntimeError(hint if hint else FLASH_ATTENTION_MISSING)
     return found
 
 
@@ -291,6 +315,6 @@ def verify_swap(train_chunk: Any, inference_model: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["FLASH_ATTENTION_MISSING", "FreedWeights", "build_engine", "flash_attention", "require_flash_attention", "build_inference_model", "clear_rotary_cache", "free_weights", "generate",
+__all__ = ["FA3_LAYOUT_HINT", "FLASH_ATTENTION_MISSING", "FreedWeights", "build_engine", "fa3_layout_hint", "flash_attention", "require_flash_attention", "build_inference_model", "clear_rotary_cache", "free_weights", "generate",
            "keep_router_bias_fp32", "pool_facts", "prepare_swap", "refit_tensors", "restore_weights", "swap",
            "unwrap", "verify_swap"]
