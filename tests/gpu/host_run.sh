@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
+#   Stage the stack with one: `bash tests/gpu/stage_with_flash_attn.sh OUT` (shared/gpu-host/stage.sh with
+#   EXTRA_REQS="tokenspeed-fa3==3.0.0.post20260810": FlashAttention-3 for sm_90), and run flash_attn_probe first:
+#   megatron-core's own detection and its paged-KV prefill and decode calls against a torch reference, in about a
+#   minute, so that an mcore_* failure after it is not a packaging one. A machine whose /tmp/site was unpacked
+#   from parts staged without it keeps lacking it: rm -rf /tmp/site to unpack the new parts.
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
@@ -28,6 +33,13 @@ REPO=$PWD
 export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 export RAY_DEDUP_LOGS=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 log() { echo "[host_run $(date +%T)] $*" | tee -a "$OUT/log"; }
+# FlashAttention-3 wheels (tokenspeed-fa3) install their interface as the top-level module flash_attn_interface;
+# megatron-core 0.19 imports flash_attn_3.flash_attn_interface: put a copy there (Transformer Engine's FA3 install
+# steps did the same)
+if [[ -f /tmp/site/flash_attn_interface.py && -f /tmp/site/flash_attn_3/_C.abi3.so \
+      && ! -f /tmp/site/flash_attn_3/flash_attn_interface.py ]]; then
+  cp /tmp/site/flash_attn_interface.py /tmp/site/flash_attn_3/ && log "FlashAttention-3: flash_attn_interface.py copied into /tmp/site/flash_attn_3/"
+fi
 run_stage() {  # name timeout cmd...
   local name=$1 t=$2; shift 2
   log "stage $name: $*"
@@ -48,6 +60,8 @@ print(\"torch\", torch.__version__, torch.cuda.device_count(), torch.cuda.get_de
 for d in (\"vllm\",\"ray\",\"megatron-core\",\"megatron-bridge\",\"transformer-engine\",\"transformers\"): print(d, m.version(d))
 import vllm, ray, megatron.core, megatron.bridge, transformer_engine.pytorch; print(\"imports ok\")
 import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
+    flash_attn_probe)  # the FlashAttention megatron-core's dynamic batching calls: detection, a paged-KV prefill and decode
+      run_stage flash_attn_probe 300 python3 "$REPO"/tests/gpu/test_flash_attn_probe.py --out "$OUT/flash_attn_probe" ;;
     refit) run_stage refit 240 python3 "$REPO"/tests/gpu/test_refit_logprobs.py --out "$OUT" ;;
     bench) run_stage bench 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 ;;
     refit_scale)
