@@ -4,7 +4,7 @@
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
-#   Stage the stack with one: `bash tests/gpu/stage_with_flash_attn.sh OUT` (shared/gpu-host/stage.sh with
+#   Stage the stack with one: `bash tests/gpu/stage_gpu_host.sh OUT` (shared/gpu-host/stage.sh with
 #   EXTRA_REQS="tokenspeed-fa3==3.0.0.post20260810": FlashAttention-3 for sm_90), and run flash_attn_probe first:
 #   megatron-core's own detection and its paged-KV prefill and decode calls against a torch reference, in about a
 #   minute, so that an mcore_* failure after it is not a packaging one. A machine whose /tmp/site was unpacked

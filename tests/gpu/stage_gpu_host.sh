@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Pack the GPU-host stack (../shared/gpu-host/stage.sh: vLLM 0.22.0, Ray, Megatron-core 0.19.2, Megatron-Bridge,
-# Transformer Engine) plus the FlashAttention that megatron-core's dynamic inference engine needs on Hopper
-# (generation.backend: megatron), from the repo root:
+# Transformer Engine) plus what two of rlc's features need beyond it, from the repo root:
+#  - humming-kernels, which vLLM 0.22.0's quantization registry imports for every quantized model
+#    (generation.precision: fp8 stops at "No module named 'humming'" without it; stage.sh skips it by default);
+#  - the FlashAttention that megatron-core's dynamic inference engine needs on Hopper (generation.backend: megatron).
 #
-#   bash tests/gpu/stage_with_flash_attn.sh OUT       # OUT/part00 ... as stage.sh makes them
+#   bash tests/gpu/stage_gpu_host.sh OUT       # OUT/part00 ... as stage.sh makes them
 #
 # The FlashAttention is FlashAttention-3 as the `tokenspeed-fa3` wheel builds it: forward kernels for sm_90a
 # (paged KV, varlen, split-KV), CUDA 13.0, linked against torch's stable C ABI only (no libtorch C++ symbols), so
@@ -22,4 +24,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 STAGE_SH=${STAGE_SH:-$HERE/../../../shared/gpu-host/stage.sh}
 [[ -f $STAGE_SH ]] || { echo "stage.sh not found at $STAGE_SH (set STAGE_SH)" >&2; exit 2; }
 export EXTRA_REQS="${EXTRA_REQS:-} tokenspeed-fa3==3.0.0.post20260810"
-exec bash "$STAGE_SH" "${1:?usage: stage_with_flash_attn.sh OUT}"
+# stage.sh's own default skip list, less humming-kernels (vLLM pins its version)
+if [[ -z ${SKIP:-} ]]; then
+  SKIP=$(sed -n 's/^SKIP=\${SKIP:-"\(.*\)"}$/\1/p' "$STAGE_SH" | tr ' ' '\n' | grep -vx humming-kernels | tr '\n' ' ')
+  [[ -n $SKIP ]] || { echo "could not read the default SKIP list from $STAGE_SH" >&2; exit 2; }
+  export SKIP
+fi
+exec bash "$STAGE_SH" "${1:?usage: stage_gpu_host.sh OUT}"
