@@ -8,11 +8,15 @@ check every ``--verify-every`` refits. Passes when the 10-step mean reward reach
 refits, gen-KL stays under the goal (speculative decoding must not change the sampled distribution) and the
 verified refits are bit exact. Uses the two-GPU proofs' workspace and verdicts (``test_moe_two_gpu.py``).
 
-    python tests/gpu/test_moe_one_gpu.py [--steps 200] [--root /tmp/rlc-moe1] [--out DIR]   # one GPU
+    python tests/gpu/test_moe_one_gpu.py [--steps 200] [--root /tmp/rlc-moe1] [--out DIR] [--set KEY=VALUE ...]
+
+``--set`` (or ``MOE1_SETS="k=v k=v"`` in the environment, e.g. for ``host_run.sh STAGE moe1``) compiles the same
+check with more overrides, e.g. ``training.router_replay.enabled=true`` or ``loss.kl_penalty=0.01``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -29,16 +33,18 @@ ONE_GPU = ("cluster.gpus_per_node=1", "parallelism.train.ep=1", "parallelism.gen
            "refit.sleep_level=1", "training.mtp_loss_scale=0")
 
 
-def run(root: str, out: str | None, steps: int, verify_every: int) -> dict:
+def run(root: str, out: str | None, steps: int, verify_every: int, extra: tuple[str, ...] = ()) -> dict:
+    """``extra``: more ``--set KEY=VALUE`` for ``rlc compile`` (e.g. another feature switched on for the same check)."""
     from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
     clock, lab = Timer(), moe.Lab(root, gpus=1)
+    sets = (*ONE_GPU, f"grpo.max_steps={steps}", *extra)
     res: dict = {"check": "tiny DeepSeek-V3 MoE GRPO on one GPU with MTP speculative decoding",
-                 "command": "python tests/gpu/test_moe_one_gpu.py", "recipe": RECIPE,
-                 "sets": [*ONE_GPU, f"grpo.max_steps={steps}"]}
+                 "command": "python tests/gpu/test_moe_one_gpu.py" + "".join(f" --set {s}" for s in extra),
+                 "recipe": RECIPE, "sets": list(sets)}
     try:
         lab.workspace()
-        bundle = lab.compile(RECIPE, "learn_1gpu_mtp", (*ONE_GPU, f"grpo.max_steps={steps}"))
+        bundle = lab.compile(RECIPE, "learn_1gpu_mtp", sets)
         cfg = load_runtime_config(bundle / "runtime.yaml")
         res["speculative_decoding"] = str(cfg.generation.speculative_decoding)
         got = lab.start_driver(bundle, [f"refit.verify_every={verify_every}"], "driver.log", 560)
@@ -74,7 +80,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--verify-every", type=int, default=25)
+    ap.add_argument("--set", dest="sets", action="append", default=os.environ.get("MOE1_SETS", "").split(),
+                    metavar="KEY=VALUE", help="one more recipe override for rlc compile (repeatable; default: "
+                    "the space-separated MOE1_SETS, which host_run.sh's moe1 stage passes through)")
     a = ap.parse_args()
-    r = run(a.root, a.out, a.steps, a.verify_every)
+    r = run(a.root, a.out, a.steps, a.verify_every, tuple(a.sets))
     print({k: v for k, v in r.items() if k not in ("calibration",)}, flush=True)
     sys.exit(0 if r["passed"] else 1)
