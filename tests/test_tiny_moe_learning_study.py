@@ -94,3 +94,69 @@ def test_bias_update_is_megatrons_sign_rule(moe):
         assert step[0] == pytest.approx(-1e-3, abs=1e-5) and step[4] == pytest.approx(1e-3, abs=1e-5)
         assert step[1] == 0.0  # at the mean load (1 token): sign(0) leaves the bias
     assert all(float(c.sum()) == 0 for c in counter.counts)
+
+
+def _per_group_loop(probs, group_of, skip):
+    """The study's original sampling loop (one multinomial per group, members by ``nonzero``)."""
+    out = torch.full((group_of.numel(),), -1, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(11)
+    for g in torch.unique(group_of).tolist():
+        if g in skip:
+            continue
+        members = (group_of == g).nonzero().squeeze(1)
+        out[members] = torch.multinomial(probs[g], len(members), replacement=True, generator=gen)
+    return out
+
+
+def test_grouped_sampling_draws_what_the_per_group_loop_draws():
+    probs = torch.softmax(torch.randn(9, 23, generator=torch.Generator().manual_seed(0)), -1)
+    group_of = torch.tensor([3, 0, 3, 8, 8, 8, 1, 0, 3, 5, 5, 1, 8, 0])
+    for skip in (set(), {3, 5}):
+        fast = study._sample_groups(probs, group_of, 9, torch.Generator().manual_seed(11), skip=skip)
+        assert torch.equal(fast, _per_group_loop(probs, group_of, skip))
+    assert (fast[group_of == 3] == -1).all() and (fast[group_of == 0] >= 0).all()
+
+
+def test_vllm_hopper_mla_backends_follow_the_pinned_kernels():
+    shipped = study.model_config(study.VARIANTS["moe"])
+    info = study.vllm_hopper_mla(shipped)
+    assert info["decode_head_size"] == 576 and info["prefill_qk_v"] == [192, 128]
+    assert info["decode_backends"] == ["FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA"] and info["servable"]
+    # latent 256 + rope 64 = 320: FA3 MLA decode still takes it, FlashMLA's dense kernel only 576
+    assert study.vllm_hopper_mla({**shipped, "kv_lora_rank": 256})["decode_backends"] == ["FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert study.vllm_hopper_mla({**shipped, "kv_lora_rank": 128})["decode_backends"] == ["TRITON_MLA"]
+    # FA3 prefill, V unpadded on SM90: equal dims, (128, 192] x (96, 128], or q/k <= 64
+    assert study.vllm_hopper_mla({**shipped, "qk_nope_head_dim": 64})["servable"]  # 128 / 128
+    assert not study.vllm_hopper_mla({**shipped, "qk_nope_head_dim": 64, "v_head_dim": 64})["servable"]
+    assert not study.vllm_hopper_mla({**shipped, "v_head_dim": 64})["servable"]  # 192 / 64
+    assert study.vllm_hopper_mla(study.model_config(study.VARIANTS["qwen3_moe"])) is None
+    assert study.vllm_note(study.VARIANTS["moe_fix"]) == "FLASH_ATTN_MLA+FLASHMLA+TRITON_MLA"
+
+
+def test_mla_attention_is_uniform_at_init_and_the_fix_is_not(moe, tmp_path):
+    """The measured init difference the proposed fix targets: the shipped MLA's last-position attention is
+    uniform (entropy ~1 of the maximum), the fix's is as peaked as the dense model's q/k-normed attention."""
+    prompts = torch.tensor([toy.char_ids(f"{a}+{b}=") for a in range(10) for b in range(0, 10, 3)])
+    shipped = study.attention_focus(moe, prompts)
+    assert len(shipped["entropy"]) == 4 and min(shipped["entropy"]) > 0.99
+    assert all(abs(m - 0.4) < 0.03 for m in shipped["operand_mass"])
+    fixed = study.attention_focus(study.build_model(study.VARIANTS["moe_fix"], tmp_path), prompts)
+    assert max(fixed["entropy"]) < 0.95
+    assert moe.config._attn_implementation == "sdpa"  # switched back after the probe
+
+
+def test_parallel_workers_give_the_in_process_result(tmp_path):
+    """--jobs 2 (spawned workers) writes per (variant, seed) what one in-process run computes."""
+    args = ["--variants", "dense", "--seeds", "1,2", "--steps", "2", "--prompts", "4", "--gens", "4"]
+    assert study.main([*args, "--jobs", "2", "--out", str(tmp_path)]) == 0
+    out = __import__("json").loads((tmp_path / "tiny_moe_learning_study.json").read_text())
+    assert out["jobs"] == 2 and out["machine"]["device"] == "cpu" and "--jobs 2" in out["command"]
+    assert sorted(r["seed"] for r in out["runs"]) == [1, 2]
+    job = {"variant": "dense", "seed": 2, "steps": 2, "prompts": 4, "gens": 4, "max_tokens": 2, "device": "cpu",
+           "attn": None, "stop_at": None}
+    here = study.run_job(job)
+    there = next(r for r in out["runs"] if r["seed"] == 2)
+    assert there["reward_curve"] == here["reward_curve"] and there["grad_norm"] == here["grad_norm"]
+    assert there["final_per_prompt"] == here["final_per_prompt"]
+    late = study.run_job({**job, "stop_at": 0.0})
+    assert late["skipped"] and "reward_curve" not in late
