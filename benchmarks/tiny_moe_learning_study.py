@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     out.update({"command": command, "machine": machine(a.device), "jobs": a.jobs, "threads_per_job": threads,
                 "attn_implementation": attn or "sdpa (transformers' default)"})
     print(f"{len(jobs)} runs on {a.device} with {a.jobs} worker(s), {threads} thread(s) each", flush=True)
-    for res in iter_results(jobs, a.jobs, a.device, threads):
+    for res in iter_results(jobs, min(a.jobs, len(jobs)), a.device, threads):
         res["command"] = command
         keep = ("variant", "seed", "mean10_at", "step_10mean_reached_goal", "seconds", "steps_done", "skipped")
         print(json.dumps({k: res[k] for k in keep if k in res}
