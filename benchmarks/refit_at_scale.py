@@ -49,10 +49,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))  # the checkout's rlc/, installed or not
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(REPO))  # the checkout's rlc/ and this folder's package, installed or not
 
-import refit_scale_plan as P  # noqa: E402
+from benchmarks import refit_scale_plan as P  # noqa: E402
 
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
@@ -305,7 +304,7 @@ class GpuSession:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; fail fast instead of waiting
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         env = worker_env(runtime_config_from_dict(cfg_dict))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         return env
 
     def run(self, layouts: list[P.Layout], plans: dict[str, Any]) -> None:

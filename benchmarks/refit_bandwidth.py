@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's r
 
 import torch
 
-from rlc.runtime.refit._harness import refit_config
+from tests.refit.harness import refit_config
 from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
 from rlc.runtime.refit.producer import RefitProducer

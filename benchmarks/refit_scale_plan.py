@@ -1,6 +1,6 @@
 """What ``refit_at_scale.py`` measures and how it judges it (pure Python; torch only inside functions).
 
-Everything here runs without a GPU and is tested on CPU (``tests/test_refit_at_scale.py``):
+Everything here runs without a GPU and is tested on CPU (``tests/benchmarks/test_refit_at_scale.py``):
 
 - ``load_hf_config`` / ``ModelBytes``: parameter bytes of a Qwen3 / Qwen3-MoE shape from its HF config,
   split into expert and non-expert weights (what each trainer rank and vLLM worker holds);

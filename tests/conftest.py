@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from skip_guard import pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401 - pytest hooks
+from tests.skip_guard import pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401 - pytest hooks
 
 
 def pytest_configure(config):

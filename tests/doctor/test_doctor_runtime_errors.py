@@ -79,7 +79,7 @@ def test_worker_failure_report_names_worker_node_and_phase():
 def pool():
     from concurrent.futures import ProcessPoolExecutor
 
-    from rlc.runtime.refit import _harness as H
+    from tests.refit import harness as H
 
     ctx = mp.get_context("spawn")
     ex = ProcessPoolExecutor(max_workers=4, mp_context=ctx, initializer=H.init_worker,
@@ -89,7 +89,7 @@ def pool():
 
 
 def _run(pool, producers, consumers):
-    from rlc.runtime.refit import _harness as H
+    from tests.refit import harness as H
 
     futs_c = [pool.submit(H.consumer_main, c) for c in consumers]
     futs_p = [pool.submit(H.producer_main, p) for p in producers]

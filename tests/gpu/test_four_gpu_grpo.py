@@ -32,9 +32,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-from verdicts import FREE_AT_REFIT_TOLERANCE_GIB, free_at_refit_verdict  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu.verdicts import FREE_AT_REFIT_TOLERANCE_GIB, free_at_refit_verdict
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.common import Timer, dump, gpu_available
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-from common import Timer, dump, gpu_available  # noqa: E402
 
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
 BF16_RESULT = REPO / "docs" / "results" / "tiny-qwen3-h200-grpo" / "learning.json"
@@ -74,7 +74,7 @@ def workspace(root: Path, scales: str) -> dict:
 
 
 def compile_bundle(root: Path, ws: dict, sets: list[str]) -> tuple[Path, list[str]]:
-    from test_four_gpu_grpo import _env  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
     bundle = root / "bundle"
     run = [f"model.checkpoint={ws['checkpoint']}", f"model.tokenizer={ws['checkpoint']}", f"data.train={ws['train']}",
@@ -91,7 +91,7 @@ def compile_bundle(root: Path, ws: dict, sets: list[str]) -> tuple[Path, list[st
 
 
 def run_bundle(bundle: Path, timeout_s: int) -> dict:
-    from test_four_gpu_grpo import _env, read_jsonl, run_driver  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env, read_jsonl, run_driver  # noqa: PLC0415
 
     from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
@@ -136,7 +136,7 @@ def verdict(got: dict, steps: int, verify_every: int, need_learning: bool) -> tu
 
 def run(root: str, out: str | None, scales: str, steps: int, verify_every: int, max_gen_kl: float, tis: bool,
         bf16: bool, timeout_s: int) -> dict:
-    from test_grpo_learning import summarize  # noqa: PLC0415
+    from tests.gpu.test_grpo_learning import summarize  # noqa: PLC0415
 
     clock = Timer()
     rootp = Path(root)

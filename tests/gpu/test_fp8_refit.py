@@ -37,12 +37,10 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.common import Timer, dump, gpu_available
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(BENCH))
-from common import Timer, dump, gpu_available  # noqa: E402
 
 CASES = ("dense-8b", "moe-1gpu")
 #: Prompts for the tokens/s measurement per case (30B-A3B on one GPU keeps a small KV cache in bf16).
@@ -185,8 +183,8 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
-    import refit_at_scale as R  # noqa: PLC0415
-    import refit_scale_plan as P  # noqa: PLC0415
+    from benchmarks import refit_at_scale as R  # noqa: PLC0415
+    from benchmarks import refit_scale_plan as P  # noqa: PLC0415
 
     from rlc.contract.fp8 import block_quantized  # noqa: PLC0415
     from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
@@ -217,7 +215,7 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     env = worker_env(runtime_config_from_dict(cfgs["bf16"]))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(BENCH), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
     pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
     trainer = None

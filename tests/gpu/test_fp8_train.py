@@ -32,12 +32,10 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.common import Timer, dump, gpu_available
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-BENCH = REPO / "benchmarks"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(BENCH))
-from common import Timer, dump, gpu_available  # noqa: E402
 
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
 PLAN_ITEMS = ("Megatron params", "Megatron grads", "optimizer fp32 master", "optimizer Adam moments")
@@ -48,8 +46,8 @@ SEQ, MICRO, GLOBAL = 1024, 4, 8
 
 
 def smoke(root: Path, out: str | None, recipe: str, steps: int, param_gather: bool, timeout_s: int) -> dict:
-    from test_fp8_grpo import compile_bundle, run_bundle, workspace  # noqa: PLC0415
-    from test_grpo_learning import summarize  # noqa: PLC0415
+    from tests.gpu.test_fp8_grpo import compile_bundle, run_bundle, workspace  # noqa: PLC0415
+    from tests.gpu.test_grpo_learning import summarize  # noqa: PLC0415
 
     shutil.rmtree(root, ignore_errors=True)
     ws = workspace(root / "ws", "tensor")
@@ -124,7 +122,7 @@ def _probe_class() -> Any:
             from megatron.core import parallel_state as ps  # noqa: PLC0415
             from transformers import AutoConfig  # noqa: PLC0415
 
-            import refit_at_scale as R  # noqa: PLC0415
+            from benchmarks import refit_at_scale as R  # noqa: PLC0415
 
             from rlc.runtime.policy.megatron_setup import build_policy, init_distributed, init_model_parallel  # noqa: PLC0415
 
@@ -189,7 +187,7 @@ def train_step(model_id: str, recipe: str, root: Path) -> dict:
     for mode in ("fp8", "bf16"):
         cfg_dict, plan = probe_recipe(model_id, str(model_dir), mode == "fp8", recipe, root)
         env = worker_env(runtime_config_from_dict(cfg_dict))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(BENCH), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         got: dict[str, Any] = {"plan": plan, "training_fp8": cfg_dict["training"]["fp8"]}
         out[mode] = got
         ray.init(address="local", num_gpus=1, runtime_env={"env_vars": env}, include_dashboard=False)
@@ -228,7 +226,7 @@ def train_step(model_id: str, recipe: str, root: Path) -> dict:
 def run(out: str | None, recipe: str, steps: int, model: str, param_gather: bool, only: list[str], root: str,
         timeout_s: int) -> dict:
     clock = Timer()
-    from test_fp8_grpo import machine  # noqa: PLC0415
+    from tests.gpu.test_fp8_grpo import machine  # noqa: PLC0415
 
     res: dict[str, Any] = {"check": f"FP8 training ({recipe}) through Megatron / Transformer Engine",
                            "command": " ".join(["python", "tests/gpu/test_fp8_train.py", *sys.argv[1:]]),

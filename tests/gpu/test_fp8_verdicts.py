@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fp8_grpo import verdict  # noqa: E402
-from test_fp8_refit import summarize  # noqa: E402
+from tests.gpu.test_fp8_grpo import verdict
+from tests.gpu.test_fp8_refit import summarize
 
 
 def _stats(x: float) -> dict:

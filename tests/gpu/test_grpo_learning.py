@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available, tiny_cfg_dict, write_yaml  # noqa: E402
-from verdicts import resume_verdict  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available, tiny_cfg_dict, write_yaml
+from tests.gpu.verdicts import resume_verdict
 
 GOAL_REWARD, GOAL_GEN_KL = 0.8, 0.01
 PARAM_OFFLOAD_KEY = "refit.offload_params_for_generation"
@@ -145,7 +144,7 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
             if src.exists():
                 shutil.copy(src, Path(out) / f"grpo_{name}")
         try:
-            from plot_rewards import plot  # noqa: PLC0415
+            from tests.gpu.plot_rewards import plot  # noqa: PLC0415
 
             plot(metrics_path, Path(out) / "grpo_reward_curve.png", title=f"tiny Qwen3 GRPO, toy a+b mod 10 ({steps} steps)")
         except Exception as exc:

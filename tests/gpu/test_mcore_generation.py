@@ -34,8 +34,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "rlc" / "recipes"
@@ -186,7 +185,7 @@ class Workspace:
     """Checkpoints, data and one Ray head for every run of a case (the two-GPU proofs' ``Lab``, one GPU)."""
 
     def __init__(self, root: str) -> None:
-        import test_moe_two_gpu as moe  # noqa: PLC0415
+        from tests.gpu import test_moe_two_gpu as moe  # noqa: PLC0415
 
         self.lab = moe.Lab(root, gpus=1)
         self.root = Path(root)
@@ -195,7 +194,7 @@ class Workspace:
         """The dense tiny Qwen3 and/or the tiny GLM-4.5-style MoE (with its MTP layer and fp32 router bias)."""
         from rlc.runtime import toy  # noqa: PLC0415
         from rlc.runtime.toy_model import build_toy_model, build_toy_workspace  # noqa: PLC0415
-        from test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
+        from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
 
         info: dict = {}
         if dense and not (self.root / "dense" / "qwen3" / "config.json").exists():
@@ -208,7 +207,7 @@ class Workspace:
         return info
 
     def compile(self, recipe: str, run: str, extra: tuple[str, ...] = ()) -> Path:
-        from test_four_gpu_grpo import _env  # noqa: PLC0415
+        from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
         run_dir = self.root / "runs" / run
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -294,7 +293,7 @@ CASES = ("shared", "moe", "dedicated", "compare")
 
 
 def run(case: str, root: str, out: str | None, steps: int, timeout_s: int, compare_steps: int) -> dict:
-    from test_four_gpu_grpo import _env  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
     clock = Timer()
     res: dict = {"check": f"Megatron generation backend: {case}", "case": case,

@@ -19,13 +19,11 @@ import argparse
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-import test_moe_two_gpu as moe  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu import test_moe_two_gpu as moe
 
 RECIPE = "tiny-moe-mtp-2gpu-ep2"
 ONE_GPU = ("cluster.gpus_per_node=1", "parallelism.train.ep=1", "parallelism.generation.ep=1",

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-from test_four_gpu_grpo import _env  # noqa: E402
-from test_moe_two_gpu import EP2, RECIPES, Lab  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu.test_four_gpu_grpo import _env
+from tests.gpu.test_moe_two_gpu import EP2, RECIPES, Lab
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = RECIPES / f"{EP2}.yaml"

@@ -40,9 +40,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-from test_four_gpu_grpo import _env, build_workspace, read_jsonl, start_ray, stop  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu.test_four_gpu_grpo import _env, build_workspace, read_jsonl, start_ray, stop
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "rlc" / "recipes"

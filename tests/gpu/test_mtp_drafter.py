@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available, lone_vllm_worker  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available, lone_vllm_worker
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-moe-mtp-2gpu-ep2.yaml"
@@ -107,7 +106,7 @@ def run(root: str, out: str | None) -> dict:
 
     from rlc.compiler.planner.memory import vllm_weights  # noqa: PLC0415
     from rlc.compiler.resolve import to_runtime_config  # noqa: PLC0415
-    from test_four_gpu_grpo import _env, build_workspace  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env, build_workspace  # noqa: PLC0415
 
     # the probe's functions run in the generation actor, which cannot import this file: send them by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

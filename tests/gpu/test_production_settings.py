@@ -19,13 +19,11 @@ import argparse
 import platform
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-import test_moe_two_gpu as moe  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu import test_moe_two_gpu as moe
 
 PRODUCTION = ("loss.kl_penalty=0.01", "training.offload_reference_policy=true",
               "training.sequence_packing.enabled=true")

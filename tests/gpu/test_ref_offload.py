@@ -37,8 +37,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
@@ -229,7 +228,7 @@ def run_probe(bundle: Path, timeout_s: int) -> dict:
     """``probe_worker`` in a fresh process (its own CUDA context), with the policy workers' environment."""
     from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
     from rlc.runtime.workers import worker_env  # noqa: PLC0415
-    from test_four_gpu_grpo import _env  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
     env = _env(REPO)
     env.update(worker_env(load_runtime_config(bundle / "runtime.yaml")))
@@ -325,7 +324,7 @@ def verdict_driver(run: dict, steps: int) -> tuple[bool, list[str]]:
 
 
 def run(root: str, out: str | None, skip_driver: bool = False) -> dict:
-    import test_moe_two_gpu as moe  # noqa: PLC0415
+    from tests.gpu import test_moe_two_gpu as moe  # noqa: PLC0415
 
     clock = Timer()
     root_p = Path(root)

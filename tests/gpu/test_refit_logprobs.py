@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available, tiny_cfg_dict  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available, tiny_cfg_dict
 
 MAX_ABS, MEAN_ABS = 0.02, 0.005
 MEDIUM = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16, "num_attention_heads": 16,

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
 
 RECIPE = "tiny-moe-mtp-2gpu-ep2"
 SPECDEC = ("generation.speculative_decoding.method=mtp", "generation.speculative_decoding.num_speculative_tokens=1")
@@ -134,7 +133,7 @@ def plot(off: dict, on: dict, png: Path) -> str | None:
 
 def run(root: str, out: str | None, steps: int, only: list[str], specdec: bool, timeout_s: int,
         prior: str | None = None, extra: tuple[str, ...] = ()) -> dict:
-    import test_moe_two_gpu as moe  # noqa: PLC0415
+    from tests.gpu import test_moe_two_gpu as moe  # noqa: PLC0415
 
     res: dict = {"check": "routing replay off vs on, tiny DeepSeek-V3 MoE, one GPU", "recipe": RECIPE, "runs": {}}
     earlier = Path(out) / "router_replay.json" if out else None

@@ -41,9 +41,8 @@ from typing import Any, Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
-from verdicts import PACKING_LEAK_MIN, packing_tolerances, packing_verdict  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
+from tests.gpu.verdicts import PACKING_LEAK_MIN, packing_tolerances, packing_verdict
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available, lone_vllm_worker  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available, lone_vllm_worker
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
@@ -116,7 +115,7 @@ def run(root: str, out: str | None) -> dict:
     import ray  # noqa: PLC0415
 
     from rlc.compiler.resolve import to_runtime_config  # noqa: PLC0415
-    from test_four_gpu_grpo import _env  # noqa: PLC0415
+    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     t = Timer()

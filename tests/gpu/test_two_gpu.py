@@ -19,13 +19,11 @@ import dataclasses
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available, tiny_cfg_dict  # noqa: E402
-from verdicts import calibration_verdict, foreign_metadata_caught  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available, tiny_cfg_dict
+from tests.gpu.verdicts import calibration_verdict, foreign_metadata_caught
 
 CALIBRATION_GPU_MEMORY_UTILIZATION = 0.3  # vLLM's budget in the sleep calibration (the verdict scales by it)
 TWO_GPUS = {"cluster.gpus_per_node": 2, "cluster.world_size": 2, "train_parallel.dp": 2, "train_parallel.expert_dp": 2}
@@ -232,7 +230,7 @@ def ep2_metadata(root: str) -> dict:
                 v = v[: t.shape[0]]
             equal += int(v.shape == t.shape and torch.equal(v.to(t.dtype), t))
         res[f"engine{e}_bit_exact"] = {"compared": len(common_names), "equal": equal}
-    from test_refit_logprobs import _batch, _sequences  # noqa: PLC0415
+    from tests.gpu.test_refit_logprobs import _batch, _sequences  # noqa: PLC0415
 
     seqs = _sequences(32, 8)
     b = _batch(seqs)
@@ -265,7 +263,7 @@ def calibration(root: str) -> dict:
     from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
     from rlc.contract.calibration_record import CalibrationRecord  # noqa: PLC0415
     from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
-    from test_refit_logprobs import MEDIUM  # noqa: PLC0415
+    from tests.gpu.test_refit_logprobs import MEDIUM  # noqa: PLC0415
 
     build_toy_model(f"{root}/qwen3", config=MEDIUM)
     records = []

@@ -1,14 +1,11 @@
 """CPU checks of the GPU proofs' verdicts: each passes on good evidence and fails on each kind of bad."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GpuStackBroken, gpu_available  # noqa: E402
-from verdicts import (  # noqa: E402
+from tests.gpu.common import GpuStackBroken, gpu_available
+from tests.gpu.verdicts import (
     BF16_U,
     FREE_AT_REFIT_TOLERANCE_GIB,
     PACKING_FLOORS,

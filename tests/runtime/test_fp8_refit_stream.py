@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
-from rlc.runtime.refit import _harness as H
+from tests.refit import harness as H
 from rlc.runtime.refit.buffers import ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
 from rlc.runtime.refit.errors import RefitLeakError

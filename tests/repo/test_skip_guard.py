@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skip_guard import disallowed, skip_reason
+from tests.skip_guard import disallowed, skip_reason
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_allowed_and_disallowed_skips():
@@ -27,8 +27,8 @@ def test_allowed_and_disallowed_skips():
 def test_strict_run_fails_on_an_unexpected_skip(tmp_path):
     case = tmp_path / "test_probe.py"
     case.write_text("import pytest\n\ndef test_probe():\n    pytest.skip('optional dependency missing')\n")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "skip_guard", str(case)]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}", "RLC_STRICT_SKIPS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.skip_guard", str(case)]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RLC_STRICT_SKIPS": "1"}
     strict = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     lenient = subprocess.run(cmd, cwd=tmp_path, env={**env, "RLC_STRICT_SKIPS": "0"}, capture_output=True, text=True)
     assert strict.returncode == 1, strict.stdout + strict.stderr

@@ -4,7 +4,6 @@ evidence of a broken run and pass on a working one."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ import pytest
 from rlc.compiler import api, resolve
 from rlc.contract.runtime_config import runtime_config_from_dict
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-import test_moe_two_gpu as proofs  # noqa: E402
+from tests.gpu import test_moe_two_gpu as proofs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RECIPES = ROOT / "rlc" / "recipes"
 CONFIG = json.loads((RECIPES / "models" / "tiny-moe-mtp" / "config.json").read_text(encoding="utf-8"))
@@ -123,7 +122,7 @@ def moe_export(tmp_path_factory):
     from safetensors.torch import load_file
 
     from rlc.runtime.toy_model import build_toy_model
-    from test_four_gpu_grpo import MODEL_CONFIG, with_mtp_layers
+    from tests.gpu.test_four_gpu_grpo import MODEL_CONFIG, with_mtp_layers
 
     ckpt = build_toy_model(tmp_path_factory.mktemp("moe") / "deepseek_v3", config=MODEL_CONFIG)
     (file,) = sorted(ckpt.glob("*.safetensors"))

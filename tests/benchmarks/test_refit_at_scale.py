@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
+from benchmarks import refit_at_scale as S
+from benchmarks import refit_scale_plan as P
 
-import refit_at_scale as S  # noqa: E402
-import refit_scale_plan as P  # noqa: E402
-
-TINY_METRICS = Path(__file__).resolve().parents[1] / "docs" / "results" / "tiny-qwen3-h200-grpo" / "metrics.jsonl"
+TINY_METRICS = Path(__file__).resolve().parents[2] / "docs" / "results" / "tiny-qwen3-h200-grpo" / "metrics.jsonl"
 
 
 # --------------------------------------------------------------------------- shapes and budget

@@ -1,16 +1,12 @@
 """The refit bandwidth benchmark runs end to end on the shm backend (the GPU run uses cuda_ipc)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmarks import refit_bandwidth
 
 
 def test_refit_bandwidth_benchmark_shm(capsys):
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))  # the spawned consumer inherits sys.path and imports the module
-    import refit_bandwidth
     summary = refit_bandwidth.main(["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "0"])
     out = capsys.readouterr().out
     assert "| memcpy (torch copy_), same bytes" in out and "ratio refit/copy = " in out
@@ -24,11 +20,6 @@ def test_refit_bandwidth_benchmark_shm(capsys):
 
 
 def test_refit_bandwidth_check_exits_non_zero_below_its_goal(monkeypatch, capsys):
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    import pytest
-    import refit_bandwidth
-
     assert refit_bandwidth.meets_goal(refit_bandwidth.GOAL_RATIO)
     assert not refit_bandwidth.meets_goal(refit_bandwidth.GOAL_RATIO - 1e-9)
     assert not refit_bandwidth.meets_goal(float("nan"))

@@ -12,7 +12,7 @@ from rlc.compiler import api, cli, resolve
 from rlc.runtime import toy
 from rlc.contract.runtime_config import load_runtime_config, runtime_config_from_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"
 CONFIG = json.loads((ROOT / "rlc" / "recipes" / "models" / "tiny-moe-mtp" / "config.json").read_text(encoding="utf-8"))
 

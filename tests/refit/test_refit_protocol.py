@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from rlc.runtime.refit import _harness as H
+from tests.refit import harness as H
 
 CTX = mp.get_context("spawn")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CITATION = re.compile(r"\btests/[A-Za-z0-9_/.-]+\.(?:py|sh|yaml)")
 
 

@@ -2,14 +2,13 @@
 on the evidence of a broken run and pass on a working one; the summaries read the driver's metrics as written."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-import test_mcore_generation as g  # noqa: E402
+from tests.gpu import test_mcore_generation as g
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MEGATRON_LOG = "rlc.runtime.driver INFO Megatron inference engines up in 12.0 s\n"
 
