@@ -15,8 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from rlc.compiler.diagnostics import Diagnostic
+from rlc import __version__
+from rlc.compiler import catalog, recipe as recipe_mod, schema
+from rlc.compiler.bundle.checks import KEYS_READ, PATH_KEYS_READ, bundle_diagnostics, job_path_diagnostics
+from rlc.compiler.planner import plan_memory
+from rlc.compiler.planner.calibration import CalibrationError, calibration_path, load_table
+from rlc.compiler.recipe_types import (CheckpointingSection, ClusterSection, DataSection, LoggingSection, ModelSection,
+                                       RewardSection, recipe_from_data, section_from_data)
+from rlc.compiler.rules import run_rules
 
-if TYPE_CHECKING:  # the stages are imported when they run; only their types are named here
+if TYPE_CHECKING:
     from rlc.compiler.catalog.gpus import GpuSpec
     from rlc.compiler.model import ModelFacts
     from rlc.compiler.planner.calibration import Calibration
@@ -62,10 +70,6 @@ def _place(diags: Sequence[Diagnostic], loaded: Any) -> list[Diagnostic]:
 
 def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     """Run every compiler stage on ``path`` with ``--set`` ``overrides``; never raises for bad input."""
-    from rlc.compiler import recipe as recipe_mod
-    from rlc.compiler import schema
-    from rlc.compiler.recipe_types import recipe_from_data
-
     try:
         loaded = recipe_mod.load_recipe(path, overrides)
     except recipe_mod.RecipeLoadError as exc:
@@ -86,8 +90,6 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     recipe = recipe_from_data(filled)  # the one place defaults enter: every later stage reads this
     result = CheckResult(loaded=loaded, recipe=recipe, diagnostics=diags)
 
-    from rlc.compiler import catalog
-
     try:
         recipe_dir = Path(loaded.files[0]).parent if loaded.files else Path.cwd()
         # a relative model.config is beside the recipe file that sets it (a shipped parent's, say)
@@ -106,11 +108,7 @@ def check(path: str | Path, overrides: Sequence[str] = ()) -> CheckResult:
     if table is not False:
         result.calibration = table
     if result.facts is not None and result.gpu is not None and table is not False:
-        from rlc.compiler.planner import plan_memory
-
         result.plan = plan_memory(recipe, result.facts, result.gpu, calibration=table or None)
-
-    from rlc.compiler.rules import run_rules
 
     rules = run_rules(recipe, result.facts, result.plan, raw=loaded.data)
     result.diagnostics.extend(rules.diagnostics)
@@ -125,7 +123,6 @@ def _calibration_table(recipe: Recipe, loaded: Any, diags: list[Diagnostic]) -> 
     ref = recipe.cluster.calibration
     if ref is None:
         return ()
-    from rlc.compiler.planner.calibration import CalibrationError, calibration_path, load_table
 
     try:
         return load_table(str(calibration_path(ref, _base_dir(loaded, "cluster.calibration", Path.cwd()))))
@@ -149,41 +146,22 @@ def _below(path: str, root: str) -> bool:
 
 
 def _bundle_keys() -> tuple[str, ...]:
-    from rlc.compiler.bundle.checks import KEYS_READ
-
     return KEYS_READ
 
 
 def _bundle_stage(filled: dict[str, Any]) -> list[Diagnostic]:
     """The bundle writer's checks (ports, mounts, env, sbatch flags, script-safe values), on the
     parts of the recipe they read (the schema accepted those, maybe not the rest)."""
-    from rlc import __version__
-    from rlc.compiler.bundle.checks import bundle_diagnostics
-    from rlc.compiler.recipe_types import ClusterSection, section_from_data
-
     return bundle_diagnostics(section_from_data(ClusterSection, filled["cluster"], "cluster"), filled["name"],
                               __version__)
 
 
 def _path_keys() -> tuple[str, ...]:
-    from rlc.compiler.bundle.checks import PATH_KEYS_READ
-
     return PATH_KEYS_READ
 
 
 def _paths_stage(filled: dict[str, Any]) -> list[Diagnostic]:
     """Every path the job reads or writes, checked against the container's mounts."""
-    from rlc.compiler.bundle.checks import job_path_diagnostics
-    from rlc.compiler.recipe_types import (
-        CheckpointingSection,
-        ClusterSection,
-        DataSection,
-        LoggingSection,
-        ModelSection,
-        RewardSection,
-        section_from_data,
-    )
-
     sections = [section_from_data(cls, filled[key], key) for cls, key in (
         (ClusterSection, "cluster"), (DataSection, "data"), (ModelSection, "model"), (RewardSection, "reward"),
         (CheckpointingSection, "checkpointing"), (LoggingSection, "logging"))]

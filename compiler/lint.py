@@ -30,6 +30,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.files import FileTooLarge, is_regular_file, read_capped
 from rlc.compiler.recipe import shared_parents
 from rlc.compiler.yaml_loader import MAX_BYTES
+from rlc.compiler.resolve import output_dirs
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 _KEYS = ("version", "extends")
@@ -200,8 +201,6 @@ def output_folders(path: str, result: Any) -> Diagnostic:
     """Where a checked recipe's run writes state another run must not share (from its resolved
     ``runtime.yaml``): checkpoints and metrics, as an :data:`OUTPUTS_RULE` record."""
     import json
-
-    from rlc.compiler.resolve import output_dirs
 
     checkpoint_dir, metrics_dir = output_dirs(result.recipe)
     folders = {"checkpointing.dir": checkpoint_dir, "logging.dir": metrics_dir}

@@ -30,6 +30,7 @@ from rlc.compiler.diagnostics import SET_ORIGIN, Diagnostic, PathPart, format_pa
 from rlc.compiler.suggest import did_you_mean
 from rlc.compiler.yaml_loader import YamlLoadError, load_yaml, parse_text
 from rlc.contract.bounds import key_path_problem
+from rlc.compiler import schema
 
 #: A recipe file has one of these top-level keys; any other YAML mapping is refused without being shown.
 RECIPE_MARKERS = ("version", "extends")
@@ -329,8 +330,6 @@ def _subpaths(value: Any, prefix: Key) -> list[Key]:
 
 
 def _apply_overrides(data: dict, origins: dict[Key, Origin], overrides: Sequence[str]) -> list[Diagnostic]:
-    from rlc.compiler import schema  # the schema knows which keys exist
-
     diags: list[Diagnostic] = []
     for text in overrides:
         key_text, sep, value_text = text.partition("=")

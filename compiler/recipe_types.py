@@ -336,7 +336,7 @@ class Fp8RolloutSection(_Section):
 
     scales: Literal["auto", "block", "tensor"]
     """``block``: 128×128 block scales, quantized by the trainer; ``tensor``: one scale per matrix, by vLLM;
-    ``auto``: block where the layout keeps every projection 128-aligned (``rlc.compiler.fp8_layout``)."""
+    ``auto``: block where the layout keeps every projection 128-aligned (``rlc.compiler.planner.fp8_layout``)."""
     pow2_scales: bool
     """Block scales rounded up to powers of two."""
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlc.compiler.mcore_generation import layout_differences
+from rlc.compiler.schema import default_at
+
 if TYPE_CHECKING:
     from rlc.compiler.recipe_types import Recipe
 
@@ -29,8 +32,6 @@ class Gap:
     def fix(self) -> str:
         """The setting that lifts the gap, as a recipe line: the key at its schema default, which the
         runtime always runs (``generation.precision: auto``, never an ``off`` the schema rejects)."""
-        from rlc.compiler.schema import default_at
-
         try:
             value = default_at(self.key)
         except KeyError:  # a key without a default: the message says what the runtime needs instead
@@ -57,8 +58,6 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
 def megatron_gaps(recipe: Recipe) -> list[Gap]:
     """What of ``generation.backend: megatron`` the bundled runtime cannot run yet: it runs one eager engine per
     GPU (direct mode, no data-parallel coordinator) on the trainer's layout."""
-    from rlc.compiler.mcore_generation import layout_differences  # noqa: PLC0415
-
     gaps = []
     t = recipe.parallelism.train
     if t.tp * t.pp * t.ep * t.cp > 1:

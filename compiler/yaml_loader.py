@@ -28,7 +28,6 @@ All problems become :class:`~rlc.compiler.diagnostics.Diagnostic` objects (1-bas
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from yaml.resolver import BaseResolver
 
 from rlc.compiler.diagnostics import Diagnostic, PathPart, format_path
 from rlc.contract.bounds import MAX_DEPTH, MAX_NODES  # noqa: F401 - the limits every resolver shares
+from rlc.compiler.files import FileTooLarge, read_capped
 
 #: Largest recipe file accepted, in bytes.
 MAX_BYTES = 1 << 20
@@ -356,8 +356,6 @@ def load_yaml(path: str | Path, display: str | None = None, marker: tuple[str, .
 
     Raises :class:`YamlLoadError` (problems in the file) or ``OSError`` (cannot read it).
     """
-    from rlc.compiler.files import FileTooLarge, read_capped
-
     file = display if display is not None else str(path)
     try:
         raw = read_capped(path, MAX_BYTES)  # regular files only: a FIFO or device is an OSError

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlc.contract.errors import RuntimeConfigError
+from rlc.contract.ranges import range_problems
+from rlc.contract.runtime_file import read_runtime_yaml
 from rlc.contract.typed_fields import field_types
-
-
-class RuntimeConfigError(ValueError):
-    """A ``runtime.yaml`` that does not match this runtime's contract."""
+from rlc.contract.version import RUNTIME_CONFIG_VERSION
 
 
 # --------------------------------------------------------------------------- sections
@@ -410,9 +410,6 @@ def section_from_dict(cls: type[T], data: Any, path: str) -> T:
 
 def runtime_config_from_dict(data: dict[str, Any]) -> RuntimeConfig:
     """Build a ``RuntimeConfig`` from a mapping; unknown or missing keys raise ``RuntimeConfigError``."""
-    from rlc import RUNTIME_CONFIG_VERSION
-    from rlc.contract.ranges import range_problems
-
     cfg = _build(RuntimeConfig, data, "")
     if cfg.version != RUNTIME_CONFIG_VERSION:
         raise RuntimeConfigError(
@@ -432,6 +429,4 @@ def runtime_config_to_dict(cfg: RuntimeConfig) -> dict[str, Any]:
 
 def load_runtime_config(path: str | Path) -> RuntimeConfig:
     """Read ``runtime.yaml`` (:func:`rlc.contract.runtime_file.read_runtime_yaml`) into a ``RuntimeConfig``."""
-    from rlc.contract.runtime_file import read_runtime_yaml
-
     return runtime_config_from_dict(read_runtime_yaml(path))

@@ -6,7 +6,7 @@ by :func:`rlc.contract.files.read_capped` (regular files only, size-capped, neve
 by PyYAML's safe loader, and bounded like every value rlc resolves (:mod:`rlc.contract.bounds`).
 
 * ``OSError``: the file cannot be read (missing, not a regular file, too large): a usage error.
-* :class:`~rlc.contract.runtime_config.RuntimeConfigError`: it is not a ``runtime.yaml`` this
+* :class:`~rlc.contract.errors.RuntimeConfigError`: it is not a ``runtime.yaml`` this
   runtime reads (not UTF-8, not YAML, tags other than plain data, not a mapping): the message
   names the line and never quotes the file's text.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 from rlc.contract.bounds import value_problem
 from rlc.contract.files import CONFIG_BYTES, read_capped
-from rlc.contract.runtime_config import RuntimeConfigError
+from rlc.contract.errors import RuntimeConfigError
 
 
 def parse_runtime_yaml(raw: bytes) -> dict[str, Any]:
     """The mapping in ``raw`` (the bytes of a ``runtime.yaml``); messages name no file (the caller does)."""
-    import yaml
+    import yaml  # noqa: PLC0415 - the contract imports no third-party module until a file is read
 
     try:
         text = raw.decode("utf-8-sig")
@@ -41,11 +41,11 @@ def parse_runtime_yaml(raw: bytes) -> dict[str, Any]:
             reason = "a YAML syntax error"
         raise RuntimeConfigError(f"{reason}{at}; recompile the bundle") from None
     except yaml.YAMLError:
-        raise RuntimeConfigError(f"not YAML (recompile the bundle)") from None
+        raise RuntimeConfigError("not YAML (recompile the bundle)") from None
     except RecursionError:
-        raise RuntimeConfigError(f"nested more deeply than a runtime.yaml is") from None
+        raise RuntimeConfigError("nested more deeply than a runtime.yaml is") from None
     if not isinstance(data, dict):
-        raise RuntimeConfigError(f"not a mapping of runtime keys; recompile the bundle")
+        raise RuntimeConfigError("not a mapping of runtime keys; recompile the bundle")
     too_big = value_problem(data)
     if too_big is not None:
         raise RuntimeConfigError(f"{too_big}")

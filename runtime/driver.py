@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
-from rlc.contract.runtime_config import RuntimeConfig, load_runtime_config, runtime_config_to_dict
+from rlc.contract.runtime_config import RuntimeConfig, runtime_config_to_dict
 from rlc.contract.refit_buffer import GIB
 from rlc.runtime.metrics import JsonlFile, MetricsLogger, PhaseTimer
 from rlc.runtime.worker_groups import GenerationGroup, Memory, PolicyGroup, RankCoords, RefitSent

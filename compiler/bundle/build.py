@@ -28,6 +28,10 @@ from rlc.compiler.bundle.planfiles import plan_files
 from rlc.compiler.bundle.render import render_script, render_text
 from rlc.compiler.bundle.writer import check_target, commit, discard, recover, staging_dir
 from rlc.compiler.shell import Quoted
+from rlc import __version__
+from rlc.compiler.resolve import resolve_runtime_config
+from rlc.compiler.runtime_support import runtime_gaps
+from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_from_dict, runtime_config_to_dict
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
@@ -52,8 +56,6 @@ class BundleResult:
 
 def runtime_yaml(runtime_config: dict[str, Any]) -> str:
     """``runtime.yaml``: checked against the runtime's contract, written sorted and stable."""
-    from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_from_dict
-
     try:
         runtime_config_from_dict(runtime_config)
     except RuntimeConfigError as exc:
@@ -103,12 +105,9 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     :class:`BundleError` (``kind`` ``recipe`` or ``io``) with a message naming the key and the fix.
     The folder appears complete or not at all.
     """
-    from rlc import __version__
-
     recipe = result.recipe
     if recipe is None or not result.ok:
         raise BundleError("the recipe has errors; fix them first (rlc validate shows them)")
-    from rlc.compiler.runtime_support import runtime_gaps
 
     gaps = runtime_gaps(recipe)
     if gaps:
@@ -116,10 +115,7 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
         raise BundleError(f"{gaps[0].key}: the bundled runtime cannot run this yet: {gaps[0].message}. The recipe "
                           f"validates and plans; {fix}", key=gaps[0].key)
     if runtime_config is None:
-        from rlc.compiler.resolve import resolve_runtime_config
-
         runtime_config = resolve_runtime_config(result)
-    from rlc.contract.runtime_config import runtime_config_to_dict
     out_dir = Path(os.path.abspath(out_dir))
     recovered = recover(out_dir)
     check_target(out_dir, force)

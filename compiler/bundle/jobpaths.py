@@ -43,6 +43,7 @@ from rlc.compiler.recipe_types import (
 )
 from rlc.compiler.shell import UnsafeValue, quote
 from rlc.contract.job_paths import is_local, kwarg_paths
+from rlc.compiler.resolve import output_dirs_of
 
 MOUNTS_KEY = "cluster.container.mounts"
 IMAGE_KEY = "cluster.container.image_paths"
@@ -71,8 +72,6 @@ class Cover:
 def job_paths(cluster: ClusterSection, data: DataSection, model: ModelSection, reward: RewardSection,
               checkpointing: CheckpointingSection, logging: LoggingSection, name: str) -> list[JobPath]:
     """The paths the job uses inside the container (see the module docstring), relative ones as written."""
-    from rlc.compiler.resolve import output_dirs_of
-
     found = [JobPath("data.train", data.train, False, True)]
     if data.val is not None:
         found.append(JobPath("data.val", data.val, False, True))

@@ -31,6 +31,7 @@ from typing import Any
 from rlc.compiler.files import CONFIG_BYTES, read_capped, sha256_regular
 from rlc.compiler.recipe_types import ContainerSection
 from rlc.contract.files import kind_of
+from rlc import RECIPE_VERSION, RUNTIME_CONFIG_VERSION, __version__
 
 LOCK_NAME = "bundle.lock.json"
 LOCK_FORMAT = 1
@@ -136,8 +137,6 @@ def recorded_override(text: str) -> str:
 def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: ContainerSection,
               recipe_name: str, log_dir: str) -> dict[str, Any]:
     """The lock mapping for the entries now in ``folder`` (the lock file itself excluded)."""
-    from rlc import RECIPE_VERSION, RUNTIME_CONFIG_VERSION, __version__
-
     entries = _entries(folder, (LOCK_NAME,))
     return {
         "rlc_bundle": LOCK_FORMAT,

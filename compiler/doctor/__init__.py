@@ -14,6 +14,7 @@ from typing import Any, Optional
 from rlc.compiler.doctor.findings import Finding, Match
 from rlc.compiler.doctor.patterns import PATTERNS, Pattern
 from rlc.compiler.doctor.scan import scan, scan_files
+from rlc.compiler.doctor.replan import replan
 
 __all__ = ["Finding", "Match", "PATTERNS", "Pattern", "diagnose", "scan", "scan_files"]
 
@@ -23,7 +24,5 @@ def diagnose(text: str | list[tuple[str, str]], result: Optional[Any] = None) ->
     (``rlc.compiler.api.check`` of the recipe) each carries the re-planned verdict."""
     findings = scan(text) if isinstance(text, str) else scan_files(text)
     if result is not None:
-        from rlc.compiler.doctor.replan import replan
-
         replan(findings, result)
     return findings

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 from rlc.compiler.doctor.findings import Finding
 from rlc.compiler.doctor.model_match import mismatch
 from rlc.compiler.doctor.sizes import GIB, gib
+from rlc.compiler.planner import plan_memory
+from rlc.compiler.planner.measured import free_at_refit_for_stack, refit_at_free
+from rlc.compiler.recipe_types import with_value
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
@@ -48,8 +51,6 @@ def _window_text(window: Optional[tuple[float, float]]) -> str:
 
 
 def _refit_verdict(result: CheckResult, recipe: Recipe, free: int, name: str, tensor: int, how: str) -> Verdict:
-    from rlc.compiler.planner.measured import refit_at_free
-
     m = refit_at_free(recipe, recipe.cluster.gpu, free, name, tensor, result.calibration or None)
     now = ("passes" if m.per_side >= tensor and m.free_at_stack >= tensor else
            "half too small" if m.per_side < tensor else "staging site too small")
@@ -83,8 +84,6 @@ def _judge_buffer(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
 
 
 def _judge_stack(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
-    from rlc.compiler.planner.measured import free_at_refit_for_stack
-
     v = f.values
     if "ask_bytes" not in v or "free_bytes" not in v or result.plan is None or result.plan.refit is None:
         return None
@@ -100,9 +99,6 @@ def _judge_stack(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
 
 
 def _judge_residue(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
-    from rlc.compiler.planner import plan_memory
-    from rlc.compiler.recipe_types import with_value
-
     used = [m.values["in_use_gib"] for m in f.matches]
     growth = max(used) - used[0]
     plan = result.plan

@@ -198,7 +198,7 @@ def summarize(f: Finding) -> str:
                     f"{v['phase']}{times}")
         where = ", ".join(f"{k} {v[k]}" for k in ("ip", "pid", "node_id") if k in v)
         host = "; the host ran out of memory" if v.get("host_oom") else ""
-        return (f"an actor or node died" + (f" ({where})" if where else "") + host + times)
+        return ("an actor or node died" + (f" ({where})" if where else "") + host + times)
     return f"{n} time(s) in the log"
 
 

@@ -3,7 +3,7 @@
 vLLM's sleep level 1 copies each GPU's weight shard into pinned host memory, each allocation in a block
 rounded up to a power of two (``pinned_copy.py``; level 2 discards it);
 ``offload_optimizer_for_refit`` moves gradients (counted at the GPU buffers' bytes per parameter:
-fp32 with ``training.grad_reduce_in_fp32``, ``memory.grad_bytes_per_param``) and Adam moments (and the
+fp32 with ``training.grad_reduce_in_fp32``, ``parts.grad_bytes_per_param``) and Adam moments (and the
 fp32 master weights when they are optimizer state: precision-aware optimizer) to the host for the refit;
 ``optimizer_cpu_offload`` keeps a share of the optimizer state there all the time;
 ``training.offload_reference_policy`` keeps the KL penalty's reference policy there (in pinned blocks whose

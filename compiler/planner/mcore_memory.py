@@ -28,9 +28,13 @@ from rlc.compiler.mcore_generation import inference_model, kv_pool
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.host import host_plan
-from rlc.compiler.planner.layout import train_layout
+from rlc.compiler.planner.layout import generation_layout, train_layout
+from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
+                                        _missing, _stage_figures, grads_note, nvls_items)
 from rlc.compiler.planner.plan import Check, Item, MemoryPlan, Phase, gib
 from rlc.compiler.planner.residency import PhaseResidency, VllmResident, residency
+from rlc.compiler.planner.shards import megatron_stage_shards
+from rlc.compiler.planner.vllm_sleep import planned_vllm_version, sleep_semantics
 from rlc.compiler.recipe_types import Recipe
 
 OWNER = "megatron-inference"
@@ -73,13 +77,6 @@ def logits_bytes(recipe: Recipe, facts: ModelFacts, rows: int) -> Optional[int]:
 
 def plan_megatron_generation(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
     """The memory plan of a recipe with ``generation.backend: megatron`` (see the module docstring)."""
-    from rlc.compiler.planner.memory import (  # noqa: PLC0415  (memory.py dispatches here)
-        DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes, _missing, _stage_figures,
-        grads_note, nvls_items)
-    from rlc.compiler.planner.layout import generation_layout  # noqa: PLC0415
-    from rlc.compiler.planner.shards import megatron_stage_shards  # noqa: PLC0415
-    from rlc.compiler.planner.vllm_sleep import planned_vllm_version, sleep_semantics  # noqa: PLC0415
-
     tl, gl = train_layout(recipe), generation_layout(recipe)
     bpp = DTYPE_BYTES[recipe.model.dtype]
     limit = float(gpu.memory_gib)

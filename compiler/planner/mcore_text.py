@@ -1,7 +1,12 @@
 """The parts of ``plan.txt`` that differ with ``generation.backend: megatron`` (the layout line and the refit)."""
 from __future__ import annotations
 
-from rlc.compiler.planner.plan import GIB, MemoryPlan
+from typing import TYPE_CHECKING
+
+from rlc.contract.refit_buffer import GIB
+
+if TYPE_CHECKING:  # the plan renders itself through this module
+    from rlc.compiler.planner.plan import MemoryPlan
 
 
 def mcore_layout_lines(plan: MemoryPlan, stages: str) -> list[str]:

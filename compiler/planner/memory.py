@@ -33,14 +33,15 @@ from typing import Any, Callable, Optional, Sequence
 from rlc.contract import fp8 as fp8_contract
 from rlc.contract import refit_buffer
 from rlc.contract.sequence_packing import pad_multiples, round_up
-from rlc.compiler.fp8_layout import fp8_scales
+from rlc.compiler.planner.fp8_layout import fp8_scales
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
+from rlc.compiler.planner.mcore_memory import plan_megatron_generation
+from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
+                                        _missing, _stage_figures, grads_note, nvls_items)
 from rlc.compiler.planner.host import host_plan
-from rlc.compiler.planner.nccl import (generation_communicators, nvls_memory, nvls_settings,
-                                       trainer_communicators)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
@@ -49,9 +50,6 @@ from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_
 from rlc.compiler.planner.window import first_true, passing_runs, widest
 from rlc.compiler.planner.vllm_sleep import SleepSemantics, planned_vllm_version, sleep_semantics
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-OPTIMIZER_BYTES = {"master": 4, "moments": 8}  # fp32 master copy; Adam exp_avg + exp_avg_sq
-FP32_GRAD_BYTES = 4  # Megatron DDP's main_grad buffers with grad_reduce_in_fp32
 RATIO_STEP = 0.001
 RATIO_MAX = 0.9
 NO_OP_GIB = 0.01  # a lever that frees less memory at the refit than this changes nothing there
@@ -64,42 +62,6 @@ def _g(x: float) -> int:
 # --------------------------------------------------------------------------- Megatron per stage
 
 
-def grad_bytes_per_param(recipe: Recipe, bpp: int) -> int:
-    """Bytes per parameter of Megatron's gradient buffers: fp32 with ``training.grad_reduce_in_fp32``
-    (megatron-core's ``group_params_for_buffers``: ``grad_dtype = torch.float if grad_reduce_in_fp32 else
-    param.dtype``), else the parameter dtype's ``bpp``."""
-    return FP32_GRAD_BYTES if recipe.training.grad_reduce_in_fp32 else bpp
-
-
-def grads_note(recipe: Recipe, bpp: int) -> str:
-    """How the plan counts the gradient buffers, for the plan's items."""
-    per_param = grad_bytes_per_param(recipe, bpp)
-    if recipe.training.grad_reduce_in_fp32:
-        return f"fp32, {per_param} B/param (training.grad_reduce_in_fp32)"
-    return f"{per_param} B/param in the model dtype (training.grad_reduce_in_fp32 off)"
-
-
-def _stage_figures(shard: StageShard, layout: TrainLayout, recipe: Recipe, bpp: int) -> dict[str, Any]:
-    distributed = recipe.training.use_distributed_optimizer
-    dense_div = layout.dense_optimizer_shards if distributed else 1
-    expert_div = layout.expert_dp if distributed else 1
-    sharded = shard.dense / dense_div + shard.expert / expert_div  # optimizer-state elements on this GPU
-    return {
-        "stage": shard.stage,
-        "layers": shard.layers,
-        "mtp_blocks": shard.mtp_blocks,
-        "vocab_copies": shard.vocab_copies,
-        "params": shard.params,
-        "params_bytes": shard.params * bpp,
-        "grads_bytes": shard.params * grad_bytes_per_param(recipe, bpp),
-        "master_bytes": int(sharded * OPTIMIZER_BYTES["master"]),
-        "moments_bytes": int(sharded * OPTIMIZER_BYTES["moments"]),
-    }
-
-
-REFERENCE_LABEL = "reference policy params (bf16)"
-REFERENCE_NOTE = ("loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU "
-                  "(training.offload_reference_policy moves it to host memory)")
 REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pinned host memory for the reference "
                           "logprob pass, freed after it")
 LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
@@ -114,20 +76,6 @@ def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
 
 def logits_note(how: str, vocab: int, tp: int) -> str:
     return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
-
-
-def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
-    """Megatron's GPU allocations on one stage in a phase, by item (from the residency table)."""
-    items = {"params": int(fig["params_bytes"] * where.params)}
-    if where.master:
-        items["master"] = int(fig["master_bytes"] * where.master)
-    if where.grads:
-        items["grads"] = int(fig["grads_bytes"] * where.grads)
-    if where.moments:
-        items["moments"] = int(fig["moments_bytes"] * where.moments)
-    if where.reference:
-        items["reference"] = int(fig["params_bytes"] * where.reference)
-    return items
 
 
 def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
@@ -254,26 +202,6 @@ def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[VllmW
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal,
                          nvls_items(recipe, facts, gpu)[1])
-
-
-#: ``Item.source`` of NCCL's NVLS buffers (first principles, ``nccl.py``).
-NVLS_SOURCE = "nccl:nvls"
-
-
-def nvls_items(recipe: Recipe, facts: ModelFacts, gpu: Any) -> tuple[list[Item], list[Item]]:
-    """NCCL NVLS buffers of the trainer and of vLLM on one GPU, as plan items (none where there are none
-    to keep or to save)."""
-    settings = nvls_settings(recipe.cluster.env)
-    per_node = recipe.cluster.gpus_per_node
-    out = []
-    trainer = trainer_communicators(train_layout(recipe), per_node, recipe.training.use_distributed_optimizer,
-                                    moe=facts.is_moe is not False)
-    for owner, comms in (("megatron", trainer),
-                         ("vllm", generation_communicators(generation_layout(recipe), per_node))):
-        mem = nvls_memory(comms, gpu.arch, gpu.nvlink_multicast, settings)
-        label = "NCCL NVLS buffers (" + ("trainer" if owner == "megatron" else "vLLM") + ")"
-        out.append([Item(label, gib(mem.bytes), owner, NVLS_SOURCE, mem.note)] if mem.communicators else [])
-    return out[0], out[1]
 
 
 def _vllm_residue(recipe: Recipe, weights: Optional[VllmWeights], where: VllmResident,
@@ -413,17 +341,48 @@ def _refit_math(free: int, recipe: Recipe, largest_name: str, largest: int, tl: 
 # --------------------------------------------------------------------------- the plan
 
 
-def _layout_dict(tl: TrainLayout, gl: GenerationLayout, moe: bool) -> dict[str, Any]:
-    return {
-        "world": tl.world,
-        "moe": moe,  # expert parallelism means something only for a model with experts
-        "train": {"tp": tl.tp, "pp": tl.pp, "cp": tl.cp, "ep": tl.ep, "etp": tl.etp, "vpp": tl.vpp,
-                  "dp": tl.dp, "expert_dp": tl.expert_dp, "first": tl.first, "last": tl.last},
-        "generation": {"tp": gl.tp, "pp": gl.pp, "ep": gl.ep, "dp": gl.dp, "expert_shards": gl.expert_shards},
-    }
+@dataclass(frozen=True)
+class _PlanInputs:
+    """What every phase of the plan is computed from: the layouts, Megatron's figures per pipeline stage, vLLM's
+    weights, the residency table and the items every phase shares (the header of :func:`_core_plan`)."""
+
+    recipe: Recipe
+    facts: ModelFacts
+    gpu: Any
+    cal: Calibration
+    tl: TrainLayout
+    bpp: int
+    limit: float
+    figs: list[dict[str, Any]]  # Megatron per pipeline stage (empty when the facts do not give the shards)
+    weights: Optional[VllmWeights]
+    sleep: SleepSemantics
+    table: dict[str, PhaseResidency]
+    vllm_nvls: list[Item]
+    ctx: list[Item]  # Megatron's context and its NVLS buffers, in every phase
+    residual: Item
+
+    @property
+    def v_weights(self) -> Optional[int]:
+        """Everything in vLLM's weight pool (bytes), when known."""
+        return None if self.weights is None else self.weights.total
 
 
 def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
+    """The plan of the vLLM backend, phase by phase (what :func:`plan_memory` returns before its fixes)."""
+    plan, s = _plan_inputs(recipe, facts, gpu, cal)
+    _train_phase(plan, s)
+    _generate_phase(plan, s)
+    _train_checks(plan, s)
+    if s.figs:
+        _logprob_phase(plan, recipe, facts, s.figs, s.table["logprob"], cal, s.ctx, s.weights, s.vllm_nvls, s.sleep,
+                       s.tl)
+    _host_memory(plan, s)
+    _refit_phases(plan, s)
+    return plan
+
+
+def _plan_inputs(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> tuple[MemoryPlan, _PlanInputs]:
+    """The plan's header (layout, notes, the unknowns of the facts) and the inputs of its phases."""
     tl, gl = train_layout(recipe), generation_layout(recipe)
     bpp = DTYPE_BYTES[recipe.model.dtype]
     limit = float(gpu.memory_gib)
@@ -442,8 +401,7 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         plan.unknown.append(weights_unknown)
     figs = [_stage_figures(s, tl, recipe, bpp) for s in mega] if mega else []
     plan.stages = figs
-    v_weights = None if weights is None else weights.total  # everything in vLLM's weight pool
-    plan.vllm_weights_gib = gib(v_weights)
+    plan.vllm_weights_gib = gib(None if weights is None else weights.total)
     plan.vllm_drafter_gib = gib(weights.drafter) if weights is not None and weights.drafter else None
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     plan.vllm_version = planned_vllm_version(recipe, cal.versions)
@@ -455,40 +413,51 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
                 "calibration:megatron_context_gib")] + trainer_nvls
     residual = Item("Megatron residual", cal.megatron_refit_residual_gib, "megatron",
                     "calibration:megatron_refit_residual_gib")
-    generation = recipe.generation
+    return plan, _PlanInputs(recipe=recipe, facts=facts, gpu=gpu, cal=cal, tl=tl, bpp=bpp, limit=limit, figs=figs,
+                             weights=weights, sleep=sleep, table=table, vllm_nvls=vllm_nvls, ctx=ctx,
+                             residual=residual)
 
-    # ---- train
-    if figs:
-        where = table["train"].megatron
 
-        def train_total(f: dict[str, Any]) -> int:
-            return sum(_megatron_bytes(f, where, cal).values())
+def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
+    """``train``: the train step before activations, on the pipeline stage that holds the most."""
+    recipe, cal, figs = s.recipe, s.cal, s.figs
+    if not figs:
+        return
+    where = s.table["train"].megatron
 
-        worst = max(figs, key=train_total)
-        held = _megatron_bytes(worst, where, cal)
-        items = [
-            Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
-            Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, bpp)),
-            Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
-            Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
-        ]
-        if "reference" in held:
-            items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
-        if where.cpu_offload_staging:
-            items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
-                              "calibration:megatron_cpu_offload_extra_gib"))
-        replay = replay_memory(recipe, facts, worst["layers"], tl, train_microbatch_tokens(recipe, tl))
-        if replay is not None:
-            items.append(replay_gpu_item(replay, recipe))
-        residue = _vllm_residue(recipe, weights, table["train"].vllm, cal, vllm_nvls)
-        plan.phases["train"] = Phase("train", "train step (before activations)",
-                                     tuple(items + [residual] + ctx + residue),
-                                     limit, stage=worst["stage"], note="activations not modelled")
-        if where.cpu_offload_staging:
-            on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
-            megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
-            plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [residual] + ctx + residue)
-    # ---- generate
+    def train_total(f: dict[str, Any]) -> int:
+        return sum(_megatron_bytes(f, where, cal).values())
+
+    worst = max(figs, key=train_total)
+    held = _megatron_bytes(worst, where, cal)
+    items = [
+        Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
+        Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, s.bpp)),
+        Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
+        Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
+    ]
+    if "reference" in held:
+        items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
+    if where.cpu_offload_staging:
+        items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
+                          "calibration:megatron_cpu_offload_extra_gib"))
+    replay = replay_memory(recipe, s.facts, worst["layers"], s.tl, train_microbatch_tokens(recipe, s.tl))
+    if replay is not None:
+        items.append(replay_gpu_item(replay, recipe))
+    residue = _vllm_residue(recipe, s.weights, s.table["train"].vllm, cal, s.vllm_nvls)
+    plan.phases["train"] = Phase("train", "train step (before activations)",
+                                 tuple(items + [s.residual] + s.ctx + residue),
+                                 s.limit, stage=worst["stage"], note="activations not modelled")
+    if where.cpu_offload_staging:
+        on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
+        megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
+        plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [s.residual] + s.ctx + residue)
+
+
+def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
+    """``generate``: vLLM awake at its budget beside the trainer as the refit left it; the checks that vLLM's
+    weights fit its budget and that the phase fits the GPU."""
+    generation, cal, limit, v_weights = s.recipe.generation, s.cal, s.limit, s.v_weights
     util = float(generation.gpu_memory_utilization)
     kv_bytes = generation.kv_cache_memory_bytes
     if kv_bytes is not None and v_weights is not None:
@@ -503,63 +472,74 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
                             "calibration:vllm_awake_extra_gib"))
     if not generation.enforce_eager:
         g_items.append(Item("vLLM CUDA graphs", cal.vllm_cuda_graph_gib, "vllm", "calibration:vllm_cuda_graph_gib"))
-    g_items += vllm_nvls
+    g_items += s.vllm_nvls
     g_stage = None
-    if figs:
+    if s.figs:
         # the trainer as the refit left it, less what refit.offload_params_for_generation moved to the host
-        g_where = table["generate"].megatron
-        g_fig, g_held = max(((f, _megatron_refit_bytes(f, g_where, cal)) for f in figs),
+        g_where = s.table["generate"].megatron
+        g_fig, g_held = max(((f, _megatron_refit_bytes(f, g_where, cal)) for f in s.figs),
                             key=lambda t: sum(t[1].values()))
         g_stage = g_fig["stage"]
-        g_items += _megatron_items(g_held, ctx, generating=True)
+        g_items += _megatron_items(g_held, s.ctx, generating=True)
     else:
-        g_items += ctx + [dataclasses.replace(residual, label="Megatron residual (offloaded)")]
+        g_items += s.ctx + [dataclasses.replace(s.residual, label="Megatron residual (offloaded)")]
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
     if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
         drafter = f" (with the MTP drafter's {plan.vllm_drafter_gib:.2f})" if plan.vllm_drafter_gib else ""
         plan.checks["generate_fit"] = Check(
             "generate_fit", kv > 0, util * limit, v_weights / GIB,
-            f"vLLM weight shard {v_weights / GIB:.2f} GiB{drafter} vs. gpu_memory_utilization {util:g} × {limit:.2f} GiB "
-            f"= {util * limit:.2f} GiB (leaves {kv:.2f} GiB for KV cache and activations)")
+            f"vLLM weight shard {v_weights / GIB:.2f} GiB{drafter} vs. gpu_memory_utilization {util:g} × "
+            f"{limit:.2f} GiB = {util * limit:.2f} GiB (leaves {kv:.2f} GiB for KV cache and activations)")
     used = plan.phases["generate"].used_gib
     if used is not None and used > limit:
         plan.checks["generate_total"] = Check("generate_total", False, limit, used,
                                               f"generation needs {used:.2f} GiB of {limit:.2f} GiB")
-    if "train" in plan.phases:
-        t_used = plan.phases["train"].used_gib
-        if t_used is not None:
-            plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
-                                             f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
-        _late_train(plan, recipe, facts, sleep, tl)
-    if figs:
-        _logprob_phase(plan, recipe, facts, figs, table["logprob"], cal, ctx, weights, vllm_nvls, sleep, tl)
 
-    # ---- host memory (per node)
-    replay = replay_memory(recipe, facts, max((f["layers"] for f in figs), default=0), tl,
-                           train_microbatch_tokens(recipe, tl))
-    plan.host = host_plan(recipe, figs, v_weights, vllm_host_copy(recipe, facts), table, gpu,
-                          extra=replay_host_items(replay, recipe, table) if replay is not None else None)
 
-    # ---- refit
-    if not figs:
-        return plan
-    where = table["refit"].megatron
-    refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in figs]
+def _train_checks(plan: MemoryPlan, s: _PlanInputs) -> None:
+    """The train step fits the GPU, now and after step 1 (``train_late``)."""
+    if "train" not in plan.phases:
+        return
+    limit = s.limit
+    t_used = plan.phases["train"].used_gib
+    if t_used is not None:
+        plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
+                                         f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
+    _late_train(plan, s.recipe, s.facts, s.sleep, s.tl)
+
+
+def _host_memory(plan: MemoryPlan, s: _PlanInputs) -> None:
+    """Host memory per node: pinned copies, offloaded state, routing replay's host buffers."""
+    recipe = s.recipe
+    replay = replay_memory(recipe, s.facts, max((f["layers"] for f in s.figs), default=0), s.tl,
+                           train_microbatch_tokens(recipe, s.tl))
+    plan.host = host_plan(recipe, s.figs, s.v_weights, vllm_host_copy(recipe, s.facts), s.table, s.gpu,
+                          extra=replay_host_items(replay, recipe, s.table) if replay is not None else None)
+
+
+def _refit_phases(plan: MemoryPlan, s: _PlanInputs) -> None:
+    """``refit`` (the free memory that sizes the IPC buffer, and the buffer check) and ``stack`` (the export
+    staging site: ``torch.stack`` of the largest tensor after both halves exist)."""
+    recipe, facts, cal, limit, bpp = s.recipe, s.facts, s.cal, s.limit, s.bpp
+    if not s.figs:
+        return
+    where = s.table["refit"].megatron
+    refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in s.figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
-    r_items = _megatron_items(worst_items, ctx) + _vllm_residue(recipe, weights, table["refit"].vllm, cal,
-                                                                vllm_nvls)
+    r_items = _megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm, cal,
+                                                                  s.vllm_nvls)
     refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
     plan.phases["refit"] = refit_phase
     if refit_phase.free_gib is None:
         plan.unknown.append("free memory at refit: needs the vLLM weight shard")
-        return plan
+        return
     name, largest = facts.largest_export_tensor(bpp)
     if largest is None:
         plan.unknown.append(f"largest exported tensor: {name}")
-        return plan
+        return
     free = int(refit_phase.free_gib * GIB)
-    math = _refit_math(free, recipe, name, largest, tl, cal, wire_tensor(recipe, facts, bpp))
+    math = _refit_math(free, recipe, name, largest, s.tl, cal, wire_tensor(recipe, facts, bpp))
     plan.refit = math
     plan.phases["refit"] = Phase("refit", refit_phase.title, refit_phase.items, limit, stage=worst_f["stage"],
                                  request=Item("IPC buffer (2 halves)", gib(2 * math.per_side), "refit",
@@ -594,7 +574,6 @@ def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) ->
         f"{gib(math.gathered):.2f} (gathered) − "
         f"{cal.export_staging_overhead_gib:.2f} (staging) − {gib(math.fragmentation):.2f} (fragmentation) = "
         f"{gib(math.free_at_stack):.2f} GiB vs. {gib(largest):.2f} GiB for torch.stack")
-    return plan
 
 
 def train_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
@@ -752,10 +731,6 @@ def _logprob_fix(used: float, limit: float, logits: int, recipe: Recipe, tl: Tra
                "parallelism", None, False, 2)
 
 
-def _missing(facts: ModelFacts) -> str:
-    return ", ".join(facts.unknown) or "more architecture facts"
-
-
 # --------------------------------------------------------------------------- fixes
 
 
@@ -862,8 +837,6 @@ def plan_memory(recipe: Recipe, facts: ModelFacts, gpu: Any,
     """
     cal = calibration_for(gpu.name, table=calibration)
     if recipe.generation.backend == "megatron":
-        from rlc.compiler.planner.mcore_memory import plan_megatron_generation
-
         return plan_megatron_generation(recipe, facts, gpu, cal)
     plan = _core_plan(recipe, facts, gpu, cal)
     checks = plan.checks

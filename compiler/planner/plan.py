@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-GIB = 1 << 30
+from rlc.compiler.planner.render_svg import render_svg
+from rlc.compiler.planner.render_text import render_text
+from rlc.contract.refit_buffer import GIB
 
 
 def gib(nbytes: Optional[int]) -> Optional[float]:
@@ -252,11 +254,7 @@ class MemoryPlan:
         return out
 
     def to_text(self) -> str:
-        from rlc.compiler.planner.render_text import render_text
-
         return render_text(self)
 
     def to_svg(self) -> str:
-        from rlc.compiler.planner.render_svg import render_svg
-
         return render_svg(self)

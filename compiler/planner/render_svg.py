@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from html import escape as _escape_markup
 
-from rlc.compiler.planner.plan import MemoryPlan
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the plan renders itself through this module
+    from rlc.compiler.planner.plan import MemoryPlan
 
 
 def escape_text(text: str) -> str:

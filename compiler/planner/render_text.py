@@ -1,10 +1,13 @@
 """``MemoryPlan.to_text()``: one table per phase, the refit math with margins, the cheapest fixes."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from rlc.compiler.planner.plan import GIB, MemoryPlan, Phase
-from rlc.contract.refit_buffer import half_holds
+from rlc.compiler.planner.mcore_text import mcore_layout_lines, mcore_refit_lines
+from rlc.contract.refit_buffer import GIB, half_holds
+
+if TYPE_CHECKING:  # the plan renders itself through this module
+    from rlc.compiler.planner.plan import MemoryPlan, Phase
 
 _PHASE_ORDER = ("train", "train_late", "logprob", "logprob_late", "generate", "refit", "stack")
 
@@ -18,8 +21,6 @@ def _layout_line(plan: MemoryPlan) -> list[str]:
     moe = plan.layout.get("moe", True)  # a dense model has no expert lines
     stages = "/".join(str(s["layers"]) for s in plan.stages) if plan.stages else "unknown"
     if plan.mcore is not None:
-        from rlc.compiler.planner.mcore_text import mcore_layout_lines
-
         return mcore_layout_lines(plan, stages)
     return [
         f"  train:      TP{t['tp']} PP{t['pp']} CP{t['cp']}" + (f" EP{t['ep']} ETP{t['etp']}" if moe else "")
@@ -112,8 +113,6 @@ def render_text(plan: MemoryPlan) -> str:
         lines += _host_lines(plan)
     lines.append("")
     if plan.mcore is not None:
-        from rlc.compiler.planner.mcore_text import mcore_refit_lines
-
         lines += mcore_refit_lines(plan)
     else:
         lines += _refit_lines(plan)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from rlc.compiler.model import ModelFacts, ParamSplit, add_splits
+from rlc.compiler.model import ModelFacts, ParamSplit
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout
 
 

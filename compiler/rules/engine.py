@@ -110,15 +110,7 @@ class Context:
 
 def all_rules() -> list[Rule]:
     """Every registered rule, by id."""
-    _load_rules()
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
-
-
-def _load_rules() -> None:
-    from rlc.compiler.rules import (  # noqa: F401
-        engine_rules, env_rules, layout_rules, megatron_rules, memory_rules, meta, refit_rules, replay_rules,
-    )
-    from rlc.compiler.rules import fp8_rules  # noqa: F401
 
 
 class UnknownRuleError(KeyError):
@@ -130,7 +122,6 @@ class UnknownRuleError(KeyError):
 
 def explain(rule_id: str) -> str:
     """Rationale, seed, severities and fixes of ``rule_id`` (what ``rlc explain ID`` prints)."""
-    _load_rules()
     key = str(rule_id).strip().upper()
     r = _REGISTRY.get(key)
     if r is None:
@@ -158,7 +149,6 @@ def run_rules(recipe: Recipe, facts: Any, plan: Any, raw: Optional[dict[str, Any
     them already reported why). ``raw`` (the recipe before defaults) lets RLC206 tell a
     user-set ``buffer_memory_ratio`` from the schema default.
     """
-    _load_rules()
     ctx = Context(recipe=recipe, facts=facts, plan=plan, raw=raw)
     for r in all_rules():
         if r.check is None:

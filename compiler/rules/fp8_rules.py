@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.catalog.gpus import gpu_spec
-from rlc.compiler.fp8_layout import block_alignment_problems, fp8_scales
+from rlc.compiler.planner.fp8_layout import block_alignment_problems, fp8_scales
 from rlc.compiler.planner.layout import generation_layout
 from rlc.compiler.rules.engine import Context, rule
 

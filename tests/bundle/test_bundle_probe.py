@@ -145,7 +145,7 @@ def test_join_fails_at_once_on_a_refused_token_naming_the_token_file_and_address
     out = _run(f"import sys; from rlc.runtime.probe import _cli; sys.exit(_cli(['--wait', {str(runtime)!r}]))", env,
                timeout=150)
     assert out.returncode == 1 and time.time() - start < 30, out.stdout + out.stderr
-    assert f"refused this process's token (InvalidAuthToken" in out.stdout and str(path) in out.stdout, out.stdout
+    assert "refused this process's token (InvalidAuthToken" in out.stdout and str(path) in out.stdout, out.stdout
     assert token not in out.stdout + out.stderr
 
 

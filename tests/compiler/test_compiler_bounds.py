@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from compiler_testing import REPO, run_rlc
@@ -125,7 +124,7 @@ def test_a_full_output_is_an_io_error_not_a_bug(argv):
 def test_a_closed_output_is_an_io_error_not_a_bug(argv):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     code = f"import sys; sys.argv = ['rlc', *{argv!r}]; from rlc.compiler.cli import main; sys.exit(main())"
-    run = subprocess.run(["bash", "-c", f'exec "$0" -c "$1" >&-', sys.executable, code], capture_output=False,
+    run = subprocess.run(["bash", "-c", 'exec "$0" -c "$1" >&-', sys.executable, code], capture_output=False,
                          stderr=subprocess.PIPE, text=True, env=env, timeout=120, check=False)
     assert run.returncode == 2, run.stderr
     assert "standard output is closed" in run.stderr and "internal error" not in run.stderr

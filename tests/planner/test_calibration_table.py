@@ -1,7 +1,6 @@
 """The calibration table: derived constants reproduce from the measurements (record format: tests/contract)."""
 from __future__ import annotations
 
-import json
 
 import pytest
 

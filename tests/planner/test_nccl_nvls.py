@@ -5,7 +5,7 @@ import pytest
 
 from rlc.compiler import api
 from rlc.compiler.planner.layout import generation_layout, train_layout
-from rlc.compiler.planner.memory import NVLS_SOURCE
+from rlc.compiler.planner.parts import NVLS_SOURCE
 from rlc.compiler.planner.nccl import (Communicator, NvlsSettings, generation_communicators, nvls_memory,
                                        nvls_settings, trainer_communicators)
 

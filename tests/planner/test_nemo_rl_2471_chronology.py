@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlc.compiler.planner.memory import NVLS_SOURCE
+from rlc.compiler.planner.parts import NVLS_SOURCE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -18,7 +18,7 @@ from rlc.compiler.planner.calibration import calibration_for
 from rlc.compiler.planner import memory
 from rlc.compiler.planner.memory import ratio_window
 
-from planner_helpers import GIB, RECIPES, load, with_changes
+from planner_helpers import GIB, with_changes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,6 +14,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig, NemoRlConfigError, load_nemo_rl_config
 from rlc.compiler.importers.nemo_rl.mapping import Mapping, MissingKey, Unmapped, map_config
 from rlc.compiler.importers.nemo_rl.recipe_writer import build_tree, comment_for, render_recipe
+from rlc.compiler.recipe import apply_set_overrides
 
 __all__ = ["ImportStopped", "ImportedRecipe", "NemoRlConfigError", "import_nemo_rl", "load_nemo_rl_config",
            "map_config"]
@@ -73,8 +74,6 @@ def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequen
     ``extensions.nemo_rl_import.dropped``). ``allow_env``: resolve ``${oc.env:...}`` (its values are
     written into the recipe)."""
     import dataclasses
-
-    from rlc.compiler.recipe import apply_set_overrides
 
     cfg = load_nemo_rl_config(config_path, overrides, allow_env=allow_env)
     mapping = map_config(cfg)

@@ -10,61 +10,15 @@ means "unset" and leaves the rlc default in place.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
 from rlc.compiler.importers.nemo_rl.training_keys import mtp_layers as _mtp_layers
 from rlc.compiler.importers.nemo_rl.training_keys import prompt_files as _prompt_files
-
-
-class Unmappable(ValueError):
-    """A NeMo-RL value rlc cannot express; the message says why."""
-
-
-@dataclass(frozen=True)
-class MappedValue:
-    """One rlc key, its value, the NeMo-RL keys it came from and a note on the translation."""
-
-    target: str
-    value: Any
-    sources: tuple[str, ...]
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Unmapped:
-    """A NeMo-RL key left out of the recipe, with its value and why."""
-
-    key: str
-    value: Any
-    reason: str
-    inactive: bool = False  # part of a NeMo-RL component this config turns off
-    #: what leaving it out does (effects.py): "changes" the experiment, "none", "default" (NeMo-RL's own
-    #: default or unset); "" until the mapper classifies it
-    effect: str = ""
-
-
-@dataclass(frozen=True)
-class MissingKey:
-    """An rlc key NeMo-RL configs do not carry: the user sets it with ``--set``."""
-
-    key: str
-    why: str
-    example: str
-
-
-@dataclass
-class Mapping:
-    values: list[MappedValue] = field(default_factory=list)
-    unmapped: list[Unmapped] = field(default_factory=list)
-    missing: list[MissingKey] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # translation choices worth reading
-    # NeMo-RL keys read but not written as a value of their own, and why (null = rlc default, a flag
-    # implied by another key, a value equal to the one already written)
-    implied: dict[str, str] = field(default_factory=dict)
+from rlc.contract.engine_options import VLLM_OWNED
 
 
 # --------------------------------------------------------------------------- converters
@@ -543,8 +497,6 @@ def _expert_parallel_flag(m: _Mapper) -> None:
 def _vllm_kwargs(m: _Mapper) -> None:
     """``policy.generation.vllm_kwargs``: ``kv_cache_memory_bytes`` has a typed rlc key; the rest goes
     to ``generation.vllm_kwargs`` unchanged, except options rlc sets from typed keys."""
-    from rlc.contract.engine_options import VLLM_OWNED
-
     prefix = "policy.generation.vllm_kwargs."
     if m.leaves.get(prefix[:-1]) == {}:
         m.consume(prefix[:-1], why="empty: no vLLM options")

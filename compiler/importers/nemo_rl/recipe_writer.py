@@ -11,6 +11,7 @@ import yaml
 from rlc.compiler.diagnostics import PathPart, format_path
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
 from rlc.compiler.importers.nemo_rl.mapping import Mapping, MissingKey, Unmapped
+from rlc.compiler.yaml_writer import dump_yaml
 
 SECTIONS = ("version", "name", "description", "model", "cluster", "parallelism", "colocated", "refit",
             "generation", "training", "grpo", "loss", "data", "reward", "checkpointing", "logging")
@@ -112,8 +113,6 @@ def render_recipe(tree: dict[str, Any], comments: dict[str, str], *, cfg: NemoRl
                   overrides: Sequence[str], sets: Sequence[str], mapping: Mapping,
                   still_missing: Sequence[MissingKey]) -> str:
     """The recipe file text."""
-    from rlc.compiler.cli import dump_yaml
-
     def comment(path: tuple[PathPart, ...]) -> str | None:
         return comments.get(format_path(path))
 

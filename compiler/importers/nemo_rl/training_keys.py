@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rlc.compiler.importers.nemo_rl.effects import MOOT, effect_of, is_default
+from rlc.compiler.importers.nemo_rl.results import Unmappable, Unmapped
+from rlc.compiler import catalog
+from rlc.compiler.files import read_text_capped
 
 if TYPE_CHECKING:
     from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
-    from rlc.compiler.importers.nemo_rl.mapping import Unmapped, _Mapper
+    from rlc.compiler.importers.nemo_rl.mapping import _Mapper
 
 M = "policy.megatron_cfg"
 
@@ -55,8 +58,6 @@ def activation_checkpointing(m: _Mapper) -> None:
     ``full`` (whole layers) or ``selective`` (``recompute_modules``; Megatron-core's default ``core_attn`` when
     null). rlc's ``training.activation_checkpointing: selective`` sets the same granularity and leaves the
     modules to Megatron-core, so other modules go to ``training.megatron_kwargs.recompute_modules``."""
-    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
-
     on_key, granularity_key, modules_key = (f"{M}.activation_checkpointing", f"{M}.recompute_granularity",
                                             f"{M}.recompute_modules")
     if on_key not in m.leaves:
@@ -95,7 +96,6 @@ def _model_mtp(model_id: Any) -> tuple[Optional[int], Optional[str]]:
     """``(MTP blocks in the checkpoint, the config key stating them)`` from the offline model facts, or Nones."""
     if not isinstance(model_id, str):
         return None, None
-    from rlc.compiler import catalog
 
     try:
         facts = catalog.model_facts(model_id, Path.cwd(), hub=False)
@@ -108,8 +108,6 @@ def mtp_layers(m: _Mapper) -> None:
     """``mtp_num_layers``: the MTP blocks NeMo-RL builds in the trainer (0: none, its default; null: the
     checkpoint's). rlc builds the checkpoint's blocks unless ``model.overrides`` sets the count, so a different
     count becomes that override; with no MTP loss the main model trains the same either way."""
-    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
-
     key = f"{M}.mtp_num_layers"
     if key not in m.leaves:
         return
@@ -137,8 +135,6 @@ def mtp_layers(m: _Mapper) -> None:
 def _nemo_rl_template(text: str) -> str:
     """NeMo-RL's prompt template (``str.format`` with one positional field, the problem) as rlc's
     ``data.prompt_template`` (the field named ``prompt``). ``Unmappable`` for other fields."""
-    from rlc.compiler.importers.nemo_rl.mapping import Unmappable
-
     out = []
     for literal, field, spec, conversion in string.Formatter().parse(text):
         out.append(literal.replace("{", "{{").replace("}", "}}"))
@@ -166,9 +162,6 @@ def prompt_files(m: _Mapper) -> None:
     """``data.*.prompt_file`` (a text file NeMo-RL formats each problem into) becomes ``data.prompt_template``,
     the file's text inline, so the job needs no NeMo-RL checkout; a file the import cannot find is dropped (it
     changes every prompt). ``system_prompt_file`` has no rlc equivalent."""
-    from rlc.compiler.files import read_text_capped
-    from rlc.compiler.importers.nemo_rl.mapping import Unmapped
-
     keys = [k for k in m.leaves if k.startswith("data.") and k.rsplit(".", 1)[-1] == "prompt_file"]
     active = [k for k in keys if m.leaves[k] is not None]
     m.consume(*[k for k in keys if m.leaves[k] is None], why="null: the prompt as it is (data.prompt_template "
