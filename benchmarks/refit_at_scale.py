@@ -35,6 +35,7 @@ case failed, a measured goal is missed, or nothing was measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -212,8 +213,8 @@ class RandomInitTrainer(MegatronPolicyWorker):
             "params_local": int(sum(p.numel() for p in params)),
             "bytes_local": int(sum(p.numel() * p.element_size() for p in params)),
             "setup_s": time.perf_counter() - t0,
-            "memory": self.memory(),
-            "gpu_uuid": self.info()["gpu_uuid"],
+            "memory": self.memory().as_dict(),
+            "gpu_uuid": self.info().gpu_uuid,
         }
 
 
@@ -342,8 +343,8 @@ class GpuSession:
             gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5 if first.gen_tp == 1 else 0.0, env=env,
                         name=f"scale-gen-{first.name}-{os.getpid()}", args=(cfg_dict, 0, list(range(first.gpus))))
             started = _wait([gen.start.remote(ENGINE_OVERRIDES)], "vLLM start")[0]
-            engine = {"start_s": time.perf_counter() - t0, "memory": started["memory"]}
-            engine["sleep_first"] = _wait([gen.sleep.remote(2)], "vLLM sleep")[0]
+            engine = {"start_s": time.perf_counter() - t0, "memory": started.memory.as_dict()}
+            engine["sleep_first"] = dataclasses.asdict(_wait([gen.sleep.remote(2)], "vLLM sleep")[0])
             engine["uuids"] = _wait([gen.call.remote(_vllm_uuids)], "vLLM device uuids")[0]
             for lay in group:
                 t1 = time.perf_counter()
@@ -421,8 +422,9 @@ class GpuSession:
                 slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
-                    "wake_weights_s": woke["seconds"], "wake_kv_s": kv["seconds"], "sleep_s": slept["seconds"],
-                    "free_after_wake_gib": kv["memory"]["free_gib"], "producers": sent[:n], "consumers": sent[n],
+                    "wake_weights_s": woke.seconds, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,
+                    "free_after_wake_gib": kv.memory.free_gib, "producers": [s.raw for s in sent[:n]],
+                    "consumers": sent[n],
                 })
                 r = P.refit_row(records[-1])
                 print(f"   refit {i}{' (warm-up)' if i < a.warmup else ''}: total {r['total_refit_s']:.3f} s "

@@ -13,6 +13,10 @@ import argparse
 import sys
 import traceback
 
+from rlc.contract.runtime_config import RuntimeConfigError
+from rlc.runtime.driver import main as driver_main
+from rlc.runtime.probe import main as probe_main
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlc.runtime", description=__doc__.split("\n")[0],
@@ -23,15 +27,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="dotted overrides of runtime.yaml for this start only, e.g. grpo.max_steps=10")
     parser.add_argument("--probe", action="store_true", help="check the environment instead of training")
     args = parser.parse_args(argv)  # a usage error exits 2 (argparse)
-    from rlc.contract.runtime_config import RuntimeConfigError  # noqa: PLC0415
 
     try:
         if args.probe:
-            from rlc.runtime.probe import main as probe_main  # noqa: PLC0415
-
             return int(probe_main(args.runtime_yaml) or 0)
-        from rlc.runtime.driver import main as driver_main  # noqa: PLC0415
-
         return int(driver_main(args.runtime_yaml, args.overrides))
     except RuntimeConfigError as exc:
         print(f"rlc.runtime: {args.runtime_yaml}: {exc}", file=sys.stderr)

@@ -2,59 +2,50 @@
 
 The same code runs a 1-GPU toy and a 32-node job: it joins Ray, reserves one bundle per GPU, puts a
 Megatron policy worker and a vLLM generation worker on every GPU (with ``generation.backend: megatron`` the
-policy worker hosts megatron-core's engine itself), and loops::
-
-    for step in steps:
-        offload trainer params              # refit.offload_params_for_generation: to host memory
-        groups   = rollout(step)            # prompts -> N generations each (with logprobs)
-                                            #   -> rewards -> dynamic sampling -> advantages
-        release generation                  # vLLM sleeps (refit.sleep_level) / the Megatron engine suspends
-        onload trainer params               # back before the trainer's first forward
-        batch    = trainer_logprobs(groups) # old logprobs (+ reference) and the gen-KL check
-        train(batch)                        # clipped GRPO loss, optimizer step(s)
-        refit(step)                         # the weight sync (rlc.runtime.weight_sync) readies the engines
-        log(step); checkpoint(step)
+policy worker hosts megatron-core's engine itself), and runs GRPO as :meth:`GrpoRun.run` spells it out: each
+step generates with the engines, scores and normalises the rewards, trains the policy on the samples and moves
+the new weights into the engines. Every phase returns a result (``rlc.runtime.recorder``); one recorder turns
+them into the step's metrics and the calibration and refit records.
 
 Failures end the run with a report: a worker that dies names itself, its node and GPU; a gen-KL
 above ``grpo.max_gen_kl`` explains the likely causes; exhausted dynamic sampling says what to change.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import sys
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
-from rlc.contract.runtime_config import RuntimeConfig, runtime_config_to_dict
-from rlc.contract.refit_buffer import GIB
-from rlc.runtime.metrics import JsonlFile, MetricsLogger, PhaseTimer
-from rlc.runtime.worker_groups import GenerationGroup, Memory, PolicyGroup, RankCoords, RefitSent
+from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runtime_config_to_dict
+from rlc.runtime import checkpoint as ckpt
+from rlc.runtime import workers as W
+from rlc.runtime.generation.backend import GenerationBackend, MegatronBackend, VllmBackend
+from rlc.runtime.generation.vllm_worker import VllmGenerationWorker
+from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config
+from rlc.runtime.grpo.dynamic_sampling import DynamicSampler
+from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn
+from rlc.runtime.metrics import MetricsLogger, PhaseTimer
+from rlc.runtime.overrides import load_with_overrides
+from rlc.runtime.recorder import (Group, Packed, ParamsOffloaded, ParamsOnloaded, Recorder, Refitted, Released,
+                                  Rollout, Scored, Trained)
+from rlc.runtime.weight_sync import WeightSync, make_weight_sync
+from rlc.runtime.worker_api import RankCoords, ReplayCheck, TrainBatch
+from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
+from rlc.runtime.workers import WorkerFailure
 
 if TYPE_CHECKING:
-    from rlc.runtime.generation.backend import GenerationBackend
-    from rlc.runtime.grpo.data import PromptCursor
-    from rlc.runtime.grpo.rewards import RewardScorer
-    from rlc.runtime.weight_sync import WeightSync
+    from rlc.runtime.grpo.data import PromptSample
 
 log = logging.getLogger("rlc.runtime.driver")
 
 #: Exit codes (rlc's own: 0 ok, 1 the input is refused, 2 usage or I/O, 3 a bug in rlc; then the run's stops).
 EXIT_OK, EXIT_CONFIG, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_WORKER_FAILED, EXIT_GEN_KL, EXIT_RUN_FAILED = 4, 5, 6
-
-
-@dataclass
-class Group:
-    """One prompt and its generations."""
-
-    sample: Any  # rlc.runtime.grpo.data.PromptSample
-    prompt_ids: list[int]
-    generations: list[dict]  # {token_ids, logprobs, text, finish_reason}
-    rewards: list[float]
 
 
 class GrpoRun:
@@ -69,6 +60,7 @@ class GrpoRun:
         self._generation: GenerationGroup | None = None
         self._metrics: MetricsLogger | None = None
         self.timer = PhaseTimer()  # every phase's wall time, drained into the step's metrics
+        self.record = Recorder(cfg)  # the phases' results -> metrics, calibration and refit records
         self.refits_done = 0
         self.checkpoint_failures = 0  # in a row; three stop the run
         self.coords: list[RankCoords] = []  # each trainer rank's place in the layout (start_workers)
@@ -81,12 +73,6 @@ class GrpoRun:
         self.pg: Any  # the Ray placement group
         self.backend: GenerationBackend  # generates and releases (vLLM engines, or the policy workers' engines)
         self.weight_sync: WeightSync  # every refit goes through it
-        logs = Path(cfg.logging.dir)
-        self.calibration = JsonlFile(logs / "calibration.jsonl")
-        self.ranks_log = JsonlFile(logs / "refit_ranks.jsonl")  # one line per trainer rank and refit
-        self.verify_log = JsonlFile(logs / "refit_verify.jsonl")  # one line per verified vLLM worker
-        self.versions: dict[str, str] = {}
-        self.step_metrics: dict[str, Any] = {}
 
     # Workers and the metrics logger exist once started; using them earlier is a driver bug.
 
@@ -111,64 +97,58 @@ class GrpoRun:
     # ================================================================== the algorithm
 
     def run(self) -> int:
-        cfg = self.cfg
+        """GRPO with the trainer and the engines on the same GPUs (the phases below, each a method)."""
+        from rlc.runtime.grpo.advantages import group_advantages  # noqa: PLC0415 - torch: the module imports none
+
+        cfg, g, record = self.cfg, self.cfg.grpo, self.record
         self.start_workers()
         start_step = self.resume()
         self.open_logs(start_step)
-        self.refit(step=start_step)  # vLLM gets the trainer's weights (fresh start or checkpoint)
+        record.begin_step(start_step)
+        self.refit(start_step)  # the engines get the trainer's weights (a fresh start or the checkpoint's)
         self.timer.drain()  # the initial refit is not part of step 1
-        self.log_calibration(start_step, "after_initial_refit")
-        for step in range(start_step + 1, cfg.grpo.max_steps + 1):
-            self.step_metrics = {}
-            self.run_step(step)
-            self.step_metrics.update(self.timer.drain())
-            self.metrics.log(step, self.step_metrics)
-            if self.cfg.checkpointing.enabled and self._should_save(step):
+        record.calibrate(start_step, "after_initial_refit", self.policy.memory())
+        for step in range(start_step + 1, g.max_steps + 1):
+            record.begin_step(step)
+            with self.timer("step"):
+                record.add(self.offload_trainer_params())  # refit.offload_params_for_generation: to host memory
+                rollout = record.add(self.rollout(step))  # prompts -> n generations each -> rewards
+                record.add(self.release_generation(step))  # the engines give their memory to the trainer
+                record.add(self.onload_trainer_params())
+                advantages = group_advantages(rollout.rewards, leave_one_out=g.leave_one_out,
+                                              normalize=g.normalize_advantages)
+                packed = record.add(self.pack(rollout, advantages.tolist()))
+                scored = record.add(self.trainer_logprobs(step, packed.batch))  # old (+ reference) logprobs
+                self.check_gen_kl(step, scored)  # the engines sampled from the weights being trained
+                record.add(self.train(step, scored.batch))  # clipped GRPO loss, optimizer step(s)
+                self.refit(step)  # the new weights into the engines (rlc.runtime.weight_sync)
+            self.metrics.log(step, record.end_step(self.timer.drain()))
+            if cfg.checkpointing.enabled and self._should_save(step):
                 self.checkpoint(step)
         return EXIT_OK
 
     # ================================================================== phases
 
-    def run_step(self, step: int) -> None:
-        """One GRPO step's phases, in order (the loop in the module docstring)."""
-        with self.timer("step"):
-            self.offload_trainer_params()  # after the refit (and any checkpoint), before the engines generate
-            groups = self.rollout(step)
-            self.sleep_generation(step)
-            self.onload_trainer_params()
-            batch = self.trainer_logprobs(step, groups)
-            self.train(step, batch)
-            self.refit(step)
-
-    def rollout(self, step: int) -> list[Group]:
-        """Prompts -> generations -> rewards, with dynamic sampling; sets reward metrics."""
-        from rlc.runtime.grpo.advantages import reward_metrics  # noqa: PLC0415
-        from rlc.runtime.grpo.dynamic_sampling import DynamicSampler  # noqa: PLC0415
-
+    def rollout(self, step: int) -> Rollout:
+        """Prompts -> generations -> rewards, with dynamic sampling (groups whose rewards all agree carry no
+        signal: more prompts are generated until the step has enough, as ``grpo.dynamic_sampling`` says)."""
         sampler: DynamicSampler[Group] = DynamicSampler.from_config(self.cfg.grpo, logger=log.info)
         gen_tokens = 0
 
         def generate_batch(num_prompts: int) -> tuple[list[Group], list[list[float]]]:
             nonlocal gen_tokens
             groups = self.generate(self.cursor.next_batch(num_prompts))
-            gen_tokens += sum(len(g["token_ids"]) for grp in groups for g in grp.generations)
+            gen_tokens += sum(len(s.token_ids) for grp in groups for s in grp.generations)
             return groups, [grp.rewards for grp in groups]
 
         with self.timer("generate"):
-            groups, rewards = sampler.collect(step, generate_batch)
-        self.step_metrics.update(reward_metrics(rewards))
-        self.step_metrics.update(self.scorer.take_metrics())
-        self.step_metrics.update(sampler.metrics())
-        self.step_metrics["throughput/generated_tokens"] = gen_tokens
-        self.step_metrics["throughput/generate_tokens_per_s"] = gen_tokens / max(self.timer.seconds(self.backend.timer),
-                                                                                 1e-9)
-        lengths = [len(g["token_ids"]) for grp in groups for g in grp.generations]
-        self.step_metrics["response_length/mean"] = sum(lengths) / max(len(lengths), 1)
-        self.step_metrics["response_length/max"] = max(lengths) if lengths else 0
-        self.sample_memory("generate")
-        return groups
+            groups, _ = sampler.collect(step, generate_batch)
+        return Rollout(groups=groups, generated_tokens=gen_tokens,
+                       generate_seconds=self.timer.seconds(self.backend.timer),
+                       scorer_metrics=self.scorer.take_metrics(), sampling_metrics=sampler.metrics(),
+                       memory=self.policy.memory())
 
-    def generate(self, prompts: list) -> list[Group]:
+    def generate(self, prompts: list[PromptSample]) -> list[Group]:
         """Split prompts over the engines; score each generation with the reward function."""
         n = self.cfg.grpo.generations_per_prompt
         ids = [self.encode(p.prompt) for p in prompts]
@@ -177,120 +157,108 @@ class GrpoRun:
         chunks = [(e, ids[e * per : (e + 1) * per]) for e in range(engines)]
         with self.timer(self.backend.timer):
             results = self.backend.generate([(e, c) for e, c in chunks if c], n)
-        samples = [s for r in results for s in r["samples"]]
+        samples = [s for r in results for s in r.samples]
         groups = []
         for prompt, pids, gens in zip(prompts, ids, samples):
-            rewards = self.scorer.score([prompt.prompt] * len(gens), [g["text"] for g in gens],
+            rewards = self.scorer.score([prompt.prompt] * len(gens), [s.text for s in gens],
                                         [prompt.answer] * len(gens))
             groups.append(Group(prompt, pids, gens, rewards))
         return groups
 
-    def sleep_generation(self, step: int) -> None:
+    def release_generation(self, step: int) -> Released:
         """The engines release their memory for the trainer (vLLM: refit.sleep_level; Megatron: the engine
         suspends, its KV pool as generation.megatron.kv_cache says)."""
         with self.timer("sleep"):
             slept = self.backend.release(step)
-        self.step_metrics["memory/sleep_freed_gib"] = slept.freed_gib
-        self.sample_memory("after_sleep", slept.memory)
-        if step <= 2 or step % 50 == 0:
-            self.log_calibration(step, "after_sleep", slept.memory)
+        return Released(step, slept)
 
-    def offload_trainer_params(self) -> None:
+    def offload_trainer_params(self) -> ParamsOffloaded | None:
         """``refit.offload_params_for_generation``: the trainer's bf16 parameters to host memory while vLLM
-        generates (the weights are in vLLM since the refit); the GPU memory freed goes into the metrics."""
+        generates (the weights are in vLLM since the refit)."""
         if not self.cfg.refit.offload_params_for_generation:
-            return
+            return None
         with self.timer("params_offload"):
-            moved = self.policy.offload_params()
-        self.step_metrics["memory/params_offload_freed_gib"] = max(m.bytes for m in moved) / GIB
-        self.sample_memory("params_offload", moved[0].memory)
+            return ParamsOffloaded(self.policy.offload_params())
 
-    def onload_trainer_params(self) -> None:
+    def onload_trainer_params(self) -> ParamsOnloaded | None:
         """The parameters back on the GPU before the trainer's logprob pass (vLLM is asleep)."""
         if not self.cfg.refit.offload_params_for_generation:
-            return
+            return None
         with self.timer("params_onload"):
-            self.policy.onload_params()
+            return ParamsOnloaded(self.policy.onload_params())
 
-    def trainer_logprobs(self, step: int, groups: list[Group]) -> dict:
-        """Advantages, the packed batch, the trainer's logprobs (+ reference); checks gen-KL."""
-        from rlc.runtime.grpo.advantages import group_advantages  # noqa: PLC0415
-        from rlc.runtime.grpo.loss import GenKLExceeded, check_gen_kl, gen_kl_metrics  # noqa: PLC0415
-        from rlc.runtime.policy.batches import pack_rollouts  # noqa: PLC0415
+    def pack(self, rollout: Rollout, advantages: list[list[float]]) -> Packed:
+        """The kept groups' samples with their advantages as the trainer's batch (padded; with routing replay,
+        vLLM's routes, and the response tokens no route was recorded for left out of the loss)."""
+        from rlc.runtime.policy.batches import pack_rollouts  # noqa: PLC0415 - torch: the module imports none
 
-        g = self.cfg.grpo
-        adv = group_advantages([grp.rewards for grp in groups], leave_one_out=g.leave_one_out,
-                               normalize=g.normalize_advantages)
         replay = self.cfg.training.router_replay.enabled
-        prompt_ids, resp_ids, gen_lps, advantages, routes = [], [], [], [], []
-        for grp, a in zip(groups, adv.tolist()):
-            for gen, ai in zip(grp.generations, a):
+        prompt_ids, resp_ids, gen_lps, flat_advantages, routes = [], [], [], [], []
+        for grp, adv in zip(rollout.groups, advantages):
+            for sample, a in zip(grp.generations, adv):
                 prompt_ids.append(grp.prompt_ids)
-                resp_ids.append(gen["token_ids"])
-                gen_lps.append(gen["logprobs"])
-                advantages.append(ai)
-                if replay:
-                    routes.append(gen.get("routed_experts"))
+                resp_ids.append(sample.token_ids)
+                gen_lps.append(sample.logprobs)
+                flat_advantages.append(a)
+                routes.append(sample.routed_experts)
         tp = self.cfg.train_parallel
-        batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, advantages, pad_id=self.pad_id,
-                              pad_to_multiple=16 * tp.tp * tp.cp,
-                              max_length=self.cfg.training.max_sequence_length,
+        batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, flat_advantages, pad_id=self.pad_id,
+                              pad_to_multiple=16 * tp.tp * tp.cp, max_length=self.cfg.training.max_sequence_length,
                               routes=routes if replay else None, num_experts=self.cfg.model.num_experts)
-        if replay:
-            # response tokens whose logits depend on a route vLLM did not record leave the loss (mask 0)
-            unrouted = sum(len(r) for r in resp_ids) - float(batch["mask"].sum())
-            self.step_metrics["router_replay/unrouted_tokens"] = unrouted
+        unrouted = sum(len(r) for r in resp_ids) - float(batch.mask.sum()) if replay else None
+        return Packed(batch, unrouted)
+
+    def trainer_logprobs(self, step: int, batch: TrainBatch) -> Scored:
+        """The trainer's logprobs of the batch (and the reference policy's, with a KL penalty) and how far they
+        are from the engine's (gen-KL)."""
+        from rlc.runtime.grpo.loss import gen_kl_metrics  # noqa: PLC0415 - torch: the module imports none
+
         with self.timer("logprobs"):
             old = self.gather_output(self.policy.compute_logprobs(self._put(batch)))
-            batch["old_logprobs"] = old
+            batch = dataclasses.replace(batch, old_logprobs=old)
             if self.cfg.loss.kl_penalty > 0:
-                batch["ref_logprobs"] = self.gather_output(self.policy.compute_ref_logprobs(self._put(batch)))
-        if replay:
-            self.check_router_replay(step)
-        kl = gen_kl_metrics(batch["gen_logprobs"], old, batch["mask"])
-        self.step_metrics.update(kl)
-        self.sample_memory("logprobs")
-        try:
-            check_gen_kl(kl["gen_kl"], step=step, threshold=g.max_gen_kl, detail=kl)
-        except GenKLExceeded:
-            self.metrics.log(step, {**self.step_metrics, **self.timer.drain()})  # the step that stopped the run
-            raise
-        self.step_metrics["throughput/train_tokens"] = float(batch["mask"].sum())
-        return batch
+                batch = dataclasses.replace(
+                    batch, ref_logprobs=self.gather_output(self.policy.compute_ref_logprobs(self._put(batch))))
+        replay = self.check_router_replay(step) if self.cfg.training.router_replay.enabled else None
+        return Scored(batch, gen_kl_metrics(batch.gen_logprobs, old, batch.mask), replay, self.policy.memory())
 
-    def check_router_replay(self, step: int) -> None:
+    def check_gen_kl(self, step: int, scored: Scored) -> None:
+        """``grpo.max_gen_kl``: the engines sampled from other weights than the trainer's; the step's metrics are
+        logged, then the run stops with the likely causes."""
+        from rlc.runtime.grpo.loss import GenKLExceeded, check_gen_kl  # noqa: PLC0415 - torch
+
+        try:
+            check_gen_kl(scored.kl["gen_kl"], step=step, threshold=self.cfg.grpo.max_gen_kl, detail=scored.kl)
+        except GenKLExceeded:
+            self.metrics.log(step, self.record.end_step(self.timer.drain()))  # the step that stopped the run
+            raise
+
+    def check_router_replay(self, step: int) -> ReplayCheck:
         """``training.router_replay``: in the logprob passes every decoder router must have routed every token to
         the experts vLLM recorded for it; a difference means the replay was bypassed, and the run stops."""
         check = self.policy.router_replay_check()
-        m = self.step_metrics
-        m["router_replay/routes_checked"] = check.routes_checked
-        m["router_replay/routes_mismatched"] = check.routes_mismatched
-        m["router_replay/layers_unarmed"] = check.layers_unarmed
         if check.routes_mismatched or check.layers_unarmed:
             raise RuntimeError(f"routing replay at step {step}: {check.routes_mismatched} of {check.routes_checked} "
                                f"(token, MoE layer) routings differ from vLLM's recorded experts and "
                                f"{check.layers_unarmed} router calls found no route armed: the trainer is not "
                                "replaying vLLM's routing (is a fused router on in training.megatron_kwargs?)")
+        return check
 
-    def train(self, step: int, batch: dict) -> None:
-        """Optimizer step(s) on the batch; merges the output ranks' loss metrics."""
+    def train(self, step: int, batch: TrainBatch) -> Trained:
+        """Optimizer step(s) on the batch."""
         with self.timer("train"):
             results = self.policy.train_step(self._put(batch), step)
-        self.step_metrics.update(merge_train_metrics(results))
-        self.step_metrics["throughput/train_tokens_per_s"] = (self.step_metrics["throughput/train_tokens"]
-                                                              / max(self.timer.seconds("train"), 1e-9))
-        self.sample_memory("train")
+        return Trained(results, float(batch.mask.sum()), self.timer.seconds("train"), self.policy.memory())
 
-    def refit(self, step: int) -> None:
-        """Trainer weights -> the engines, through the weight synchronizer (``rlc.runtime.weight_sync``)."""
-        self.weight_sync.sync(step)
-
-    def log_refit_ranks(self, step: int, sent: list[RefitSent]) -> None:
-        """One line per trainer rank and refit in ``refit_ranks.jsonl``: every rank's own manifest
-        (tensors, bytes, buckets), free memory and active fixes, so a rank that sent another rank's
-        metadata (SkyRL #1816) or ran out of room is visible by rank, not only rank 0."""
-        for rank, metrics in enumerate(sent):
-            self.ranks_log.write({"step": step, "rank": rank, **metrics.raw})
+    def refit(self, step: int) -> Refitted:
+        """Trainer weights -> the engines, through the weight synchronizer (``rlc.runtime.weight_sync``); every
+        ``refit.verify_every``-th refit is checked bit for bit, and a difference stops the run once recorded."""
+        every = self.cfg.refit.verify_every
+        done = self.weight_sync.sync(step, verify=bool(every) and self.refits_done % every == 0)
+        done = self.record.add(dataclasses.replace(done, number=self.refits_done + 1))
+        self.weight_sync.check(done)
+        self.refits_done += 1
+        return done
 
     def checkpoint(self, step: int) -> None:
         """Policy shards (megatron-core dist checkpoint) + driver state (step, data cursor).
@@ -298,8 +266,6 @@ class GrpoRun:
         A failed save leaves the previous checkpoint as the latest and training goes on; three
         failures in a row stop the run (a requeue would otherwise lose ever more work).
         """
-        from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
-
         root = self.cfg.checkpointing.dir
         try:
             with self.timer("checkpoint"):
@@ -308,7 +274,7 @@ class GrpoRun:
                 ckpt.save(root, step, {"step": step, "cursor": self.cursor.state_dict(), "session": self.session,
                                        ckpt.EXPERIMENT_STATE_KEY: ckpt.experiment(self.cfg)},
                           keep_last=self.cfg.checkpointing.keep_last)
-        except Exception as exc:  # any failure to save: training goes on from the previous checkpoint
+        except Exception as exc:  # noqa: BLE001 - any failure to save: training goes on from the previous checkpoint
             self.timer.drain()
             self.checkpoint_failures += 1
             log.error("checkpoint at step %d failed (%d in a row): %s", step, self.checkpoint_failures, exc)
@@ -320,8 +286,6 @@ class GrpoRun:
 
     def resume(self) -> int:
         """Latest complete checkpoint -> policy state + cursor; returns the step to continue after."""
-        from rlc.runtime import checkpoint as ckpt  # noqa: PLC0415
-
         found = ckpt.resume_from_latest(self.cfg.checkpointing, warn=log.warning, current=ckpt.experiment(self.cfg))
         if found is None:
             return 0
@@ -335,14 +299,8 @@ class GrpoRun:
     def start_workers(self) -> None:
         """Ray, placement group, vLLM engines (then asleep), Megatron ranks, refit pairing; with
         ``generation.backend: megatron`` the Megatron ranks, then their engines."""
-        from rlc.runtime import workers as W  # noqa: PLC0415
-        from rlc.runtime.generation.backend import MegatronBackend, VllmBackend  # noqa: PLC0415
-        from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config  # noqa: PLC0415
-        from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn  # noqa: PLC0415
-        from rlc.runtime.weight_sync import make_weight_sync  # noqa: PLC0415
-
         cfg = self.cfg
-        self.versions = W.library_versions()  # the driver runs in the workers' container
+        self.record.versions = W.library_versions()  # the driver runs in the workers' container
         self.load_tokenizer()
         self.scorer = RewardScorer(make_reward_fn(cfg.reward.function, cfg.reward.kwargs),
                                    failure_reward=cfg.reward.failure_reward, warn=log.warning)
@@ -354,16 +312,14 @@ class GrpoRun:
         pg, order = W.reserve_gpus(placement)
         self.pg = pg
         if cfg.generation.backend == "megatron":
-            self._start_policy(W, placement, env, order)
+            self._start_policy(placement, env, order)
             megatron = MegatronBackend(self.policy)
             self.backend = megatron
             started = megatron.start()
             self.eos_token_id = started.eos_token_id
             log.info("Megatron inference engines up in %.1f s", started.seconds)
-            self.log_memory_line("megatron_engine_started", started.memory)
+            self.record.started("megatron_engine_started", started.memory)
         else:
-            from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
-
             per_engine = placement.gpus_per_engine
             gen_actors = []
             for e, bundles in enumerate(placement.engine_bundles):
@@ -379,17 +335,17 @@ class GrpoRun:
             started = vllm.start()
             self.eos_token_id = started.eos_token_id
             log.info("vLLM engines up in %.1f s", started.seconds)
-            self.log_memory_line("vllm_started", started.memory)
+            self.record.started("vllm_started", started.memory)
             vllm.sleep_after_start()
-            self._start_policy(W, placement, env, order)
+            self._start_policy(placement, env, order)
             if cfg.training.router_replay.enabled:
                 self.check_replay_layers(started.moe_layers)
-        self.weight_sync = make_weight_sync(self)
+        self.weight_sync = make_weight_sync(cfg, self.policy, self._generation, self.session, self.timer)
         self.weight_sync.prepare()
 
-    def _start_policy(self, W: Any, placement: Any, env: dict[str, str], order: list[int]) -> None:
+    def _start_policy(self, placement: W.Placement, env: dict[str, str], order: list[int]) -> None:
         """The Megatron ranks: spawn, NCCL and model setup."""
-        from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
+        from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415 - torch
 
         policy_env = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
         pol = [W.spawn(MegatronPolicyWorker, pg=self.pg, bundle=order[b], num_gpus=placement.gpu_fraction,
@@ -403,7 +359,7 @@ class GrpoRun:
             self.coords = self.policy.setup(master, self.total_optimizer_steps())
         log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", self.timer.drain()["timing/policy_setup_s"],
                  len(pol), self.coords[0].dp_size)
-        self.log_memory_line("policy_started", self.coords[0].memory)
+        self.record.started("policy_started", self.coords[0].memory)
 
     def check_replay_layers(self, recorded: list[int] | None) -> None:
         """Routing replay pairs vLLM's routes with the trainer's routers by decoder layer: both must see the
@@ -427,45 +383,19 @@ class GrpoRun:
         return list(self.tokenizer(text)["input_ids"])
 
     def total_optimizer_steps(self) -> int:
-        import math  # noqa: PLC0415
-
         n = self.cfg.grpo.prompts_per_step * self.cfg.grpo.generations_per_prompt
         return self.cfg.grpo.max_steps * max(1, math.ceil(n / max(1, self.cfg.training.global_batch_size)))
 
-    # ================================================================== logging helpers
+    # ================================================================== helpers
 
     def open_logs(self, start_step: int) -> None:
         self._metrics = MetricsLogger.from_config(self.cfg.logging, total_steps=self.cfg.grpo.max_steps,
                                                   start_step=start_step)
 
-    def log_memory_line(self, phase: str, memory: Memory) -> None:
-        log.info("memory %s: free %.2f GiB, used %.2f GiB", phase, memory.free_gib, memory.used_gib)
-        rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=0, sleep_level=self.cfg.refit.sleep_level,
-                                 enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
-                                 versions=self.versions, worker="rank0")
-        self.calibration.write(rec.to_dict())
-
-    def log_calibration(self, step: int, phase: str, memory: Memory | None = None, extra: dict | None = None) -> None:
-        if memory is None:
-            memory = self.policy.memory()
-        rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=step, sleep_level=self.cfg.refit.sleep_level,
-                                 enforce_eager=self.cfg.generation.enforce_eager, gpu_type=self.cfg.cluster.gpu_type,
-                                 versions=self.versions, worker="rank0", extra=extra)
-        self.calibration.write(rec.to_dict())
-
-    def sample_memory(self, phase: str, memory: Memory | None = None) -> None:
-        """GPU 0's free/used GiB at the end of a phase, into the step's metrics."""
-        if memory is None:
-            memory = self.policy.memory()
-        self.step_metrics[memory_metric_key(phase, "free_gib")] = memory.free_gib
-        self.step_metrics[memory_metric_key(phase, "used_gib")] = memory.used_gib
-
     def _should_save(self, step: int) -> bool:
-        from rlc.runtime.checkpoint import should_save  # noqa: PLC0415
+        return ckpt.should_save(self.cfg.checkpointing.every_steps, step, self.cfg.grpo.max_steps)
 
-        return should_save(self.cfg.checkpointing.every_steps, step, self.cfg.grpo.max_steps)
-
-    def gather_output(self, results: list) -> Any:
+    def gather_output(self, results: list[Any]) -> Any:
         """Concatenate the output ranks' tensors in data-parallel order."""
         import torch  # noqa: PLC0415
 
@@ -473,6 +403,7 @@ class GrpoRun:
         return torch.cat([r for _, r in parts], dim=0)
 
     def _put(self, obj: Any) -> Any:
+        """``obj`` in Ray's object store (every worker reads the same copy)."""
         import ray  # noqa: PLC0415
 
         return ray.put(obj)
@@ -480,54 +411,24 @@ class GrpoRun:
     def shutdown(self) -> None:
         groups = [g.group for g in (self._generation, self._policy) if g is not None]
         if groups:
-            from rlc.runtime.workers import stop_groups  # noqa: PLC0415
-
-            late = stop_groups(groups)
+            late = W.stop_groups(groups)
             if late:
                 log.warning("killed workers that were still busy at shutdown: %s", ", ".join(late))
         if self._metrics is not None:
             self._metrics.close()
-        for handle in (self.calibration, self.ranks_log, self.verify_log):
-            handle.close()
+        self.record.close()
         try:
             import ray  # noqa: PLC0415
 
             if ray.is_initialized():
                 ray.shutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
             pass
-
-
-def merge_train_metrics(results: list[dict]) -> dict[str, float]:
-    """Combine the output ranks' ``train_step`` results (pure; CPU-tested).
-
-    ``loss/*`` are shares of the global mean (summed over ranks); other per-token metrics are
-    token-weighted means; ``ratio_max`` is a max; grad norm and lr are the same on every rank.
-    """
-    if not results:
-        return {}
-    out: dict[str, float] = {}
-    tokens = sum(r["num_tokens"] for r in results)
-    for r in results:
-        for k, v in r["loss_sums"].items():
-            out[k] = out.get(k, 0.0) + v
-    keys = {k for r in results for k in r["weighted_sums"]}
-    for k in keys:
-        out[k] = sum(r["weighted_sums"].get(k, 0.0) for r in results) / max(tokens, 1.0)
-    for r in results:
-        for k, v in r["maxes"].items():
-            out[k] = max(out.get(k, float("-inf")), v)
-    out["num_tokens"] = tokens
-    out["grad_norm"] = results[0]["grad_norm"]
-    out["lr"] = results[0]["lr"]
-    out["optimizer_steps"] = results[0]["optimizer_steps"]
-    return out
 
 
 def exit_code_for(exc: BaseException) -> int:
     """The process exit code of a run that stopped with ``exc``."""
     from rlc.runtime.grpo.loss import GenKLExceeded  # noqa: PLC0415  (torch: the runtime has it)
-    from rlc.runtime.workers import WorkerFailure  # noqa: PLC0415
 
     if isinstance(exc, WorkerFailure):
         return EXIT_WORKER_FAILED
@@ -545,9 +446,6 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
     """Run GRPO as ``runtime.yaml`` says (``overrides``: dotted ``key=value`` applied on top of it);
     returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    from rlc.contract.runtime_config import RuntimeConfigError  # noqa: PLC0415
-    from rlc.runtime.overrides import load_with_overrides  # noqa: PLC0415
-
     try:
         cfg, changed = load_with_overrides(cfg_path, overrides or [])
     except RuntimeConfigError as exc:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from rlc.contract.runtime_config import LoggingConfig
 from rlc.contract.files import parse_json, read_capped
 
 #: Largest metrics.jsonl :func:`read_metrics` reads back (a line per step: a few KB each).
@@ -194,7 +195,7 @@ class MetricsLogger:
                 )
 
     @classmethod
-    def from_config(cls, logging_cfg: Any, **kwargs: Any) -> MetricsLogger:
+    def from_config(cls, logging_cfg: LoggingConfig, **kwargs: Any) -> MetricsLogger:
         """Build from a ``LoggingConfig`` (the ``logging`` section of ``runtime.yaml``)."""
         return cls(
             logging_cfg.dir,

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from rlc.contract.job_paths import is_local, kwarg_paths
+from rlc.contract.runtime_config import RuntimeConfigError, load_runtime_config
+from rlc.runtime.ray_auth import join_address, refused_message, token_refused
+
 NODE_RESOURCE = "rlc_node_{}"
 PROGRESS_EVERY_S = 30.0
 
@@ -66,9 +70,6 @@ class JobPath:
 def job_paths(runtime_yaml: str | Path) -> list[JobPath]:
     """The paths the job opens, from ``runtime.yaml`` (the compiler checked the same ones against the
     container's mounts: :mod:`rlc.contract.job_paths`); Hub ids and relative paths are left out."""
-    from rlc.contract.job_paths import is_local, kwarg_paths
-    from rlc.contract.runtime_config import load_runtime_config
-
     cfg = load_runtime_config(runtime_yaml)
     found = [JobPath("data.train", cfg.data.train_path, False, True)]
     if cfg.data.val_path:
@@ -108,8 +109,6 @@ def path_problems(paths: list[JobPath]) -> list[str]:
 
 def expected_from(runtime_yaml: str | Path) -> Expected:
     """Read the expected shape from ``runtime.yaml``."""
-    from rlc.contract.runtime_config import load_runtime_config
-
     cfg = load_runtime_config(runtime_yaml)
     c = cfg.cluster
     return Expected(c.nodes, c.gpus_per_node, c.world_size, c.ray.address, c.ray.namespace, c.ray.join_timeout_s)
@@ -156,8 +155,6 @@ def wait_for_cluster(exp: Expected, deadline: float, out: Callable[[str], None] 
     """Wait until ``exp.nodes`` nodes and ``exp.world_size`` GPUs are alive; 0 when they are, 1 at
     the deadline. Prints progress every ``interval_s`` seconds."""
     import ray
-
-    from rlc.runtime.ray_auth import join_address, refused_message, token_refused
 
     start = last = time.time()
     connected, error = False, ""
@@ -283,8 +280,6 @@ def main(runtime_yaml_path: str | Path) -> int:
     """``python -m rlc.runtime --probe runtime.yaml``: connect, check, print; 0 or 1."""
     import ray
 
-    from rlc.runtime.ray_auth import join_address, refused_message, token_refused
-
     exp = expected_from(runtime_yaml_path)
     address = join_address(exp.address)
     refused = token_refused(address)
@@ -311,7 +306,6 @@ def _cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="give up at this Unix time (default: now + join timeout)")
     parser.add_argument("runtime_yaml")
     args = parser.parse_args(argv)
-    from rlc.contract.runtime_config import RuntimeConfigError
 
     try:
         exp = expected_from(args.runtime_yaml)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlc.contract.files import parse_json, read_text_capped
+from rlc.runtime import toy
 
 def _shipped_tiny_config() -> dict[str, Any]:
     """The dense tiny Qwen3 of ``rlc/recipes/models/tiny-qwen3/config.json`` (the recipe plans with it)."""
@@ -54,7 +55,6 @@ def _hf_config(fields: dict[str, Any], vocab_size: int, dtype: str):
     fields.pop("torch_dtype", None)
     fields.pop("dtype", None)
     fields["vocab_size"] = vocab_size
-    from rlc.runtime import toy  # noqa: PLC0415
 
     fields.setdefault("bos_token_id", toy.BOS_ID)
     fields.setdefault("eos_token_id", toy.EOS_ID)
@@ -80,8 +80,6 @@ def build_toy_model(
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from rlc.runtime import toy  # noqa: PLC0415
-
     fields = dict(MOE_CONFIG if moe else DENSE_CONFIG)
     if config is not None:
         extra = config if isinstance(config, dict) else parse_json(read_text_capped(config))
@@ -103,8 +101,6 @@ def build_toy_model(
 def build_toy_workspace(root: str | Path, *, moe: bool = False, seed: int = 0, config: Any = None,
                         train: int = 4096, val: int = 128) -> dict[str, Path]:
     """``root/qwen3`` (checkpoint + tokenizer) and ``root/data/{train,val}.jsonl``."""
-    from rlc.runtime import toy  # noqa: PLC0415
-
     root = Path(root)
     ckpt = build_toy_model(root / ("qwen3_moe" if moe else "qwen3"), config=config, moe=moe, seed=seed)
     train_path = toy.write_dataset(root / "data" / "train.jsonl", train, seed)

@@ -1,10 +1,12 @@
 """The weight synchronizer: the one place every refit goes through (driver side; no torch at import).
 
-The driver calls ``prepare()`` once when the workers exist and ``sync(step)`` for every refit (the initial one
-and one after every train step); the synchronizer owns everything between "the trainer has new weights" and
-"the engines generate with them", including its metrics and the optional bit-exact check
-(``refit.verify_every``). The driver owns staleness (``GrpoRun.refits_done``), as NeMo-RL's loop does since
-its Megatron backend joined the weight synchronizer (NeMo-RL PR #3490).
+The driver calls ``prepare()`` once when the workers exist and ``sync(step, verify)`` for every refit (the initial
+one and one after every train step); the synchronizer owns everything between "the trainer has new weights" and
+"the engines generate with them", including the optional bit-exact check (``refit.verify_every``), and answers
+with a :class:`~rlc.runtime.recorder.Refitted` that the driver's recorder turns into metrics and records;
+``check(done)`` then stops the run on a check that found a difference. The driver owns staleness
+(``GrpoRun.refits_done``: which refits are checked), as NeMo-RL's loop does since its Megatron backend joined the
+weight synchronizer (NeMo-RL PR #3490).
 
 * :class:`VllmIpcSync` (``vllm-ipc``): the trainer's refit offload, vLLM wakes its weights, the export streams
   over CUDA IPC into them, vLLM wakes its KV cache and resets the prefix cache.
@@ -20,14 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+import tempfile
+from typing import Any, Protocol
 
-from rlc.contract.refit_buffer import GIB
-from rlc.runtime.worker_groups import Memory, RefitSent
-
-if TYPE_CHECKING:
-    from rlc.runtime.driver import GrpoRun
+from rlc.contract.runtime_config import RuntimeConfig
+from rlc.runtime import workers
+from rlc.runtime.metrics import PhaseTimer
+from rlc.runtime.recorder import Refitted
+from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
 
 log = logging.getLogger("rlc.runtime.driver")
 
@@ -39,17 +41,22 @@ class WeightSync(Protocol):
 
     def prepare(self) -> dict[str, Any]: ...
 
-    def sync(self, step: int) -> None: ...
+    def sync(self, step: int, verify: bool) -> Refitted: ...
+
+    def check(self, done: Refitted) -> None: ...
 
 
-def make_weight_sync(run: GrpoRun) -> WeightSync:
-    """The synchronizer of ``run``'s generation backend."""
-    gen = run.cfg.generation
+def make_weight_sync(cfg: RuntimeConfig, policy: PolicyGroup, generation: GenerationGroup | None, session: str,
+                     timer: PhaseTimer) -> WeightSync:
+    """The synchronizer of ``cfg``'s generation backend (``generation``: the vLLM engines, None with megatron)."""
+    gen = cfg.generation
     if gen.backend == "megatron":
         if gen.megatron is None:
             raise ValueError("generation.backend megatron without generation.megatron in runtime.yaml; recompile")
-        return MegatronInProcessSync(run)
-    return VllmIpcSync(run)
+        return MegatronInProcessSync(cfg, policy, timer)
+    if generation is None:
+        raise ValueError("generation.backend vllm without vLLM engines (a driver bug)")
+    return VllmIpcSync(cfg, policy, generation, session, timer)
 
 
 # --------------------------------------------------------------------------- vLLM: CUDA IPC
@@ -60,118 +67,68 @@ class VllmIpcSync:
 
     kind = "vllm-ipc"
 
-    def __init__(self, run: GrpoRun) -> None:
-        self.run = run
+    def __init__(self, cfg: RuntimeConfig, policy: PolicyGroup, generation: GenerationGroup, session: str,
+                 timer: PhaseTimer) -> None:
+        self.cfg, self.policy, self.generation, self.session, self.timer = cfg, policy, generation, session, timer
 
     def prepare(self) -> dict[str, Any]:
         """Pair every trainer rank with the vLLM worker on its GPU (both sides at once)."""
-        from rlc.runtime.workers import wait_all  # noqa: PLC0415
-
-        run = self.run
-        gpn = run.cfg.cluster.gpus_per_node
+        gpn = self.cfg.cluster.gpus_per_node
         node_rank: dict[str, int] = {}
         local = []
-        for info in run.policy.infos:
+        for info in self.policy.infos:
             local.append(node_rank.get(info.node_ip, 0))
             node_rank[info.node_ip] = local[-1] + 1
-        pending = [(run.policy.group, r, ref) for r, ref in run.policy.submit_refit_prepare(run.session, local, gpn)]
-        pending += [(run.generation.group, e, ref) for e, ref in run.generation.submit_refit_prepare(run.session)]
-        res = wait_all(pending, "refit prepare")
+        pending: list[workers.Pending[Any]] = [*self.policy.submit_refit_prepare(self.session, local, gpn),
+                                               *self.generation.submit_refit_prepare(self.session)]
+        res = workers.wait_all(pending, "refit prepare")
         log.info("refit paired: %s", json.dumps(res[0]))
         return dict(res[0])
 
-    def sync(self, step: int) -> None:
-        """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache."""
-        from rlc.runtime.workers import wait_all  # noqa: PLC0415
+    def sync(self, step: int, verify: bool) -> Refitted:
+        """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache; then, when
+        ``verify``, every vLLM worker compares its parameters with vLLM's own load of the trainer's export."""
+        timer = self.timer
+        with timer("refit"):
+            offloaded = self.policy.refit_offload()[0]
+            with timer("wake_weights"):
+                self.generation.wake_up(["weights"])
+            with timer("refit_transfer"):
+                pending: list[workers.Pending[Any]] = [*self.policy.submit_refit_send(),
+                                                       *self.generation.submit_refit_receive()]
+                results = workers.wait_all(pending, "refit")
+            sent = results[: len(self.policy)]
+            with timer("wake_kv"):
+                woke = self.generation.wake_up(["kv_cache"])[0]
+                self.generation.reset_prefix_cache()
+        transfer = timer.seconds("refit_transfer")
+        reports = self._verify(step) if verify else None
+        refit = self.cfg.refit
+        return Refitted(step=step, kind=self.kind, offloaded=offloaded, transfer_seconds=transfer, memory=woke.memory,
+                        sent=sent, verify=reports, sleep_level=refit.sleep_level,
+                        offload_optimizer=refit.offload_optimizer_for_refit)
 
-        run = self.run
-        cfg = run.cfg
-        with run.timer("refit"):
-            offloaded = run.policy.refit_offload()[0]
-            run.sample_memory("refit_offload", offloaded.memory)
-            with run.timer("wake_weights"):
-                run.generation.wake_up(["weights"])
-            with run.timer("refit_transfer"):
-                pending = [(run.policy.group, i, r) for i, r in run.policy.submit_refit_send()]
-                pending += [(run.generation.group, i, r) for i, r in run.generation.submit_refit_receive()]
-                results = wait_all(pending, "refit")
-            sent = [RefitSent.from_dict(r) for r in results[: len(run.policy)]]
-            with run.timer("wake_kv"):
-                woke = run.generation.wake_up(["kv_cache"])[0]
-                run.generation.reset_prefix_cache()
-        run.log_refit_ranks(step, sent)
-        r0 = sent[0]
-        worst = min(sent, key=lambda r: r.free_before_bytes)  # the tightest GPU decides OOM
-        m = run.step_metrics
-        m["refit/seconds"] = run.timer.seconds("refit_transfer")
-        m["refit/bytes"] = r0.bytes
-        m["refit/gbps"] = r0.gbps
-        m["refit/buckets"] = r0.num_buckets
-        m["refit/tensors"] = r0.num_tensors
-        m["refit/free_before_gib"] = worst.free_before_bytes / GIB
-        m["refit/min_free_gib"] = min(r.min_free_bytes for r in sent) / GIB
-        m["refit/half_gib"] = r0.half_bytes / GIB
-        m["refit/sleep_level"] = cfg.refit.sleep_level
-        m["refit/synced_params"] = float(offloaded.synced_params)
-        m["refit/offloaded_optimizer"] = float(offloaded.offloaded)
-        if cfg.refit.verify_every and run.refits_done % cfg.refit.verify_every == 0:
-            self.verify(step)
-        run.refits_done += 1
-        run.sample_memory("after_wake", woke)
-        if step <= 2 or step % 50 == 0:
-            total = offloaded.memory.total_gib
-            run.log_calibration(step, "refit_free", Memory(free_gib=r0.free_before_bytes / GIB,
-                                                           used_gib=total - r0.free_before_bytes / GIB,
-                                                           total_gib=total),
-                                extra={"half_gib": r0.half_bytes / GIB,
-                                       "offload_optimizer": cfg.refit.offload_optimizer_for_refit})
-            run.log_calibration(step, "after_wake", woke)
-        if step == 0 or run.refits_done <= 1:
-            keys = ("num_tensors", "bytes", "seconds", "gbps", "half_bytes", "free_before_bytes", "fixes")
-            log.info("refit %d: %s", run.refits_done, json.dumps({k: r0.raw.get(k) for k in keys}))
+    def _verify(self, step: int) -> list[dict[str, Any]]:
+        """``refit.verify_every``: every vLLM worker's report of its parameters against vLLM's own load of the
+        trainer's export (``rlc.runtime.refit.verify``)."""
+        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
+        with self.timer("refit_verify"):
+            self.policy.dump_export(export_dir)
+            return self.generation.verify_refit(export_dir)
 
-    def verify(self, step: int) -> None:
-        """``refit.verify_every``: every vLLM worker checks its parameters bit for bit against vLLM's own
-        load of the trainer's export (``rlc.runtime.refit.verify``); a difference stops the run."""
-        import tempfile  # noqa: PLC0415
+    def check(self, done: Refitted) -> None:
+        """A check that found a difference (or compared nothing) stops the run."""
+        if done.verify is None:
+            return
+        from rlc.runtime.refit.verify import RefitVerifyError, verify_error_text  # noqa: PLC0415 - torch
 
-        from rlc.runtime.refit.verify import RefitVerifyError, verify_error_text  # noqa: PLC0415
-
-        run = self.run
-        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{run.session}")
-        with run.timer("refit_verify"):
-            run.policy.dump_export(export_dir)
-            reports = run.generation.verify_refit(export_dir)
-        for worker, report in enumerate(reports):
-            run.verify_log.write({"step": step, "worker": worker, **report})
-        mismatches = sum(len(r["mismatches"]) for r in reports)
-        run.step_metrics["refit/verify_mismatches"] = mismatches
-        run.step_metrics["refit/verify_params"] = sum(r["params_compared"] for r in reports)
-        if mismatches or not all(r["params_compared"] for r in reports):
-            raise RefitVerifyError(verify_error_text(step, reports))
-        log.info("refit %d verified bit-exact: %d parameters on %d vLLM workers", step,
-                 sum(r["params_compared"] for r in reports), len(reports))
+        if not done.verified:
+            raise RefitVerifyError(verify_error_text(done.step, done.verify))
+        log.info("refit %d verified bit-exact: %d parameters on %d vLLM workers", done.step,
+                 sum(r["params_compared"] for r in done.verify), len(done.verify))
 
 
 # --------------------------------------------------------------------------- Megatron: in process
-
-
-@dataclass(frozen=True)
-class MegatronSynced:
-    """One policy worker's engine after a sync: what moved (0 bytes in shared mode) and its memory."""
-
-    kind: str
-    seconds: float
-    bytes: int
-    num_tensors: int
-    memory: Memory
-    verify: dict[str, Any] | None = None  # the bit-exact check of a swap (refit.verify_every), if it ran
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MegatronSynced:
-        return cls(str(d["kind"]), float(d["seconds"]), int(d["bytes"]), int(d["num_tensors"]),
-                   Memory.from_dict(d["memory"]), d.get("verify"), dict(d))
 
 
 def swap_verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
@@ -189,12 +146,16 @@ def swap_verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The report of a swap that was to be checked and came back without one.
+UNCHECKED = {"params_compared": 0, "mismatches": [], "bytes_compared": 0, "fp32_params": [], "bit_exact": False}
+
+
 class MegatronInProcessSync:
     """The trainer's refit offload, then every policy worker readies its engine (``mg_sync``)."""
 
-    def __init__(self, run: GrpoRun) -> None:
-        self.run = run
-        m = run.cfg.generation.megatron
+    def __init__(self, cfg: RuntimeConfig, policy: PolicyGroup, timer: PhaseTimer) -> None:
+        self.cfg, self.policy, self.timer = cfg, policy, timer
+        m = cfg.generation.megatron
         self.mode = m.mode if m is not None else "shared"
         self.kind = "megatron-swap" if self.mode == "dedicated" else "megatron-shared"
 
@@ -202,53 +163,32 @@ class MegatronInProcessSync:
         """Nothing to pair: the engines (and the dedicated model's swap plan) are built by ``backend.start()``."""
         return {"kind": self.kind}
 
-    def _verify_due(self) -> bool:
-        every = self.run.cfg.refit.verify_every
-        return bool(self.mode == "dedicated" and every and self.run.refits_done % every == 0)
+    def sync(self, step: int, verify: bool) -> Refitted:
+        """The trainer's refit offload, then each worker's engine ready (``verify``: a dedicated model's swap is
+        checked bit for bit; shared mode has nothing to compare, the engine reads the trainer's tensors)."""
+        verify = verify and self.mode == "dedicated"
+        with self.timer("refit"):
+            offloaded = self.policy.refit_offload()[0]
+            with self.timer("refit_transfer"):
+                synced = self.policy.mg_sync(step, verify)
+        reports = [dict(s.verify) if s.verify is not None else dict(UNCHECKED) for s in synced] if verify else None
+        return Refitted(step=step, kind=self.kind, offloaded=offloaded,
+                        transfer_seconds=self.timer.seconds("refit_transfer"), memory=synced[0].memory,
+                        synced=synced, verify=reports, sleep_level=self.cfg.refit.sleep_level,
+                        offload_optimizer=self.cfg.refit.offload_optimizer_for_refit)
 
-    def sync(self, step: int) -> None:
-        from rlc.runtime.refit.verify import RefitVerifyError  # noqa: PLC0415
+    def check(self, done: Refitted) -> None:
+        """A swap that left the inference model different from the trainer stops the run."""
+        if done.verify is None:
+            return
+        from rlc.runtime.refit.verify import RefitVerifyError  # noqa: PLC0415 - torch
 
-        run = self.run
-        verify = self._verify_due()
-        with run.timer("refit"):
-            offloaded = run.policy.refit_offload()[0]
-            run.sample_memory("refit_offload", offloaded.memory)
-            with run.timer("refit_transfer"):
-                synced = [MegatronSynced.from_dict(d) for d in run.policy.group.call("mg_sync", step, verify)]
-        s0 = synced[0]
-        m = run.step_metrics
-        m["refit/seconds"] = run.timer.seconds("refit_transfer")
-        m["refit/bytes"] = s0.bytes
-        m["refit/tensors"] = s0.num_tensors
-        m["refit/gbps"] = s0.bytes / 1e9 / max(s0.seconds, 1e-9) if s0.bytes else 0.0
-        m["refit/synced_params"] = float(offloaded.synced_params)
-        m["refit/offloaded_optimizer"] = float(offloaded.offloaded)
-        m["refit/megatron_swap"] = float(self.kind == "megatron-swap")
-        for rank, s in enumerate(synced):
-            run.ranks_log.write({"step": step, "rank": rank, **s.raw})
-        if verify:
-            reports = [s.verify or {"params_compared": 0, "mismatches": [], "bytes_compared": 0, "fp32_params": [],
-                                    "bit_exact": False} for s in synced]
-            for rank, report in enumerate(reports):
-                run.verify_log.write({"step": step, "worker": rank, **report})
-            mismatches = sum(len(r["mismatches"]) for r in reports)
-            m["refit/verify_mismatches"] = mismatches
-            m["refit/verify_params"] = sum(r["params_compared"] for r in reports)
-            if mismatches or not all(r["params_compared"] for r in reports):
-                raise RefitVerifyError(swap_verify_error_text(step, reports))
-            log.info("swap %d verified bit-exact: %d tensors on %d ranks (%d fp32)", step,
-                     sum(r["params_compared"] for r in reports), len(reports), len(reports[0]["fp32_params"]))
-        run.refits_done += 1
-        run.sample_memory("after_wake", s0.memory)
-        if step <= 2 or step % 50 == 0:
-            run.log_calibration(step, "after_wake", s0.memory,
-                                extra={"weight_sync": self.kind,
-                                       "offload_optimizer": run.cfg.refit.offload_optimizer_for_refit})
-        if step == 0 or run.refits_done <= 1:
-            log.info("refit %d (%s): %s", run.refits_done, self.kind,
-                     json.dumps({k: s0.raw.get(k) for k in ("bytes", "num_tensors", "seconds")}))
+        if not done.verified:
+            raise RefitVerifyError(swap_verify_error_text(done.step, done.verify))
+        log.info("swap %d verified bit-exact: %d tensors on %d ranks (%d fp32)", done.step,
+                 sum(r["params_compared"] for r in done.verify), len(done.verify),
+                 len(done.verify[0]["fp32_params"]))
 
 
-__all__ = ["MegatronInProcessSync", "MegatronSynced", "VllmIpcSync", "WeightSync", "make_weight_sync",
+__all__ = ["MegatronInProcessSync", "UNCHECKED", "VllmIpcSync", "WeightSync", "make_weight_sync",
            "swap_verify_error_text"]

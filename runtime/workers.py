@@ -1,21 +1,30 @@
 """Ray placement and worker plumbing for the runtime: one bundle per GPU, workers colocated in it.
 
 Pure parts (no ray, no torch; CPU-tested): ``plan_placement`` (which bundle each trainer rank and
-each vLLM engine uses), ``worker_env`` (the environment every worker gets), ``WorkerInfo`` (who a
-worker is: role, rank, node, GPU). ``gpu_memory_snapshot`` (torch) is the memory a calibration
-record (``rlc.contract.calibration_record``) holds.
+each vLLM engine uses), ``worker_env`` (the environment every worker gets). ``local_worker_info`` (who a
+worker is: role, rank, node, GPU) and ``gpu_memory_snapshot`` (torch: the memory a calibration record,
+``rlc.contract.calibration_record``, holds) run inside the workers.
 
 Ray parts (``ray`` imported inside the functions): ``connect``, ``reserve_gpus``, ``spawn`` and
-``WorkerGroup.call`` (run a method on many workers; a worker that dies or raises ends the run with
-a ``WorkerFailure`` naming the worker, its node and its GPU).
+``WorkerGroup`` (run a method of the worker protocol, ``rlc.runtime.worker_api``, on many workers; a worker
+that dies or raises ends the run with a ``WorkerFailure`` naming the worker, its node and its GPU).
 """
 from __future__ import annotations
 
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from importlib import metadata
+from dataclasses import dataclass
+from typing import Any, Callable, Concatenate, Generic, ParamSpec, Sequence, TypeVar
+
+from rlc.contract.runtime_config import RayConfig, RuntimeConfig
+from rlc.runtime.ray_auth import join_address, refused_message, token_refused
+from rlc.runtime.worker_api import Memory, WorkerInfo
+
+W = TypeVar("W")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Fraction of a GPU each colocated actor asks Ray for (policy + generation share one bundle).
 COLOCATED_GPU_FRACTION = 0.5
@@ -76,7 +85,7 @@ class Placement:
         return len(self.engine_bundles[0]) if self.engine_bundles else 0
 
 
-def plan_placement(cfg: Any) -> Placement:
+def plan_placement(cfg: RuntimeConfig) -> Placement:
     """One bundle per GPU; trainer rank r in bundle r; engine e on bundles [e*k, (e+1)*k).
 
     ``k = generation_parallel.tp * generation_parallel.pp`` GPUs per vLLM engine. Colocated only:
@@ -140,7 +149,7 @@ def order_bundles_by_node(bundle_nodes: Sequence[str]) -> list[int]:
     return sorted(range(len(bundle_nodes)), key=lambda i: (first_seen[bundle_nodes[i]], i))
 
 
-def worker_env(cfg: Any, host_env: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(cfg: RuntimeConfig, host_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of every worker: ``BASE_WORKER_ENV``, forwarded host variables, then ``cfg.env``.
 
     Refuses ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: vLLM's sleep-mode allocator asserts
@@ -162,48 +171,26 @@ def worker_env(cfg: Any, host_env: dict[str, str] | None = None) -> dict[str, st
 # --------------------------------------------------------------------------- who a worker is
 
 
-@dataclass
-class WorkerInfo:
-    """Identity of one worker, for logs and failure messages."""
-
-    role: str  # "policy" | "generation"
-    rank: int  # trainer rank, or engine index
-    node_ip: str = "?"
-    hostname: str = "?"
-    pid: int = 0
-    gpu_ids: list[Any] = field(default_factory=list)  # Ray's GPU ids (physical index on the node)
-    gpu_uuid: str = "?"
-    bundle: int = -1
-
-    def describe(self) -> str:
-        gpus = ",".join(str(g) for g in self.gpu_ids) or "?"
-        return (
-            f"{self.role} worker {self.rank} (node {self.node_ip} / {self.hostname}, GPU {gpus}, "
-            f"uuid {self.gpu_uuid}, pid {self.pid}, bundle {self.bundle})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def local_worker_info(role: str, rank: int, bundle: int = -1) -> WorkerInfo:
     """This process's identity (called inside an actor; uses ray and torch if present)."""
-    info = WorkerInfo(role=role, rank=rank, hostname=socket.gethostname(), pid=os.getpid(), bundle=bundle)
+    node_ip, gpu_uuid = "?", "?"
+    gpu_ids: list[Any] = [os.environ.get("CUDA_VISIBLE_DEVICES", "?")]
     try:
-        import ray  # noqa: PLC0415
+        import ray  # noqa: PLC0415 - the worker runs inside Ray; the driver's module imports no GPU stack
 
-        info.node_ip = ray.util.get_node_ip_address()
-        info.gpu_ids = list(ray.get_gpu_ids())
-    except Exception:  # not inside ray
-        info.gpu_ids = [os.environ.get("CUDA_VISIBLE_DEVICES", "?")]
+        node_ip = ray.util.get_node_ip_address()
+        gpu_ids = list(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - not inside ray: the environment's GPU
+        pass
     try:
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - (the GPU stack, as above)
 
         if torch.cuda.is_available():
-            info.gpu_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    except Exception:
+            gpu_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except Exception:  # noqa: BLE001 - no usable CUDA: the uuid stays unknown
         pass
-    return info
+    return WorkerInfo(role=role, rank=rank, node_ip=node_ip, hostname=socket.gethostname(), pid=os.getpid(),
+                      gpu_ids=gpu_ids, gpu_uuid=gpu_uuid, bundle=bundle)
 
 
 # --------------------------------------------------------------------------- memory / calibration
@@ -212,25 +199,19 @@ def local_worker_info(role: str, rank: int, bundle: int = -1) -> WorkerInfo:
 GIB = float(1 << 30)
 
 
-def gpu_memory_snapshot() -> dict[str, float]:
+def gpu_memory_snapshot() -> Memory:
     """GPU memory seen from this process: device free/used/total (all processes) and this process's
     torch allocated/reserved, in GiB."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - called in the workers; the driver's module imports no GPU stack
 
     free, total = torch.cuda.mem_get_info()
-    return {
-        "free_gib": free / GIB,
-        "used_gib": (total - free) / GIB,
-        "total_gib": total / GIB,
-        "torch_allocated_gib": torch.cuda.memory_allocated() / GIB,
-        "torch_reserved_gib": torch.cuda.memory_reserved() / GIB,
-    }
+    return Memory(free_gib=free / GIB, used_gib=(total - free) / GIB, total_gib=total / GIB,
+                  torch_allocated_gib=torch.cuda.memory_allocated() / GIB,
+                  torch_reserved_gib=torch.cuda.memory_reserved() / GIB)
 
 
 def library_versions() -> dict[str, str]:
     """Versions of the stack, for calibration records (missing packages are skipped)."""
-    from importlib import metadata  # noqa: PLC0415
-
     out = {}
     for dist in ("torch", "vllm", "ray", "megatron-core", "megatron-bridge", "transformer-engine", "transformers"):
         try:
@@ -243,7 +224,7 @@ def library_versions() -> dict[str, str]:
 # --------------------------------------------------------------------------- ray plumbing
 
 
-def connect(ray_cfg: Any, env: dict[str, str]) -> str:
+def connect(ray_cfg: RayConfig, env: dict[str, str]) -> str:
     """Connect to Ray: ``local`` starts a private cluster; ``auto``/``host:port`` joins one.
 
     Retries joining for ``ray.join_timeout_s`` (the head may still be starting inside sbatch), but
@@ -267,9 +248,7 @@ def connect(ray_cfg: Any, env: dict[str, str]) -> str:
         ray.init(address="local", namespace=ray_cfg.namespace, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=True)
     else:
-        from ray.exceptions import AuthenticationError  # noqa: PLC0415
-
-        from rlc.runtime.ray_auth import join_address, refused_message, token_refused  # noqa: PLC0415
+        from ray.exceptions import AuthenticationError  # noqa: PLC0415 - (Ray, as above)
 
         deadline = time.monotonic() + max(1, ray_cfg.join_timeout_s)
         address = join_address(ray_cfg.address)
@@ -341,8 +320,30 @@ def spawn(cls: type, *, pg: Any, bundle: int, num_gpus: float, env: dict[str, st
     ).remote(*args, **(kwargs or {}))
 
 
-class WorkerGroup:
-    """Actors of one role with their identities; ``call`` fans out a method and names failures."""
+@dataclass(frozen=True)
+class Pending(Generic[R]):
+    """A worker method running: the worker (group and rank) and Ray's reference to its answer."""
+
+    group: WorkerGroup[Any]
+    rank: int
+    ref: Any  # ray.ObjectRef of an R
+
+
+def remote_method(actor: Any, method: Callable[..., Any]) -> Any:
+    """The Ray actor's handle of ``method`` (a method of the worker's class or protocol): the one place a
+    method reference becomes the name Ray dispatches on."""
+    return getattr(actor, method.__name__)
+
+
+class WorkerGroup(Generic[W]):
+    """Actors of one role (workers implementing ``W``) with their identities.
+
+    ``call(Api.method, *args)`` runs a method of the worker protocol on every worker and returns the answers in
+    rank order; ``call_on`` runs it on one worker; ``submit``/``submit_to`` start it and return :class:`Pending`
+    answers for :func:`wait_all`. The method is a reference (``PolicyWorkerApi.setup``), so the type checker
+    checks the arguments and the answer. A worker that dies or raises ends the call with a ``WorkerFailure``
+    naming the worker, its node and its GPU.
+    """
 
     def __init__(self, role: str, actors: list[Any], infos: list[WorkerInfo] | None = None) -> None:
         self.role = role
@@ -352,37 +353,39 @@ class WorkerGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def submit(self, method: str, *args: Any, ranks: Sequence[int] | None = None,
-               per_rank: Callable[[int], tuple] | None = None, **kwargs: Any) -> list[tuple[int, Any]]:
-        """Start ``method`` on the workers (all, or ``ranks``); returns ``[(rank, ObjectRef)]``."""
-        idx = list(range(len(self.actors))) if ranks is None else list(ranks)
-        refs = []
-        for i in idx:
-            a = per_rank(i) if per_rank is not None else args
-            refs.append((i, getattr(self.actors[i], method).remote(*a, **kwargs)))
-        return refs
+    def submit_to(self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args,
+                  **kwargs: P.kwargs) -> Pending[R]:
+        """Start ``method`` on worker ``rank``."""
+        return Pending(self, rank, remote_method(self.actors[rank], method).remote(*args, **kwargs))
 
-    def wait(self, refs: list[tuple[int, Any]], what: str) -> list[Any]:
-        """Results in order; the first failure raises ``WorkerFailure`` naming that worker."""
-        return wait_all([(self, i, r) for i, r in refs], what)
+    def submit(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[Pending[R]]:
+        """Start ``method`` on every worker."""
+        return [self.submit_to(rank, method, *args, **kwargs) for rank in range(len(self.actors))]
 
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
-        return self.wait(self.submit(method, *args, ranks=ranks, **kwargs), f"{self.role}.{method}")
+    def call(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """``method`` on every worker; the answers in rank order."""
+        return wait_all(self.submit(method, *args, **kwargs), f"{self.role}.{method.__name__}")
+
+    def call_on(self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method`` on worker ``rank``; its answer."""
+        answer: R = wait_all([self.submit_to(rank, method, *args, **kwargs)], f"{self.role}.{method.__name__}")[0]
+        return answer
 
 
-def wait_all(pending: list[tuple[WorkerGroup, int, Any]], what: str) -> list[Any]:
-    """Wait for refs of possibly several groups; on the first error name the worker and stop."""
-    import ray  # noqa: PLC0415
-    from ray.exceptions import RayActorError, RayError  # noqa: PLC0415
+def wait_all(pending: Sequence[Pending[Any]], what: str) -> list[Any]:
+    """The answers of ``pending`` (of one group or several) in order; the first failure raises ``WorkerFailure``
+    naming that worker."""
+    import ray  # noqa: PLC0415 - the driver's module imports no GPU stack (CPU tests, the compiler's checks)
+    from ray.exceptions import RayActorError, RayError  # noqa: PLC0415 - (as above)
 
     results: dict[int, Any] = {}
-    index_of = {ref: n for n, (_, _, ref) in enumerate(pending)}
-    remaining = [ref for _, _, ref in pending]
+    index_of = {p.ref: n for n, p in enumerate(pending)}
+    remaining = [p.ref for p in pending]
     while remaining:
         done, remaining = ray.wait(remaining, num_returns=1)
         ref = done[0]
         n = index_of[ref]
-        group, rank, _ = pending[n]
+        group, rank = pending[n].group, pending[n].rank
         try:
             results[n] = ray.get(ref)
         except RayError as exc:
@@ -391,7 +394,7 @@ def wait_all(pending: list[tuple[WorkerGroup, int, Any]], what: str) -> list[Any
     return [results[n] for n in range(len(pending))]
 
 
-def stop_groups(groups: Sequence[WorkerGroup | None], graceful_timeout_s: float = 30.0) -> list[str]:
+def stop_groups(groups: Sequence[WorkerGroup[Any] | None], graceful_timeout_s: float = 30.0) -> list[str]:
     """Ask every worker to shut down, wait at most ``graceful_timeout_s``, then kill them all.
 
     A worker still blocked in a call (say, a vLLM engine waiting in ``refit_prepare`` for a trainer rank

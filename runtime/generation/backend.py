@@ -1,10 +1,10 @@
 """The generation interface the driver calls, and its two implementations (pure Python; no ray, no torch).
 
-A backend starts its engines, generates ``n`` samples per prompt with the sampled tokens' logprobs (the sample
-dicts ``{token_ids, logprobs, text, finish_reason}``), and releases its GPU memory before the trainer's passes::
+A backend starts its engines, generates ``n`` samples per prompt with the sampled tokens' logprobs
+(``rlc.runtime.worker_api.Sample``), and releases its GPU memory before the trainer's passes::
 
     started = backend.start()                       # once, after the policy workers exist (megatron) or before (vllm)
-    results = backend.generate([(engine, prompts), ...], n)   # each engine's {"samples": [[sample] * n per prompt]}
+    results = backend.generate([(engine, prompts), ...], n)   # each engine's Generated: [[sample] * n per prompt]
     slept = backend.release(step)                   # before the trainer's logprob pass
     # ... trainer passes, then the weight sync (rlc.runtime.weight_sync) readies the engines again
 
@@ -15,9 +15,10 @@ dicts ``{token_ids, logprobs, text, finish_reason}``), and releases its GPU memo
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
-from rlc.runtime.worker_groups import EngineStarted, GenerationGroup, Memory, PolicyGroup, Slept
+from rlc.runtime.worker_api import EngineStarted, Generated, Slept
+from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
 
 
 class GenerationBackend(Protocol):
@@ -32,7 +33,7 @@ class GenerationBackend(Protocol):
 
     def start(self) -> EngineStarted: ...
 
-    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]: ...
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[Generated]: ...
 
     def release(self, step: int) -> Slept: ...
 
@@ -59,7 +60,7 @@ class VllmBackend:
     def sleep_after_start(self) -> None:
         self.group.sleep(self.sleep_level)
 
-    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]:
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[Generated]:
         return self.group.generate(chunks, n)
 
     def release(self, step: int) -> Slept:
@@ -81,21 +82,15 @@ class MegatronBackend:
 
     def start(self) -> EngineStarted:
         """Build every rank's engine (and, in dedicated mode, its inference model); the engines start suspended."""
-        started = [EngineStarted(float(d["start_s"]), Memory.from_dict(d["memory"]), d["eos_token_id"])
-                   for d in self.policy.group.call("mg_start")]
-        return started[0]
+        return self.policy.mg_start()[0]
 
-    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[dict[str, Any]]:
-        """``chunks``: (trainer rank, prompts); each rank's ``{"samples": ...}`` in that order."""
-        prompts = dict(chunks)
-        refs = self.policy.group.submit("mg_generate", ranks=[r for r, _ in chunks],
-                                        per_rank=lambda r: (prompts[r], n))
-        return self.policy.group.wait(refs, "generate")
+    def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[Generated]:
+        """``chunks``: (trainer rank, prompts); each rank's samples in that order."""
+        return self.policy.mg_generate(chunks, n)
 
     def release(self, step: int) -> Slept:
         """Suspend every engine (its KV pool per ``generation.megatron.kv_cache``) before the trainer's passes."""
-        return [Slept(float(d["freed_gib"]), Memory.from_dict(d["memory"]))
-                for d in self.policy.group.call("mg_release", step)][0]
+        return self.policy.mg_release(step)[0]
 
 
 __all__ = ["GenerationBackend", "MegatronBackend", "VllmBackend"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlc.contract.engine_options import VLLM_OWNED
 from rlc.contract.fp8 import BLOCK, ROUTER_IGNORE_REGEX, router_ignore_prefixes
-from rlc.contract.runtime_config import vllm_speculative_config
+from rlc.contract.runtime_config import RuntimeConfig, vllm_speculative_config
 from rlc.runtime.generation.sampling import logprobs_mode
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "rlc.runtime.generation.extension.RlcWorkerExtension"
 
 
-def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str, Any]:
+def engine_kwargs(cfg: RuntimeConfig, engine_index: int, *, distributed: bool) -> dict[str, Any]:
     """``vllm.LLM`` arguments of engine ``engine_index`` (``distributed``: more than one GPU)."""
     gp, gen = cfg.generation_parallel, cfg.generation
     kwargs: dict[str, Any] = dict(
@@ -75,7 +75,7 @@ def engine_kwargs(cfg: Any, engine_index: int, *, distributed: bool) -> dict[str
     return kwargs
 
 
-def fp8_engine_kwargs(cfg: Any) -> dict[str, Any]:
+def fp8_engine_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of FP8 rollouts (empty for ``generation.precision: auto``)."""
     gen = cfg.generation
     if gen.precision == "auto":
@@ -86,6 +86,9 @@ def fp8_engine_kwargs(cfg: Any) -> dict[str, Any]:
         return {"quantization": "fp8_per_tensor", "quantization_config": {"ignore": [ROUTER_IGNORE_REGEX]}}
     if gen.fp8.scales != "block":
         raise ValueError(f"generation.fp8.scales={gen.fp8.scales!r}: expected block or tensor")
+    if cfg.model.num_layers is None:
+        raise ValueError("generation.fp8.scales block: runtime.yaml has no model.num_layers (the FP8 checkpoint's "
+                         "layers); recompile with the model's config.json")
     layers = int(cfg.model.num_layers) + int(cfg.model.mtp_num_layers)
     return {
         "quantization": "fp8",

@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterable, Iterator
 
+from rlc.contract.fp8 import block_quantized, scale_name
+from rlc.runtime.refit.errors import RefitError
+
 
 class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
@@ -35,7 +38,7 @@ class RlcWorkerExtension:
         the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer."""
         import torch  # noqa: PLC0415
 
-        from rlc.runtime.refit import RefitConsumer  # noqa: PLC0415
+        from rlc.runtime.refit.consumer import RefitConsumer  # noqa: PLC0415 - torch and zmq: vLLM's workers have them
 
         consumer = getattr(self, "_rlc_consumer", None)
         if consumer is None:
@@ -48,7 +51,6 @@ class RlcWorkerExtension:
         info: dict[str, Any] = {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
                                 "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs)}
         if fp8_scales == "block":
-            from rlc.runtime.refit.errors import RefitError  # noqa: PLC0415
             from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
 
             model = self.model_runner.model
@@ -104,7 +106,6 @@ class RlcWorkerExtension:
         (vLLM quantizes them as it loads)."""
         import torch  # noqa: PLC0415
 
-        from rlc.contract.fp8 import block_quantized, scale_name  # noqa: PLC0415
         from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
 
         if getattr(self, "_rlc_fp8_scales", None) != "block":

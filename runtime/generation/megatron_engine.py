@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
 from rlc.runtime.generation.megatron_sampling import (group_samples, inference_config_kwargs, parse_request,
                                                       sampling_params_kwargs)
+from rlc.runtime.worker_api import Sample
 
 
 def unwrap(model: Any) -> Any:
@@ -109,8 +111,7 @@ def require_flash_attention() -> str:
     return found
 
 
-
-def build_engine(gen_model: Any, cfg: Any, tokenizer: Any, *, pg_collection: Any = None) -> Any:
+def build_engine(gen_model: Any, cfg: RuntimeConfig, tokenizer: Any, *, pg_collection: Any = None) -> Any:
     """A suspended ``DynamicInferenceEngine`` on ``gen_model`` (its KV pool freed per ``generation.megatron.kv_cache``)."""
     from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode, MambaInferenceStateConfig  # noqa: PLC0415
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: PLC0415
@@ -148,9 +149,9 @@ def pool_facts(engine: Any) -> dict[str, Any]:
             "max_tokens": int(ctx.max_tokens), "max_sequence_length": int(ctx.max_sequence_length)}
 
 
-def generate(engine: Any, prompts: list[list[int]], n: int, sampling: Any, *, eos_token_id: int | None,
-             decode: Any) -> list[list[dict[str, Any]]]:
-    """``n`` samples of every prompt (one request each, prompt by prompt), as the driver's sample dicts."""
+def generate(engine: Any, prompts: list[list[int]], n: int, sampling: SamplingConfig, *, eos_token_id: int | None,
+             decode: Any) -> list[list[Sample]]:
+    """``n`` samples of every prompt (one request each, prompt by prompt)."""
     from megatron.core.inference.sampling_params import SamplingParams  # noqa: PLC0415
 
     kw = sampling_params_kwargs(sampling, eos_token_id)
@@ -189,7 +190,7 @@ def generate(engine: Any, prompts: list[list[int]], n: int, sampling: Any, *, eo
 # --------------------------------------------------------------------------- the dedicated inference model
 
 
-def build_inference_model(bridge: Any, cfg: Any) -> tuple[Any, Any]:
+def build_inference_model(bridge: Any, cfg: RuntimeConfig) -> tuple[Any, Any]:
     """The dedicated inference model (``generation.megatron.mode: dedicated``): the trainer's provider, no HF load
     (every tensor comes from the swap), no recompute, the inference layout's process groups
     (``build_inference_pg_collection``), not DDP-wrapped. Returns ``(model, pg_collection)``."""
@@ -198,6 +199,8 @@ def build_inference_model(bridge: Any, cfg: Any) -> tuple[Any, Any]:
     from rlc.runtime.policy.megatron_setup import make_provider, torch_dtype  # noqa: PLC0415
 
     m, g, t = cfg.generation.megatron, cfg.generation_parallel, cfg.train_parallel
+    if m is None:
+        raise RuntimeError("the dedicated inference model: runtime.yaml has no generation.megatron (compiled for vLLM)")
     provider = make_provider(bridge, cfg, load_weights=False)
     provider.recompute_granularity = None
     provider.recompute_method = None

@@ -6,8 +6,8 @@
   arguments. megatron-core's conventions differ from rlc's (= vLLM's): top-k 0 and top-p 0.0 mean "off"; a
   request stops on one termination id. What the engine cannot do as vLLM does is refused (the compiler refuses
   it first, RLC404).
-* :func:`parse_request`: one finished megatron-core request -> ``{token_ids, logprobs, text, finish_reason}``,
-  the sample dict the driver gets from vLLM (``rlc.runtime.generation.sampling.parse_request_output``).
+* :func:`parse_request`: one finished megatron-core request -> a :class:`~rlc.runtime.worker_api.Sample`, as the
+  driver gets them from vLLM (``rlc.runtime.generation.sampling.parse_request_output``).
 * :class:`TokenizerAdapter`: the tokenizer interface megatron-core's controller calls (``eod``, ``bos``,
   ``tokenize``, ``detokenize``) over a Hugging Face tokenizer.
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
 from rlc.runtime.generation.sampling import logprobs_mode
+from rlc.runtime.worker_api import Sample
 
 GIB = float(1 << 30)
 #: megatron-core ``inference_request.Status.FAILED``.
@@ -30,7 +32,7 @@ class MegatronRequestFailed(RuntimeError):
     """The engine failed a request (it did not fit the KV pool, the token budget or the sequence length)."""
 
 
-def inference_config_kwargs(cfg: Any) -> dict[str, Any]:
+def inference_config_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``InferenceConfig`` for ``runtime.yaml`` ``cfg`` (the KV management
     mode as its string value; the worker turns it into ``KVCacheManagementMode``)."""
     gen = cfg.generation
@@ -62,7 +64,7 @@ def inference_config_kwargs(cfg: Any) -> dict[str, Any]:
     return kwargs
 
 
-def sampling_params_kwargs(sampling: Any, eos_token_id: int | None) -> dict[str, Any]:
+def sampling_params_kwargs(sampling: SamplingConfig, eos_token_id: int | None) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``SamplingParams`` for ``generation.sampling``."""
     top_k = int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else 0
     top_p = float(sampling.top_p) if float(sampling.top_p) < 1.0 else 0.0
@@ -97,8 +99,8 @@ def _errors(req: Any) -> str:
 
 
 def parse_request(req: Any, *, eos_token_id: int | None, max_tokens: int,
-                  decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """One finished request (merged ``DynamicInferenceRequest``) as ``{token_ids, logprobs, text, finish_reason}``.
+                  decode: Callable[[list[int]], str]) -> Sample:
+    """One finished request (merged ``DynamicInferenceRequest``) as a sample.
 
     ``token_ids`` keep the EOS token that ended the sample, as vLLM's do; ``text`` is ``decode`` of the tokens
     without it; ``finish_reason`` is ``stop`` (EOS) or ``length`` (``max_tokens`` or the model length reached),
@@ -121,11 +123,10 @@ def parse_request(req: Any, *, eos_token_id: int | None, max_tokens: int,
                          f"generation.sampling.max_tokens {max_tokens}")
     stopped = bool(ids) and eos_token_id is not None and ids[-1] == eos_token_id
     text_ids = ids[:-1] if stopped else ids
-    return {"token_ids": ids, "logprobs": logprobs, "text": decode(text_ids),
-            "finish_reason": "stop" if stopped else "length"}
+    return Sample(token_ids=ids, logprobs=logprobs, text=decode(text_ids), finish_reason="stop" if stopped else "length")
 
 
-def group_samples(flat: list[dict[str, Any]], n: int) -> list[list[dict[str, Any]]]:
+def group_samples(flat: list[Sample], n: int) -> list[list[Sample]]:
     """``n`` consecutive samples per prompt (requests are submitted prompt by prompt, ``n`` each)."""
     if n < 1 or len(flat) % n:
         raise ValueError(f"{len(flat)} samples do not split into groups of {n}")

@@ -4,14 +4,17 @@
 sampled token's logprob is always requested (``logprobs=0``) because the trainer compares it with its
 own (gen-KL). ``logprobs_mode`` makes vLLM report logprobs of the distribution it actually samples
 from when a temperature is set (the trainer divides its logits by the same temperature).
-``parse_request_output`` turns one ``RequestOutput`` into plain dicts that cross Ray cheaply.
+``parse_request_output`` turns one ``RequestOutput`` into plain data that crosses Ray cheaply.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from rlc.contract.runtime_config import SamplingConfig
+from rlc.runtime.worker_api import Sample
 
-def sampling_kwargs(sampling: Any, n: int, *, eos_token_id: int | None = None) -> dict[str, Any]:
+
+def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``SamplingParams`` (``n`` generations per prompt)."""
     kw: dict[str, Any] = {
         "n": int(n),
@@ -30,7 +33,7 @@ def sampling_kwargs(sampling: Any, n: int, *, eos_token_id: int | None = None) -
     return kw
 
 
-def logprobs_mode(sampling: Any) -> str:
+def logprobs_mode(sampling: SamplingConfig) -> str:
     """``raw_logprobs`` at temperature 1 without top-p/top-k, else ``processed_logprobs``."""
     plain = float(sampling.temperature) == 1.0 and float(sampling.top_p) >= 1.0 and not (sampling.top_k and sampling.top_k > 0)
     return "raw_logprobs" if plain else "processed_logprobs"
@@ -48,24 +51,20 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return out
 
 
-def parse_request_output(req: Any, moe_layers: Sequence[int] | None = None) -> list[dict[str, Any]]:
-    """One prompt's generations as ``[{token_ids, logprobs, text, finish_reason}]``; with ``moe_layers``
-    (routing replay) also ``routed_experts``: vLLM's routes of the completion reduced to those decoder layers
-    (``rlc.runtime.policy.routes.compact``), or None where vLLM returned none."""
+def parse_request_output(req: Any, moe_layers: Sequence[int] | None = None) -> list[Sample]:
+    """One prompt's generations; with ``moe_layers`` (routing replay) each with ``routed_experts``: vLLM's routes
+    of the completion reduced to those decoder layers (``rlc.runtime.policy.routes.compact``), or None where vLLM
+    returned none."""
     samples = []
     for comp in req.outputs:
         ids = list(comp.token_ids)
-        sample = {
-            "token_ids": ids,
-            "logprobs": sampled_logprobs(ids, comp.logprobs),
-            "text": comp.text,
-            "finish_reason": comp.finish_reason,
-        }
+        routes = None
         if moe_layers is not None:
-            from rlc.runtime.policy.routes import compact  # noqa: PLC0415
+            from rlc.runtime.policy.routes import compact  # noqa: PLC0415 - numpy and torch: routing replay only
 
-            sample["routed_experts"] = compact(getattr(comp, "routed_experts", None), moe_layers)
-        samples.append(sample)
+            routes = compact(getattr(comp, "routed_experts", None), moe_layers)
+        samples.append(Sample(token_ids=ids, logprobs=sampled_logprobs(ids, comp.logprobs), text=comp.text,
+                              finish_reason=comp.finish_reason, routed_experts=routes))
     return samples
 
 

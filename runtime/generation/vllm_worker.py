@@ -13,12 +13,17 @@ each of vLLM's workers and pairs with the trainer rank on its GPU.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlc.contract.runtime_config import runtime_config_from_dict
+from rlc.runtime.generation.engine_args import check_vllm_version, engine_kwargs
+from rlc.runtime.generation.sampling import parse_request_output, prompt_logprobs_of, sampling_kwargs
+from rlc.runtime.worker_api import EngineStarted, Generated, GenerationWorkerApi, Memory, Slept, WorkerInfo, Woke
+from rlc.runtime.workers import gpu_memory_snapshot, local_worker_info
 
 
 log = logging.getLogger(__name__)
@@ -42,12 +47,10 @@ class VllmGenerationWorker:
             raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
         return self._llm
 
-    def info(self) -> dict:
-        from rlc.runtime.workers import local_worker_info  # noqa: PLC0415
+    def info(self) -> WorkerInfo:
+        return local_worker_info("generation", self.engine_index, self.bundles[0] if self.bundles else -1)
 
-        return local_worker_info("generation", self.engine_index, self.bundles[0] if self.bundles else -1).to_dict()
-
-    def start(self, engine_overrides: dict[str, Any] | None = None) -> dict:
+    def start(self, engine_overrides: dict[str, Any] | None = None) -> EngineStarted:
         """Create the engine (loads the HF checkpoint, profiles memory, allocates the KV cache).
 
         ``engine_overrides``: extra ``vllm.LLM`` arguments applied last (benchmarks start the engine
@@ -55,12 +58,8 @@ class VllmGenerationWorker:
         """
         from vllm import LLM  # noqa: PLC0415
 
-        from rlc.runtime.generation.engine_args import check_vllm_version, engine_kwargs  # noqa: PLC0415
-
         cfg, gp, gen = self.cfg, self.cfg.generation_parallel, self.cfg.generation
         t0 = time.perf_counter()
-        import importlib.util  # noqa: PLC0415
-
         if importlib.util.find_spec("flashinfer") is None:
             # vLLM's default top-k/top-p sampler imports flashinfer when it is on by default; without
             # the package (the GPU host's stack) fall back to the PyTorch sampler instead of failing.
@@ -82,8 +81,8 @@ class VllmGenerationWorker:
         self.eos_token_id = self._eos_token_id()
         if cfg.training.router_replay.enabled:
             self.moe_layers = self._recorded_moe_layers()
-        return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "eos_token_id": self.eos_token_id,
-                "moe_layers": self.moe_layers}
+        return EngineStarted(seconds=time.perf_counter() - t0, memory=self.memory(), eos_token_id=self.eos_token_id,
+                             moe_layers=self.moe_layers)
 
     def _recorded_moe_layers(self) -> list[int]:
         """Routing replay: the decoder layers whose routes every worker of this engine records (all MoE layers,
@@ -107,9 +106,7 @@ class VllmGenerationWorker:
         except Exception:
             return None
 
-    def memory(self) -> dict:
-        from rlc.runtime.workers import gpu_memory_snapshot  # noqa: PLC0415
-
+    def memory(self) -> Memory:
         return gpu_memory_snapshot()
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -118,12 +115,10 @@ class VllmGenerationWorker:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int) -> dict:
-        """``n`` samples per prompt: ``{"samples": [[{token_ids, logprobs, text, finish_reason}]], ...}`` (with
-        routing replay each sample also has ``routed_experts``, see ``rlc.runtime.policy.routes``)."""
+    def generate(self, prompt_token_ids: list[list[int]], n: int) -> Generated:
+        """``n`` samples per prompt, with their logprobs (and with routing replay their routes, see
+        ``rlc.runtime.policy.routes``)."""
         from vllm import SamplingParams  # noqa: PLC0415
-
-        from rlc.runtime.generation.sampling import parse_request_output, sampling_kwargs  # noqa: PLC0415
 
         if self.sleeping:
             raise RuntimeError(f"generation engine {self.engine_index}: generate() while asleep (driver order bug)")
@@ -131,13 +126,11 @@ class VllmGenerationWorker:
         params = SamplingParams(**sampling_kwargs(self.cfg.generation.sampling, n, eos_token_id=self.eos_token_id))
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
         samples = [parse_request_output(o, self.moe_layers) for o in outs]
-        return {"samples": samples, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+        return Generated(samples=samples, seconds=time.perf_counter() - t0, memory=self.memory())
 
     def prompt_logprobs(self, prompt_token_ids: list[list[int]]) -> list[list[float]]:
         """Logprobs of each prompt token given its prefix (tests: compare with the trainer)."""
         from vllm import SamplingParams  # noqa: PLC0415
-
-        from rlc.runtime.generation.sampling import prompt_logprobs_of  # noqa: PLC0415
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
@@ -145,37 +138,37 @@ class VllmGenerationWorker:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def sleep(self, level: int) -> dict:
+    def sleep(self, level: int) -> Slept:
         t0 = time.perf_counter()
         before = self.memory()
         self.llm.sleep(level=level)
         self.sleeping = True
         after = self.memory()
-        return {"seconds": time.perf_counter() - t0, "level": level, "memory_before": before, "memory": after,
-                "freed_gib": after["free_gib"] - before["free_gib"]}
+        return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
+                     seconds=time.perf_counter() - t0)
 
-    def wake_up(self, tags: list[str] | None = None) -> dict:
+    def wake_up(self, tags: list[str] | None = None) -> Woke:
         t0 = time.perf_counter()
         self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
-        return {"seconds": time.perf_counter() - t0, "tags": tags, "memory": self.memory()}
+        return Woke(memory=self.memory(), tags=tags, seconds=time.perf_counter() - t0)
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
     # ------------------------------------------------------------------ refit
 
-    def refit_prepare(self, session: str, timeout_s: float = 600.0) -> list[dict]:
+    def refit_prepare(self, session: str, timeout_s: float = 600.0) -> list[dict[str, Any]]:
         gen = self.cfg.generation
         fp8 = gen.fp8.scales if gen.precision == "fp8" else None
         return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s,
                                                                   fp8, gen.fp8.pow2_scales))
 
-    def refit_receive(self) -> list[dict]:
+    def refit_receive(self) -> list[dict[str, Any]]:
         return self.llm.collective_rpc("rlc_refit_receive")
 
-    def refit_verify(self, export_dir: str) -> list[dict]:
+    def refit_verify(self, export_dir: str) -> list[dict[str, Any]]:
         """One ``rlc.runtime.refit.verify`` report per vLLM worker of this engine."""
         return self.llm.collective_rpc("rlc_refit_verify", args=(export_dir,))
 
@@ -194,3 +187,7 @@ class VllmGenerationWorker:
             self.llm.collective_rpc("rlc_refit_close")
         except Exception:
             pass
+
+
+if TYPE_CHECKING:  # the type checker holds the class to the protocol the driver calls it through
+    _IMPLEMENTS: type[GenerationWorkerApi] = VllmGenerationWorker

@@ -18,9 +18,10 @@ that the std division would then blow up).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from rlc.contract.runtime_config import GrpoConfig
 
 DEFAULT_EPS = 1e-6
 
@@ -90,7 +91,7 @@ def group_advantages(
     return adv.to(torch.float32)
 
 
-def advantages_from_config(rewards: torch.Tensor | Sequence[Sequence[float]], grpo: Any) -> torch.Tensor:
+def advantages_from_config(rewards: torch.Tensor | Sequence[Sequence[float]], grpo: GrpoConfig) -> torch.Tensor:
     """``group_advantages`` with ``grpo.leave_one_out`` / ``grpo.normalize_advantages`` (``GrpoConfig``)."""
     return group_advantages(rewards, leave_one_out=grpo.leave_one_out, normalize=grpo.normalize_advantages)
 

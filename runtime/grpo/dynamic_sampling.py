@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from rlc.contract.runtime_config import GrpoConfig
+
 T = TypeVar("T")
 
 log = logging.getLogger("rlc.runtime.grpo.dynamic_sampling")
@@ -112,7 +114,7 @@ class DynamicSampler(Generic[T]):
         self._state: _StepState[T] | None = None
 
     @classmethod
-    def from_config(cls, grpo: Any, logger: Callable[[str], None] | None = None) -> DynamicSampler[T]:
+    def from_config(cls, grpo: GrpoConfig, logger: Callable[[str], None] | None = None) -> DynamicSampler[T]:
         """Build from a ``GrpoConfig`` (``grpo`` section of ``runtime.yaml``)."""
         ds = grpo.dynamic_sampling
         return cls(

@@ -1,7 +1,8 @@
 """Rollout batches for the trainer: pack generations into padded tensors, shard, micro-batch.
 
-A *rollout batch* is a plain dict of CPU tensors (it travels through Ray's object store once and
-every trainer rank takes its data-parallel shard)::
+:func:`pack_rollouts` builds a :class:`~rlc.runtime.worker_api.TrainBatch` of CPU tensors (it travels through
+Ray's object store once and every trainer rank takes its data-parallel shard); the trainer splits its mapping
+(``TrainBatch.tensors()``, the *rollout batch* of the functions below)::
 
     tokens        int64   [N, L]    prompt + response, right-padded with pad_id
     mask          float32 [N, L-1]  1 where tokens[:, j+1] is a generated token (the loss counts it)
@@ -31,7 +32,8 @@ import numpy as np
 import torch
 
 from rlc.runtime.policy.packing import concat_ranges
-from rlc.runtime.policy.routes import ROUTES_KEY, pack_routes, unrouted_mask
+from rlc.runtime.policy.routes import pack_routes, unrouted_mask
+from rlc.runtime.worker_api import TrainBatch
 
 PER_TOKEN_KEYS = ("mask", "gen_logprobs", "old_logprobs", "ref_logprobs", "routed_experts")
 
@@ -53,7 +55,7 @@ def pack_rollouts(
     max_length: int | None = None,
     routes: Sequence[Any] | None = None,
     num_experts: int = 0,
-) -> dict[str, torch.Tensor]:
+) -> TrainBatch:
     """Pack aligned per-sample lists into a rollout batch (see the module docstring).
 
     ``max_length`` (``training.max_sequence_length``) truncates longer samples' responses and is
@@ -100,16 +102,11 @@ def pack_rollouts(
     flat_lps = np.fromiter(chain.from_iterable(gen_logprobs), dtype=np.float64, count=sum(response_lens))
     mask.view(-1)[predicted] = 1.0
     glp.view(-1)[predicted] = torch.from_numpy(flat_lps).to(torch.float32)
-    batch = {
-        "tokens": tokens,
-        "mask": mask,
-        "gen_logprobs": glp,
-        "advantages": torch.as_tensor(list(advantages), dtype=torch.float32),
-        "lengths": torch.as_tensor(lengths, dtype=torch.int64),
-    }
-    if routes is not None:
-        batch[ROUTES_KEY] = _routes_of(routes, prompt_ids, response_ids, L, mask, num_experts)
-    return batch
+    return TrainBatch(
+        tokens=tokens, mask=mask, gen_logprobs=glp,
+        advantages=torch.as_tensor(list(advantages), dtype=torch.float32),
+        lengths=torch.as_tensor(lengths, dtype=torch.int64),
+        routes=None if routes is None else _routes_of(routes, prompt_ids, response_ids, L, mask, num_experts))
 
 
 def _routes_of(routes: Sequence[Any], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],

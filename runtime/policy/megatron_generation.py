@@ -14,8 +14,9 @@
     mg_release(step)     the engine suspends (KV pool per generation.megatron.kv_cache), the training model back in
                          train mode with its pre-hooks, the dedicated model's weights freed
 
-Everything returns plain data. The engine is built once and reused: its KV pool comes and goes with
-suspend/resume, so the trainer's passes never run while megatron-core's process-wide ``InferenceMode`` is on.
+Every method answers with a frozen dataclass of ``rlc.runtime.worker_api``. The engine is built once and reused:
+its KV pool comes and goes with suspend/resume, so the trainer's passes never run while megatron-core's
+process-wide ``InferenceMode`` is on.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from rlc.contract.runtime_config import RuntimeConfig
+from rlc.runtime.generation.megatron_sampling import TokenizerAdapter
+from rlc.runtime.worker_api import EngineStarted, Generated, MegatronSynced, Memory, Slept
 
 
 @dataclass
@@ -42,14 +47,14 @@ class _EngineState:
 class MegatronGenerationMixin:
     """The ``mg_*`` methods of ``MegatronPolicyWorker`` (see the module docstring)."""
 
-    cfg: Any
+    cfg: RuntimeConfig
     rank: int
     _mg: _EngineState | None = None
 
     # the host class provides these
     pm: Any
 
-    def memory(self) -> dict: ...  # type: ignore[empty-body]
+    def memory(self) -> Memory: ...  # type: ignore[empty-body]
 
     def _params_back(self) -> None: ...
 
@@ -64,12 +69,11 @@ class MegatronGenerationMixin:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def mg_start(self) -> dict:
+    def mg_start(self) -> EngineStarted:
         """Build this rank's engine (and the dedicated model with its swap plan); the engine starts suspended."""
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         from rlc.runtime.generation import megatron_engine as E  # noqa: PLC0415
-        from rlc.runtime.generation.megatron_sampling import TokenizerAdapter  # noqa: PLC0415
 
         cfg = self.cfg
         m = cfg.generation.megatron
@@ -108,26 +112,28 @@ class MegatronGenerationMixin:
         eos = tokenizer.eod if tokenizer.eod >= 0 else None
         print(f"[megatron-inference] rank {self.rank}: engine ready ({m.mode} mode, KV pool {facts['kv_pool']})",
               flush=True)
-        return {"start_s": time.perf_counter() - t0, "memory": self.memory(), "memory_before": before,
-                "eos_token_id": eos, **facts}
+        return EngineStarted(seconds=time.perf_counter() - t0, memory=self.memory(), eos_token_id=eos,
+                             memory_before=before, facts=facts)
 
-    def mg_sync(self, step: int, verify: bool = False) -> dict:
+    def mg_sync(self, step: int, verify: bool = False) -> MegatronSynced:
         """After ``refit_offload``: the generating model gets the trainer's weights, then the engine resumes."""
         from rlc.runtime.generation import megatron_engine as E  # noqa: PLC0415
 
         st = self.mg
         t0 = time.perf_counter()
         self._params_back()
-        out: dict[str, Any] = {"kind": "megatron-swap" if st.mode == "dedicated" else "megatron-shared",
-                               "bytes": 0, "num_tensors": 0, "verify": None}
+        moved, tensors, swap_s, report = 0, 0, None, None
         if st.mode == "dedicated":
             E.restore_weights(st.freed)
             st.freed = None
-            swapped = E.swap(self.pm.model[0], st.inference_model, self.cfg.generation.megatron.refit_backend)
+            megatron = self.cfg.generation.megatron
+            if megatron is None:
+                raise RuntimeError("mg_sync: runtime.yaml has no generation.megatron (compiled for vLLM)")
+            swapped = E.swap(self.pm.model[0], st.inference_model, megatron.refit_backend)
             st.swaps += 1
-            out.update(bytes=swapped["bytes"], num_tensors=swapped["num_tensors"], swap_s=swapped["seconds"])
+            moved, tensors, swap_s = swapped["bytes"], swapped["num_tensors"], swapped["seconds"]
             if verify:
-                out["verify"] = E.verify_swap(self.pm.model[0], st.inference_model)
+                report = E.verify_swap(self.pm.model[0], st.inference_model)
         else:
             # the engine's requests are scheduled per rank: a forward pre-hook that gathers parameters across
             # data-parallel ranks (overlap_param_gather) would wait on ranks that generate other requests
@@ -144,10 +150,12 @@ class MegatronGenerationMixin:
         st.engine.resume()  # KV pool back; InferenceMode on
         st.awake = True
         torch.cuda.synchronize()
-        return {**out, "seconds": time.perf_counter() - t0, "memory": self.memory(), "step": step}
+        return MegatronSynced(kind="megatron-swap" if st.mode == "dedicated" else "megatron-shared",
+                              seconds=time.perf_counter() - t0, bytes=moved, num_tensors=tensors, memory=self.memory(),
+                              step=step, swap_s=swap_s, verify=report)
 
-    def mg_generate(self, prompt_token_ids: list[list[int]], n: int) -> dict:
-        """``n`` samples per prompt: ``{"samples": [[{token_ids, logprobs, text, finish_reason}] per prompt]}``."""
+    def mg_generate(self, prompt_token_ids: list[list[int]], n: int) -> Generated:
+        """``n`` samples per prompt, with their logprobs."""
         from rlc.runtime.generation import megatron_engine as E  # noqa: PLC0415
 
         st = self.mg
@@ -159,9 +167,9 @@ class MegatronGenerationMixin:
             samples = E.generate(st.engine, prompt_token_ids, n, self.cfg.generation.sampling,
                                  eos_token_id=st.tokenizer.eod if st.tokenizer.eod >= 0 else None,
                                  decode=st.tokenizer.detokenize)
-        return {"samples": samples, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+        return Generated(samples=samples, seconds=time.perf_counter() - t0, memory=self.memory())
 
-    def mg_release(self, step: int) -> dict:
+    def mg_release(self, step: int) -> Slept:
         """Before the trainer's passes: the engine suspends, the training model trains again, dedicated weights go."""
         from rlc.runtime.generation import megatron_engine as E  # noqa: PLC0415
 
@@ -184,8 +192,8 @@ class MegatronGenerationMixin:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         after = self.memory()
-        return {"seconds": time.perf_counter() - t0, "memory_before": before, "memory": after,
-                "freed_gib": after["free_gib"] - before["free_gib"], "step": step}
+        return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
+                     seconds=time.perf_counter() - t0)
 
     def mg_named_tensors(self, names: list[str] | None = None, inference: bool = True) -> dict[str, torch.Tensor]:
         """CPU copies of the generating model's tensors (or the trainer's), for tests."""

@@ -12,6 +12,10 @@ from typing import Any, Iterator
 
 import torch
 
+from rlc.contract.runtime_config import RuntimeConfig, TrainParallelConfig
+from rlc.runtime.policy.host_weights import HostWeights
+from rlc.runtime.policy.provider_options import apply_provider_settings, ddp_settings, optimizer_settings
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -33,7 +37,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world_size)
 
 
-def init_model_parallel(tp_cfg: Any, seed: int) -> None:
+def init_model_parallel(tp_cfg: TrainParallelConfig, seed: int) -> None:
     """megatron-core process groups for TP/PP/VPP/CP/EP/ETP; seeds the model-parallel RNG."""
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
@@ -50,7 +54,7 @@ def init_model_parallel(tp_cfg: Any, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def make_provider(bridge: Any, cfg: Any, *, load_weights: bool = True) -> Any:
+def make_provider(bridge: Any, cfg: RuntimeConfig, *, load_weights: bool = True) -> Any:
     """The Bridge's GPT provider with ``runtime.yaml``'s layout and RL-friendly settings applied."""
     tp = cfg.train_parallel
     dtype = torch_dtype(cfg.model.dtype)
@@ -85,7 +89,6 @@ def make_provider(bridge: Any, cfg: Any, *, load_weights: bool = True) -> Any:
         provider.recompute_granularity = "selective"
     elif ac != "none":
         raise ValueError(f"training.activation_checkpointing={ac!r}: expected none, selective or full")
-    from rlc.runtime.policy.provider_options import apply_provider_settings  # noqa: PLC0415
 
     apply_provider_settings(provider, cfg)
     provider.finalize()
@@ -107,7 +110,7 @@ class PolicyModel:
     ref_host: Any = None
 
 
-def build_policy(cfg: Any, *, bridge: Any = None) -> PolicyModel:
+def build_policy(cfg: RuntimeConfig, *, bridge: Any = None) -> PolicyModel:
     """AutoBridge HF -> Megatron model under ``train_parallel``, DDP-wrapped, with its optimizer.
 
     ``bridge``: a bridge built elsewhere (GPU checks build one from a bare ``config.json`` and keep the
@@ -116,8 +119,6 @@ def build_policy(cfg: Any, *, bridge: Any = None) -> PolicyModel:
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: PLC0415
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
     from megatron.core.utils import get_model_config  # noqa: PLC0415
-
-    from rlc.runtime.policy.provider_options import ddp_settings, optimizer_settings  # noqa: PLC0415
 
     dtype = torch_dtype(cfg.model.dtype)
     t = cfg.training
@@ -182,7 +183,7 @@ def build_policy(cfg: Any, *, bridge: Any = None) -> PolicyModel:
                        ddp_config=ddp_config, ref_model=ref_model, ref_host=ref_host)
 
 
-def build_reference(provider: Any, cfg: Any) -> list:
+def build_reference(provider: Any, cfg: RuntimeConfig) -> list:
     """The reference policy: the same checkpoint and parallel layout as the trainer, frozen, no DDP, no optimizer."""
     dtype = torch_dtype(cfg.model.dtype)
     ref_model = provider.provide_distributed_model(
@@ -197,8 +198,6 @@ def build_reference(provider: Any, cfg: Any) -> list:
 
 def offload_reference(ref_model: list) -> Any:
     """The reference policy's parameters to pinned host memory (freed on the GPU); its buffers stay."""
-    from rlc.runtime.policy.host_weights import HostWeights  # noqa: PLC0415
-
     ref_host = HostWeights(p for m in ref_model for p in m.parameters())
     torch.cuda.empty_cache()
     return ref_host
@@ -220,7 +219,7 @@ def _rng_state_kept() -> Iterator[None]:
         tracker.set_states(states)
 
 
-def lr_at(step: int, cfg: Any, total_steps: int) -> float:
+def lr_at(step: int, cfg: RuntimeConfig, total_steps: int) -> float:
     """Learning rate of optimizer step ``step`` (1-based): linear warmup then constant/cosine/linear."""
     import math  # noqa: PLC0415
 

@@ -10,10 +10,12 @@ Lifecycle (driven by ``rlc.runtime.driver``)::
           -> w.refit_offload() -> w.refit_send()
           [-> w.offload_params() while vLLM generates -> w.onload_params()]  refit.offload_params_for_generation
 
-Every method returns plain data (lists, dicts, CPU tensors) so the driver never needs megatron.
+Every method the driver calls is one of ``rlc.runtime.worker_api.PolicyWorkerApi`` and answers with its
+frozen dataclasses (or CPU tensors), so the driver never needs megatron.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -25,9 +27,13 @@ import torch
 
 from rlc.contract.files import parse_json, read_text_capped
 from rlc.contract.runtime_config import runtime_config_from_dict
+from rlc.contract.sequence_packing import pad_multiples
 from rlc.runtime.policy import batches as B
 from rlc.runtime.policy.megatron_generation import MegatronGenerationMixin
 from rlc.runtime.policy.routes import micro_batch_routes
+from rlc.runtime.worker_api import (CheckpointIO, ExportWritten, Memory, Offloaded, ParamsMoved, PolicyWorkerApi,
+                                    RankCoords, RefitSent, ReplayCheck, TrainBatch, TrainStepResult, WorkerInfo)
+from rlc.runtime.workers import gpu_memory_snapshot, library_versions, local_worker_info
 
 if TYPE_CHECKING:
     from rlc.runtime.policy.megatron_setup import PolicyModel
@@ -96,10 +102,8 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
 
     # ------------------------------------------------------------------ identity / setup
 
-    def info(self) -> dict:
-        from rlc.runtime.workers import local_worker_info  # noqa: PLC0415
-
-        return local_worker_info("policy", self.rank, self.bundle).to_dict()
+    def info(self) -> WorkerInfo:
+        return local_worker_info("policy", self.rank, self.bundle)
 
     def master_address(self) -> tuple[str, int]:
         """This node's IP and a free port for the NCCL rendezvous (called on rank 0)."""
@@ -114,7 +118,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             port = s.getsockname()[1]
         return ip, port
 
-    def setup(self, master: tuple[str, int], total_opt_steps: int) -> dict:
+    def setup(self, master: tuple[str, int], total_opt_steps: int) -> RankCoords:
         """Process groups, model, optimizer. Returns this rank's parallel coordinates."""
         from megatron.core import parallel_state as ps  # noqa: PLC0415
 
@@ -146,12 +150,10 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if self.cfg.training.router_replay.enabled:
             self._setup_router_replay()
         n_params = sum(p.numel() for m in self.pm.model for p in m.parameters())
-        return {**self.coords, "params_local": int(n_params), "setup_s": time.perf_counter() - t0,
-                "memory": self.memory()}
+        return RankCoords(**self.coords, params_local=int(n_params), setup_s=time.perf_counter() - t0,
+                          memory=self.memory())
 
-    def memory(self) -> dict:
-        from rlc.runtime.workers import gpu_memory_snapshot  # noqa: PLC0415
-
+    def memory(self) -> Memory:
         return gpu_memory_snapshot()
 
     # ------------------------------------------------------------------ routing replay
@@ -184,15 +186,13 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         """The model's MoE decoder layers (0-based), the order of the routes' M axis."""
         return list(self._replay_layers)
 
-    def router_replay_check(self) -> dict[str, int]:
+    def router_replay_check(self) -> ReplayCheck:
         """The routing the routers returned in the logprob passes since the last call vs. the replayed routes."""
         stats = {"routes_checked": 0, "routes_mismatched": 0, "layers_unarmed": 0, **self._replay_stats}
         self._replay_stats = {}
-        return stats
+        return ReplayCheck(**stats)
 
     def versions(self) -> dict:
-        from rlc.runtime.workers import library_versions  # noqa: PLC0415
-
         return library_versions()
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -266,7 +266,6 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         ranks agree on the number of micro batches without communicating; the ranks of one shard
         (TP, PP, CP) plan identical bins.
         """
-        from rlc.contract.sequence_packing import pad_multiples  # noqa: PLC0415
         from rlc.runtime.policy import packing as P  # noqa: PLC0415
 
         cfg = self.cfg
@@ -328,18 +327,18 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             result[rows] = lp
         return result
 
-    def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs)."""
         self._params_back()
-        return self._logprobs(self.pm.model, batch)
+        return self._logprobs(self.pm.model, batch.tensors())
 
-    def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """Logprobs of the frozen reference policy (the KL penalty's); with ``training.offload_reference_policy``
         its weights come from host memory for this pass and leave the GPU after it."""
         if self.pm.ref_model is None:
             raise RuntimeError("compute_ref_logprobs: loss.kl_penalty is 0, there is no reference model")
         with self._reference_on_gpu():
-            return self._logprobs(self.pm.ref_model, batch)
+            return self._logprobs(self.pm.ref_model, batch.tensors())
 
     @contextmanager
     def _reference_on_gpu(self) -> Iterator[None]:
@@ -364,7 +363,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
 
     # ------------------------------------------------------------------ parameters while vLLM generates
 
-    def offload_params(self) -> dict:
+    def offload_params(self) -> ParamsMoved:
         """After the refit: the bf16 parameter buffers to host memory (``refit.offload_params_for_generation``)."""
         from rlc.runtime.policy.param_offload import offload_params  # noqa: PLC0415
 
@@ -373,9 +372,9 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if not self.params_offloaded:
             moved = offload_params(self.pm.model)
             self.params_offloaded = True
-        return {"bytes": moved, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+        return ParamsMoved(bytes=moved, seconds=time.perf_counter() - t0, memory=self.memory())
 
-    def onload_params(self) -> dict:
+    def onload_params(self) -> ParamsMoved:
         """Before the trainer's next forward: the parameters back on the GPU (a no-op when they are there)."""
         from rlc.runtime.policy.param_offload import onload_params  # noqa: PLC0415
 
@@ -384,7 +383,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if self.params_offloaded:
             restored = onload_params(self.pm.model)
             self.params_offloaded = False
-        return {"bytes": restored, "seconds": time.perf_counter() - t0, "memory": self.memory()}
+        return ParamsMoved(bytes=restored, seconds=time.perf_counter() - t0, memory=self.memory())
 
     def _params_back(self) -> None:
         """Every method that reads or writes the parameters calls this first, so a driver that skipped
@@ -420,7 +419,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             onload(self.pm.model, self.pm.optimizer)
             self.offloaded = False
 
-    def train_step(self, batch: dict, step: int) -> dict | None:
+    def train_step(self, batch: TrainBatch, step: int) -> TrainStepResult | None:
         """One GRPO update: ``ceil(N / global_batch_size)`` optimizer steps over the batch.
 
         The loss of each micro-batch is the clipped GRPO loss normalised by the *global* token count
@@ -436,9 +435,10 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         self.onload()
         cfg = self.cfg
         t0 = time.perf_counter()
-        n = B.batch_size(batch)
+        rows = batch.tensors()
+        n = B.batch_size(rows)
         dp, dp_rank = self.coords["dp_size"], self.coords["dp_rank"]
-        shard = B.dp_shard(batch, dp_rank, dp)
+        shard = B.dp_shard(rows, dp_rank, dp)
         slices = B.optimizer_step_slices(n, cfg.training.global_batch_size, dp)
         temperature = cfg.generation.sampling.temperature
         packing = self._packing()
@@ -451,12 +451,13 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         for lo, hi in slices:
             local = B.take(shard, lo, hi)
             # the global normaliser: tokens (or sequences) of this optimizer step over all DP ranks
-            local_count = float(local["mask"].sum()) if cfg.loss.token_level else float((local["mask"].sum(-1) > 0).sum())
+            tokens_or_rows = local["mask"].sum() if cfg.loss.token_level else (local["mask"].sum(-1) > 0).sum()
+            local_count = float(tokens_or_rows)
             count = torch.tensor([local_count], device="cuda")
             torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
             normalizer = max(float(count.item()), 1.0)
             if packing:
-                mbs = self._packed_microbatches(batch, (lo, hi), cfg.training.sequence_packing.train_mb_tokens,
+                mbs = self._packed_microbatches(rows, (lo, hi), cfg.training.sequence_packing.train_mb_tokens,
                                                 "training.sequence_packing.train_mb_tokens")
             else:
                 mbs = B.microbatches(local, cfg.training.micro_batch_size)
@@ -509,20 +510,14 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                         weighted[k] = weighted.get(k, 0.0) + float(v) * w
         if not self.coords["is_output"]:
             return None
-        return {
-            "loss_sums": loss_sums,
-            "weighted_sums": weighted,
-            "maxes": maxes,
-            "num_tokens": tokens_total,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "lr": lrs[-1],
-            "optimizer_steps": len(slices),
-            "train_s": time.perf_counter() - t0,
-        }
+        return TrainStepResult(loss_sums=loss_sums, weighted_sums=weighted, maxes=maxes, num_tokens=tokens_total,
+                               grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], optimizer_steps=len(slices),
+                               train_s=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ refit
 
-    def refit_prepare(self, session: str, local_rank: int, local_world: int, timeout_s: float = 600.0) -> dict:
+    def refit_prepare(self, session: str, local_rank: int, local_world: int,
+                      timeout_s: float = 600.0) -> dict[str, Any]:
         """Build the export plan and pair with this GPU's consumer (concurrently with it)."""
         from rlc.runtime.policy.refit_source import RefitSource  # noqa: PLC0415
 
@@ -531,7 +526,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                                       local_rank=local_rank, local_world=local_world)
         return self.source.prepare(timeout_s=timeout_s)
 
-    def refit_offload(self) -> dict:
+    def refit_offload(self) -> Offloaded:
         """Before a refit: forced param sync (NeMo-RL #4086) and optimizer offload (NeMo-RL #3490), then memory."""
         from rlc.runtime.policy.refit_source import offload, sync_params  # noqa: PLC0415
 
@@ -543,8 +538,8 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if self.cfg.refit.offload_optimizer_for_refit and not self.offloaded:
             offload(self.pm.model, self.pm.optimizer)
             self.offloaded = True
-        return {"synced_params": synced, "offloaded": self.offloaded, "seconds": time.perf_counter() - t0,
-                "memory": self.memory()}
+        return Offloaded(synced_params=synced, offloaded=self.offloaded, seconds=time.perf_counter() - t0,
+                         memory=self.memory())
 
     def refit_close(self) -> None:
         """Drop the producer (a failed refit leaves it unusable; a new session pairs again)."""
@@ -552,19 +547,17 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             self.source.close()
             self.source = None
 
-    def refit_send(self) -> dict:
+    def refit_send(self) -> RefitSent:
         """Stream the weights to the consumer on this GPU (it must be receiving)."""
         if self.source is None:
             raise RuntimeError("refit_send before refit_prepare")
         self._params_back()
-        return self.source.send()
+        return RefitSent.of(self.source.send())
 
-    def refit_dump_export(self, export_dir: str) -> dict:
+    def refit_dump_export(self, export_dir: str) -> ExportWritten:
         """``refit.verify_every``: write this rank's export (what the refit just sent) to
         ``export_dir/export-rank{local rank}.pt`` for the vLLM worker on this GPU to check against.
         Collective: every trainer rank calls it at once (the export gathers across ranks)."""
-        import os  # noqa: PLC0415
-
         if self.source is None:
             raise RuntimeError("refit_dump_export before refit_prepare")
         self._params_back()
@@ -573,7 +566,8 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         path = os.path.join(export_dir, f"export-rank{self.source.local_rank}.pt")
         torch.save(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
-        return {"path": path, "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        return ExportWritten(path=path, tensors=len(tensors),
+                             bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def export_named(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The exported HF tensors (CPU copies), for tests; ``names`` filters."""
@@ -598,7 +592,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
         return state
 
-    def save_checkpoint(self, path: str) -> dict:
+    def save_checkpoint(self, path: str) -> CheckpointIO:
         """megatron-core distributed checkpoint of model + optimizer into ``path`` (all ranks)."""
         from megatron.core import dist_checkpointing  # noqa: PLC0415
 
@@ -610,13 +604,11 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             torch.distributed.barrier()
         meta = {"opt_steps": self.opt_steps}
         if self.rank == 0:
-            import json  # noqa: PLC0415
-
             with open(os.path.join(path, "rlc_policy.json"), "w", encoding="utf-8") as f:
                 json.dump(meta, f)
-        return {"seconds": time.perf_counter() - t0}
+        return CheckpointIO(seconds=time.perf_counter() - t0, opt_steps=self.opt_steps)
 
-    def load_checkpoint(self, path: str) -> dict:
+    def load_checkpoint(self, path: str) -> CheckpointIO:
         from megatron.core import dist_checkpointing  # noqa: PLC0415
 
         t0 = time.perf_counter()
@@ -629,10 +621,14 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         self.pm.optimizer.load_state_dict(loaded["optimizer"])
         self.opt_steps = int(parse_json(read_text_capped(os.path.join(path, "rlc_policy.json")))["opt_steps"])
         torch.distributed.barrier()
-        return {"seconds": time.perf_counter() - t0, "opt_steps": self.opt_steps}
+        return CheckpointIO(seconds=time.perf_counter() - t0, opt_steps=self.opt_steps)
 
     def shutdown(self) -> None:
         if self.source is not None:
             self.source.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+if TYPE_CHECKING:  # the type checker holds the class to the protocol the driver calls it through
+    _IMPLEMENTS: type[PolicyWorkerApi] = MegatronPolicyWorker

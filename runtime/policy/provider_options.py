@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlc.contract.runtime_config import RuntimeConfig
 from rlc.contract.engine_options import MEGATRON_OWNED
 
 
-def typed_provider_settings(cfg: Any) -> dict[str, Any]:
+def typed_provider_settings(cfg: RuntimeConfig) -> dict[str, Any]:
     """Provider attributes from ``training.fp8`` and ``training.moe`` (only what the recipe turns on)."""
     t = cfg.training
     out: dict[str, Any] = {}
@@ -44,7 +45,7 @@ def typed_provider_settings(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def packed_rope_fusion(provider: Any, cfg: Any) -> bool:
+def packed_rope_fusion(provider: Any, cfg: RuntimeConfig) -> bool:
     """Whether to turn on Transformer Engine's fused RoPE (``apply_rope_fusion``) for sequence packing.
 
     Unfused, megatron-core 0.19 applies RoPE to a packed (``thd``) row one sequence at a time: about a dozen small
@@ -65,7 +66,7 @@ def packed_rope_fusion(provider: Any, cfg: Any) -> bool:
             and getattr(provider, "mrope_section", None) is None)
 
 
-def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
+def apply_provider_settings(provider: Any, cfg: RuntimeConfig) -> dict[str, Any]:
     """Set the typed settings, then ``training.megatron_kwargs`` unchanged; returns what was set.
 
     A pass-through key the runtime sets itself, or one the provider does not have (a typo would
@@ -88,12 +89,12 @@ def apply_provider_settings(provider: Any, cfg: Any) -> dict[str, Any]:
     return applied
 
 
-def ddp_settings(cfg: Any) -> dict[str, Any]:
+def ddp_settings(cfg: RuntimeConfig) -> dict[str, Any]:
     """Extra ``megatron.core.distributed.DistributedDataParallelConfig`` arguments from ``runtime.yaml``."""
     fp8 = cfg.training.fp8
     return {"fp8_param_gather": bool(fp8.enabled and fp8.param_gather)}
 
 
-def optimizer_settings(cfg: Any) -> dict[str, Any]:
+def optimizer_settings(cfg: RuntimeConfig) -> dict[str, Any]:
     """Extra ``megatron.core.optimizer.OptimizerConfig`` arguments from ``runtime.yaml``."""
     return {"use_precision_aware_optimizer": bool(cfg.training.use_precision_aware_optimizer)}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
+from rlc.runtime.refit.specs import TensorSpec
 
 if TYPE_CHECKING:
     from rlc.runtime.refit import RefitProducer
@@ -176,8 +177,6 @@ class RefitSource:
     def dry_specs(self) -> list:
         """The export list (name, shape, dtype in export order), from one export pass; with FP8 block
         scales, the list the quantized stream yields (``rlc.runtime.refit.fp8.quantized_specs``)."""
-        from rlc.runtime.refit.specs import TensorSpec  # noqa: PLC0415
-
         specs = []
         for name, tensor in self.export():
             specs.append(TensorSpec.from_tensor(name, tensor))
@@ -198,7 +197,7 @@ class RefitSource:
 
     def prepare(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute the specs and pair with the consumer (which must call prepare at the same time)."""
-        from rlc.runtime.refit import RefitProducer  # noqa: PLC0415
+        from rlc.runtime.refit.producer import RefitProducer  # noqa: PLC0415 - zmq: the refit's transport
 
         t0 = time.perf_counter()
         self.specs = self.dry_specs()

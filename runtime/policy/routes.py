@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-ROUTES_KEY = "routed_experts"
+from rlc.runtime.worker_api import ROUTES_KEY
 
 
 def routes_dtype(num_experts: int) -> torch.dtype:

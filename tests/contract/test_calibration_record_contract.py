@@ -11,8 +11,8 @@ from rlc.compiler.planner.calibration import CalibrationError, parse_record
 from rlc.contract.calibration_record import (PHASES, STEP_MEMORY_PHASES, CalibrationRecord,
                                              CalibrationRecordError, memory_metric_key)
 from rlc.contract.runtime_config import load_runtime_config
-from rlc.runtime.driver import GrpoRun
-from rlc.runtime.worker_groups import Memory
+from rlc.runtime.recorder import Recorder
+from rlc.runtime.worker_api import Memory
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN_RECORDS = ROOT / "docs/results/tiny-qwen3-h200-grpo/calibration.jsonl"
@@ -21,31 +21,30 @@ MEMORY = {"free_gib": 123.7662, "used_gib": 16.0345, "total_gib": 139.8007,
           "torch_allocated_gib": 13.7223, "torch_reserved_gib": 13.7344}
 
 
-def _driver(tmp_path):
+def _recorder(tmp_path):
     cfg = load_runtime_config(TINY_RUNTIME_YAML)
     logging_cfg = type(cfg.logging)(dir=str(tmp_path), jsonl=True, tensorboard=False, progress_bar=False)
     cfg = type(cfg)(**{**cfg.__dict__, "logging": logging_cfg})
-    run = GrpoRun(cfg)
-    run.versions = {"torch": "2.11.0", "vllm": "0.22.0"}
-    return run
+    record = Recorder(cfg)
+    record.versions = {"torch": "2.11.0", "vllm": "0.22.0"}
+    return record
 
 
 def test_records_the_driver_writes_are_read_by_the_compiler(tmp_path):
-    run = _driver(tmp_path)
-    run.log_memory_line("vllm_started", Memory.from_dict(MEMORY))  # before the log folder is open
-    run.open_logs(0)
-    run.log_calibration(1, "after_sleep", Memory.from_dict(MEMORY))
-    run.log_calibration(1, "refit_free", Memory(free_gib=135.7, used_gib=4.1, total_gib=139.8),
-                        extra={"half_gib": 0.25, "offload_optimizer": True})
-    run.shutdown()
+    record = _recorder(tmp_path)
+    record.started("vllm_started", Memory(**MEMORY))
+    record.calibrate(1, "after_sleep", Memory(**MEMORY))
+    record.calibrate(1, "refit_free", Memory(free_gib=135.7, used_gib=4.1, total_gib=139.8),
+                     extra={"half_gib": 0.25, "offload_optimizer": True})
+    record.close()
     lines = (tmp_path / "calibration.jsonl").read_text().splitlines()
     records = [parse_record(line) for line in lines]
     assert [r.phase for r in records] == ["vllm_started", "after_sleep", "refit_free"]
     first = records[0]
-    assert first.gpu_type == run.cfg.cluster.gpu_type and first.versions["vllm"] == "0.22.0"
+    assert first.gpu_type == record.cfg.cluster.gpu_type and first.versions["vllm"] == "0.22.0"
     assert first.used_gib == MEMORY["used_gib"] and first.torch_allocated_gib == MEMORY["torch_allocated_gib"]
-    assert first.sleep_level == run.cfg.refit.sleep_level
-    assert first.enforce_eager is run.cfg.generation.enforce_eager
+    assert first.sleep_level == record.cfg.refit.sleep_level
+    assert first.enforce_eager is record.cfg.generation.enforce_eager
     assert records[2].extra == {"half_gib": 0.25, "offload_optimizer": True}
     assert records[2].torch_allocated_gib is None
 
@@ -70,20 +69,22 @@ def test_json_round_trip_is_lossless():
 
 
 def _phases_named_in(method_names: set[str]) -> set[str]:
-    """String literal phases passed to the given GrpoRun methods anywhere in the driver's source."""
-    tree = ast.parse((ROOT / "rlc/runtime/driver.py").read_text())
+    """String literal phases passed to the given recorder methods anywhere in the driver's and the recorder's
+    source."""
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in method_names:
-            for arg in node.args:
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    found.add(arg.value)
+    for module in ("driver", "recorder", "weight_sync"):
+        tree = ast.parse((ROOT / f"rlc/runtime/{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in method_names:
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        found.add(arg.value)
     return found
 
 
 def test_every_phase_the_driver_names_is_in_the_contract():
-    written = _phases_named_in({"log_calibration", "log_memory_line"})
-    sampled = _phases_named_in({"sample_memory"})
+    written = _phases_named_in({"calibrate", "started"})
+    sampled = _phases_named_in({"memory"})
     assert written and sampled
     assert written <= set(PHASES), written - set(PHASES)
     assert sampled <= set(STEP_MEMORY_PHASES), sampled - set(STEP_MEMORY_PHASES)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime as _dt
 import os
 import sys
@@ -268,8 +269,8 @@ def run_mode(mode: str, cfg: dict, trainer: Any, pg: Any, env: dict, got: dict, 
     try:
         t0 = time.perf_counter()
         started = R._wait([gen.start.remote(dict(R.ENGINE_OVERRIDES))], f"vLLM start ({mode})")[0]
-        got["engine"] = {"start_s": time.perf_counter() - t0, "memory": started["memory"]}
-        got["engine"]["sleep_first"] = R._wait([gen.sleep.remote(2)], "vLLM sleep")[0]
+        got["engine"] = {"start_s": time.perf_counter() - t0, "memory": started.memory.as_dict()}
+        got["engine"]["sleep_first"] = dataclasses.asdict(R._wait([gen.sleep.remote(2)], "vLLM sleep")[0])
         got["trainer_cfg"] = R._wait([trainer.call.remote(_set_cfg, cfg)], "trainer cfg")[0]
         session = f"fp8-{mode}-{uuid.uuid4().hex[:6]}"
         prep = R._wait([trainer.refit_prepare.remote(session, 0, 1, 300.0), gen.refit_prepare.remote(session, 300.0)],
@@ -291,13 +292,13 @@ def run_mode(mode: str, cfg: dict, trainer: Any, pg: Any, env: dict, got: dict, 
             if last:
                 got["throughput"] = R._wait([gen.call.remote(_throughput, PROMPTS[case], max_tokens,
                                                               int(hf["vocab_size"]), 7)], "generate tokens/s")[0]
-                got["memory_awake"] = kv["memory"]
+                got["memory_awake"] = kv.memory.as_dict()
                 if mode == "fp8":
                     got["verify"] = verify(trainer, gen, cfg, scales, R, block_quantized)
             slept = R._wait([gen.sleep.remote(2)], "sleep(2)")[0]
             records.append({"index": i, "warmup": i < warmup, "negate_s": negate, "transfer_s": transfer,
-                            "wake_weights_s": woke["seconds"], "wake_kv_s": kv["seconds"], "sleep_s": slept["seconds"],
-                            "free_after_wake_gib": kv["memory"]["free_gib"], "producers": [sent[0]],
+                            "wake_weights_s": woke.seconds, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,
+                            "free_after_wake_gib": kv.memory.free_gib, "producers": [sent[0].raw],
                             "consumers": sent[1]})
             row = P.refit_row(records[-1])
             print(f"   {mode} refit {i}{' (warm-up)' if i < warmup else ''}: total {row['total_refit_s']:.3f} s "

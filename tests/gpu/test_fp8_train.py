@@ -19,6 +19,7 @@ plan's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -153,14 +154,14 @@ def _probe_class() -> Any:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            batch["old_logprobs"] = self.compute_logprobs(batch)
-            batch["gen_logprobs"] = batch["old_logprobs"].clone()
+            old = self.compute_logprobs(batch)
+            batch = dataclasses.replace(batch, old_logprobs=old, gen_logprobs=old.clone())
             out = self.train_step(batch, 1)
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
-            return {"seconds": time.perf_counter() - t0, "tokens": int(batch["tokens"].numel()),
-                    "loss": {k: v for k, v in (out or {}).get("loss_sums", {}).items()},
-                    "grad_norm": (out or {}).get("grad_norm"),
+            return {"seconds": time.perf_counter() - t0, "tokens": int(batch.tokens.numel()),
+                    "loss": dict(out.loss_sums) if out is not None else {},
+                    "grad_norm": out.grad_norm if out is not None else None,
                     "allocated_after_gib": torch.cuda.memory_allocated() / 2**30,
                     "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "reserved_gib": torch.cuda.memory_reserved() / 2**30,

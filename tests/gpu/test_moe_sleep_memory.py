@@ -84,13 +84,13 @@ def probe(cfg_dict: dict, enforce_eager: bool, pg, env: dict) -> list:
     try:
         before = ray.get(gen.memory.remote())
         started = ray.get(gen.start.remote(), timeout=600)
-        record("vllm_started", started["memory"], 0, used_before_start_gib=round(before["used_gib"], 4))
+        record("vllm_started", started.memory.as_dict(), 0, used_before_start_gib=round(before.used_gib, 4))
         for level in (1, 2):
             slept = ray.get(gen.sleep.remote(level), timeout=300)
-            record("after_sleep", slept["memory"], level, freed_gib=round(slept["freed_gib"], 4),
-                   sleep_s=round(slept["seconds"], 4), used_before_start_gib=round(before["used_gib"], 4))
+            record("after_sleep", slept.memory.as_dict(), level, freed_gib=round(slept.freed_gib, 4),
+                   sleep_s=round(slept.seconds, 4), used_before_start_gib=round(before.used_gib, 4))
             woke = ray.get(gen.wake_up.remote(None), timeout=300)
-            record("after_wake", woke["memory"], level, wake_s=round(woke["seconds"], 4))
+            record("after_wake", woke.memory.as_dict(), level, wake_s=round(woke.seconds, 4))
         ray.get(gen.shutdown.remote(), timeout=120)
     finally:
         ray.kill(gen)

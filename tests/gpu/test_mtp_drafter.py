@@ -127,19 +127,19 @@ def run(root: str, out: str | None) -> dict:
 
             def tokens() -> int:
                 out = ray.get(gen.generate.remote(prompts, 2), timeout=300)
-                return sum(len(s["token_ids"]) for group in out["samples"] for s in group)
+                return sum(len(s.token_ids) for group in out.samples for s in group)
 
             started = ray.get(gen.start.remote(), timeout=600)
-            res["memory"]["started_used_gib"] = round(started["memory"]["used_gib"], 3)
+            res["memory"]["started_used_gib"] = round(started.memory.used_gib, 3)
             res["drafter"] = ray.get(gen.call.remote(drafter_params), timeout=120)
             res["checksums"]["start"] = res["drafter"]["checksum"]
             res["generated_before"] = tokens()
             for level in (1, 2):
                 slept = ray.get(gen.sleep.remote(level), timeout=300)
-                res["memory"][f"after_sleep{level}_used_gib"] = round(slept["memory"]["used_gib"], 3)
+                res["memory"][f"after_sleep{level}_used_gib"] = round(slept.memory.used_gib, 3)
                 res[f"overwritten_level{level}_gib"] = round(ray.get(gen.call.remote(overwrite_free_memory)), 3)
                 woke = ray.get(gen.wake_up.remote(None), timeout=300)
-                res["memory"][f"after_wake{level}_used_gib"] = round(woke["memory"]["used_gib"], 3)
+                res["memory"][f"after_wake{level}_used_gib"] = round(woke.memory.used_gib, 3)
                 res["checksums"][f"after_level{level}"] = ray.get(gen.call.remote(drafter_params))["checksum"]
                 if level == 1:
                     res["generated_after_level1"] = tokens()

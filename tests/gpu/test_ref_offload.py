@@ -27,6 +27,7 @@ Verdict thresholds are stated once below (``TOLERANCE`` is the issue's 10 %). Wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,7 +108,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batch(n: int, seed: int) -> dict:
+def _batch(n: int, seed: int) -> Any:
     import random  # noqa: PLC0415
 
     from rlc.runtime import toy  # noqa: PLC0415
@@ -166,15 +168,15 @@ def probe_worker(runtime_yaml: str) -> dict:
     w = MegatronPolicyWorker(cfg, 0, 1)
     setup = w.setup(("127.0.0.1", _free_port()), 10)
     host = w.pm.ref_host
-    res["setup_s"] = round(setup["setup_s"], 2)
+    res["setup_s"] = round(setup.setup_s, 2)
     res["runtime_host_bytes"] = host.host_bytes
     res["reference_bytes"] = host.nbytes
     res["reference_storages"] = len(host.storages)
     res["resident_after_setup"] = host.device_bytes
     batch = _batch(BATCH, seed=7)
     for step in range(1, TRAIN_STEPS + 1):
-        batch["old_logprobs"] = w.compute_logprobs(batch)
-        batch["ref_logprobs"] = w.compute_ref_logprobs(batch)
+        batch = dataclasses.replace(batch, old_logprobs=w.compute_logprobs(batch))
+        batch = dataclasses.replace(batch, ref_logprobs=w.compute_ref_logprobs(batch))
         w.train_step(batch, step)
     # 1a: the swapped pass against the trainer's state and a resident reference
     tensors = _trainer_tensors(w.pm)
@@ -198,9 +200,9 @@ def probe_worker(runtime_yaml: str) -> dict:
     resident = build_reference(w.pm.provider, w.cfg)
     torch.cuda.empty_cache()  # what loading the checkpoint cached, not the reference
     used_with, allocated_with = _used_bytes(), torch.cuda.memory_allocated()
-    first = w._logprobs(resident, batch)
-    again = w._logprobs(resident, batch)
-    mask = batch["mask"] > 0
+    first = w._logprobs(resident, batch.tensors())
+    again = w._logprobs(resident, batch.tensors())
+    mask = batch.mask > 0
     res["bit_exact"] = bool(torch.equal(swapped, first))
     res["resident_deterministic"] = bool(torch.equal(first, again))
     res["swapped_vs_resident_max_abs"] = float((swapped - first)[mask].abs().max())
@@ -218,7 +220,7 @@ def probe_worker(runtime_yaml: str) -> dict:
                      "rss_before_offload": rss_before, "rss_after_offload": rss_after,
                      "rss_taken_by_copy": rss_after - rss_before, "copy_host_bytes": copy.host_bytes}
     copy.swap_in()
-    res["second_copy_bit_exact"] = bool(torch.equal(w._logprobs(resident, batch), first))
+    res["second_copy_bit_exact"] = bool(torch.equal(w._logprobs(resident, batch.tensors()), first))
     copy.swap_out()
     w.shutdown()
     return res

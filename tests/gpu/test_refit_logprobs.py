@@ -12,8 +12,10 @@ weights are big enough to show the level-1/level-2 difference).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -36,19 +38,19 @@ def _sequences(n_toy: int = 48, n_rand: int = 16, seed: int = 0) -> list[list[in
     return seqs
 
 
-def _batch(seqs: list[list[int]]) -> dict:
+def _batch(seqs: list[list[int]]) -> Any:
     from rlc.runtime.policy.batches import pack_rollouts  # noqa: PLC0415
 
     return pack_rollouts([s[:1] for s in seqs], [s[1:] for s in seqs], [[0.0] * (len(s) - 1) for s in seqs],
                          [0.0] * len(seqs), pad_id=0)
 
 
-def _compare(trainer_lp, batch: dict, vllm_lps: list[list[float]]) -> dict:
+def _compare(trainer_lp, batch: Any, vllm_lps: list[list[float]]) -> dict:
     import torch  # noqa: PLC0415
 
     from rlc.runtime.policy.batches import response_values  # noqa: PLC0415
 
-    t = response_values(trainer_lp, batch["mask"])
+    t = response_values(trainer_lp, batch.mask)
     diffs = []
     for a, b in zip(t, vllm_lps):
         assert len(a) == len(b), (len(a), len(b))
@@ -79,12 +81,13 @@ def _refit(policy, gen, level: int) -> dict:
     sent, recv = ray.get([policy.refit_send.remote(), gen.refit_receive.remote()])
     woke = ray.get(gen.wake_up.remote(["kv_cache"]))
     ray.get(gen.reset_prefix_cache.remote())
-    return {"sleep_level": level, "sleep_freed_gib": round(slept["freed_gib"], 3),
-            "free_after_sleep_gib": round(slept["memory"]["free_gib"], 3),
-            "free_at_refit_gib": round(sent["free_before_bytes"] / 2**30, 3),
-            "refit_s": round(sent["seconds"], 4), "bytes": sent["bytes"], "gbps": round(sent["gbps"], 3),
-            "buckets": sent["num_buckets"], "consumer": recv[0], "offload": {k: off[k] for k in ("offloaded", "synced_params")},
-            "free_after_wake_gib": round(woke["memory"]["free_gib"], 3)}
+    return {"sleep_level": level, "sleep_freed_gib": round(slept.freed_gib, 3),
+            "free_after_sleep_gib": round(slept.memory.free_gib, 3),
+            "free_at_refit_gib": round(sent.free_before_bytes / 2**30, 3),
+            "refit_s": round(sent.raw["seconds"], 4), "bytes": sent.bytes, "gbps": round(sent.gbps, 3),
+            "buckets": sent.num_buckets, "consumer": recv[0],
+            "offload": {"offloaded": off.offloaded, "synced_params": off.synced_params},
+            "free_after_wake_gib": round(woke.memory.free_gib, 3)}
 
 
 def _sleep_levels(gen_cls, cfg_dict: dict, pg, env: dict) -> dict:
@@ -99,9 +102,9 @@ def _sleep_levels(gen_cls, cfg_dict: dict, pg, env: dict) -> dict:
     ray.get(gen.wake_up.remote(None))
     s2 = ray.get(gen.sleep.remote(2))
     ray.kill(gen)
-    return {"model": cfg_dict["model"]["checkpoint"], "free_after_start_gib": round(started["memory"]["free_gib"], 3),
-            "level1_freed_gib": round(s1["freed_gib"], 3), "level2_freed_gib": round(s2["freed_gib"], 3),
-            "level2_minus_level1_gib": round(s2["freed_gib"] - s1["freed_gib"], 3)}
+    return {"model": cfg_dict["model"]["checkpoint"], "free_after_start_gib": round(started.memory.free_gib, 3),
+            "level1_freed_gib": round(s1.freed_gib, 3), "level2_freed_gib": round(s2.freed_gib, 3),
+            "level2_minus_level1_gib": round(s2.freed_gib - s1.freed_gib, 3)}
 
 
 def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
@@ -129,7 +132,7 @@ def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
     pg = placement_group([{"GPU": 1.0, "CPU": 4.0}], strategy="PACK")
     ray.get(pg.ready())
     gen = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name="t3-gen", args=(cfg_dict, 0, [0]))
-    res["vllm_start"] = ray.get(gen.start.remote())["start_s"]
+    res["vllm_start"] = ray.get(gen.start.remote()).seconds
     seqs = _sequences()
     batch = _batch(seqs)
     v0 = ray.get(gen.prompt_logprobs.remote(seqs))
@@ -138,12 +141,13 @@ def run(root: str = "/tmp/rlc-t3", out: str | None = None) -> dict:
     ray.get(gen.wake_up.remote(None))
     v0b = ray.get(gen.prompt_logprobs.remote(seqs))
     res["level1_roundtrip_max_abs"] = max(abs(a - b) for x, y in zip(v0, v0b) for a, b in zip(x, y))
-    res["tiny_level1_freed_gib"] = round(s1["freed_gib"], 3)
+    res["tiny_level1_freed_gib"] = round(s1.freed_gib, 3)
 
     policy = spawn(MegatronPolicyWorker, pg=pg, bundle=0, num_gpus=0.5, env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
                    name="t3-policy", args=(cfg_dict, 0, 1, 0))
     master = ray.get(policy.master_address.remote())
-    res["policy_setup"] = {k: v for k, v in ray.get(policy.setup.remote(master, 10)).items() if k != "memory"}
+    res["policy_setup"] = {k: v for k, v in dataclasses.asdict(ray.get(policy.setup.remote(master, 10))).items()
+                           if k != "memory"}
     session = f"t3-{os.getpid()}"
     prep = ray.get([policy.refit_prepare.remote(session, 0, 1), gen.refit_prepare.remote(session)])
     res["refit_prepare"] = {"producer": prep[0], "consumer": prep[1][0]}

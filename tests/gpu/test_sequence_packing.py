@@ -26,6 +26,7 @@ the whole reduced gradient) and are held to the same tolerances against the one-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -88,7 +89,7 @@ def compile_bundle(root: Path, ws: Path, name: str, extra: tuple[str, ...] = ())
     return out
 
 
-def make_batch(n: int, lengths: tuple[int, int], seed: int) -> dict:
+def make_batch(n: int, lengths: tuple[int, int], seed: int) -> Any:
     """``n`` sequences of random tokens with ``lengths`` tokens (uniform), 4-token prompts, advantages of
     either sign (three in four positive, so the loss stays away from 0)."""
     from rlc.runtime import toy  # noqa: PLC0415
@@ -102,15 +103,14 @@ def make_batch(n: int, lengths: tuple[int, int], seed: int) -> dict:
                          [[0.0] * (len(s) - PROMPT) for s in seqs], adv, pad_id=0, pad_to_multiple=16)
 
 
-def widen(batch: dict, extra: int) -> dict:
+def widen(batch: Any, extra: int) -> Any:
     """The same rows padded ``extra`` tokens wider (the padded pass's shapes change, not its math)."""
     import torch  # noqa: PLC0415
 
-    out = dict(batch)
-    out["tokens"] = torch.nn.functional.pad(batch["tokens"], (0, extra), value=0)
-    for key in ("mask", "gen_logprobs"):
-        out[key] = torch.nn.functional.pad(batch[key], (0, extra), value=0.0)
-    return out
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra), value=0),
+                               mask=pad(batch.mask, (0, extra), value=0.0),
+                               gen_logprobs=pad(batch.gen_logprobs, (0, extra), value=0.0))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -258,13 +258,13 @@ def _counting_microbatches(worker: Any) -> Iterator[list]:
         del worker._run
 
 
-def _with_old(batch: dict, old: Any) -> dict:
+def _with_old(batch: Any, old: Any) -> Any:
     import torch  # noqa: PLC0415
 
-    width = batch["mask"].shape[1]
+    width = batch.mask.shape[1]
     if old.shape[1] < width:
         old = torch.nn.functional.pad(old, (0, width - old.shape[1]), value=0.0)
-    return {**batch, "old_logprobs": old[:, :width].contiguous()}
+    return dataclasses.replace(batch, old_logprobs=old[:, :width].contiguous())
 
 
 def _compare_mode(worker: Any, job: dict, mode: str, old: Any) -> dict:
@@ -291,9 +291,9 @@ def _speed(worker: Any, job: dict) -> dict:
     import torch  # noqa: PLC0415
 
     batch = job["speed"]
-    tokens = int(batch["lengths"].sum())
-    out = {"sequences": int(batch["lengths"].numel()), "tokens": tokens,
-           "response_tokens": int(batch["mask"].sum()), "padded_width": int(batch["tokens"].shape[1])}
+    tokens = int(batch.lengths.sum())
+    out = {"sequences": int(batch.lengths.numel()), "tokens": tokens,
+           "response_tokens": int(batch.mask.sum()), "padded_width": int(batch.tokens.shape[1])}
     for mode, packing in (("padded", False), ("packed", True)):
         _set_mode(worker, packing, MBS)
         with _counting_microbatches(worker) as counts:
@@ -333,7 +333,7 @@ def worker_main(job_path: str, rank: int, world: int, port: int, result_path: st
     setup = worker.setup(("127.0.0.1", port), 1000)
     _perturb(worker, PERTURB_SCALE, PERTURB_SEED)
     out: dict = {"rank": rank, "coords": dict(worker.coords), "dtype": cfg["model"]["dtype"],
-                 "setup_s": setup["setup_s"], "device": torch.cuda.get_device_name(0)}
+                 "setup_s": setup.setup_s, "device": torch.cuda.get_device_name(0)}
     old = job.get("old")
     for mode in job["modes"]:
         t0 = time.perf_counter()
@@ -357,8 +357,8 @@ def difference(ref: dict, other: dict, mask: Any) -> dict:
     width = ref["logprobs"].shape[1]
     keep = mask[:, :width] > 0
     d = (other["logprobs"][:, :width].double() - ref["logprobs"].double()).abs()[keep]
-    loss_r = float(ref["train"]["loss_sums"]["loss/total"])
-    loss_o = float(other["train"]["loss_sums"]["loss/total"])
+    loss_r = float(ref["train"].loss_sums["loss/total"])
+    loss_o = float(other["train"].loss_sums["loss/total"])
     num = den = 0.0
     for name, g in ref["grads"].items():
         num += float((other["grads"][name].double() - g.double()).pow(2).sum())
@@ -396,7 +396,7 @@ def run(root: str, out: str | None, cp: int = 1) -> dict:
         speed = make_batch(SPEED["n"], SPEED["lengths"], SPEED["seed"]) if cp == 1 else None
         (b,) = launch({"bundle": str(bf16), "modes": COMPARE_MODES, "batch": batch, "wide": wide, "speed": speed,
                        "speed_steps": SPEED["steps"]}, 1, root_p, "bf16")
-        mask, old = batch["mask"], b["padded"]["logprobs"]
+        mask, old = batch.mask, b["padded"]["logprobs"]
         figures = res["figures"] = {  # recorded before the fp32 run, which the verdict needs
             "padded_rerun_vs_padded": difference(b["padded"], b["padded_rerun"], mask),
             "padded_wide_vs_padded": difference(b["padded"], b["padded_wide"], mask),

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 import traceback
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def _policies(cfg_dict: dict, pg, env: dict, n: int = 2) -> list:
     return actors, coords
 
 
-def _toy_batch(n: int = 32, seed: int = 0) -> dict:
+def _toy_batch(n: int = 32, seed: int = 0) -> Any:
     import random  # noqa: PLC0415
 
     from rlc.runtime import toy  # noqa: PLC0415
@@ -73,7 +74,7 @@ def _toy_batch(n: int = 32, seed: int = 0) -> dict:
 def _gather(coords: list, results: list):
     import torch  # noqa: PLC0415
 
-    parts = sorted((c["dp_rank"], r) for c, r in zip(coords, results) if c["is_output"])
+    parts = sorted((c.dp_rank, r) for c, r in zip(coords, results) if c.is_output)
     return torch.cat([r for _, r in parts], dim=0)
 
 
@@ -120,7 +121,8 @@ def param_sync(root: str) -> dict:
     pg = _ray_start(env)
     actors, coords = _policies(cfg_dict, pg, env)
     batch = _toy_batch()
-    batch["old_logprobs"] = _gather(coords, ray.get([a.compute_logprobs.remote(batch) for a in actors]))
+    batch = dataclasses.replace(batch, old_logprobs=_gather(coords, ray.get([a.compute_logprobs.remote(batch)
+                                                                                for a in actors])))
     before = _export_all(actors)[0]
     ray.get([a.train_step.remote(batch, 1) for a in actors])
     stale = _export_all(actors)  # what a refit reads with sync_params_before_refit off
@@ -129,8 +131,8 @@ def param_sync(root: str) -> dict:
     ray.get([a.call.remote(_force_gather) for a in actors])  # control: synchronous all-gather again
     control = _export_all(actors)
     res = {
-        "dp": coords[0]["dp_size"],
-        "synced_params_flag_reported": [o["synced_params"] for o in offl],
+        "dp": coords[0].dp_size,
+        "synced_params_flag_reported": [o.synced_params for o in offl],
         "update_changed_weights": _diff(before, control[0])["differing"],
         "off_vs_control_rank0": _diff(stale[0], control[0]),
         "off_vs_control_rank1": _diff(stale[1], control[1]),
@@ -192,7 +194,7 @@ def ep2_metadata(root: str) -> dict:
                   args=(cfg_dict, e, [e])) for e in range(2)]
     ray.get([g.start.remote() for g in gens])
     actors, coords = _policies(cfg_dict, pg, env)
-    res: dict = {"ep": 2, "coords": [{k: c[k] for k in ("dp_rank", "is_output")} for c in coords]}
+    res: dict = {"ep": 2, "coords": [{"dp_rank": c.dp_rank, "is_output": c.is_output} for c in coords]}
     ray.get([a.call.remote(_perturb, 0.05, 7) for a in actors])
     # legacy: both consumers slice with producer rank 0's metadata
     sess = f"ep2-legacy-{os.getpid()}"
@@ -215,7 +217,7 @@ def ep2_metadata(root: str) -> dict:
     ray.get([a.call.remote(_rebuild_source, sess, r, True) for r, a in enumerate(actors)] +
             [g.refit_prepare.remote(sess, 120.0) for g in gens])
     sent = ray.get([a.refit_send.remote() for a in actors] + [g.refit_receive.remote() for g in gens])
-    res["per_rank_refit"] = [{k: s[k] for k in ("bytes", "num_buckets", "gbps")} for s in sent[:2]]
+    res["per_rank_refit"] = [{"bytes": s.bytes, "num_buckets": s.num_buckets, "gbps": s.gbps} for s in sent[:2]]
     # bit-exact: vLLM's unfused parameters vs the trainer's export (padding rows of vocab tensors cut)
     import torch  # noqa: PLC0415
 
@@ -235,7 +237,7 @@ def ep2_metadata(root: str) -> dict:
     seqs = _sequences(32, 8)
     b = _batch(seqs)
     trainer = _gather(coords, ray.get([a.compute_logprobs.remote(b) for a in actors]))
-    t = response_values(trainer, b["mask"])
+    t = response_values(trainer, b.mask)
     for e, g in enumerate(gens):
         v = ray.get(g.prompt_logprobs.remote(seqs))
         d = [abs(x - y) for a_, b_ in zip(t, v) for x, y in zip(a_, b_)]
@@ -278,12 +280,12 @@ def calibration(root: str) -> dict:
         versions = ray.get(g.call.remote(lambda w: __import__("rlc.runtime.workers", fromlist=["x"]).library_versions()))
         ray.get(g.generate.remote([[1, 5, 13, 6, 20]] * 64, 4))  # runs the (graph-captured) decode path once
         common = dict(enforce_eager=eager, gpu_type="h200-141gb", versions=versions, worker="vllm-medium")
-        records.append(CalibrationRecord.from_memory("vllm_started", st["memory"], step=0, sleep_level=0,
+        records.append(CalibrationRecord.from_memory("vllm_started", st.memory.as_dict(), step=0, sleep_level=0,
                                                      **common).to_dict())
         for level in (1, 2):
             s = ray.get(g.sleep.remote(level))
-            records.append(CalibrationRecord.from_memory("refit_free", s["memory"], step=0, sleep_level=level,
-                                                         extra={"freed_gib": round(s["freed_gib"], 3)},
+            records.append(CalibrationRecord.from_memory("refit_free", s.memory.as_dict(), step=0, sleep_level=level,
+                                                         extra={"freed_gib": round(s.freed_gib, 3)},
                                                          **common).to_dict())
             ray.get(g.wake_up.remote(None))
         ray.kill(g)

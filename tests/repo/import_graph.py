@@ -21,6 +21,7 @@ class Edge:
     target: str
     line: int
     local: bool  # inside a function: runs when the function is called, not when the module loads
+    remote: bool = False  # inside a Ray task (``@ray.remote``): it runs in another process, on another node
 
 
 @dataclass
@@ -65,11 +66,14 @@ class ImportGraph:
                 typing_only.update(id(n) for n in ast.walk(node) if n is not node.test)
         self.third_party[name] = set()
         is_package = path.name == "__init__.py"
-        self._visit(tree, name, is_package, typing_only, local=False)
+        self._visit(tree, name, is_package, typing_only, local=False, remote=False)
 
-    def _visit(self, node: ast.AST, name: str, is_package: bool, typing_only: set[int], local: bool) -> None:
+    def _visit(self, node: ast.AST, name: str, is_package: bool, typing_only: set[int], local: bool,
+               remote: bool) -> None:
         for child in ast.iter_child_nodes(node):
             inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            task = remote or (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                              and any("remote" in ast.unparse(d) for d in child.decorator_list))
             if isinstance(child, (ast.Import, ast.ImportFrom)) and id(child) not in typing_only:
                 for dotted in self._imported(child, name, is_package, self.files):
                     target = self._resolve(dotted) if dotted.split(".")[0] == self.package else None
@@ -77,10 +81,10 @@ class ImportGraph:
                         if not local and dotted.split(".")[0] != self.package:
                             self.third_party[name].add(dotted.split(".")[0])
                         continue
-                    edge = Edge(name, target, child.lineno, local)
+                    edge = Edge(name, target, child.lineno, local, remote)
                     if target != name and edge not in self.edges[-8:]:
                         self.edges.append(edge)
-            self._visit(child, name, is_package, typing_only, inner)
+            self._visit(child, name, is_package, typing_only, inner, task)
 
     @staticmethod
     def _imported(node: ast.Import | ast.ImportFrom, name: str, is_package: bool, files: dict[str, Path]

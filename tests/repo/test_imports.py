@@ -2,8 +2,9 @@
 
 Read with ``ast`` (``tests/repo/import_graph.py``), so a circle fails here even when the import order of the
 day happens to work. An import inside a function is allowed for what is heavy to load (the GPU stack, and the
-libraries whose import the compiler's start-up keeps off the commands that do not need them) and in the CLI,
-which loads each command's modules when that command runs.
+libraries whose import the compiler's start-up keeps off the commands that do not need them), in a Ray task (it
+runs in a fresh interpreter on another node) and in the CLI, which loads each command's modules when that command
+runs.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_no_import_cycles_among_rlc_modules(graph):
 def test_a_function_local_import_of_an_rlc_module_loads_something_heavy(graph):
     """A function-local import of a light rlc module only hides a dependency: it belongs at the top."""
     light = sorted({f"{e.source}:{e.line} imports {e.target}" for e in graph.edges
-                    if e.local and e.source not in LAZY_BY_DESIGN
+                    if e.local and not e.remote and e.source not in LAZY_BY_DESIGN
                     and not graph.third_party_closure(e.target) & HEAVY})
     assert not light, "move these imports to the top of the module:\n" + "\n".join(light)
 
@@ -82,8 +83,10 @@ def test_the_graph_tells_a_heavy_local_import_from_a_light_one(tmp_path):
         "pkg.uses_gpu": "from pkg import gpu\n",
         "pkg.plain": "import json\n",
         "pkg.caller": "def f():\n    from pkg import uses_gpu, plain\n",
+        "pkg.task": "import ray\ndef f():\n    @ray.remote\n    def g():\n        from pkg import plain\n",
     })
     g = ImportGraph.of(tmp_path, "pkg")
     assert g.third_party_closure("pkg.uses_gpu") == {"torch"}
     assert g.third_party_closure("pkg.plain") == {"json"}
     assert {e.target for e in g.edges if e.source == "pkg.caller" and e.local} == {"pkg.uses_gpu", "pkg.plain"}
+    assert [(e.target, e.remote) for e in g.edges if e.source == "pkg.task"] == [("pkg.plain", True)]

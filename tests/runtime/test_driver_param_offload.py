@@ -8,38 +8,58 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from rlc.contract.runtime_config import load_runtime_config
+from rlc.runtime import workers as W
 from rlc.runtime.driver import GrpoRun
+from rlc.runtime.recorder import Group, Packed, Released, Rollout, Scored, Trained
+from rlc.runtime.worker_api import Memory, ParamsMoved, Sample, Slept
 from rlc.runtime.worker_groups import PolicyGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
+MEM = Memory(free_gib=100.0, used_gib=40.0, total_gib=140.0)
+
+
+@pytest.fixture(autouse=True)
+def _answers_are_the_refs(monkeypatch):
+    monkeypatch.setattr(W, "wait_all", lambda pending, what: [p.ref for p in pending])
+
+
+class _Actor:
+    """A policy worker's Ray handle, answered at once the way ``MegatronPolicyWorker`` answers these methods."""
+
+    def __init__(self, workers: AnsweringWorkers, rank: int) -> None:
+        self.workers, self.rank = workers, rank
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("__"):
+            raise AttributeError(method)
+        return SimpleNamespace(remote=lambda *args: self.workers.answer(self.rank, method))
 
 
 class AnsweringWorkers:
-    """A worker group's ``call`` answered the way the Megatron workers answer these two methods."""
-
     def __init__(self, log: list[str], ranks: int = 2) -> None:
         self.log = log
-        self.ranks = ranks
         self.offloaded = False
+        self.moves = False
+        self.group = W.WorkerGroup("policy", [_Actor(self, r) for r in range(ranks)])
 
-    def __len__(self) -> int:
-        return self.ranks
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[dict]:
-        self.log.append(method)
+    def answer(self, rank: int, method: str) -> Any:
+        if method == "memory":
+            return MEM
         assert method in ("offload_params", "onload_params"), method
-        moves = (method == "offload_params") != self.offloaded
-        self.offloaded = method == "offload_params"
+        if rank == 0:
+            self.log.append(method)
+            self.moves = (method == "offload_params") != self.offloaded
+            self.offloaded = method == "offload_params"
         used = 20.0 if self.offloaded else 27.5
-        return [{"bytes": (int(7.5 * GIB) + r) if moves else 0, "seconds": 0.01,
-                 "memory": {"free_gib": 140.0 - used, "used_gib": used, "total_gib": 140.0}}
-                for r in range(self.ranks)]
+        return ParamsMoved(bytes=(int(7.5 * GIB) + rank) if self.moves else 0, seconds=0.01,
+                           memory=Memory(free_gib=140.0 - used, used_gib=used, total_gib=140.0))
 
 
 class RecordingRun(GrpoRun):
@@ -47,7 +67,7 @@ class RecordingRun(GrpoRun):
         super().__init__(cfg)
         self.log = log
         self.logged: list[dict] = []
-        self._policy = PolicyGroup(AnsweringWorkers(log))  # type: ignore[arg-type]
+        self._policy = PolicyGroup(AnsweringWorkers(log).group)
 
     def start_workers(self) -> None:
         self.log.append("start")
@@ -64,25 +84,29 @@ class RecordingRun(GrpoRun):
 
         self._metrics = Metrics()  # type: ignore[assignment]
 
-    def log_calibration(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def refit(self, step: int) -> None:
+    def refit(self, step: int) -> Any:
         self.log.append("refit")
 
-    def rollout(self, step: int) -> list:
+    def rollout(self, step: int) -> Rollout:
         self.log.append("rollout")
-        return []
+        sample = Sample(token_ids=[3], logprobs=[-0.1], text="3", finish_reason="stop")
+        return Rollout(groups=[Group(None, [1, 2], [sample, sample], [0.0, 1.0])], generated_tokens=2,
+                       generate_seconds=0.1, scorer_metrics={}, sampling_metrics={}, memory=MEM)
 
-    def sleep_generation(self, step: int) -> None:
+    def release_generation(self, step: int) -> Released:
         self.log.append("sleep")
+        return Released(step, Slept(freed_gib=1.0, memory=MEM))
 
-    def trainer_logprobs(self, step: int, groups: list) -> dict:
+    def pack(self, rollout: Rollout, advantages: list[list[float]]) -> Packed:
+        return Packed(batch=None, unrouted_tokens=None)  # type: ignore[arg-type]
+
+    def trainer_logprobs(self, step: int, batch: Any) -> Scored:
         self.log.append("logprobs")
-        return {}
+        return Scored(batch, {"gen_kl": 0.0}, None, MEM)
 
-    def train(self, step: int, batch: dict) -> None:
+    def train(self, step: int, batch: Any) -> Trained:
         self.log.append("train")
+        return Trained([], 0.0, 0.1, MEM)
 
     def checkpoint(self, step: int) -> None:
         self.log.append("checkpoint")

@@ -7,14 +7,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlc.runtime.driver import merge_train_metrics  # noqa: E402
+from rlc.runtime.recorder import merge_train_metrics  # noqa: E402
 from rlc.runtime.generation import sampling as S  # noqa: E402
 from rlc.runtime.policy import batches as B  # noqa: E402
 from rlc.runtime.policy.refit_source import find_multiple_owners  # noqa: E402
+from rlc.runtime.worker_api import Sample, TrainStepResult  # noqa: E402
 
 
 def test_pack_aligns_logprobs_with_next_token_positions():
-    b = B.pack_rollouts([[1, 5, 6]], [[7, 2]], [[-0.5, -0.25]], [1.5], pad_id=0, pad_to_multiple=8)
+    b = B.pack_rollouts([[1, 5, 6]], [[7, 2]], [[-0.5, -0.25]], [1.5], pad_id=0, pad_to_multiple=8).tensors()
     assert b["tokens"].shape == (1, 8)
     assert b["tokens"][0, :5].tolist() == [1, 5, 6, 7, 2]
     # logits at position 2 predict token 3 (=7), at 3 predict token 4 (=2)
@@ -34,7 +35,7 @@ def test_pack_rejects_misaligned_and_too_long():
 
 
 def _batch(n):
-    return B.pack_rollouts([[1, 2]] * n, [[3, 4]] * n, [[-1.0, -1.0]] * n, list(range(n)), pad_id=0, pad_to_multiple=4)
+    return B.pack_rollouts([[1, 2]] * n, [[3, 4]] * n, [[-1.0, -1.0]] * n, list(range(n)), pad_id=0, pad_to_multiple=4).tensors()
 
 
 def test_dp_shard_and_microbatches_pad_with_masked_rows():
@@ -68,17 +69,18 @@ def test_parse_request_output_reads_sampled_token_logprobs():
     comp = SimpleNamespace(token_ids=[7, 2], logprobs=[{7: lp(-0.1), 9: lp(-3.0)}, {2: lp(-0.2)}], text="7",
                            finish_reason="stop")
     req = SimpleNamespace(outputs=[comp], prompt_token_ids=[1, 5, 6], prompt_logprobs=[None, {5: lp(-1.0)}, {6: lp(-2.0)}])
-    assert S.parse_request_output(req) == [{"token_ids": [7, 2], "logprobs": [-0.1, -0.2], "text": "7", "finish_reason": "stop"}]
+    assert S.parse_request_output(req) == [Sample(token_ids=[7, 2], logprobs=[-0.1, -0.2], text="7",
+                                                  finish_reason="stop")]
     assert S.prompt_logprobs_of(req) == [-1.0, -2.0]
     with pytest.raises(ValueError, match="logprobs=0"):
         S.sampled_logprobs([1], None)
 
 
 def test_merge_train_metrics_sums_losses_and_weights_others():
-    a = {"loss_sums": {"loss/total": 0.25}, "weighted_sums": {"clip_fraction": 10.0}, "maxes": {"ratio_max": 1.1},
-         "num_tokens": 100.0, "grad_norm": 0.5, "lr": 1e-3, "optimizer_steps": 1}
-    b = {"loss_sums": {"loss/total": 0.5}, "weighted_sums": {"clip_fraction": 30.0}, "maxes": {"ratio_max": 1.3},
-         "num_tokens": 100.0, "grad_norm": 0.5, "lr": 1e-3, "optimizer_steps": 1}
+    a = TrainStepResult(loss_sums={"loss/total": 0.25}, weighted_sums={"clip_fraction": 10.0},
+                        maxes={"ratio_max": 1.1}, num_tokens=100.0, grad_norm=0.5, lr=1e-3, optimizer_steps=1, train_s=1.0)
+    b = TrainStepResult(loss_sums={"loss/total": 0.5}, weighted_sums={"clip_fraction": 30.0},
+                        maxes={"ratio_max": 1.3}, num_tokens=100.0, grad_norm=0.5, lr=1e-3, optimizer_steps=1, train_s=1.0)
     m = merge_train_metrics([a, b])
     assert m["loss/total"] == 0.75 and m["clip_fraction"] == 0.2 and m["ratio_max"] == 1.3 and m["num_tokens"] == 200
     assert merge_train_metrics([]) == {}

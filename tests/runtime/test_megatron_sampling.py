@@ -13,6 +13,7 @@ from rlc.runtime.generation.megatron_sampling import (MegatronRequestFailed, Meg
                                                       group_samples, inference_config_kwargs, parse_request,
                                                       sampling_params_kwargs)
 from rlc.runtime.generation.sampling import parse_request_output
+from rlc.runtime.worker_api import Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -92,8 +93,8 @@ def test_a_runtime_yaml_without_the_pool_or_the_section_is_refused():
 def test_a_sample_ended_by_eos_reads_like_vllms():
     got = parse_request(_req([5, 9, EOS], [-0.1, -0.2, -0.3]), eos_token_id=EOS, max_tokens=8,
                         decode=lambda ids: "".join(map(str, ids)))
-    assert got == {"token_ids": [5, 9, EOS], "logprobs": [-0.1, -0.2, -0.3], "text": "59", "finish_reason": "stop"}
-    # the same keys and types as vLLM's parse (rlc.runtime.generation.sampling)
+    assert got == Sample(token_ids=[5, 9, EOS], logprobs=[-0.1, -0.2, -0.3], text="59", finish_reason="stop")
+    # the same sample as vLLM's parse (rlc.runtime.generation.sampling)
     vllm = parse_request_output(SimpleNamespace(outputs=[SimpleNamespace(
         token_ids=[5, 9, EOS], text="59", finish_reason="stop",
         logprobs=[{5: -0.1}, {9: -0.2}, {EOS: -0.3}])]))[0]
@@ -102,7 +103,7 @@ def test_a_sample_ended_by_eos_reads_like_vllms():
 
 def test_a_sample_cut_at_max_tokens_is_length():
     got = parse_request(_req([5, 9], [-0.1, -0.2]), eos_token_id=EOS, max_tokens=2, decode=str)
-    assert got["finish_reason"] == "length" and got["token_ids"] == [5, 9]
+    assert got.finish_reason == "length" and got.token_ids == [5, 9]
 
 
 def test_a_failed_request_stops_with_the_engines_error():
@@ -122,8 +123,8 @@ def test_outputs_the_trainer_cannot_use_are_refused(tokens, logprobs, max_tokens
 
 
 def test_samples_group_by_prompt_in_submission_order():
-    flat = [{"token_ids": [i]} for i in range(6)]
-    assert [[s["token_ids"][0] for s in g] for g in group_samples(flat, 3)] == [[0, 1, 2], [3, 4, 5]]
+    flat = [Sample(token_ids=[i], logprobs=[0.0], text="", finish_reason="stop") for i in range(6)]
+    assert [[s.token_ids[0] for s in g] for g in group_samples(flat, 3)] == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="do not split"):
         group_samples(flat, 4)
 

@@ -99,7 +99,7 @@ def _batch(lengths, prompt=2, seed=0):
         responses.append(ids[prompt:])
         lps.append((-torch.rand(n - prompt, generator=g)).tolist())
     adv = torch.randn(len(lengths), generator=g).tolist()
-    return B.pack_rollouts(prompts, responses, lps, adv, pad_id=1, pad_to_multiple=16)
+    return B.pack_rollouts(prompts, responses, lps, adv, pad_id=1, pad_to_multiple=16).tensors()
 
 
 def test_pack_rollouts_records_each_sequence_length():

@@ -161,7 +161,7 @@ def test_compute_ref_logprobs_swaps_the_reference_in_for_its_pass_only():
     n = 8
     batch = pack_rollouts([[1, 2]] * n, [[3, 4, 5]] * n, [[0.0] * 3] * n, [0.0] * n, pad_id=0)
     out = worker.compute_ref_logprobs(batch)
-    assert out.shape == (n, batch["tokens"].shape[1] - 1)
+    assert out.shape == (n, batch.tokens.shape[1] - 1)
     assert seen == [(3, 3, True), (3, 3, True), (3, 2, True)]  # micro-batches of 3, the weights all there
     assert host.device_bytes == 0 and all(p.untyped_storage().nbytes() == 0 for p in ref.parameters())
     assert {n: _raw(p) for n, p in trainer.named_parameters()} == trainer_bytes
@@ -170,6 +170,7 @@ def test_compute_ref_logprobs_swaps_the_reference_in_for_its_pass_only():
 
 
 def test_a_failing_pass_still_frees_the_reference():
+    from rlc.runtime.policy.batches import pack_rollouts
     from rlc.runtime.policy.megatron_setup import PolicyModel
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker
 
@@ -186,5 +187,5 @@ def test_a_failing_pass_still_frees_the_reference():
 
     worker._logprobs = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="out of memory"):
-        worker.compute_ref_logprobs({})
+        worker.compute_ref_logprobs(pack_rollouts([[1, 2]], [[3]], [[0.0]], [0.0], pad_id=0))
     assert host.device_bytes == 0

@@ -44,7 +44,7 @@ def rollout(prompts, responses, rows=None):
     routes = [R.compact(vllm_routes(list(p) + list(r), None if rows is None else rows[i]), MOE_LAYERS)
               for i, (p, r) in enumerate(zip(prompts, responses))]
     batch = B.pack_rollouts(prompts, responses, [[-0.5] * len(r) for r in responses], [1.0] * len(prompts),
-                            pad_id=0, pad_to_multiple=8, routes=routes, num_experts=E)
+                            pad_id=0, pad_to_multiple=8, routes=routes, num_experts=E).tensors()
     return batch
 
 
@@ -85,7 +85,7 @@ def test_a_completion_with_missing_routes_leaves_the_loss_from_the_first_unroute
     routes = [R.compact(vllm_routes(p + r, short[i]), MOE_LAYERS) if i != 2 else None
               for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES))]
     batch = B.pack_rollouts(PROMPTS, RESPONSES, [[-0.5] * len(r) for r in RESPONSES], [1.0] * 3, pad_id=0,
-                            pad_to_multiple=8, routes=routes, num_experts=E)
+                            pad_to_multiple=8, routes=routes, num_experts=E).tensors()
     assert torch.equal(batch["mask"][0], full["mask"][0])
     # sample 1: positions 3.. depend on position 3's missing route: its response predictions at 1, 2 stay, 3, 4 go
     assert batch["mask"][1].nonzero().flatten().tolist() == [1, 2]
@@ -172,11 +172,11 @@ def test_parse_request_output_keeps_the_moe_layers_of_each_completion():
                            routed_experts=routed)
     req = SimpleNamespace(outputs=[comp])
     plain = S.parse_request_output(req)
-    assert "routed_experts" not in plain[0]
+    assert plain[0].routed_experts is None
     (sample,) = S.parse_request_output(req, MOE_LAYERS)
-    assert np.array_equal(sample["routed_experts"], routed[:, MOE_LAYERS])
+    assert np.array_equal(sample.routed_experts, routed[:, MOE_LAYERS])
     none = SimpleNamespace(**{**vars(comp), "routed_experts": None})
-    assert S.parse_request_output(SimpleNamespace(outputs=[none]), MOE_LAYERS)[0]["routed_experts"] is None
+    assert S.parse_request_output(SimpleNamespace(outputs=[none]), MOE_LAYERS)[0].routed_experts is None
 
 
 class _Router(torch.nn.Module):

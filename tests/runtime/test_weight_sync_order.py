@@ -23,15 +23,18 @@ import torch
 
 from rlc.contract.runtime_config import (MegatronGenerationConfig, load_runtime_config, runtime_config_from_dict,
                                          runtime_config_to_dict)
+from rlc.runtime import workers as W
 from rlc.runtime.driver import GrpoRun
 from rlc.runtime.generation.backend import MegatronBackend, VllmBackend
+from rlc.runtime.metrics import PhaseTimer
 from rlc.runtime.refit.verify import RefitVerifyError
 from rlc.runtime.weight_sync import MegatronInProcessSync, VllmIpcSync, make_weight_sync
-from rlc.runtime.worker_groups import GenerationGroup, Memory, PolicyGroup, RankCoords
-from rlc.runtime.workers import WorkerInfo
+from rlc.runtime.worker_api import (Generated, MegatronSynced, Memory, Offloaded, ParamsMoved, RankCoords, RefitSent,
+                                    Sample, Slept, TrainBatch, TrainStepResult, Woke)
+from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
 
 ROOT = Path(__file__).resolve().parents[2]
-MEM = {"free_gib": 100.0, "used_gib": 40.0, "total_gib": 140.0}
+MEM = Memory(free_gib=100.0, used_gib=40.0, total_gib=140.0)
 EOS = 2
 
 
@@ -39,91 +42,83 @@ EOS = 2
 
 
 class _Remote:
-    def __init__(self, group: FakeWorkers, rank: int, method: str) -> None:
-        self.group, self.rank, self.method = group, rank, method
+    def __init__(self, actor: _Actor, method: str) -> None:
+        self.actor, self.method = actor, method
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.group.answer(self.rank, self.method, args)
+        return self.actor.answer(self.method, args)
 
 
 class _Actor:
-    def __init__(self, group: FakeWorkers, rank: int) -> None:
-        self.group, self.rank = group, rank
+    """A Ray actor handle whose method calls are answered at once (the answer is the "object ref")."""
+
+    def __init__(self, role: str, rank: int, log: list[tuple[str, Any]], answers: dict[str, Any]) -> None:
+        self.role, self.rank, self.log, self.answers = role, rank, log, answers
 
     def __getattr__(self, method: str) -> _Remote:
-        return _Remote(self.group, self.rank, method)
+        if method.startswith("__"):
+            raise AttributeError(method)
+        return _Remote(self, method)
 
-
-class FakeWorkers:
-    """A ``WorkerGroup`` whose remote calls are answered at once (the answer is the "object ref")."""
-
-    def __init__(self, role: str, log: list[tuple[str, Any]], answers: dict[str, Any], ranks: int = 1) -> None:
-        self.role, self.log, self.answers, self.ranks = role, log, answers, ranks
-        self.actors = [_Actor(self, r) for r in range(ranks)]
-        self.infos = [WorkerInfo(role, r) for r in range(ranks)]
-
-    def __len__(self) -> int:
-        return self.ranks
-
-    def answer(self, rank: int, method: str, args: tuple) -> Any:
+    def answer(self, method: str, args: tuple) -> Any:
         if method != "memory":
             self.log.append((f"{self.role}.{method}", args[0] if len(args) == 1 and method in ("wake_up", "sleep")
                              else None))
         fn = self.answers[method]
-        return fn(rank, *args) if callable(fn) else fn
-
-    def submit(self, method: str, *args: Any, ranks: Any = None, per_rank: Any = None, **kwargs: Any) -> list:
-        idx = list(range(self.ranks)) if ranks is None else list(ranks)
-        return [(i, self.answer(i, method, per_rank(i) if per_rank is not None else args)) for i in idx]
-
-    def wait(self, refs: list, what: str) -> list:
-        return [r for _, r in refs]
-
-    def call(self, method: str, *args: Any, ranks: Any = None, **kwargs: Any) -> list:
-        return self.wait(self.submit(method, *args, ranks=ranks), method)
+        return fn(self.rank, *args) if callable(fn) else fn
 
 
-def _samples(prompts: list[list[int]], n: int) -> dict:
+def fake_group(role: str, log: list[tuple[str, Any]], answers: dict[str, Any], ranks: int = 1) -> W.WorkerGroup[Any]:
+    """The runtime's own ``WorkerGroup`` over actors that answer as the real workers do."""
+    return W.WorkerGroup(role, [_Actor(role, r, log, answers) for r in range(ranks)])
+
+
+@pytest.fixture(autouse=True)
+def _answers_are_the_refs(monkeypatch):
+    monkeypatch.setattr(W, "wait_all", lambda pending, what: [p.ref for p in pending])
+
+
+def _samples(prompts: list[list[int]], n: int) -> Generated:
     """What a generating worker returns: ``n`` samples of the answer digit then EOS, with logprobs."""
-    sample = {"token_ids": [5, EOS], "logprobs": [-0.3, -0.3], "text": "1", "finish_reason": "stop"}
-    return {"samples": [[dict(sample) for _ in range(n)] for _ in prompts], "seconds": 0.01, "memory": MEM}
+    sample = Sample(token_ids=[5, EOS], logprobs=[-0.3, -0.3], text="1", finish_reason="stop")
+    return Generated(samples=[[sample for _ in range(n)] for _ in prompts], seconds=0.01, memory=MEM)
 
 
 def _policy_answers(log_verify: list[bool]) -> dict[str, Any]:
-    def logprobs(rank: int, batch: dict) -> torch.Tensor:
-        return torch.full((batch["tokens"].shape[0], batch["tokens"].shape[1] - 1), -0.3)
+    def logprobs(rank: int, batch: TrainBatch) -> torch.Tensor:
+        return torch.full((batch.tokens.shape[0], batch.tokens.shape[1] - 1), -0.3)
 
-    def mg_sync(rank: int, step: int, verify: bool) -> dict:
+    def mg_sync(rank: int, step: int, verify: bool) -> MegatronSynced:
         log_verify.append(verify)
         report = None
         if verify:
             report = {"params_compared": 3, "bytes_compared": 96, "fp32_params": ["decoder.router.expert_bias"],
                       "mismatches": [], "not_loaded": [], "bit_exact": True}
-        return {"kind": "megatron-swap", "seconds": 0.01, "bytes": 96, "num_tensors": 3, "memory": MEM,
-                "verify": report, "step": step}
+        return MegatronSynced(kind="megatron-swap", seconds=0.01, bytes=96, num_tensors=3, memory=MEM, step=step,
+                              verify=report)
 
-    moved = {"bytes": 1 << 20, "seconds": 0.01, "memory": MEM}
+    moved = ParamsMoved(bytes=1 << 20, seconds=0.01, memory=MEM)
     return {
         "memory": MEM,
-        "refit_offload": {"synced_params": True, "offloaded": True, "seconds": 0.01, "memory": MEM},
+        "refit_offload": Offloaded(synced_params=True, offloaded=True, seconds=0.01, memory=MEM),
         "compute_logprobs": logprobs,
-        "train_step": lambda rank, batch, step: {"loss_sums": {"loss/total": 0.1}, "weighted_sums": {},
-                                                 "maxes": {}, "num_tokens": 8.0, "grad_norm": 1.0, "lr": 1e-4,
-                                                 "optimizer_steps": 1},
+        "train_step": lambda rank, batch, step: TrainStepResult(
+            loss_sums={"loss/total": 0.1}, weighted_sums={}, maxes={}, num_tokens=8.0, grad_norm=1.0, lr=1e-4,
+            optimizer_steps=1, train_s=0.01),
         "offload_params": moved, "onload_params": moved,
         "mg_sync": mg_sync,
         "mg_generate": lambda rank, prompts, n: _samples(prompts, n),
-        "mg_release": {"seconds": 0.01, "memory": MEM, "freed_gib": 1.0},
-        "refit_send": {"bytes": 96, "gbps": 1.0, "num_buckets": 1, "num_tensors": 3, "half_bytes": 64,
-                       "free_before_bytes": 1 << 30, "min_free_bytes": 1 << 30},
+        "mg_release": Slept(freed_gib=1.0, memory=MEM, seconds=0.01),
+        "refit_send": RefitSent.of({"bytes": 96, "gbps": 1.0, "num_buckets": 1, "num_tensors": 3, "half_bytes": 64,
+                                    "free_before_bytes": 1 << 30, "min_free_bytes": 1 << 30}),
     }
 
 
 def _generation_answers() -> dict[str, Any]:
     return {
         "generate": lambda rank, prompts, n: _samples(prompts, n),
-        "sleep": {"freed_gib": 1.0, "memory": MEM},
-        "wake_up": {"memory": MEM},
+        "sleep": Slept(freed_gib=1.0, memory=MEM),
+        "wake_up": Woke(memory=MEM),
         "reset_prefix_cache": True,
         "refit_receive": [{}],
     }
@@ -143,22 +138,51 @@ class _Scorer:
 
 
 class FakeRun(GrpoRun):
-    """The driver with fake workers: every phase is the driver's own code."""
+    """The driver with fake workers: ``run()`` and every phase are the driver's own code."""
 
     def __init__(self, cfg: Any, log: list, verify_calls: list[bool]) -> None:
         super().__init__(cfg)
-        policy = PolicyGroup(FakeWorkers("policy", log, _policy_answers(verify_calls)))  # type: ignore[arg-type]
+        self.call_log = log
+        self.policy_answers = _policy_answers(verify_calls)
+        policy = PolicyGroup(fake_group("policy", log, self.policy_answers))
         self._policy = policy
-        self.coords = [RankCoords(0, 0, 1, 0, 0, True, True, Memory(**MEM))]
+        self.coords = [RankCoords(rank=0, dp_rank=0, dp_size=1, tp_rank=0, pp_rank=0, cp_rank=0, is_last_stage=True,
+                                  is_output=True, memory=MEM)]
         self.cursor = _Cursor()  # type: ignore[assignment]
         self.scorer = _Scorer()  # type: ignore[assignment]
         if cfg.generation.backend == "megatron":
             self.backend = MegatronBackend(policy)
         else:
-            self._generation = GenerationGroup(FakeWorkers("generation", log, _generation_answers()))  # type: ignore[arg-type]
+            self._generation = GenerationGroup(fake_group("generation", log, _generation_answers()))
             self.backend = VllmBackend(self.generation, cfg.refit.sleep_level)
-        self.weight_sync = make_weight_sync(self)
-        self.step_metrics = {}
+        self.weight_sync = make_weight_sync(cfg, policy, self._generation, self.session, self.timer)
+        self.steps: list[list[str]] = []  # the remote calls of the initial refit, then of each step
+        self.logged: list[dict[str, Any]] = []  # each step's metrics
+
+    # the setup that needs Ray, the Hub and a folder of checkpoints is done above
+    def start_workers(self) -> None:
+        pass
+
+    def resume(self) -> int:
+        return 0
+
+    def open_logs(self, start_step: int) -> None:
+        run = self
+
+        class Metrics:
+            def log(self, step: int, metrics: dict) -> None:
+                run.logged.append(dict(metrics))
+                run.steps.append([m for m, _ in run.call_log])
+                run.call_log.clear()
+
+        self._metrics = Metrics()  # type: ignore[assignment]
+
+    def refit(self, step: int) -> Any:
+        done = super().refit(step)
+        if step == 0:  # the initial refit: its calls are a list of their own
+            self.steps.append([m for m, _ in self.call_log])
+            self.call_log.clear()
+        return done
 
     def encode(self, text: str) -> list[int]:
         return [1] + [4 + int(c) if c.isdigit() else 3 for c in text]
@@ -166,14 +190,12 @@ class FakeRun(GrpoRun):
     def _put(self, obj: Any) -> Any:
         return obj
 
-    def log_calibration(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
 
 def _cfg(tmp_path: Path, backend: str, **megatron: Any) -> Any:
     cfg = load_runtime_config(ROOT / "tests" / "gpu" / "tiny_runtime.yaml")
     cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, prompts_per_step=4, generations_per_prompt=2),
-                              logging=dataclasses.replace(cfg.logging, dir=str(tmp_path / "logs")))
+                              logging=dataclasses.replace(cfg.logging, dir=str(tmp_path / "logs")),
+                              checkpointing=dataclasses.replace(cfg.checkpointing, enabled=False))
     if backend == "megatron":
         mcfg = MegatronGenerationConfig(mode=megatron.pop("mode", "shared"), transformer_impl="transformer_engine",
                                         kv_cache="recompute", block_size_tokens=64, max_tokens=None,
@@ -186,35 +208,27 @@ def _cfg(tmp_path: Path, backend: str, **megatron: Any) -> Any:
     return runtime_config_from_dict(runtime_config_to_dict(cfg))  # what a runtime.yaml would load into
 
 
-def _steps(run: FakeRun, log: list, steps: int = 2) -> list[list[str]]:
-    """The calls of the initial refit and of each step (methods only)."""
-    out = []
-    run.refit(0)
-    out.append([m for m, _ in log])
-    for step in range(1, steps + 1):
-        log.clear()
-        run.step_metrics = {}
-        run.run_step(step)
-        out.append([m for m, _ in log])
-    return out
+def _steps(run: FakeRun, steps: int = 2) -> list[list[str]]:
+    """The driver's own ``run()`` for ``steps`` steps: the calls of the initial refit and of each step."""
+    run.cfg = dataclasses.replace(run.cfg, grpo=dataclasses.replace(run.cfg.grpo, max_steps=steps))
+    run.run()
+    return run.steps
 
 
-def test_vllm_refit_and_step_order_are_unchanged(tmp_path, monkeypatch):
-    import rlc.runtime.workers as W
-
-    monkeypatch.setattr(W, "wait_all", lambda pending, what: [r for _, _, r in pending])
+def test_vllm_refit_and_step_order_are_unchanged(tmp_path):
     log: list = []
     run = FakeRun(_cfg(tmp_path, "vllm"), log, [])
     assert isinstance(run.weight_sync, VllmIpcSync)
     refit = ["policy.refit_offload", "generation.wake_up", "policy.refit_send", "generation.refit_receive",
              "generation.wake_up", "generation.reset_prefix_cache"]
-    initial, step1, step2 = _steps(run, log)
+    initial, step1, step2 = _steps(run)
     assert initial == refit
     assert step1 == step2 == ["generation.generate", "generation.sleep", "policy.compute_logprobs",
                               "policy.train_step", *refit]
     assert run.refits_done == 3
-    assert run.step_metrics["refit/sleep_level"] == 2 and run.step_metrics["refit/bytes"] == 96
-    assert "timing/vllm_generate_s" in run.timer.drain()
+    last = run.logged[-1]
+    assert last["refit/sleep_level"] == 2 and last["refit/bytes"] == 96 and "timing/vllm_generate_s" in last
+    assert last["reward/mean"] == 0.5 and last["loss/total"] == 0.1 and last["memory/after_wake/free_gib"] == 100.0
 
 
 def test_megatron_shared_moves_nothing_and_releases_before_the_logprob_pass(tmp_path):
@@ -222,15 +236,15 @@ def test_megatron_shared_moves_nothing_and_releases_before_the_logprob_pass(tmp_
     verify: list[bool] = []
     run = FakeRun(_cfg(tmp_path, "megatron", refit={"verify_every": 1}), log, verify)
     assert isinstance(run.weight_sync, MegatronInProcessSync) and run.weight_sync.kind == "megatron-shared"
-    initial, step1, step2 = _steps(run, log)
+    initial, step1, step2 = _steps(run)
     refit = ["policy.refit_offload", "policy.mg_sync"]
     assert initial == refit
     assert step1 == step2 == ["policy.mg_generate", "policy.mg_release", "policy.compute_logprobs",
                               "policy.train_step", *refit]
     assert verify == [False, False, False]  # nothing to compare in shared mode: the engine reads the trainer's tensors
-    assert run.step_metrics["refit/megatron_swap"] == 0.0
-    timings = run.timer.drain()
-    assert "timing/megatron_generate_s" in timings and "timing/vllm_generate_s" not in timings
+    last = run.logged[-1]
+    assert last["refit/megatron_swap"] == 0.0
+    assert "timing/megatron_generate_s" in last and "timing/vllm_generate_s" not in last
 
 
 def test_megatron_dedicated_swaps_every_refit_and_checks_it_when_asked(tmp_path):
@@ -240,15 +254,17 @@ def test_megatron_dedicated_swaps_every_refit_and_checks_it_when_asked(tmp_path)
                refit={"verify_every": 2, "offload_params_for_generation": True})
     run = FakeRun(cfg, log, verify)
     assert run.weight_sync.kind == "megatron-swap"
-    initial, step1, step2 = _steps(run, log)
+    initial, step1, step2 = _steps(run)
     refit = ["policy.refit_offload", "policy.mg_sync"]
     assert initial == refit
     assert step1 == step2 == ["policy.offload_params", "policy.mg_generate", "policy.mg_release",
                               "policy.onload_params", "policy.compute_logprobs", "policy.train_step", *refit]
     assert verify == [True, False, True]  # refits 0 and 2 of verify_every 2
+    run.record.close()
     verified = [line for line in (Path(cfg.logging.dir) / "refit_verify.jsonl").read_text().splitlines()]
     assert len(verified) == 2 and '"bit_exact": true' in verified[0]
-    assert run.step_metrics["refit/bytes"] == 96 and run.step_metrics["refit/megatron_swap"] == 1.0
+    last = run.logged[-1]
+    assert last["refit/bytes"] == 96 and last["refit/megatron_swap"] == 1.0 and last["refit/verify_mismatches"] == 0
 
 
 def test_a_swap_that_is_not_bit_exact_stops_the_run_naming_the_tensor(tmp_path):
@@ -257,21 +273,21 @@ def test_a_swap_that_is_not_bit_exact_stops_the_run_naming_the_tensor(tmp_path):
     run = FakeRun(cfg, log, [])
     bias = {"name": "decoder.layers.1.mlp.router.expert_bias", "dtype": "float32", "shape": [8],
             "elements_differing": 8, "max_abs_diff": 0.01, "rounded_to_bf16": True, "mantissa_bits_lost": 16}
-    answers = run.policy.group.answers  # type: ignore[attr-defined]
-    answers["mg_sync"] = lambda rank, step, verify: {
-        "kind": "megatron-swap", "seconds": 0.01, "bytes": 96, "num_tensors": 3, "memory": MEM,
-        "verify": {"params_compared": 3, "bytes_compared": 96, "fp32_params": [bias["name"]], "mismatches": [bias],
-                   "not_loaded": [], "bit_exact": False}}
+    run.policy_answers["mg_sync"] = lambda rank, step, verify: MegatronSynced(
+        kind="megatron-swap", seconds=0.01, bytes=96, num_tensors=3, memory=MEM, step=step,
+        verify={"params_compared": 3, "bytes_compared": 96, "fp32_params": [bias["name"]], "mismatches": [bias],
+                "not_loaded": [], "bit_exact": False})
     with pytest.raises(RefitVerifyError) as info:
         run.refit(0)
     assert "decoder.layers.1.mlp.router.expert_bias" in str(info.value) and "16 mantissa bits" in str(info.value)
     assert run.refits_done == 0
+    run.record.close()  # the report that stopped the run is on file
+    assert "expert_bias" in (Path(cfg.logging.dir) / "refit_verify.jsonl").read_text()
 
 
 def test_a_runtime_yaml_compiled_for_vllm_cannot_start_the_megatron_sync(tmp_path):
     cfg = _cfg(tmp_path, "vllm")
     cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="megatron"))
-    run = GrpoRun.__new__(GrpoRun)
-    run.cfg = cfg
+    policy = PolicyGroup(fake_group("policy", [], {}))
     with pytest.raises(ValueError, match="generation.megatron"):
-        make_weight_sync(run)
+        make_weight_sync(cfg, policy, None, "session", PhaseTimer())
