@@ -82,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--engine-gib", type=float, default=2.0, help="size of the engine-only case")
     ap.add_argument("--tiny-metrics", default=None, help="metrics.jsonl of a tiny GRPO run (adds the tiny case)")
-    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="GPU memory for the budget (default: nvidia-smi)")
+    ap.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="GPU memory for the budget (default: nvidia-smi)"
+    )
     ap.add_argument("--timeout-s", type=float, default=180.0, help="refit protocol timeout (dead peer -> error)")
     ap.add_argument("--root", default="/tmp/rlc-refit-scale", help="scratch folder (model configs, logs)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every measured goal is met")
@@ -417,8 +419,8 @@ class GpuSession:
                 if i == total - 1:
                     case["spot_checks"] = self.spot_check(plan_, trainers, gen, case)
                     if not case["spot_checks"]["passed"]:
-                        self.results["errors"].append(
-                            f"{lay.name}: bit-exact spot checks failed: {'; '.join(case['spot_checks']['problems'][:3])}")
+                        problems = "; ".join(case["spot_checks"]["problems"][:3])
+                        self.results["errors"].append(f"{lay.name}: bit-exact spot checks failed: {problems}")
                 slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,

@@ -71,7 +71,10 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         kind = args["backend"]
         backend = make_backend(kind)
         dev = device_of(kind)
-        dst = {s.name: torch.empty(s.shape, dtype=torch.bfloat16, device=dev) for s in make_specs(args["total"], args["tensor"])}
+        dst = {
+            s.name: torch.empty(s.shape, dtype=torch.bfloat16, device=dev)
+            for s in make_specs(args["total"], args["tensor"])
+        }
         consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120)
         consumer.prepare()
 
@@ -117,8 +120,12 @@ def _main(argv: list[str] | None) -> dict:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--gib", type=float, help="weights to refit, GiB (default 2 for cuda_ipc)")
     size.add_argument("--mib", type=float, help="weights to refit, MiB (default 64 for shm)")
-    ap.add_argument("--tensor-mib", type=float, default=None, help="size of each weight tensor, MiB (default: min(64, total/32))")
-    ap.add_argument("--buffer-gb", type=float, default=None, help="refit.buffer_gb (both halves); default 1/2 of the weights")
+    ap.add_argument(
+        "--tensor-mib", type=float, default=None, help="size of each weight tensor, MiB (default: min(64, total/32))"
+    )
+    ap.add_argument(
+        "--buffer-gb", type=float, default=None, help="refit.buffer_gb (both halves); default 1/2 of the weights"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
@@ -149,9 +156,14 @@ def _main(argv: list[str] | None) -> dict:
     session = "bench" + uuid.uuid4().hex[:8]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=consumer_proc, args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs}, out))
+    child = ctx.Process(
+        target=consumer_proc,
+        args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs}, out),
+    )
     child.start()
-    producer = RefitProducer(cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120)
+    producer = RefitProducer(
+        cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120
+    )
     try:
         producer.prepare(specs)
         refits = [producer.send(zip([s.name for s in specs], src)) for _ in range(runs)]
@@ -202,8 +214,8 @@ def _main(argv: list[str] | None) -> dict:
     print(f"buffers allocated per refit (warm-up first): {allocated}; handles opened by the consumer: {opened}")
     verdict = "meets" if meets_goal(ratio) else "BELOW"
     print(
-        f"ratio refit/copy = {ratio:.3f} ({verdict} the goal >= {GOAL_RATIO}; a refit copies every byte twice, so 0.5 is "
-        "the bound unless pack and load overlap on the device)"
+        f"ratio refit/copy = {ratio:.3f} ({verdict} the goal >= {GOAL_RATIO}; a refit copies every byte twice, "
+        "so 0.5 is the bound unless pack and load overlap on the device)"
     )
     summary = {
         "backend": a.backend,

@@ -162,7 +162,9 @@ class Layout:
         if self.gpus % self.gen_tp:
             raise BenchmarkInputError(f"case {self.name}: vLLM TP {self.gen_tp} does not divide {self.gpus} GPUs")
         if not 0 < self.vllm_util < 1:
-            raise BenchmarkInputError(f"case {self.name}: vLLM gpu_memory_utilization {self.vllm_util} must be in (0, 1)")
+            raise BenchmarkInputError(
+                f"case {self.name}: vLLM gpu_memory_utilization {self.vllm_util} must be in (0, 1)"
+            )
         if self.buffer_gb <= 0:
             raise BenchmarkInputError(f"case {self.name}: refit buffer_gb {self.buffer_gb} must be > 0")
 
@@ -495,8 +497,15 @@ def evaluate_goals(results: dict[str, Any]) -> list[Goal]:
     for name in sorted(n for n in cases if n.startswith("moe")):
         summary = cases[name].get("summary")
         value = summary["total_refit_s"]["median"] if summary else None
-        goals.append(Goal(f"{name} total refit (s)", f"Qwen3-30B-A3B, {cases[name].get('describe', name)}; median of the measured refits",
-                          MOE_TOTAL_REFIT_S, True, value))
+        goals.append(
+            Goal(
+                f"{name} total refit (s)",
+                f"Qwen3-30B-A3B, {cases[name].get('describe', name)}; median of the measured refits",
+                MOE_TOTAL_REFIT_S,
+                True,
+                value,
+            )
+        )
     engine = results.get("engine") or {}
     goals.append(Goal("engine ratio at 2 GiB", "refit bandwidth / same-run device-to-device copy",
                       ENGINE_RATIO, False, engine.get("ratio")))
@@ -538,9 +547,11 @@ def render_plan(plans: dict[str, Any]) -> str:
         lines.append("budget: fits" if budget.fits else "budget: DOES NOT FIT: " + "; ".join(budget.problems))
         half = lay.buffer_gb * GIB / 2
         if mb.largest_tensor > half:
-            lines.append(f"note: the largest tensor ({mb.largest_tensor / GIB:.2f} GiB, the embedding) is larger than a "
-                         f"ping-pong half ({half / GIB:.2f} GiB): such tensors travel in one-off buffers allocated "
-                         "every refit")
+            lines.append(
+                f"note: the largest tensor ({mb.largest_tensor / GIB:.2f} GiB, the embedding) is larger than a "
+                f"ping-pong half ({half / GIB:.2f} GiB): such tensors travel in one-off buffers allocated "
+                "every refit"
+            )
         kinds = sorted({c.kind for c in p["checks"]})
         lines.append(f"bit-exact spot checks: {len(p['checks'])} tensors ({', '.join(kinds)})"
                      + (f"; {'; '.join(p['notes'])}" if p["notes"] else ""))
@@ -629,9 +640,11 @@ def docs_rows(results: dict[str, Any], goals: Sequence[Goal]) -> str:
         checks = case.get("spot_checks") or {}
         verdict = "passed" if checks.get("passed") else "FAILED" if checks else "not run"
         wake = f"{summary['wake_weights_s']['median']:.3f} / {summary['wake_kv_s']['median']:.3f}"
-        lines.append(f"| `{name}` | {_cell(summary, 'total_refit_s')} | {_cell(summary, 'transfer_s')} | "
-                     f"{_cell(summary, 'export_s')} | {_cell(summary, 'pack_s')} | {_cell(summary, 'wait_consumer_s')} | "
-                     f"{_cell(summary, 'load_weights_s')} | {wake} | {_cell(summary, 'sleep_s')} | {verdict} |")
+        lines.append(
+            f"| `{name}` | {_cell(summary, 'total_refit_s')} | {_cell(summary, 'transfer_s')} | "
+            f"{_cell(summary, 'export_s')} | {_cell(summary, 'pack_s')} | {_cell(summary, 'wait_consumer_s')} | "
+            f"{_cell(summary, 'load_weights_s')} | {wake} | {_cell(summary, 'sleep_s')} | {verdict} |"
+        )
     lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
     for g in goals:
         measured = f"{g.value:.4g}" if g.measured else "not measured"

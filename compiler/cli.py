@@ -1,9 +1,9 @@
 """The ``rlc`` command line.
 
 Subcommands: ``validate``, ``lint``, ``show``, ``schema``, ``explain``, ``plan``, ``compile``,
-``calibrate``, ``submit``, ``import nemo-rl``, ``doctor``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO errors (3 only for an internal
-error, i.e. a bug in rlc). Bad input never produces a Python traceback; ``--debug`` shows one for
-internal errors.
+``calibrate``, ``submit``, ``import nemo-rl``, ``doctor``. Exit codes: 0 ok, 1 recipe errors, 2 usage or IO
+errors (3 only for an internal error, i.e. a bug in rlc). Bad input never produces a Python traceback;
+``--debug`` shows one for internal errors.
 
 ``validate``/``lint``/``plan``/``compile`` all go through :func:`run_check`
 (``rlc.compiler.api.check``), so a recipe that passes one passes them all. Heavy or optional
@@ -50,7 +50,7 @@ class UsageError(Exception):
 
 
 def _version() -> str:
-    from rlc import __version__
+    from rlc import __version__  # noqa: PLC0415
 
     return __version__
 
@@ -59,7 +59,7 @@ def _version() -> str:
 
 def run_check(path: str, overrides: Sequence[str] = ()) -> CheckResult:
     """Every compiler stage on one recipe: ``rlc.compiler.api.check``."""
-    from rlc.compiler import api
+    from rlc.compiler import api  # noqa: PLC0415
 
     return api.check(path, overrides)
 
@@ -78,7 +78,7 @@ def _recipe_arg(text: str) -> str:
     """A recipe file, or the name of a shipped recipe when no such file exists."""
     if os.path.exists(text):
         return text
-    from rlc.compiler.recipe import looks_like_path, shipped_recipe_path
+    from rlc.compiler.recipe import looks_like_path, shipped_recipe_path  # noqa: PLC0415
 
     if not looks_like_path(text):
         try:
@@ -98,7 +98,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     sets = list(getattr(args, "set", None) or ())
     calibration = getattr(args, "calibration", None)
     if calibration:
-        from rlc.compiler.planner.calibration import shipped_calibrations
+        from rlc.compiler.planner.calibration import shipped_calibrations  # noqa: PLC0415
 
         ref = calibration if calibration in shipped_calibrations() else os.path.abspath(calibration)
         sets.append(f"cluster.calibration={json.dumps(ref)}")
@@ -133,13 +133,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     """Check every recipe under the given files/folders; print in text, GitHub or JSON format."""
-    from rlc.compiler.lint import OUTPUTS_RULE, lint, output_folders, shared_output_warnings
+    from rlc.compiler.lint import OUTPUTS_RULE, lint, output_folders, shared_output_warnings  # noqa: PLC0415
 
     def check(path: str) -> list[Diagnostic]:
         try:
             result = run_check(path, ())
             outputs = [output_folders(path, result)] if result.ok else []  # (checks may run in workers)
-        except Exception as exc:  # a bug in rlc: say so for this file and lint the others
+        except Exception as exc:  # a bug in rlc: say so for this file and lint the others  # noqa: BLE001
             if getattr(args, "debug", False):
                 traceback.print_exc()
             return [Diagnostic("error", f"internal error: {type(exc).__name__}: {exc} (a bug in rlc; rerun "
@@ -159,7 +159,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the resolved recipe (extends merged, --set applied, defaults filled)."""
-    from rlc.compiler import recipe as recipe_mod
+    from rlc.compiler import recipe as recipe_mod  # noqa: PLC0415
 
     if args.list:
         for name in recipe_mod.shipped_recipe_names():
@@ -167,7 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not args.file:
         raise UsageError("show needs a recipe FILE (or --list)")
-    from rlc.compiler import schema
+    from rlc.compiler import schema  # noqa: PLC0415
 
     try:
         loaded = recipe_mod.load_recipe(_recipe_arg(args.file), args.set or ())
@@ -188,10 +188,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the recipe JSON Schema, or the Markdown reference rendered from it."""
-    from rlc.compiler import schema
+    from rlc.compiler import schema  # noqa: PLC0415
 
     if args.markdown:
-        from rlc.compiler.docs import render_markdown
+        from rlc.compiler.docs import render_markdown  # noqa: PLC0415
 
         text = render_markdown(schema.load_schema())
     else:
@@ -210,7 +210,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def _stage(module: str, name: str | None = None) -> Any:
     """Import a later compiler stage (``rlc.compiler.<module>``) inside the command that needs it;
     a stage missing from this build is a usage error, not a crash."""
-    import importlib
+    import importlib  # noqa: PLC0415
 
     try:
         mod = importlib.import_module(f"rlc.compiler.{module}")
@@ -262,8 +262,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the planner's constants for a GPU and software stack from runs' memory records."""
-    from rlc.compiler.calibrate import calibrate
-    from rlc.compiler.planner.calibration import CalibrationError
+    from rlc.compiler.calibrate import calibrate  # noqa: PLC0415
+    from rlc.compiler.planner.calibration import CalibrationError  # noqa: PLC0415
 
     result = run_check(_recipe_arg(args.recipe), args.set or ())
     fatal = [d for d in result.diagnostics if d.severity == "error" and d.rule not in _PLAN_RULES]
@@ -304,7 +304,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for warning in built.warnings:
         if warning not in reported:  # the check above printed the bundle stage's own warnings
             sys.stderr.write(f"warning: {warning}\n")
-    print(f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {shlex.quote(str(built.path))}")
+    print(
+        f"wrote bundle {built.path} ({len(built.files)} files); submit with: rlc submit {shlex.quote(str(built.path))}"
+    )
     return EXIT_OK
 
 
@@ -321,8 +323,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     """Turn a NeMo-RL config into a commented rlc recipe, write it, and validate it."""
-    from rlc.compiler.importers import nemo_rl
-    from rlc.compiler.importers.nemo_rl.cli_output import import_report, stopped_report, write_atomically
+    from rlc.compiler.importers import nemo_rl  # noqa: PLC0415
+    from rlc.compiler.importers.nemo_rl.cli_output import import_report, stopped_report, write_atomically  # noqa: PLC0415
 
     out = Path(args.output)
     if out.is_dir():
@@ -348,16 +350,19 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
     result, diags, code = _checked(argparse.Namespace(file=str(out), set=()))
     sys.stdout.write(import_report(imported, out))
     _print_diags(diags)
-    print(f"{out}: {'ok' if code == EXIT_OK else summary(diags)}" + (f" ({summary(diags)})" if code == EXIT_OK and diags else ""),
-          file=sys.stderr if code else sys.stdout)
+    print(
+        f"{out}: {'ok' if code == EXIT_OK else summary(diags)}"
+        + (f" ({summary(diags)})" if code == EXIT_OK and diags else ""),
+        file=sys.stderr if code else sys.stdout,
+    )
     return code
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Read a failed job's log; name the rule that would have caught each failure and the fix."""
-    from rlc.compiler.doctor import diagnose
-    from rlc.compiler.doctor.logs import LogReadError, read_logs
-    from rlc.compiler.doctor.report import render
+    from rlc.compiler.doctor import diagnose  # noqa: PLC0415
+    from rlc.compiler.doctor.logs import LogReadError, read_logs  # noqa: PLC0415
+    from rlc.compiler.doctor.report import render  # noqa: PLC0415
 
     notes: list[str] = []
     try:
@@ -553,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         print(f"rlc {args.command}: I/O error: {exc.strerror or exc}{where}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # a bug in rlc, not bad input
+    except Exception as exc:  # a bug in rlc, not bad input  # noqa: BLE001
         if debug:
             traceback.print_exc()
         else:

@@ -72,7 +72,7 @@ def looks_like_recipe(path: Path) -> bool:
     if _SCHEMA_COMMENT.search(text):
         return True
     try:
-        import yaml
+        import yaml  # noqa: PLC0415
 
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except Exception:  # noqa: BLE001 - not YAML PyYAML reads (a broken recipe too): look at the lines
@@ -200,7 +200,7 @@ OUTPUTS_RULE = "outputs"
 def output_folders(path: str, result: Any) -> Diagnostic:
     """Where a checked recipe's run writes state another run must not share (from its resolved
     ``runtime.yaml``): checkpoints and metrics, as an :data:`OUTPUTS_RULE` record."""
-    import json
+    import json  # noqa: PLC0415
 
     checkpoint_dir, metrics_dir = output_dirs(result.recipe)
     folders = {"checkpointing.dir": checkpoint_dir, "logging.dir": metrics_dir}
@@ -211,7 +211,7 @@ def shared_output_warnings(records: Sequence[Diagnostic]) -> list[Diagnostic]:
     """A warning on each recipe whose checkpoint or metrics folder another linted recipe also uses
     (say, two children of one parent that inherit its ``name``): they would resume from, and
     overwrite, each other's state. ``records``: :func:`output_folders` of each recipe."""
-    import json
+    import json  # noqa: PLC0415
 
     users: dict[tuple[str, str], list[str]] = {}
     for record in records:

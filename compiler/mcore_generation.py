@@ -47,7 +47,9 @@ def layout_differences(recipe: Recipe) -> list[str]:
     """What of the inference layout (``parallelism.generation``; context parallelism is always 1 in
     megatron-core inference) differs from the trainer's."""
     t, g = recipe.parallelism.train, recipe.parallelism.generation
-    out = [f"{k.upper()} {getattr(t, k)} -> {getattr(g, k)}" for k in ("tp", "pp", "ep") if getattr(t, k) != getattr(g, k)]
+    out = [
+        f"{k.upper()} {getattr(t, k)} -> {getattr(g, k)}" for k in ("tp", "pp", "ep") if getattr(t, k) != getattr(g, k)
+    ]
     if t.cp > 1:
         out.append(f"CP {t.cp} -> 1 (megatron-core inference runs without context parallelism)")
     return out
@@ -66,8 +68,12 @@ def inference_model(recipe: Recipe) -> InferenceModel:
         why = "set in recipe" + ("" if differs else " (same layout: every swap is a local copy)")
         return InferenceModel("dedicated", impl, tuple(differs), why)
     if differs:
-        return InferenceModel("dedicated", impl, tuple(differs),
-                              f"auto -> dedicated: the inference model differs from the training model ({'; '.join(differs)})")
+        return InferenceModel(
+            "dedicated",
+            impl,
+            tuple(differs),
+            f"auto -> dedicated: the inference model differs from the training model ({'; '.join(differs)})",
+        )
     return InferenceModel("shared", impl, (), "auto -> shared: the inference model would equal the training model "
                           "(same layout and transformer_impl), so the engine runs on it and no weights move")
 
@@ -178,7 +184,9 @@ def kv_pool(recipe: Recipe, facts: Any) -> Optional[KvPool]:
     if pool is None or block is None:
         return None
     blocks = max(2, int(pool) // block)  # megatron-core keeps at least one active block and the dummy block
-    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (1 if speculative_tokens(recipe) else 0)
+    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (
+        1 if speculative_tokens(recipe) else 0
+    )
     tp = recipe.parallelism.generation.tp
     if m.max_requests is not None:
         max_requests = m.max_requests
@@ -195,7 +203,9 @@ def pool_bytes_for(recipe: Recipe, facts: Any, requests: int) -> Optional[int]:
     if block is None:
         return None
     m = recipe.generation.megatron
-    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (1 if speculative_tokens(recipe) else 0)
+    per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (
+        1 if speculative_tokens(recipe) else 0
+    )
     return (max(1, requests) * per_request + 1) * block
 
 

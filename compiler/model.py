@@ -159,7 +159,9 @@ class ModelFacts:
     notes: tuple[str, ...] = ()
     #: longest sequence the config allows, as vLLM derives it (RoPE scaling included); None when it states none
     context_length: Optional[int] = None
-    context_length_source: str = ""  # how it was derived, e.g. "YaRN rope factor 4 × original_max_position_embeddings 32768"
+    context_length_source: str = (
+        ""  # how it was derived, e.g. "YaRN rope factor 4 × original_max_position_embeddings 32768"
+    )
     #: every place looked at for the model's config.json and what it gave (checkpoint folder, Hugging Face
     #: cache, catalog, Hub), for errors about a fact none of them states
     searched: tuple[str, ...] = ()

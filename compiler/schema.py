@@ -61,7 +61,7 @@ def schema_text() -> str:
 
 @lru_cache(maxsize=1)
 def _validator() -> Any:
-    from jsonschema import Draft202012Validator, validators
+    from jsonschema import Draft202012Validator, validators  # noqa: PLC0415
 
     def is_integer(_checker: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -342,7 +342,7 @@ class _Converter:
 
     # -- one method per JSON Schema keyword --------------------------------------------
 
-    def on_additionalProperties(self, error, path, value, node):
+    def on_additionalProperties(self, error, path, value, node):  # noqa: N802
         props = node.get("properties", {})
         patterns = node.get("patternProperties", {})
         extras = [k for k in value if k not in props and not any(re.search(p, k) for p in patterns)]
@@ -402,26 +402,26 @@ class _Converter:
 
     on_minimum = on_maximum = on_exclusiveMinimum = on_exclusiveMaximum = _on_range
 
-    def on_minLength(self, error, path, value, node):
+    def on_minLength(self, error, path, value, node):  # noqa: N802
         if value == "":
             yield self.diag(path, "must not be empty")
         else:
             yield self.diag(path, f"{render(value)} is too short: at least {error.validator_value} characters")
 
-    def on_maxLength(self, error, path, value, node):
+    def on_maxLength(self, error, path, value, node):  # noqa: N802
         yield self.diag(path, f"is too long ({len(value)} characters): at most {error.validator_value}")
 
     def on_pattern(self, error, path, value, node):
         yield self.diag(path, f"{render(value)} does not match the required pattern {error.validator_value}",
                         _first_sentence(node.get("description")))
 
-    def on_minItems(self, error, path, value, node):
+    def on_minItems(self, error, path, value, node):  # noqa: N802
         yield self.diag(path, f"needs at least {error.validator_value} item(s), has {len(value)}")
 
-    def on_maxItems(self, error, path, value, node):
+    def on_maxItems(self, error, path, value, node):  # noqa: N802
         yield self.diag(path, f"allows at most {error.validator_value} item(s), has {len(value)}")
 
-    def on_uniqueItems(self, error, path, value, node):
+    def on_uniqueItems(self, error, path, value, node):  # noqa: N802
         yield self.diag(path, "items must be unique")
 
     def _on_alternatives(self, error, path, value, node):

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # a bug in rlc: the run's own failures are reported (and coded) by the driver
+    except Exception as exc:  # a bug in rlc: the run's own failures are reported (and coded) by the driver  # noqa: BLE001
         traceback.print_exc()
         print(f"rlc.runtime: internal error: {type(exc).__name__}: {exc}\nThis is a bug in rlc; report it with "
               "the traceback above.", file=sys.stderr)

@@ -304,7 +304,9 @@ class GrpoRun:
         self.load_tokenizer()
         self.scorer = RewardScorer(make_reward_fn(cfg.reward.function, cfg.reward.kwargs),
                                    failure_reward=cfg.reward.failure_reward, warn=log.warning)
-        prompts = load_prompts_from_config(cfg.data, count_tokens=lambda s: len(self.encode(s)), on_filtered=log.warning)
+        prompts = load_prompts_from_config(
+            cfg.data, count_tokens=lambda s: len(self.encode(s)), on_filtered=log.warning
+        )
         self.cursor = PromptCursor(prompts, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
         placement = W.plan_placement(cfg)
         env = W.worker_env(cfg)

@@ -121,7 +121,7 @@ class PhaseTimer:
             sample = self.memory_sampler()
             for name, value in sample.items():
                 self._pending[f"memory/{phase}/{name}"] = float(_scalar(value))
-        except Exception as exc:  # a broken sampler must not kill the run: warn once, stop sampling
+        except Exception as exc:  # a broken sampler must not kill the run: warn once, stop sampling  # noqa: BLE001
             self._sampler_failed = True
             self._warn(f"metrics: memory sampler failed after phase {phase!r} ({exc!r}); memory sampling disabled")
 
@@ -165,13 +165,13 @@ class MetricsLogger:
         self._jsonl: TextIO | None = None
         if jsonl:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            except Exception as exc:  # ImportError, or tensorboard missing underneath torch
+            except Exception as exc:  # ImportError, or tensorboard missing underneath torch  # noqa: BLE001
                 self._warn_once(
                     f"metrics: logging.tensorboard is on but torch.utils.tensorboard cannot be imported ({exc}); "
                     "install the 'tensorboard' package for TensorBoard logs. Continuing with JSONL only"

@@ -36,7 +36,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> tuple[dict[st
         key, sep, value = item.partition("=")
         shown = item if len(item) <= 200 else f"{item[:200]}... ({len(item)} characters)"
         if not sep or not key or key != key.strip():
-            raise RuntimeConfigError(f"override {shown!r}: expected KEY=VALUE with a dotted key, e.g. grpo.max_steps=10")
+            raise RuntimeConfigError(
+                f"override {shown!r}: expected KEY=VALUE with a dotted key, e.g. grpo.max_steps=10"
+            )
         too_big = key_path_problem(key) or text_problem(value)
         if too_big is not None:
             raise RuntimeConfigError(f"override {shown!r}: {too_big}")

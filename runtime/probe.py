@@ -154,7 +154,7 @@ def wait_for_cluster(exp: Expected, deadline: float, out: Callable[[str], None] 
                      interval_s: float = PROGRESS_EVERY_S, poll_s: float = 1.0) -> int:
     """Wait until ``exp.nodes`` nodes and ``exp.world_size`` GPUs are alive; 0 when they are, 1 at
     the deadline. Prints progress every ``interval_s`` seconds."""
-    import ray
+    import ray  # noqa: PLC0415
 
     start = last = time.time()
     connected, error = False, ""
@@ -206,10 +206,10 @@ def wait_for_cluster(exp: Expected, deadline: float, out: Callable[[str], None] 
 def _where_task(ray: Any, index: int, gpus: int, paths: list[JobPath]) -> Any:
     @ray.remote(num_cpus=0)
     def where(paths: list[JobPath]) -> dict[str, Any]:
-        import socket
+        import socket  # noqa: PLC0415
 
-        import rlc
-        from rlc.runtime.probe import path_problems
+        import rlc  # noqa: PLC0415
+        from rlc.runtime.probe import path_problems  # noqa: PLC0415
 
         return {"slurm_node": os.environ.get("SLURMD_NODENAME", "?"), "host": socket.gethostname(),
                 "rlc": rlc.__file__, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
@@ -233,7 +233,7 @@ def _hold() -> None:
 def probe(exp: Expected, out: Callable[[str], None] = print, paths: list[JobPath] | None = None) -> int:
     """Check the connected cluster against ``exp``, and on every node that the job's ``paths`` are
     there (inside the container); 0 if all is well, 1 if not."""
-    import ray
+    import ray  # noqa: PLC0415
 
     problems: list[str] = []
     nodes = alive_nodes(ray)
@@ -278,7 +278,7 @@ def probe(exp: Expected, out: Callable[[str], None] = print, paths: list[JobPath
 
 def main(runtime_yaml_path: str | Path) -> int:
     """``python -m rlc.runtime --probe runtime.yaml``: connect, check, print; 0 or 1."""
-    import ray
+    import ray  # noqa: PLC0415
 
     exp = expected_from(runtime_yaml_path)
     address = join_address(exp.address)

@@ -45,7 +45,9 @@ def token_source(env: Mapping[str, str] | None = None) -> str:
     if env.get("RAY_AUTH_TOKEN"):
         return "the RAY_AUTH_TOKEN environment variable"
     if env.get("RAY_AUTH_TOKEN_PATH"):
-        return f"the file {env['RAY_AUTH_TOKEN_PATH']} (RAY_AUTH_TOKEN_PATH){_file_note(Path(env['RAY_AUTH_TOKEN_PATH']))}"
+        return (
+            f"the file {env['RAY_AUTH_TOKEN_PATH']} (RAY_AUTH_TOKEN_PATH){_file_note(Path(env['RAY_AUTH_TOKEN_PATH']))}"
+        )
     default = Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
     return (f"Ray's default token file {default} (RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH are not set)"
             f"{_file_note(default)}")
@@ -75,8 +77,8 @@ def token_refused(address: str | None) -> str | None:
     if address is None or not _port_open(address):
         return None
     try:
-        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # ray.init uses it
-        from ray.exceptions import AuthenticationError
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # ray.init uses it  # noqa: PLC0415
+        from ray.exceptions import AuthenticationError  # noqa: PLC0415
     except ImportError:
         return None
     try:

@@ -271,7 +271,9 @@ def connect(ray_cfg: RayConfig, env: dict[str, str]) -> str:
                     ) from exc
                 time.sleep(2)
     res = ray.cluster_resources()
-    return f"ray {ray.__version__}: {int(res.get('GPU', 0))} GPUs, {int(res.get('CPU', 0))} CPUs, {len(ray.nodes())} nodes"
+    return (
+        f"ray {ray.__version__}: {int(res.get('GPU', 0))} GPUs, {int(res.get('CPU', 0))} CPUs, {len(ray.nodes())} nodes"
+    )
 
 
 def reserve_gpus(placement: Placement, timeout_s: float = 300.0):

@@ -117,7 +117,10 @@ def write_manifests(folder: Path) -> dict[str, str]:
     (folder / MANIFEST_NAME).write_text(manifest, encoding="utf-8")
     for name in (TREE_NAME, MANIFEST_NAME):
         (folder / name).chmod(FILE_MODE)
-    return {"tree_sha256": sha256_regular(folder / TREE_NAME), "manifest_sha256": sha256_regular(folder / MANIFEST_NAME)}
+    return {
+        "tree_sha256": sha256_regular(folder / TREE_NAME),
+        "manifest_sha256": sha256_regular(folder / MANIFEST_NAME),
+    }
 
 
 #: Overrides whose values are not recorded in the lock: ``cluster.env`` may hold tokens.
@@ -207,7 +210,7 @@ def lock_mismatches(folder: Path, lock: dict[str, Any]) -> list[str]:
 
 def script_value(script: Path, name: str) -> str | None:
     """The value of ``readonly NAME=...`` in a bundle's ``launch.sbatch`` (one shell word), or ``None``."""
-    import shlex
+    import shlex  # noqa: PLC0415
 
     try:
         text = read_capped(script, CONFIG_BYTES, follow_links=False).decode("utf-8", "replace")

@@ -34,8 +34,15 @@ class GpuSpec:
 def _table() -> dict[str, GpuSpec]:
     raw = yaml.safe_load(_GPUS_FILE.read_text(encoding="utf-8"))
     return {
-        name: GpuSpec(name=name, memory_gib=float(e["memory_gib"]), hbm_gb=int(e["hbm_gb"]), arch=str(e["arch"]),
-                      nvlink_multicast=bool(e["nvlink_multicast"]), measured=bool(e["measured"]), source=str(e["source"]))
+        name: GpuSpec(
+            name=name,
+            memory_gib=float(e["memory_gib"]),
+            hbm_gb=int(e["hbm_gb"]),
+            arch=str(e["arch"]),
+            nvlink_multicast=bool(e["nvlink_multicast"]),
+            measured=bool(e["measured"]),
+            source=str(e["source"]),
+        )
         for name, e in raw.items()
     }
 

@@ -205,14 +205,16 @@ def _qwen3_5_dense(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 #: The note of readers whose MTP block reuses the model's word embedding in Megatron.
-_MTP_SHARED_EMBEDDING_NOTE = "MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)"
+_MTP_SHARED_EMBEDDING_NOTE = (
+    "MTP shares the main word embedding in Megatron (the HF MTP layer's embed_tokens is a copy)"
+)
 
 
 def _first_k_dense_moe(cfg: dict[str, Any], mixer: str, mtp: Optional[int]) -> dict[str, Any]:
-    """The facts DeepSeek-V3-style MoE configs (DeepSeek, Kimi-K2, GLM-4.5) state the same way: ``first_k_dense_replace``
-    dense layers then MoE layers with ``mixer`` attention, ``n_routed_experts`` routed plus ``n_shared_experts``
-    shared experts of ``moe_intermediate_size``, experts exported one by one, and ``mtp`` MTP blocks of the same
-    kind sharing the word embedding (vLLM keeps their ``eh_proj`` whole)."""
+    """The facts DeepSeek-V3-style MoE configs (DeepSeek, Kimi-K2, GLM-4.5) state the same way:
+    ``first_k_dense_replace`` dense layers then MoE layers with ``mixer`` attention, ``n_routed_experts`` routed
+    plus ``n_shared_experts`` shared experts of ``moe_intermediate_size``, experts exported one by one, and ``mtp``
+    MTP blocks of the same kind sharing the word embedding (vLLM keeps their ``eh_proj`` whole)."""
     out = _common(cfg)
     n = out["num_layers"]
     first_k = _int(cfg, "first_k_dense_replace") or 0
@@ -410,9 +412,9 @@ def family_of(cfg: dict[str, Any]) -> str:
     if word in _READERS:
         return _CANONICAL.get(word, word)
     archs = " ".join(cfg.get("architectures") or [])
-    for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5"), ("qwen3_moe", "Qwen3Moe"),
-                      ("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"), ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"),
-                      ("llama", "Llama")):
+    for key, arch in (("nemotron_h", "NemotronH"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5"),
+                      ("qwen3_moe", "Qwen3Moe"), ("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"),
+                      ("gpt_oss", "GptOss"), ("glm4_moe", "Glm4Moe"), ("qwen3", "Qwen3"), ("llama", "Llama")):
         if arch in archs:
             return key
     if "nemotron_h" in raw:

@@ -184,7 +184,7 @@ def fetch_from_hub(hub_id: str, timeout: float = HUB_TIMEOUT_S) -> tuple[Optiona
     url = f"{endpoint}/{hub_id}/resolve/main/config.json"
     if hub_offline():
         return None, f"the Hub ({url}): not asked, HF_HUB_OFFLINE is set"
-    request = urllib.request.Request(url, headers={"User-Agent": "rlc"})
+    request = urllib.request.Request(url, headers={"User-Agent": "rlc"})  # noqa: S310
     token = os.environ.get("HF_TOKEN")
     if token:
         request.add_header("Authorization", f"Bearer {token}")

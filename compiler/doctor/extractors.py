@@ -188,6 +188,10 @@ def network(m: re.Match, lines: list[str], i: int) -> Values:
     for j in range(i - 1, max(-1, i - 40), -1):
         sync = _SYNC_TENSOR.search(lines[j])
         if sync:
-            out["name"], out["dtype"], out["shape"] = sync.group("name"), sync.group("dtype"), _shape(sync.group("shape"))
+            out["name"], out["dtype"], out["shape"] = (
+                sync.group("name"),
+                sync.group("dtype"),
+                _shape(sync.group("shape")),
+            )
             break
     return out

@@ -88,7 +88,9 @@ def _judge_stack(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
     if "ask_bytes" not in v or "free_bytes" not in v or result.plan is None or result.plan.refit is None:
         return None
     tensor = v["ask_bytes"]
-    name = result.plan.refit.largest_name if abs(result.plan.refit.largest - tensor) < GIB // 8 else "the stacked tensor"
+    name = (
+        result.plan.refit.largest_name if abs(result.plan.refit.largest - tensor) < GIB // 8 else "the stacked tensor"
+    )
     gpu_bytes = int(result.plan.gpu_memory_gib * GIB)
     free = free_at_refit_for_stack(recipe, recipe.cluster.gpu, v["free_bytes"], name, tensor,
                                    gpu_bytes, result.calibration or None)
@@ -221,9 +223,11 @@ def _judge_bucket(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:
         return None
     tensor = v["tensor_bytes"]
     fits = refit.per_side >= tensor and refit.free_at_stack >= tensor
-    return (f"this recipe's refit halves are {gib(refit.per_side)} ({refit.buffer_source}) with {gib(refit.free_at_stack)} "
-            f"at the staging site; the log's {v.get('name')} needs {gib(tensor)}: "
-            + ("both hold it" if fits else "rlc compile stops on RLC210 / RLC211 with the ratio window")), fits
+    return (
+        f"this recipe's refit halves are {gib(refit.per_side)} ({refit.buffer_source}) with {gib(refit.free_at_stack)} "
+        f"at the staging site; the log's {v.get('name')} needs {gib(tensor)}: "
+        + ("both hold it" if fits else "rlc compile stops on RLC210 / RLC211 with the ratio window")
+    ), fits
 
 
 def _judge_network(f: Finding, result: CheckResult, recipe: Recipe) -> Verdict:

@@ -159,7 +159,9 @@ def summarize(f: Finding) -> str:
         if "ask_bytes" in v:
             parts.append(f"tried to allocate {gib(v['ask_bytes'])}")
         if "free_bytes" in v:
-            parts.append(f"{gib(v['free_bytes'])} free" + (f" of {gib(v['total_bytes'])}" if "total_bytes" in v else ""))
+            parts.append(
+                f"{gib(v['free_bytes'])} free" + (f" of {gib(v['total_bytes'])}" if "total_bytes" in v else "")
+            )
         if "gpu" in v:
             parts.append(f"GPU {v['gpu']}")
         for proc, size in (v.get("processes") or {}).items():

@@ -140,8 +140,13 @@ def fit(runs: Sequence[RunMeasurements], recipe: Recipe, facts: ModelFacts, gpu:
     if eager:
         value = asleep - others
         cal = dataclasses.replace(cal, vllm_base_gib=value)
-        fitted.append(Fitted("vllm_base_gib", value,
-                             f"vllm_started {started:.3f} - sleep freed {freed:.3f} - weights kept asleep {others:.3f}"))
+        fitted.append(
+            Fitted(
+                "vllm_base_gib",
+                value,
+                f"vllm_started {started:.3f} - sleep freed {freed:.3f} - weights kept asleep {others:.3f}",
+            )
+        )
         graphs = 0.0
     else:
         value = asleep - others + base.vllm_cuda_graph_gib - base.vllm_base_gib

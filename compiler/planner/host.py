@@ -131,9 +131,15 @@ def host_plan(recipe: Recipe, figs: Sequence[Mapping[str, Any]], vllm_weights: O
                     out.append(Item(label, worst_fig[f"{key}_bytes"] * share * per_node / GIB, "megatron", "params",
                                     f"× {per_node} GPUs"))
             if h.cpu_optimizer_grads:
-                out.append(Item("CPU optimizer's fp32 gradients", worst_fig["master_bytes"] * h.cpu_optimizer_grads
-                                * per_node / GIB, "megatron", "params",
-                                f"HybridDeviceOptimizer's host copy of each offloaded shard's gradient × {per_node} GPUs"))
+                out.append(
+                    Item(
+                        "CPU optimizer's fp32 gradients",
+                        worst_fig["master_bytes"] * h.cpu_optimizer_grads * per_node / GIB,
+                        "megatron",
+                        "params",
+                        f"HybridDeviceOptimizer's host copy of each offloaded shard's gradient × {per_node} GPUs",
+                    )
+                )
             if h.params:
                 out.append(Item("Megatron params (offloaded for generation)", worst_fig["params_bytes"] * h.params
                                 * per_node / GIB, "megatron", "params", f"× {per_node} GPUs"))

@@ -164,7 +164,10 @@ def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeight
         missing = "the checkpoint's MTP layer count" if blocks is None else "the MTP layer kinds"
         shard = max(_vllm_shard_bytes(s, facts, gl, recipe.generation.precision, bpp) for s in plain)
         return VllmWeights(shard, 0, 0), f"{DRAFTER_LABEL}: needs {missing}"
-    worst = max(range(len(with_drafter)), key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe.generation.precision, bpp))
+    worst = max(
+        range(len(with_drafter)),
+        key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe.generation.precision, bpp),
+    )
     shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe.generation.precision, bpp)
     total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe.generation.precision, bpp)
     return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None

@@ -96,9 +96,11 @@ def render_svg(plan: MemoryPlan) -> str:
             req_gib: float = phase.request.gib
             over = base + req_gib > limit
             stroke = "#c00" if over else "#333"
-            out.append(f'<rect x="{x:.1f}" y="{y(base + req_gib):.1f}" width="{bar_w:.1f}" '
-                       f'height="{y(base) - y(base + req_gib):.1f}" fill="none" stroke="{stroke}" stroke-width="1.5" '
-                       f'stroke-dasharray="4,3"><title>{escape_text(f"next: {req.label}: {req_gib:.2f} GiB")}</title></rect>')
+            out.append(
+                f'<rect x="{x:.1f}" y="{y(base + req_gib):.1f}" width="{bar_w:.1f}" '
+                f'height="{y(base) - y(base + req_gib):.1f}" fill="none" stroke="{stroke}" stroke-width="1.5" '
+                f'stroke-dasharray="4,3"><title>{escape_text(f"next: {req.label}: {req_gib:.2f} GiB")}</title></rect>'
+            )
             short = "stack" if "stack" in req.label else "buffer"
             out.append(f'<text x="{x + bar_w / 2:.1f}" y="{y(base + req_gib / 2) + 4:.1f}" fill="{stroke}" '
                        f'text-anchor="middle" font-size="10">{short} {req_gib:.1f}</text>')

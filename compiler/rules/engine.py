@@ -128,9 +128,13 @@ def explain(rule_id: str) -> str:
         close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UnknownRuleError(f"unknown rule {rule_id!r}{hint} (`rlc explain --list` shows all)")
-    silence = ("its warnings can be silenced with lint.ignore (with a reason)" if r.silenceable and "error" in r.severities
-               else "it can be silenced with lint.ignore (with a reason)" if r.silenceable
-               else "errors cannot be silenced")
+    silence = (
+        "its warnings can be silenced with lint.ignore (with a reason)"
+        if r.silenceable and "error" in r.severities
+        else "it can be silenced with lint.ignore (with a reason)"
+        if r.silenceable
+        else "errors cannot be silenced"
+    )
     return (f"{r.id}: {r.title}\n"
             f"severity: {' / '.join(r.severities)} ({silence})\n\n"
             f"why:\n  {_indent(r.rationale)}\n\n"

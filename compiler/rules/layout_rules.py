@@ -38,8 +38,11 @@ def expert_layout(ctx: Context) -> None:
     tl = train_layout(ctx.recipe)
     block = tl.ep * tl.etp * tl.pp
     if tl.world % block:
-        ctx.error(f"EP{tl.ep} × ETP{tl.etp} × PP{tl.pp} = {block} does not divide the world of {_world_text(ctx)}",
-                  f"{T}.ep", hint=f"choose EP × ETP dividing {tl.world // tl.pp if tl.world % tl.pp == 0 else tl.world}")
+        ctx.error(
+            f"EP{tl.ep} × ETP{tl.etp} × PP{tl.pp} = {block} does not divide the world of {_world_text(ctx)}",
+            f"{T}.ep",
+            hint=f"choose EP × ETP dividing {tl.world // tl.pp if tl.world % tl.pp == 0 else tl.world}",
+        )
 
 
 @rule("RLC103", "routed experts must split evenly over EP (and their width over ETP)",
@@ -47,7 +50,8 @@ def expert_layout(ctx: Context) -> None:
       rationale="Each expert-parallel rank holds num_experts / EP whole experts, each split ETP ways along the "
                 "intermediate dimension; neither may leave a remainder. A dense model has no experts to split.",
       seed="Megatron-core TransformerConfig: num_moe_experts % expert_model_parallel_size == 0.",
-      fixes="Use an EP that divides the expert count (e.g. a power of two for 128/256/512 experts); EP 1 for dense models.")
+      fixes="Use an EP that divides the expert count (e.g. a power of two for 128/256/512 experts); "
+            "EP 1 for dense models.")
 def experts_divide(ctx: Context) -> None:
     tl, f = train_layout(ctx.recipe), ctx.facts
     if f.num_experts is None:
@@ -87,7 +91,8 @@ def _suggest_edges(num_layers: int, pp: int) -> Optional[tuple[int, int]]:
                 "middle stages; with virtual pipeline stages every stage's layer count must divide by VPP.",
       seed="Megatron-core TransformerConfig.__post_init__ (uneven PP and VPP validation); NeMo-RL #2471 runs 60 layers "
            "on PP 8 as 6 + 6×8 + 6.",
-      fixes="Set num_layers_in_first/last_pipeline_stage (the message suggests values) or pick a PP dividing the layers.")
+      fixes="Set num_layers_in_first/last_pipeline_stage (the message suggests values) or pick a PP dividing "
+            "the layers.")
 def pipeline_split(ctx: Context) -> None:
     tl, f = train_layout(ctx.recipe), ctx.facts
     if tl.vpp > 1 and tl.pp == 1:
@@ -112,7 +117,9 @@ def pipeline_split(ctx: Context) -> None:
             hint = (f"e.g. num_layers_in_first_pipeline_stage: {sug[0]} and num_layers_in_last_pipeline_stage: "
                     f"{sug[0]} ({n} = {sug[0]} + {sug[1]}×{tl.pp - 2} + {sug[0]})") if sug else \
                 f"use a PP dividing {n}"
-            ctx.error(f"{n} layers do not split evenly over PP{tl.pp} ({n / tl.pp:.3g} per stage)", f"{T}.pp", hint=hint)
+            ctx.error(
+                f"{n} layers do not split evenly over PP{tl.pp} ({n / tl.pp:.3g} per stage)", f"{T}.pp", hint=hint
+            )
             return
     else:
         rest = n - sum(v for _, v in overrides)

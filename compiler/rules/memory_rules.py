@@ -38,7 +38,9 @@ def buffer_half(ctx: Context) -> None:
         return
     r = plan.refit
     name, size = r.wire
-    what = "the largest tensor on the wire (FP8 rollouts)" if r.wire_largest is not None else "the largest exported tensor"
+    what = (
+        "the largest tensor on the wire (FP8 rollouts)" if r.wire_largest is not None else "the largest exported tensor"
+    )
     ctx.error(f"refit buffer: each ping-pong half is {r.per_side / GIB:.2f} GiB ({r.per_side / 1e9:.2f} GB = "
               f"{r.buffer_source} / 2) but {what} {name} is "
               f"{size / GIB:.2f} GiB ({size} bytes); the transfer would assert "
@@ -52,7 +54,8 @@ def buffer_half(ctx: Context) -> None:
                 "gathered pieces. A larger buffer leaves less room here, and a half that only just exceeds the "
                 "tensor fragments the caching allocator (NeMo-RL #2471: ratio 0.45 → +5.75 GiB reserved-but-unusable). "
                 "Judged only when the buffer half already holds the tensor (RLC210).",
-      seed="NeMo-RL #2471 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
+      seed="NeMo-RL #2471 attempt 1 (ratio 0.5): 'torch.OutOfMemoryError: CUDA out of memory. "
+           "Tried to allocate 8.00 GiB. "
            "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
            "model_bridge.py:815 _accumulate_grouped_export; attempt 5 (ratio 0.45): fragmentation 7.04 GB.",
       fixes="Use a ratio inside the plan's window, or free memory (larger generation EP, enforce_eager).")
@@ -87,10 +90,13 @@ def graph_margin(ctx: Context) -> None:
     if r.tolerance_gib >= plan.graph_uncertainty_gib:
         return
     levers = [f.text.split(";")[0] for f in plan.fixes if f.key in ("generation.enforce_eager", "refit.sleep_level")]
-    ctx.warning(f"refit passes now (per side {r.buffer_margin / GIB:+.2f} GiB, staging site {r.stack_margin / GIB:+.2f} "
-                f"GiB) but {r.tolerance_gib:.2f} GiB more vLLM residue would break it; with enforce_eager off the "
-                f"CUDA-graph residue after step 1 varies by ~{plan.graph_uncertainty_gib:.0f} GiB",
-                "generation.enforce_eager", hint="; or ".join(levers) or "enforce_eager: true")
+    ctx.warning(
+        f"refit passes now (per side {r.buffer_margin / GIB:+.2f} GiB, staging site {r.stack_margin / GIB:+.2f} "
+        f"GiB) but {r.tolerance_gib:.2f} GiB more vLLM residue would break it; with enforce_eager off the "
+        f"CUDA-graph residue after step 1 varies by ~{plan.graph_uncertainty_gib:.0f} GiB",
+        "generation.enforce_eager",
+        hint="; or ".join(levers) or "enforce_eager: true",
+    )
 
 
 @rule("RLC213", "tight refit with sleep level 1 where level 2 would free GPU memory at the refit",
@@ -176,12 +182,22 @@ FACT_KEYS = {
 
 #: The config key that states a fact, where a family names it differently from FACT_KEYS' first name.
 _FAMILY_KEYS = {
-    "nemotron_h": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "moe_shared_expert_intermediate_size",
-                   "layer_kinds": "hybrid_override_pattern", "mtp_num_layers": "num_nextn_predict_layers"},
-    "deepseek_v3": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "n_shared_experts",
-                    "mtp_num_layers": "num_nextn_predict_layers"},
-    "glm4_moe": {"num_experts": "n_routed_experts", "shared_expert_intermediate": "n_shared_experts",
-                 "mtp_num_layers": "num_nextn_predict_layers"},
+    "nemotron_h": {
+        "num_experts": "n_routed_experts",
+        "shared_expert_intermediate": "moe_shared_expert_intermediate_size",
+        "layer_kinds": "hybrid_override_pattern",
+        "mtp_num_layers": "num_nextn_predict_layers",
+    },
+    "deepseek_v3": {
+        "num_experts": "n_routed_experts",
+        "shared_expert_intermediate": "n_shared_experts",
+        "mtp_num_layers": "num_nextn_predict_layers",
+    },
+    "glm4_moe": {
+        "num_experts": "n_routed_experts",
+        "shared_expert_intermediate": "n_shared_experts",
+        "mtp_num_layers": "num_nextn_predict_layers",
+    },
     "qwen3_5_moe": {"mtp_num_layers": "mtp_num_hidden_layers"},
 }
 
@@ -307,7 +323,11 @@ def host_memory(ctx: Context) -> None:
 def residue_growth(ctx: Context) -> None:
     plan = ctx.plan
     recorded = plan.residue_growth_recorded
-    where = "" if recorded else f"; the growth was recorded on another vLLM release and is projected onto {plan.vllm_version}"
+    where = (
+        ""
+        if recorded
+        else f"; the growth was recorded on another vLLM release and is projected onto {plan.vllm_version}"
+    )
     for key, fix in (("train_late_fit", plan.late_fix), ("logprob_late_fit", plan.logprob_fix)):
         check = plan.checks.get(key)
         if check is None or check.ok is not False:

@@ -84,8 +84,14 @@ def sync_params(ctx: Context) -> None:
     dist = ctx.recipe.training.use_distributed_optimizer
     overlap = ctx.recipe.training.overlap_param_gather
     needed = bool(dist and overlap)
-    why = ("distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
-           "forward (NeMo-RL #4086)") if needed else "overlap_param_gather is off (parameters are current after the step)"
+    why = (
+        (
+            "distributed optimizer with overlap_param_gather: updated shards are gathered only at the next "
+            "forward (NeMo-RL #4086)"
+        )
+        if needed
+        else "overlap_param_gather is off (parameters are current after the step)"
+    )
     decide_switch(ctx, "sync_params_before_refit", needed=needed, why=why,
                   off_error="sync_params_before_refit is off with the distributed optimizer and "
                             "overlap_param_gather: refit would export stale parameter shards (wrong weights, no error)",

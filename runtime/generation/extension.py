@@ -23,6 +23,8 @@ from rlc.runtime.refit.errors import RefitError
 class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
 
+    _rlc_consumer: Any  # rlc.runtime.refit.consumer.RefitConsumer once paired (rlc_refit_prepare), else None
+
     model_runner: Any  # provided by the vLLM worker class this extends
 
     def rlc_device_uuid(self) -> str:

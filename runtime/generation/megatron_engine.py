@@ -112,8 +112,10 @@ def require_flash_attention() -> str:
 
 
 def build_engine(gen_model: Any, cfg: RuntimeConfig, tokenizer: Any, *, pg_collection: Any = None) -> Any:
-    """A suspended ``DynamicInferenceEngine`` on ``gen_model`` (its KV pool freed per ``generation.megatron.kv_cache``)."""
-    from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode, MambaInferenceStateConfig  # noqa: PLC0415
+    """A suspended ``DynamicInferenceEngine`` on ``gen_model`` (its KV pool freed per
+    ``generation.megatron.kv_cache``)."""
+    from megatron.core.inference.config import (  # noqa: PLC0415
+        InferenceConfig, KVCacheManagementMode, MambaInferenceStateConfig)
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: PLC0415
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine  # noqa: PLC0415
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (  # noqa: PLC0415
@@ -318,6 +320,7 @@ def verify_swap(train_chunk: Any, inference_model: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["FA3_LAYOUT_HINT", "FLASH_ATTENTION_MISSING", "FreedWeights", "build_engine", "fa3_layout_hint", "flash_attention", "require_flash_attention", "build_inference_model", "clear_rotary_cache", "free_weights", "generate",
-           "keep_router_bias_fp32", "pool_facts", "prepare_swap", "refit_tensors", "restore_weights", "swap",
+__all__ = ["FA3_LAYOUT_HINT", "FLASH_ATTENTION_MISSING", "FreedWeights", "build_engine", "fa3_layout_hint",
+           "flash_attention", "require_flash_attention", "build_inference_model", "clear_rotary_cache", "free_weights",
+           "generate", "keep_router_bias_fp32", "pool_facts", "prepare_swap", "refit_tensors", "restore_weights", "swap",
            "unwrap", "verify_swap"]

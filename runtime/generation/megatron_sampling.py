@@ -109,9 +109,11 @@ def parse_request(req: Any, *, eos_token_id: int | None, max_tokens: int,
     on nothing)."""
     if _status_name(getattr(req, "status", None)) == FAILED:
         raise MegatronRequestFailed(
-            f"megatron-core failed request {getattr(req, 'request_id', '?')} ({len(getattr(req, 'prompt_tokens', []) or [])}"
-            f" prompt tokens): {_errors(req)}; check generation.kv_cache_memory_bytes, generation.max_model_len and "
-            "generation.megatron.max_tokens (rlc plan shows the KV pool)")
+            f"megatron-core failed request {getattr(req, 'request_id', '?')} "
+            f"({len(getattr(req, 'prompt_tokens', []) or [])} prompt tokens): {_errors(req)}; check "
+            "generation.kv_cache_memory_bytes, generation.max_model_len and "
+            "generation.megatron.max_tokens (rlc plan shows the KV pool)"
+        )
     ids = [int(t) for t in (req.generated_tokens or [])]
     logprobs = [float(x) for x in (req.generated_log_probs or [])]
     if len(logprobs) != len(ids):
@@ -123,7 +125,9 @@ def parse_request(req: Any, *, eos_token_id: int | None, max_tokens: int,
                          f"generation.sampling.max_tokens {max_tokens}")
     stopped = bool(ids) and eos_token_id is not None and ids[-1] == eos_token_id
     text_ids = ids[:-1] if stopped else ids
-    return Sample(token_ids=ids, logprobs=logprobs, text=decode(text_ids), finish_reason="stop" if stopped else "length")
+    return Sample(
+        token_ids=ids, logprobs=logprobs, text=decode(text_ids), finish_reason="stop" if stopped else "length"
+    )
 
 
 def group_samples(flat: list[Sample], n: int) -> list[list[Sample]]:

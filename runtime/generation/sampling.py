@@ -35,7 +35,11 @@ def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | Non
 
 def logprobs_mode(sampling: SamplingConfig) -> str:
     """``raw_logprobs`` at temperature 1 without top-p/top-k, else ``processed_logprobs``."""
-    plain = float(sampling.temperature) == 1.0 and float(sampling.top_p) >= 1.0 and not (sampling.top_k and sampling.top_k > 0)
+    plain = (
+        float(sampling.temperature) == 1.0
+        and float(sampling.top_p) >= 1.0
+        and not (sampling.top_k and sampling.top_k > 0)
+    )
     return "raw_logprobs" if plain else "processed_logprobs"
 
 

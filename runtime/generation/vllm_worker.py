@@ -103,7 +103,7 @@ class VllmGenerationWorker:
         try:
             tok = self.llm.get_tokenizer()
             return tok.eos_token_id
-        except Exception:
+        except Exception:  # noqa: BLE001
             return None
 
     def memory(self) -> Memory:
@@ -185,7 +185,7 @@ class VllmGenerationWorker:
     def shutdown(self) -> None:
         try:
             self.llm.collective_rpc("rlc_refit_close")
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
 
 

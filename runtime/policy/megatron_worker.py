@@ -111,7 +111,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             import ray  # noqa: PLC0415
 
             ip = ray.util.get_node_ip_address()
-        except Exception:
+        except Exception:  # noqa: BLE001
             ip = socket.gethostbyname(socket.gethostname())
         with socket.socket() as s:
             s.bind(("", 0))
@@ -474,10 +474,10 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                 ref = mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None
                 loss, metrics = grpo_loss(
                     lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), cfg.loss,
-                    ref_logprobs=ref, normalizer=normalizer,
+                    ref_logprobs=ref, normalizer=normalizer,  # noqa: B023
                     gen_logprobs=mb["gen_logprobs"].to(dev) if cfg.loss.importance_sampling_correction else None,
                 )
-                return loss * scale, metrics
+                return loss * scale, metrics  # noqa: B023
 
             for m in self.pm.model:
                 m.zero_grad_buffer()

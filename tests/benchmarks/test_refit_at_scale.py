@@ -70,7 +70,9 @@ def test_spot_checks_cover_every_kind_on_both_ep_ranks():
     assert {"model.layers.47.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight"} <= names
     assert {c.vllm_name for c in checks if c.kind == "expert"} == {"model.layers.47.mlp.experts.w13_weight",
                                                                    "model.layers.47.mlp.experts.w2_weight"}
-    assert {c.vllm_name for c in checks if c.hf_name.endswith("k_proj.weight")} == {"model.layers.24.self_attn.qkv_proj.weight"}
+    assert {c.vllm_name for c in checks if c.hf_name.endswith("k_proj.weight")} == {
+        "model.layers.24.self_attn.qkv_proj.weight"
+    }
     assert any("no bias" in n for n in notes)  # Qwen3-MoE's router has no e_score_correction_bias
     dense, _ = P.spot_checks(P.load_hf_config("qwen3-8b"))
     assert {c.kind for c in dense} == {"embedding", "attention", "norm", "mlp"}
@@ -82,16 +84,19 @@ class FusedTPModel(torch.nn.Module):
     """A stand-in for a vLLM model on TP rank 1 of 2: q/k/v fused into ``qkv_proj``, experts stacked
     into ``w13`` [E, 2I/tp, H] / ``w2`` [E, H, I/tp], vocab rows split; ``load_weights`` slices like vLLM."""
 
-    H, I, E, V, TP, R = 8, 6, 4, 20, 2, 1
+    H, I, E, V, TP, R = 8, 6, 4, 20, 2, 1  # noqa: E741 - the shapes' usual names (I: intermediate size)
 
     def __init__(self) -> None:
         super().__init__()
         h, i, e, v, tp = self.H, self.I, self.E, self.V, self.TP
         z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
         self.params = {
-            "model.embed_tokens.weight": z(v // tp, h), "model.layers.0.self_attn.qkv_proj.weight": z(3 * h // tp, h),
-            "model.layers.0.mlp.experts.w13_weight": z(e, 2 * i // tp, h), "model.layers.0.mlp.experts.w2_weight": z(e, h, i // tp),
-            "model.layers.0.mlp.gate.weight": z(e, h)}
+            "model.embed_tokens.weight": z(v // tp, h),
+            "model.layers.0.self_attn.qkv_proj.weight": z(3 * h // tp, h),
+            "model.layers.0.mlp.experts.w13_weight": z(e, 2 * i // tp, h),
+            "model.layers.0.mlp.experts.w2_weight": z(e, h, i // tp),
+            "model.layers.0.mlp.gate.weight": z(e, h),
+        }
         for n, p in self.params.items():
             self.register_parameter(n.replace(".", "_"), p)
 
@@ -137,8 +142,13 @@ def _export(seed: int = 0) -> dict[str, torch.Tensor]:
 
 SPOT = ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.0.mlp.experts.0.down_proj.weight",
         "model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.gate.weight", "model.embed_tokens.weight"]
-SPOT_PARAMS = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight",
-               "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.qkv_proj.weight"]
+SPOT_PARAMS = [
+    "model.embed_tokens.weight",
+    "model.layers.0.mlp.experts.w13_weight",
+    "model.layers.0.mlp.experts.w2_weight",
+    "model.layers.0.mlp.gate.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+]
 
 
 def test_reload_check_passes_after_a_correct_refit_and_names_a_wrong_expert_slice():
@@ -156,14 +166,25 @@ def test_reload_check_passes_after_a_correct_refit_and_names_a_wrong_expert_slic
     stale = FusedTPModel()
     stale.load_weights(_export(seed=1).items())  # a refit that delivered other weights
     assert len(verify_by_reload(stale, {n: export[n] for n in SPOT}, SPOT_PARAMS)["mismatches"]) == 5
-    partial = verify_by_reload(model, {n: export[n] for n in SPOT}, ["model.norm.weight", "model.layers.0.mlp.gate.weight"])
-    assert partial["missing_params"] == ["model.norm.weight"] and "model.embed_tokens.weight" in partial["loaded_unchecked"]
+    partial = verify_by_reload(
+        model, {n: export[n] for n in SPOT}, ["model.norm.weight", "model.layers.0.mlp.gate.weight"]
+    )
+    assert (
+        partial["missing_params"] == ["model.norm.weight"]
+        and "model.embed_tokens.weight" in partial["loaded_unchecked"]
+    )
 
 
 def test_spot_check_verdict_needs_every_parameter_on_every_worker():
     checks, _ = P.spot_checks(P.load_hf_config("qwen3-30b-a3b"))
     params = sorted({c.vllm_name for c in checks})
-    good = {"device_key": "GPU-a", "params_compared": len(params), "mismatches": [], "not_loaded": [], "missing_params": []}
+    good = {
+        "device_key": "GPU-a",
+        "params_compared": len(params),
+        "mismatches": [],
+        "not_loaded": [],
+        "missing_params": [],
+    }
     assert P.spot_check_verdict(checks, [good, dict(good, device_key="GPU-b")])["passed"]
     v = P.spot_check_verdict(checks, [good, dict(good, device_key="GPU-b", params_compared=len(params) - 1,
                                                  missing_params=[params[0]])])
@@ -177,9 +198,17 @@ def test_spot_check_verdict_needs_every_parameter_on_every_worker():
 
 
 def _record(i: int, export: float, load: float) -> dict:
-    prod = {"seconds": export + 0.2, "export_seconds": export, "pack_seconds": 0.05, "alloc_seconds": 0.01,
-            "wait_ack_seconds": 0.04, "bytes": 61_000_000_000, "num_buckets": 58, "buffers_allocated": 2 if i == 0 else 0,
-            "consumer": {"buffers_opened": 2 if i == 0 else 0}}
+    prod = {
+        "seconds": export + 0.2,
+        "export_seconds": export,
+        "pack_seconds": 0.05,
+        "alloc_seconds": 0.01,
+        "wait_ack_seconds": 0.04,
+        "bytes": 61_000_000_000,
+        "num_buckets": 58,
+        "buffers_allocated": 2 if i == 0 else 0,
+        "consumer": {"buffers_opened": 2 if i == 0 else 0},
+    }
     slow = dict(prod, seconds=export + 0.3, export_seconds=export + 0.1)
     cons = {"seconds": export + 0.25, "load_seconds": load, "open_seconds": 0.001, "wait_seconds": 0.5}
     return {"transfer_s": export + 0.35, "wake_weights_s": 0.02, "wake_kv_s": 0.1, "sleep_s": 0.05,

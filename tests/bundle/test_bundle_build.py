@@ -141,12 +141,26 @@ def test_sbatch_header(tmp_path, e2e_recipe):
     header = [line for line in (tmp_path / "b" / "launch.sbatch").read_text().splitlines()
               if line.startswith("#SBATCH")]
     assert header == [
-        '#SBATCH --job-name="my job"', "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --gpus-per-node=h100:2", "#SBATCH --cpus-per-task=1", "#SBATCH --mem=500G",
-        "#SBATCH --time=00:10:00", "#SBATCH --partition=batch", "#SBATCH --account=proj", "#SBATCH --qos=high",
-        "#SBATCH --reservation=res1", "#SBATCH --exclusive", f"#SBATCH --output={tmp_path}/logs/slurm-%j.out",
-        f"#SBATCH --error={tmp_path}/logs/slurm-%j.out", "#SBATCH --requeue", "#SBATCH --open-mode=append", '#SBATCH --constraint="ib&nvlink"',
-        '#SBATCH --comment="two words"', "#SBATCH --hint=nomultithread"]
+        '#SBATCH --job-name="my job"',
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=h100:2",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --mem=500G",
+        "#SBATCH --time=00:10:00",
+        "#SBATCH --partition=batch",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --reservation=res1",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={tmp_path}/logs/slurm-%j.out",
+        f"#SBATCH --error={tmp_path}/logs/slurm-%j.out",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        '#SBATCH --constraint="ib&nvlink"',
+        '#SBATCH --comment="two words"',
+        "#SBATCH --hint=nomultithread",
+    ]
 
 
 @pytest.mark.parametrize("override,message", [
@@ -351,7 +365,11 @@ def test_plan_files_without_a_memory_plan_summarise_the_resolved_resources(tmp_p
     assert (resources["model"], resources["world_size"], resources["gpu"]) == \
         (result.recipe.model.id, 4, result.recipe.cluster.gpu)
     assert resources["train_parallel"]["dp"] == config.train_parallel.dp
-    assert resources["generation_parallel"] == {"tp": config.generation_parallel.tp, "pp": config.generation_parallel.pp,
-                                                "ep": config.generation_parallel.ep, "dp": config.generation_parallel.dp}
+    assert resources["generation_parallel"] == {
+        "tp": config.generation_parallel.tp,
+        "pp": config.generation_parallel.pp,
+        "ep": config.generation_parallel.ep,
+        "dp": config.generation_parallel.dp,
+    }
     assert files["plan.txt"].startswith("No memory plan") and "world_size: 4" in files["plan.txt"]
     assert files["plan.svg"].startswith("<svg")

@@ -99,8 +99,10 @@ def test_image_paths_cover_reads_but_never_writes(tmp_path):
     found = errors(tmp_path, "data.train=/opt/data/t.jsonl", 'cluster.container.image_paths=["/opt"]',
                    "checkpointing.dir=/opt/ckpt")
     assert list(found) == ["checkpointing.dir"], found
-    assert ("the job writes /opt/ckpt, inside cluster.container.image_paths[0] (/opt, a folder of the image): what "
-            "it writes there is lost when the container ends and other nodes never see it") in found["checkpointing.dir"]
+    assert (
+        "the job writes /opt/ckpt, inside cluster.container.image_paths[0] (/opt, a folder of the image): what "
+        "it writes there is lost when the container ends and other nodes never see it"
+    ) in found["checkpointing.dir"]
 
 
 def test_writes_into_a_read_only_mount_fail(tmp_path):

@@ -157,9 +157,10 @@ def test_architecture_facts_from_overrides_are_range_checked(fact, value):
         assert run.code == 1 and f"{fact} is {value}, which is no architecture size" in run.err
 
 
-@pytest.mark.parametrize("fact, recipe", [("num_hidden_layers", BASE),
-                                          ("num_nextn_predict_layers", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml")),
-                                          ("first_k_dense_replace", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"))])
+@pytest.mark.parametrize("fact, recipe", [
+    ("num_hidden_layers", BASE),
+    ("num_nextn_predict_layers", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml")),
+    ("first_k_dense_replace", str(REPO / "rlc" / "recipes" / "tiny-moe-mtp-4gpu.yaml"))])
 @pytest.mark.parametrize("value", [10_001, 10**8, 2**40])
 def test_layer_counts_past_any_real_model_are_a_recipe_error_not_an_out_of_memory(fact, value, recipe):
     """The planner lays out every layer: 2**40 layers (in range as a size) used to end in a MemoryError
@@ -179,7 +180,8 @@ def test_first_or_last_stage_larger_than_the_model_is_a_recipe_error_in_every_co
         recipe = tmp_path / f"{key}.yaml"
         recipe.write_text(f"version: 1\nextends: {moe}\nparallelism:\n  train: {{{key}: 100}}\n")
         for argv in (["validate", str(recipe)], ["plan", str(recipe)], ["lint", str(recipe)],
-                     ["compile", str(recipe), "-o", str(tmp_path / "b")], ["doctor", str(log), "--recipe", str(recipe)]):
+                     ["compile", str(recipe), "-o", str(tmp_path / "b")],
+                     ["doctor", str(log), "--recipe", str(recipe)]):
             run = run_rlc(*argv)
             assert "internal error" not in run.both, (argv, run.both)
             if argv[0] != "doctor":

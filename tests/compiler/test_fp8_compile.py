@@ -49,7 +49,11 @@ def facts(model_id: str):
 
 def test_fp8_rollouts_compile_and_reach_vllm_with_tensor_scales():
     cfg = runtime("generation.precision=fp8", "generation.fp8.scales=tensor")
-    assert (cfg.generation.precision, cfg.generation.fp8.scales, cfg.generation.fp8.pow2_scales) == ("fp8", "tensor", False)
+    assert (cfg.generation.precision, cfg.generation.fp8.scales, cfg.generation.fp8.pow2_scales) == (
+        "fp8",
+        "tensor",
+        False,
+    )
     kw = engine_kwargs(cfg, 0, distributed=False)
     assert kw["quantization"] == "fp8_per_tensor"
     assert kw["quantization_config"] == {"ignore": [ROUTER_IGNORE_REGEX]}
@@ -64,7 +68,9 @@ def test_block_scales_start_a_deepseek_style_fp8_engine_from_random_weights(tmp_
     kw = engine_kwargs(cfg, 0, distributed=False)
     qc = kw["hf_overrides"]["quantization_config"]
     assert kw["quantization"] == "fp8" and kw["load_format"] == "dummy"
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic"
+    assert (
+        qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic"
+    )
     assert qc["ignored_layers"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     merged = dataclasses.replace(cfg, generation=dataclasses.replace(
         cfg.generation, vllm_kwargs={"hf_overrides": {"rope_theta": 5.0}}))
@@ -202,4 +208,6 @@ def test_fp8_plans_hold_the_largest_wire_tensor_and_the_reload_copies(tmp_path):
     assert r.free_at_stack == pytest.approx(bf16.free_at_stack - 2 * r.per_side, abs=2 << 20)
     assert "vLLM FP8 reload: bucket copies" in [i.label for i in fp8.phases["stack"].items]
     assert "largest on wire" in fp8.to_text()
-    assert "wire_largest" in fp8.to_json()["refit"] and "wire_largest" not in check(recipe=recipe).plan.to_json()["refit"]
+    assert (
+        "wire_largest" in fp8.to_json()["refit"] and "wire_largest" not in check(recipe=recipe).plan.to_json()["refit"]
+    )

@@ -20,7 +20,9 @@ def test_every_gap_names_a_setting_the_schema_accepts_and_that_lifts_it():
     assert result.recipe is not None, result.errors
     gaps = runtime_gaps(result.recipe)
     assert {g.key for g in gaps} == {"parallelism.train.cp", "training.router_replay.enabled"}
-    assert [g.fix for g in gaps if g.key == "training.router_replay.enabled"] == ["training.router_replay.enabled: false"]
+    assert [g.fix for g in gaps if g.key == "training.router_replay.enabled"] == [
+        "training.router_replay.enabled: false"
+    ]
     hints = {d.path: d.hint for d in result.diagnostics if d.rule == "RLC311"}
     for gap in gaps:  # a gap with a fix of its own (cp: turn packing on) keeps it
         assert hints[gap.key] == (gap.hint or f"set `{gap.fix}` to compile for the bundled runtime")

@@ -38,7 +38,12 @@ def test_the_budgets_reach_the_runtime_config_stated_or_derived():
     # through runtime.yaml (YAML text) into the runtime's strict loader
     back = runtime_config_from_dict(yaml.safe_load(yaml.safe_dump(data)))
     sp = back.training.sequence_packing
-    assert (sp.enabled, sp.algorithm, sp.train_mb_tokens, sp.logprob_mb_tokens) == (True, "first_fit_shuffle", 4096, 8192)
+    assert (sp.enabled, sp.algorithm, sp.train_mb_tokens, sp.logprob_mb_tokens) == (
+        True,
+        "first_fit_shuffle",
+        4096,
+        8192,
+    )
 
 
 def test_a_bundle_with_packing_compiles(tmp_path):

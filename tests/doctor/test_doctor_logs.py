@@ -14,11 +14,20 @@ GIB = 1 << 30
 # log -> (pattern, rule, values the finding must carry)
 EXPECTED = {
     "nemo_rl_mtp_owner.log": ("mtp-duplicate-owner", "RLC201", {"ranks": [0, 7]}),
-    "nemo_rl_buffer_too_small.log": ("refit-buffer-too-small", "RLC210", {
-        "name": "model.language_model.layers.0.mlp.experts.gate_up_proj",
-        "tensor_bytes": 8589934592, "half_bytes": 6263046144}),
-    "megatron_bridge_stack_oom.log": ("export-stack-oom", "RLC211", {
-        "ask_bytes": 8 * GIB, "free_bytes": int(6.76 * GIB), "total_bytes": int(79.11 * GIB), "gpu": 0}),
+    "nemo_rl_buffer_too_small.log": (
+        "refit-buffer-too-small",
+        "RLC210",
+        {
+            "name": "model.language_model.layers.0.mlp.experts.gate_up_proj",
+            "tensor_bytes": 8589934592,
+            "half_bytes": 6263046144,
+        },
+    ),
+    "megatron_bridge_stack_oom.log": (
+        "export-stack-oom",
+        "RLC211",
+        {"ask_bytes": 8 * GIB, "free_bytes": int(6.76 * GIB), "total_bytes": int(79.11 * GIB), "gpu": 0},
+    ),
     "vllm_sleep_residue_growth.log": ("vllm-sleep-residue", "RLC212", {"in_use_gib": 24.10}),
     "vllm_wake_oom.log": ("cumem-wake-oom", "RLC214", {}),
     "expandable_segments.log": ("expandable-segments", "RLC301", {}),
@@ -28,17 +37,43 @@ EXPECTED = {
     "verl_dapo_gen_batches.log": ("dynamic-sampling-exhausted", None, {"max_gen_batches": 10, "batches": 10}),
     "ray_node_lost.log": ("worker-lost", None, {"ip": "10.0.4.17", "pid": "159258"}),
     "ray_host_oom.log": ("worker-lost", None, {"ip": "10.0.4.21", "host_oom": True}),
-    "verl_bucket_too_small.log": ("refit-bucket-too-small", "RLC210", {
-        "name": "model.language_model.layers.0.mlp.experts.gate_up_proj", "shape": [512, 2048, 4096],
-        "tensor_bytes": 8589934592, "bucket_bytes": 2048 << 20}),
+    "verl_bucket_too_small.log": (
+        "refit-bucket-too-small",
+        "RLC210",
+        {
+            "name": "model.language_model.layers.0.mlp.experts.gate_up_proj",
+            "shape": [512, 2048, 4096],
+            "tensor_bytes": 8589934592,
+            "bucket_bytes": 2048 << 20,
+        },
+    ),
     "slime_bucket_too_small.log": ("refit-bucket-too-small", "RLC210", {}),
-    "openrlhf_weight_sync_ib.log": ("weight-sync-network", None, {
-        "status": 12, "peer": "172.19.162.122", "host": "172.19.24.110", "name": "model.embed_tokens.weight",
-        "shape": [152064, 5120]}),
-    "nccl_ibv_modify_qp.log": ("weight-sync-network", None, {"call": "ibv_modify_qp", "error": "Connection timed out",
-                                                             "host": "172.26.5.7", "name": "model.embed_tokens.weight"}),
-    "nccl_watchdog_timeout.log": ("nccl-network", None, {"op": "ALLREDUCE", "seq": 3856, "timeout_ms": 1800000,
-                                                         "host": "10.0.1.75"}),
+    "openrlhf_weight_sync_ib.log": (
+        "weight-sync-network",
+        None,
+        {
+            "status": 12,
+            "peer": "172.19.162.122",
+            "host": "172.19.24.110",
+            "name": "model.embed_tokens.weight",
+            "shape": [152064, 5120],
+        },
+    ),
+    "nccl_ibv_modify_qp.log": (
+        "weight-sync-network",
+        None,
+        {
+            "call": "ibv_modify_qp",
+            "error": "Connection timed out",
+            "host": "172.26.5.7",
+            "name": "model.embed_tokens.weight",
+        },
+    ),
+    "nccl_watchdog_timeout.log": (
+        "nccl-network",
+        None,
+        {"op": "ALLREDUCE", "seq": 3856, "timeout_ms": 1800000, "host": "10.0.1.75"},
+    ),
     "megatron_router_groups.log": ("mcore-router-num-groups", "RLC405", {}),
     "megatron_top_k_top_p.log": ("mcore-top-k-top-p", "RLC404", {}),
     "megatron_vpp.log": ("mcore-vpp", "RLC401", {}),

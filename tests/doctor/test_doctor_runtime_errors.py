@@ -70,7 +70,12 @@ def test_dynamic_sampling_exhausted_reads_the_hit_rate():
 def test_worker_failure_report_names_worker_node_and_phase():
     f = _only(R.worker_died()[1])
     assert f.pattern == "worker-lost" and f.rule is None
-    assert (f.values["role"], f.values["rank"], f.values["node"], f.values["phase"]) == ("policy", "3", "10.0.4.17", "refit")
+    assert (f.values["role"], f.values["rank"], f.values["node"], f.values["phase"]) == (
+        "policy",
+        "3",
+        "10.0.4.17",
+        "refit",
+    )
 
 
 # ------------------------------------------------------------------ the refit protocol across processes

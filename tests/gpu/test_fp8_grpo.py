@@ -56,7 +56,9 @@ def machine() -> dict:
 
 def aligned_config(root: Path) -> Path:
     """The shipped tiny Qwen3 with ``head_dim: 64``: q 256 rows, k and v 128 (block scales need 128-aligned)."""
-    fields = json.loads((REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json").read_text(encoding="utf-8"))
+    fields = json.loads(
+        (REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json").read_text(encoding="utf-8")
+    )
     fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     fields["head_dim"] = 64
     path = root / "tiny-qwen3-head64.json"
@@ -70,7 +72,11 @@ def workspace(root: Path, scales: str) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     config = aligned_config(root) if scales == "block" else None
     paths = build_toy_workspace(str(root), config=str(config) if config else None)
-    return {"checkpoint": str(paths["checkpoint"]), "train": str(paths["train"]), "config": str(config) if config else None}
+    return {
+        "checkpoint": str(paths["checkpoint"]),
+        "train": str(paths["train"]),
+        "config": str(config) if config else None,
+    }
 
 
 def compile_bundle(root: Path, ws: dict, sets: list[str]) -> tuple[Path, list[str]]:
@@ -126,7 +132,9 @@ def verdict(got: dict, steps: int, verify_every: int, need_learning: bool) -> tu
         reasons.append(f"{s['steps_logged']} steps and {s['refits_logged']} refits logged of {steps}")
     verified = got["verify"]
     want = 1 + steps // verify_every if verify_every else 0
-    bad = [(r.get("step"), [m["name"] for m in r.get("mismatches", [])][:3]) for r in verified if not r.get("bit_exact")]
+    bad = [
+        (r.get("step"), [m["name"] for m in r.get("mismatches", [])][:3]) for r in verified if not r.get("bit_exact")
+    ]
     if len({r.get("step") for r in verified}) < want or bad:
         reasons.append(f"verified refits: {len({r.get('step') for r in verified})} of {want}, not bit exact: {bad[:3]}")
     if need_learning and s["step_10mean_reached_goal"] is None:
@@ -154,8 +162,12 @@ def run(root: str, out: str | None, scales: str, steps: int, verify_every: int, 
         import yaml  # noqa: PLC0415
 
         compiled = yaml.safe_load((bundle / "runtime.yaml").read_text(encoding="utf-8"))
-        res["compiled"] = {"precision": compiled["generation"]["precision"], "fp8": compiled["generation"]["fp8"],
-                           "max_gen_kl": compiled["grpo"]["max_gen_kl"], "verify_every": compiled["refit"]["verify_every"]}
+        res["compiled"] = {
+            "precision": compiled["generation"]["precision"],
+            "fp8": compiled["generation"]["fp8"],
+            "max_gen_kl": compiled["grpo"]["max_gen_kl"],
+            "verify_every": compiled["refit"]["verify_every"],
+        }
         got = run_bundle(bundle, timeout_s)
         got["summary"] = summarize(got["metrics"], steps)
         res["fp8"] = {k: v for k, v in got.items() if k not in ("metrics", "verify")}
@@ -211,6 +223,11 @@ if __name__ == "__main__":
     ap.add_argument("--timeout", type=int, default=420, help="seconds for the driver")
     a = ap.parse_args()
     r = run(a.root, a.out, a.scales, a.steps, a.verify_every, a.max_gen_kl, not a.no_tis, a.bf16, a.timeout)
-    print("fp8_grpo:", "passed" if r["passed"] else "FAILED: " + "; ".join(r.get("reasons") or [r.get("error", "")[-500:]]),
-          "| mismatch:", r.get("mismatch"), flush=True)
+    print(
+        "fp8_grpo:",
+        "passed" if r["passed"] else "FAILED: " + "; ".join(r.get("reasons") or [r.get("error", "")[-500:]]),
+        "| mismatch:",
+        r.get("mismatch"),
+        flush=True,
+    )
     sys.exit(0 if r["passed"] else 1)

@@ -137,8 +137,12 @@ def _probe_class() -> Any:
             self.coords = {"rank": 0, "dp_rank": ps.get_data_parallel_rank(), "dp_size": 1, "tp_rank": 0,
                            "pp_rank": 0, "is_last_stage": True, "is_output": True}
             torch.cuda.synchronize()
-            return {"setup_s": time.perf_counter() - t0, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
-                    "fp8": getattr(self._pm.provider, "fp8", None), "fp8_recipe": getattr(self._pm.provider, "fp8_recipe", None)}
+            return {
+                "setup_s": time.perf_counter() - t0,
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                "fp8": getattr(self._pm.provider, "fp8", None),
+                "fp8_recipe": getattr(self._pm.provider, "fp8_recipe", None),
+            }
 
         def step_random(self, vocab: int) -> dict:
             import torch  # noqa: PLC0415
@@ -202,7 +206,9 @@ def train_step(model_id: str, recipe: str, root: Path) -> dict:
             got["setup"] = ray.get(actor.setup_random.remote(tuple(master)), timeout=400)
             got["step"] = ray.get(actor.step_random.remote(int(hf["vocab_size"])), timeout=400)
             step = got["step"]
-            got["measured_over_plan"] = step["allocated_after_gib"] / plan["megatron_gib"] if plan["megatron_gib"] else None
+            got["measured_over_plan"] = (
+                step["allocated_after_gib"] / plan["megatron_gib"] if plan["megatron_gib"] else None
+            )
         except Exception as exc:  # noqa: BLE001 - the record says what broke
             got["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
         finally:

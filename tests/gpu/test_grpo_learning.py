@@ -146,7 +146,11 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
         try:
             from tests.gpu.plot_rewards import plot  # noqa: PLC0415
 
-            plot(metrics_path, Path(out) / "grpo_reward_curve.png", title=f"tiny Qwen3 GRPO, toy a+b mod 10 ({steps} steps)")
+            plot(
+                metrics_path,
+                Path(out) / "grpo_reward_curve.png",
+                title=f"tiny Qwen3 GRPO, toy a+b mod 10 ({steps} steps)",
+            )
         except Exception as exc:
             res["plot_error"] = repr(exc)[:300]
     res["elapsed_s"] = clock()

@@ -239,7 +239,9 @@ def _tail(text: str, n: int) -> list[str]:
 
 def _router_biases() -> int:
     cfg = json.loads(MOE_CONFIG.read_text(encoding="utf-8"))
-    return cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]  # the decoder's MoE layers (the MTP layer's too, if any)
+    return (
+        cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    )  # the decoder's MoE layers (the MTP layer's too, if any)
 
 
 def case_learn(ws: Workspace, recipe: str, steps: int, timeout_s: int) -> dict:

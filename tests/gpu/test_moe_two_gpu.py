@@ -55,7 +55,9 @@ RESUME_SLACK = 0.1  # resumed steps' mean reward >= last-10 mean before the rest
 BF16_BITS_LOST = 16  # fp32 (23 mantissa bits) -> bf16 (7)
 ROUTER_BIAS = "e_score_correction_bias"
 DUPLICATE_OWNER_TEXT = "present on multiple PP ranks"
-FOREIGN_METADATA_RE = re.compile(r"carries slicing metadata from producer rank (\d+) .*not from this GPU's producer rank (\d+)")
+FOREIGN_METADATA_RE = re.compile(
+    r"carries slicing metadata from producer rank (\d+) .*not from this GPU's producer rank (\d+)"
+)
 
 
 # ------------------------------------------------------------------ workspace, bundles, runs
@@ -177,7 +179,9 @@ def verdict_fp32_off(run: dict, expected_biases: int) -> dict:
 def verdict_bit_exact(run: dict, refits: int, min_fp32: int = 0) -> dict:
     """Every verified refit bit-exact on every worker, ``refits`` of them, fp32 parameters compared."""
     steps = sorted({r["step"] for r in run["verify"]})
-    bad = [(r["step"], r["worker"], [m["name"] for m in r["mismatches"]][:3]) for r in run["verify"] if not r["bit_exact"]]
+    bad = [
+        (r["step"], r["worker"], [m["name"] for m in r["mismatches"]][:3]) for r in run["verify"] if not r["bit_exact"]
+    ]
     fp32 = min((len(r["fp32_params"]) for r in run["verify"]), default=0)
     res = {"rc": run["rc"], "verified_refits": steps, "records": len(run["verify"]), "not_exact": bad[:5],
            "params_per_worker": sorted({r["params_compared"] for r in run["verify"]}),
@@ -193,10 +197,17 @@ def verdict_learning(run: dict, max_steps: int, switches: dict) -> dict:
     means = [sum(rewards[i - WINDOW:i]) / WINDOW for i in range(WINDOW, len(rewards) + 1)]
     reached = next((rows[i + WINDOW - 1]["step"] for i, m in enumerate(means) if m >= REWARD_GOAL), None)
     refit_steps = sorted({r["step"] for r in run["ranks"]})
-    res = {"rc": run["rc"], "steps": len(rows), "first10_mean": sum(rewards[:WINDOW]) / WINDOW if len(rewards) >= WINDOW else None,
-           "last10_mean": means[-1] if means else None, "step_10mean_reached_goal": reached,
-           "gen_kl_max": max(kls) if kls else None, "refits": len(refit_steps), "switches": switches,
-           "reward_curve": [round(x, 4) for x in rewards]}
+    res = {
+        "rc": run["rc"],
+        "steps": len(rows),
+        "first10_mean": sum(rewards[:WINDOW]) / WINDOW if len(rewards) >= WINDOW else None,
+        "last10_mean": means[-1] if means else None,
+        "step_10mean_reached_goal": reached,
+        "gen_kl_max": max(kls) if kls else None,
+        "refits": len(refit_steps),
+        "switches": switches,
+        "reward_curve": [round(x, 4) for x in rewards],
+    }
     res["passed"] = bool(run["rc"] == 0 and len(rows) == max_steps and reached is not None
                          and kls and max(kls) <= GEN_KL_GOAL and refit_steps == list(range(0, max_steps + 1)))
     return res
@@ -244,7 +255,9 @@ def per_rank_off(lab: Lab) -> dict:
 
 def fp32_off(lab: Lab) -> dict:
     bundle = lab.compile(EP2, "fp32_off")
-    run = lab.start_driver(bundle, ["refit.fp32_params=[]", "refit.verify_every=1", "grpo.max_steps=1"], "driver.log", 400)
+    run = lab.start_driver(
+        bundle, ["refit.fp32_params=[]", "refit.verify_every=1", "grpo.max_steps=1"], "driver.log", 400
+    )
     return {**verdict_fp32_off(run, _router_biases_per_worker()), "compiled": _switches(bundle),
             "log_tail": _tail(run["log"], 12)}
 

@@ -192,7 +192,9 @@ def probe_worker(runtime_yaml: str) -> dict:
     res["pass_peak_over_before"] = peak - allocated
     res["resident_after_pass"] = host.device_bytes
     res["trainer_tensors"] = len(tensors)
-    res["trainer_untouched"] = all(t.data_ptr() == ptr and torch.equal(t, copy) for t, (ptr, copy) in zip(tensors, before))
+    res["trainer_untouched"] = all(
+        t.data_ptr() == ptr and torch.equal(t, copy) for t, (ptr, copy) in zip(tensors, before)
+    )
     del before
     policy = w.compute_logprobs(batch)
     torch.cuda.empty_cache()
@@ -257,8 +259,13 @@ def machine() -> dict:
 
     info: dict = {}
     try:
-        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        info["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         info["gpu"] = f"nvidia-smi: {exc}"
     for dist in ("torch", "vllm", "megatron-core", "megatron-bridge", "transformer-engine", "ray"):
@@ -282,12 +289,16 @@ def verdict_worker(probe: dict, plan: dict) -> tuple[bool, list[str]]:
     if probe.get("rc") != 0:
         return False, [f"worker probe exit {probe.get('rc')}"]
     if not probe["bit_exact"]:
-        problems.append(f"swapped vs resident reference logprobs differ (max |d| {probe['swapped_vs_resident_max_abs']:.3g}"
-                        f"; resident run to run equal: {probe['resident_deterministic']})")
+        problems.append(
+            f"swapped vs resident reference logprobs differ (max |d| {probe['swapped_vs_resident_max_abs']:.3g}"
+            f"; resident run to run equal: {probe['resident_deterministic']})"
+        )
     if not probe["second_copy_bit_exact"]:
         problems.append("a second offload/swap-in round trip changed the reference logprobs")
     if probe["policy_vs_reference_max_abs"] <= POLICY_MOVED:
-        problems.append(f"the policy did not move from the reference (max |d| {probe['policy_vs_reference_max_abs']:.3g})")
+        problems.append(
+            f"the policy did not move from the reference (max |d| {probe['policy_vs_reference_max_abs']:.3g})"
+        )
     if not probe["trainer_untouched"]:
         problems.append("the swapped pass changed the trainer's parameters, gradients or optimizer state")
     if probe["resident_after_setup"] or probe["resident_after_pass"]:
@@ -300,7 +311,8 @@ def verdict_worker(probe: dict, plan: dict) -> tuple[bool, list[str]]:
     for what, measured, predicted in (
             ("GPU memory the resident reference takes", switch["gpu_taken_by_resident"], plan["reference_gpu_bytes"]),
             ("GPU memory offloading it frees", switch["gpu_freed_by_offload"], plan["reference_gpu_bytes"]),
-            ("host memory (RSS) its pinned copy takes", switch["rss_taken_by_copy"], plan["on"]["reference_host_bytes"]),
+            ("host memory (RSS) its pinned copy takes", switch["rss_taken_by_copy"],
+             plan["on"]["reference_host_bytes"]),
             ("peak of the swapped pass over the trainer", probe["pass_peak_over_before"], plan["logprob_extra_bytes"])):
         if not _near(measured, predicted, TOLERANCE):
             problems.append(f"{what}: {measured} bytes measured, {predicted} planned (more than {TOLERANCE:.0%} apart)")

@@ -99,7 +99,9 @@ def compare(off: dict, on: dict) -> dict:
     table = [{"step": off["steps"][i], "reward_off": off["reward"][i], "reward_on": on["reward"][i],
               **{f"{k}_off": off[k][i] for k in KL_KEYS}, **{f"{k}_on": on[k][i] for k in KL_KEYS}}
              for i in range(n)]
-    means = {f"{k}_mean_{side}": _mean(c[k][:n]) for k in ("reward", *KL_KEYS) for side, c in (("off", off), ("on", on))}
+    means = {
+        f"{k}_mean_{side}": _mean(c[k][:n]) for k in ("reward", *KL_KEYS) for side, c in (("off", off), ("on", on))
+    }
     ratio = None
     if means["gen_kl_mean_off"] and means["gen_kl_mean_on"] is not None:
         ratio = means["gen_kl_mean_on"] / means["gen_kl_mean_off"]

@@ -138,9 +138,21 @@ def launch(job: dict, world: int, root: Path, name: str) -> list[dict]:
     procs = []
     for rank in range(world):
         env = _env(CUDA_VISIBLE_DEVICES=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path), "--rank", str(rank), "--world", str(world),
-               "--port", str(port), "--result", str(folder / f"result{rank}.pt")]
-        log = open(folder / f"rank{rank}.log", "w")
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(job_path),
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--port",
+            str(port),
+            "--result",
+            str(folder / f"result{rank}.pt"),
+        ]
+        log = open(folder / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the rank's process ends
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     codes = []
@@ -373,8 +385,11 @@ def difference(ref: dict, other: dict, mask: Any) -> dict:
 def _machine() -> dict:
     import torch  # noqa: PLC0415
 
-    return {"host": socket.gethostname(), "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "torch": torch.__version__}
+    return {
+        "host": socket.gethostname(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+    }
 
 
 def run(root: str, out: str | None, cp: int = 1) -> dict:

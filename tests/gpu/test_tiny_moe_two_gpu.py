@@ -100,7 +100,9 @@ def test_bit_exact_and_learning_verdicts():
         return proofs.verdict_learning(_run(metrics=metrics, ranks=ranks), len(rewards), {})
 
     rising = [0.1] * 20 + [0.9] * 20
-    assert learning(rising)["passed"] and learning(rising)["step_10mean_reached_goal"] == 29  # steps 20-29: (0.1 + 9 x 0.9) / 10
+    assert (
+        learning(rising)["passed"] and learning(rising)["step_10mean_reached_goal"] == 29
+    )  # steps 20-29: (0.1 + 9 x 0.9) / 10
     assert not learning([0.1] * 20 + [0.5] * 20)["passed"]          # below the goal
     assert not learning(rising, kl=0.05)["passed"]                   # gen-KL above the goal
     assert not learning(rising, refits=range(0, 41, 2))["passed"]    # a step without its refit

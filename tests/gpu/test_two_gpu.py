@@ -51,8 +51,18 @@ def _policies(cfg_dict: dict, pg, env: dict, n: int = 2) -> list:
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
     from rlc.runtime.workers import spawn  # noqa: PLC0415
 
-    actors = [spawn(MegatronPolicyWorker, pg=pg, bundle=r, num_gpus=0.5, env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-                    name=f"p{r}-{os.getpid()}", args=(cfg_dict, r, n, r)) for r in range(n)]
+    actors = [
+        spawn(
+            MegatronPolicyWorker,
+            pg=pg,
+            bundle=r,
+            num_gpus=0.5,
+            env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+            name=f"p{r}-{os.getpid()}",
+            args=(cfg_dict, r, n, r),
+        )
+        for r in range(n)
+    ]
     master = ray.get(actors[0].master_address.remote())
     coords = ray.get([a.setup.remote(master, 10) for a in actors])
     return actors, coords
@@ -156,7 +166,9 @@ def _rebuild_source(worker, session: str, local_rank: int, per_rank: bool) -> di
     if worker.source is not None:
         worker.source.close()
     cfg = dataclasses.replace(worker.cfg, refit=dataclasses.replace(worker.cfg.refit, per_rank_ipc_metadata=per_rank))
-    worker.source = RefitSource(worker.pm.bridge, worker.pm.model, cfg, session=session, local_rank=local_rank, local_world=2)
+    worker.source = RefitSource(
+        worker.pm.bridge, worker.pm.model, cfg, session=session, local_rank=local_rank, local_world=2
+    )
     return worker.source.prepare(timeout_s=120)
 
 
@@ -246,7 +258,9 @@ def ep2_metadata(root: str) -> dict:
     # The logprob match is reported against the dense goal (0.02 / 0.005) but does not gate: in bf16 a
     # near-tie of the top-2 router scores can pick different experts in Megatron and vLLM.
     res["logprobs_within_dense_goal"] = all(
-        res[f"engine{e}_vs_trainer"]["max_abs"] <= 0.02 and res[f"engine{e}_vs_trainer"]["mean_abs"] <= 0.005 for e in range(2))
+        res[f"engine{e}_vs_trainer"]["max_abs"] <= 0.02 and res[f"engine{e}_vs_trainer"]["mean_abs"] <= 0.005
+        for e in range(2)
+    )
     res["passed"] = bool(res["legacy_caught"] and all(
         res[f"engine{e}_bit_exact"]["compared"] > 0
         and res[f"engine{e}_bit_exact"]["equal"] == res[f"engine{e}_bit_exact"]["compared"] for e in range(2)))
@@ -277,7 +291,9 @@ def calibration(root: str) -> dict:
         g = spawn(VllmGenerationWorker, pg=pg, bundle=0, num_gpus=0.5, env=env, name=f"cal{int(eager)}-{os.getpid()}",
                   args=(cfg_dict, 0, [0]))
         st = ray.get(g.start.remote())
-        versions = ray.get(g.call.remote(lambda w: __import__("rlc.runtime.workers", fromlist=["x"]).library_versions()))
+        versions = ray.get(
+            g.call.remote(lambda w: __import__("rlc.runtime.workers", fromlist=["x"]).library_versions())
+        )
         ray.get(g.generate.remote([[1, 5, 13, 6, 20]] * 64, 4))  # runs the (graph-captured) decode path once
         common = dict(enforce_eager=eager, gpu_type="h200-141gb", versions=versions, worker="vllm-medium")
         records.append(CalibrationRecord.from_memory("vllm_started", st.memory.as_dict(), step=0, sleep_level=0,

@@ -64,7 +64,8 @@ def test_references_that_double_a_string_stop_at_the_time_limit(tmp_path, monkey
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("expr", ["${mul:'A',300000000}", "${mul:300000000,'AB'}", "${mul:${policy.big},${policy.big}}"])
+@pytest.mark.parametrize("expr", ["${mul:'A',300000000}", "${mul:300000000,'AB'}",
+                                  "${mul:${policy.big},${policy.big}}"])
 def test_a_resolver_result_beyond_the_size_limit_is_refused_before_it_is_built(tmp_path, expr):
     """`${mul:'A…',3e8}` took 2.95 GB."""
     code, said, _ = _import(tmp_path, f"policy:\n  big: {10**70}\n  x: \"{expr}\"\n")

@@ -213,11 +213,29 @@ def test_public_397b_recipe_imports_and_rlc_catches_its_refit_failure(tmp_path):
     assert got["parallelism.generation.ep"] == 64 and got["grpo.dynamic_sampling.batch_multiplier"] == 2
     assert got["loss.ratio_clip_high"] == 0.28 and got["training.activation_checkpointing"] == "full"
     # fixing it the way the report did makes the same import validate
-    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_397B), "-o", str(out), "--force", "--accept-loss", "--set", GPU,
-                       "--set", "data.train=/data/dapo.jsonl", "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0", *MOUNTS,
-                       "--set", "refit.sleep_level=2",
-                       "--set", "refit.buffer_memory_ratio=0.39", "--set", "generation.enforce_eager=true",
-                       "policy.generation.vllm_cfg.expert_parallel_size=256")
+    code, _, err = rlc(
+        "import",
+        "nemo-rl",
+        str(PUBLIC_397B),
+        "-o",
+        str(out),
+        "--force",
+        "--accept-loss",
+        "--set",
+        GPU,
+        "--set",
+        "data.train=/data/dapo.jsonl",
+        "--set",
+        "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
+        *MOUNTS,
+        "--set",
+        "refit.sleep_level=2",
+        "--set",
+        "refit.buffer_memory_ratio=0.39",
+        "--set",
+        "generation.enforce_eager=true",
+        "policy.generation.vllm_cfg.expert_parallel_size=256",
+    )
     assert code == 0, err
 
 
@@ -368,7 +386,10 @@ def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_
     from_chain = import_nemo_rl(str(PUBLIC_397B), accept_loss=True)
     assert mapped(from_chain)["training.grad_reduce_in_fp32"] is False
     assert from_chain.data["training"]["grad_reduce_in_fp32"] is False
-    assert mapped(import_nemo_rl(str(PUBLIC_397B), [f"{key}=true"], accept_loss=True))["training.grad_reduce_in_fp32"] is True
+    assert (
+        mapped(import_nemo_rl(str(PUBLIC_397B), [f"{key}=true"], accept_loss=True))["training.grad_reduce_in_fp32"]
+        is True
+    )
     for override in (f"{key}=null", f"~{key}"):
         imported = import_nemo_rl(str(PUBLIC_397B), [override], accept_loss=True)
         assert mapped(imported)["training.grad_reduce_in_fp32"] is False, override
@@ -478,4 +499,7 @@ def test_megatron_generation_refuses_what_rlc_cannot_express():
         "policy.generation.mcore_generation_config.kv_cache_management_mode=paged"])
     unmapped = {u.key: u.reason for u in imported.unmapped}
     assert "nccl or gloo" in unmapped["policy.generation.mcore_generation_config.refit_backend"]
-    assert "persist, offload or recompute" in unmapped["policy.generation.mcore_generation_config.kv_cache_management_mode"]
+    assert (
+        "persist, offload or recompute"
+        in unmapped["policy.generation.mcore_generation_config.kv_cache_management_mode"]
+    )

@@ -69,7 +69,11 @@ def test_largest_export_tensor_matches_fused_tensor_table(model_id, name, nbytes
 def test_nemotron_h_hybrid_layers_and_latent_moe():
     nano = facts("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B")
     kinds = [k for k in nano.layer_kinds]
-    assert (kinds.count(("mamba", None)), kinds.count((None, "moe")), kinds.count(("full_attention", None))) == (23, 23, 6)
+    assert (kinds.count(("mamba", None)), kinds.count((None, "moe")), kinds.count(("full_attention", None))) == (
+        23,
+        23,
+        6,
+    )
     assert not nano.gated_mlp and nano.expert_export == "per_expert"
     super_ = facts("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B")
     assert not super_.layer_order_known  # only per-kind counts are public

@@ -32,7 +32,9 @@ def test_json_is_plain_data():
     data = json.loads(json.dumps(plan.to_json()))
     assert data["refit"]["largest"] == 8589934592 and data["checks"]["buffer"]["ok"] is True
     assert data["phases"]["stack"]["request"]["label"].startswith("torch.stack")
-    assert data["refit"]["per_side"] == plan.refit.per_side and data["refit"]["free_at_refit"] == plan.refit.free_at_refit
+    assert (
+        data["refit"]["per_side"] == plan.refit.per_side and data["refit"]["free_at_refit"] == plan.refit.free_at_refit
+    )
     assert set(data["phases"]) == set(plan.phases) and set(data["checks"]) == set(plan.checks)
 
 

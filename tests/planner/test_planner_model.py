@@ -15,15 +15,29 @@ from rlc.compiler.planner.vllm_sleep import load_sleep_table, sleep_semantics
 DSV3 = {
     "version": 1,
     "model": {"id": "deepseek-ai/DeepSeek-V3", "overrides": {"num_nextn_predict_layers": 0}},
-    "cluster": {"nodes": 32, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0",
-                                                                       "mounts": ["/data:/data:ro"]}},
-    "parallelism": {"train": {"tp": 1, "pp": 16, "ep": 16, "num_layers_in_first_pipeline_stage": 3,
-                              "num_layers_in_last_pipeline_stage": 2},
-                    "generation": {"tp": 32}},
+    "cluster": {
+        "nodes": 32,
+        "gpus_per_node": 8,
+        "gpu": "h100-80gb",
+        "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0", "mounts": ["/data:/data:ro"]},
+    },
+    "parallelism": {
+        "train": {
+            "tp": 1,
+            "pp": 16,
+            "ep": 16,
+            "num_layers_in_first_pipeline_stage": 3,
+            "num_layers_in_last_pipeline_stage": 2,
+        },
+        "generation": {"tp": 32},
+    },
     "generation": {"max_model_len": 1536, "sampling": {"max_tokens": 1536}},
     "data": {"train": "/data/train.jsonl", "max_prompt_length": 1536},
-    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 1536,
-                 "grad_reduce_in_fp32": False},  # NeMo-RL's default: bf16 grad buffers
+    "training": {
+        "use_precision_aware_optimizer": True,
+        "max_sequence_length": 1536,
+        "grad_reduce_in_fp32": False,
+    },  # NeMo-RL's default: bf16 grad buffers
     "grpo": {"prompts_per_step": 32, "generations_per_prompt": 16},
 }
 
@@ -31,13 +45,20 @@ DSV3 = {
 QWEN35_2619 = {
     "version": 1,
     "model": {"id": "Qwen/Qwen3.5-35B-A3B-Base"},
-    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-80gb", "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0",
-                                                                       "mounts": ["/data:/data:ro"]}},
+    "cluster": {
+        "nodes": 2,
+        "gpus_per_node": 8,
+        "gpu": "h100-80gb",
+        "container": {"image": "nvcr.io/nvidia/nemo-rl:v0.6.0", "mounts": ["/data:/data:ro"]},
+    },
     "parallelism": {"train": {"tp": 1, "ep": 16}, "generation": {"tp": 8}},
     "generation": {"vllm_version": "0.20.0", "enforce_eager": True, "max_model_len": 4096},
     "data": {"train": "/data/train.jsonl", "max_prompt_length": 4096},
-    "training": {"use_precision_aware_optimizer": True, "max_sequence_length": 4096,
-                 "grad_reduce_in_fp32": False},  # NeMo-RL's default: bf16 grad buffers
+    "training": {
+        "use_precision_aware_optimizer": True,
+        "max_sequence_length": 4096,
+        "grad_reduce_in_fp32": False,
+    },  # NeMo-RL's default: bf16 grad buffers
     "grpo": {"prompts_per_step": 64, "generations_per_prompt": 32},
 }
 
@@ -224,7 +245,9 @@ def test_pass_through_blocks_cannot_set_what_rlc_sets(tmp_path):
     errors = {d.path: d for d in result.diagnostics if d.rule == "RLC310"}
     assert set(errors) == {"generation.vllm_kwargs.gpu_memory_utilization",
                            "training.megatron_kwargs.moe_token_dispatcher_type"}
-    assert errors["training.megatron_kwargs.moe_token_dispatcher_type"].hint == "use training.moe.token_dispatcher instead"
+    assert (
+        errors["training.megatron_kwargs.moe_token_dispatcher_type"].hint == "use training.moe.token_dispatcher instead"
+    )
 
 
 def test_an_option_rlc_fixes_itself_is_named_with_its_reason(tmp_path):

@@ -85,7 +85,9 @@ def test_one_gpu_holds_the_whole_model(model):
     (shard,) = megatron_stage_shards(f, one)
     assert shard.params == f.param_counts()["total"] - f.hidden
     (gen,) = vllm_stage_shards(f, GenerationLayout(world=1, tp=1, pp=1, ep=1, dp=1), f.mtp_num_layers)
-    assert gen.params == shard.params - (f.mtp_num_layers and (f.mtp_block_split().total - f.vllm_mtp_block_split().total))
+    assert gen.params == shard.params - (
+        f.mtp_num_layers and (f.mtp_block_split().total - f.vllm_mtp_block_split().total)
+    )
 
 
 layouts = st.fixed_dictionaries({

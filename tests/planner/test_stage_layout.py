@@ -48,7 +48,10 @@ def test_megatron_shards_sum_to_model(qwen397):
 
 
 def test_vllm_expert_shard_halves_with_ep(qwen397):
-    w = {ep: max(s.params for s in vllm_stage_shards(qwen397, GenerationLayout(256, 16, 1, ep, 16))) for ep in (64, 128, 256)}
+    w = {
+        ep: max(s.params for s in vllm_stage_shards(qwen397, GenerationLayout(256, 16, 1, ep, 16)))
+        for ep in (64, 128, 256)
+    }
     per_expert_all_layers = 60 * 3 * 1024 * 4096
     assert w[64] - w[128] == 4 * per_expert_all_layers
     assert w[128] - w[256] == 2 * per_expert_all_layers

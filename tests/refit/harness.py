@@ -66,10 +66,14 @@ def rank_specs(rank: int) -> list[TensorSpec]:
             TensorSpec("model.layers.0.mlp.gate.weight", (8, 32), "bfloat16"),
             TensorSpec("model.layers.0.mlp.gate.e_score_correction_bias", (8,), "float32"),
         ]
-        specs += [TensorSpec(f"model.layers.0.mlp.experts.{e}.down_proj.weight", (32, 48), "bfloat16") for e in range(4)]
+        specs += [
+            TensorSpec(f"model.layers.0.mlp.experts.{e}.down_proj.weight", (32, 48), "bfloat16") for e in range(4)
+        ]
         return specs
     if rank == 1:
-        specs = [TensorSpec(f"model.layers.1.mlp.experts.{e}.down_proj.weight", (32, 48), "bfloat16") for e in (7, 5, 6, 4)]
+        specs = [
+            TensorSpec(f"model.layers.1.mlp.experts.{e}.down_proj.weight", (32, 48), "bfloat16") for e in (7, 5, 6, 4)
+        ]
         specs += [
             TensorSpec("model.layers.1.mlp.gate.e_score_correction_bias", (8,), "float32"),
             TensorSpec("model.layers.1.mlp.experts.gate_up_proj", (8, 64, 32), "bfloat16"),  # 32 KiB > a half
@@ -163,7 +167,13 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
             metrics.append(producer.send(exporter(order, step)).to_dict())
         producer.close()
         leftover = [n for n in os.listdir(_SHM_DIR) if n.startswith(f"rlc-refit-{os.getpid()}-")]
-        return {"ok": True, "metrics": metrics, "pid": os.getpid(), "held_previous": held, "shm_left_after_close": leftover}
+        return {
+            "ok": True,
+            "metrics": metrics,
+            "pid": os.getpid(),
+            "held_previous": held,
+            "shm_left_after_close": leftover,
+        }
     except BaseException as e:  # report to the test, which asserts on it
         return {**_error(e), "pid": os.getpid(), "metrics": metrics}
     finally:
@@ -194,17 +204,17 @@ def consumer_main(job: dict[str, Any]) -> dict[str, Any]:
             kept: list[torch.Tensor] = []
 
             def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
-                if job.get("gate_first_bucket") and calls[0] == 0:
+                if job.get("gate_first_bucket") and calls[0] == 0:  # noqa: B023
                     # Do not return (-> no ack for bucket 0) until the producer has started packing
                     # bucket 1. Only a ping-pong producer can get there; a serial one deadlocks.
                     result["gate_opened"] = _SHARED["gate"].wait(timeout=10)
                 if job.get("die_in_load"):
                     os.kill(os.getpid(), signal.SIGKILL)
-                calls[0] += 1
+                calls[0] += 1  # noqa: B023
                 for name, t in weights:
-                    got[name] = t.clone()
+                    got[name] = t.clone()  # noqa: B023
                     if job.get("keep_views"):
-                        kept.append(t)
+                        kept.append(t)  # noqa: B023
 
             result["metrics"].append(consumer.receive(load_weights).to_dict())
             result["loaded"].append(sorted(got))

@@ -82,7 +82,8 @@ def test_channel_send_without_a_peer_times_out_with_a_clear_error():
     bind(sock, endpoint("t" + str(time.time_ns()), "lonely"))
     chan = Channel(sock, "refit producer rank 3 (GPU x)", timeout_s=0.5)
     t0 = time.monotonic()
-    with pytest.raises(RefitTimeoutError, match=r"refit producer rank 3 \(GPU x\): no progress on sending 'ack' within 0.5 s"):
+    expected = r"refit producer rank 3 \(GPU x\): no progress on sending 'ack' within 0.5 s"
+    with pytest.raises(RefitTimeoutError, match=expected):
         chan.send(Ack(refit_id=1, index=0, loaded_bytes=0))
     assert time.monotonic() - t0 < 3
     with pytest.raises(RefitTimeoutError, match="no progress on the ack of bucket 0"):

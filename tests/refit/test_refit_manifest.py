@@ -33,7 +33,9 @@ def _metas(rank: int, refit_id: int = 1) -> tuple[list[TensorSpec], list[BucketM
             producer_rank=rank,
             device_key=f"GPU-{rank}",
             buffer_bytes=b.buffer_bytes,
-            entries=[EntryMeta(e.spec.name, e.offset, list(e.spec.shape), e.spec.dtype, e.spec.nbytes) for e in b.entries],
+            entries=[
+                EntryMeta(e.spec.name, e.offset, list(e.spec.shape), e.spec.dtype, e.spec.nbytes) for e in b.entries
+            ],
         )
         for b in plan.buckets
     ]

@@ -264,7 +264,9 @@ def test_kept_halves_are_reused_while_they_fit_the_plan():
     fresh = plan_refit(specs, 32768, **knobs)
     assert fresh.sizing.half_bytes == 8192 and fresh.num_oneoff == 0
     kept = plan_refit(specs, 32768, **knobs, keep_half_bytes=6144)  # smaller kept halves, still no one-off
-    assert kept.sizing.half_bytes == 6144 and kept.num_oneoff == 0 and "kept from the previous refit" in kept.sizing.source
+    assert (
+        kept.sizing.half_bytes == 6144 and kept.num_oneoff == 0 and "kept from the previous refit" in kept.sizing.source
+    )
     assert _flat(kept) and [e.spec.name for e in _flat(kept)] == [s.name for s in specs]
     # kept halves too small for "big" (6000 bytes) would add a one-off buffer: plan fresh halves instead
     assert plan_refit(specs, 32768, **knobs, keep_half_bytes=4096).sizing.half_bytes == 8192
@@ -281,6 +283,8 @@ def test_a_previous_plan_is_reused_only_for_the_same_halves_and_when_its_one_off
     assert again.buckets is first.buckets and again.sizing.free_bytes == 60000  # same buckets, new sizing
     bigger = plan_refit(specs, 65536, **{**knobs, "buffer_gb": 16384 / GIB}, previous=first)
     assert bigger.buckets is not first.buckets and bigger.sizing.half_bytes == 8192
-    assert [b.names for b in bigger.buckets] == [b.names for b in plan_refit(specs, 65536, **{**knobs, "buffer_gb": 16384 / GIB}).buckets]
+    assert [b.names for b in bigger.buckets] == [
+        b.names for b in plan_refit(specs, 65536, **{**knobs, "buffer_gb": 16384 / GIB}).buckets
+    ]
     with pytest.raises(RefitPlanError, match="'big'"):  # the one-off no longer fits: the full check names it
         plan_refit(specs, 8192 + 12000, **knobs, previous=first)

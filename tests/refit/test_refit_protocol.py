@@ -29,7 +29,10 @@ def shared():
 @pytest.fixture(scope="module")
 def pool(shared):
     ex = ProcessPoolExecutor(
-        max_workers=4, mp_context=CTX, initializer=H.init_worker, initargs=(shared["seq"], shared["log"], shared["gate"])
+        max_workers=4,
+        mp_context=CTX,
+        initializer=H.init_worker,
+        initargs=(shared["seq"], shared["log"], shared["gate"]),
     )
     yield ex
     ex.shutdown(wait=False, cancel_futures=True)  # idle workers exit on their own
@@ -133,10 +136,17 @@ def test_ping_pong_packs_next_bucket_before_previous_ack(pool, shared):
     shared["gate"].clear()
     _drain(shared["log"])
     s = _session()
-    prods, cons = _run(pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "gate_first_bucket": True}])
+    prods, cons = _run(
+        pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "gate_first_bucket": True}]
+    )
     _ok(prods[0]), _ok(cons[0])
     assert cons[0]["gate_opened"] is True  # load of bucket 0 was held until the producer packed bucket 1
-    keys = {("producer", "pack_start", 1), ("producer", "pack_start", 2), ("producer", "ack", 0), ("producer", "send", 0)}
+    keys = {
+        ("producer", "pack_start", 1),
+        ("producer", "pack_start", 2),
+        ("producer", "ack", 0),
+        ("producer", "send", 0),
+    }
     keys |= {("consumer", "ack", 0), ("consumer", "recv", 0), ("consumer", "load_end", 0)}
     events = _drain(shared["log"], until=keys)
     seq = {(side, ev, i): n for n, side, _rank, ev, i in events}
@@ -149,7 +159,9 @@ def test_ping_pong_packs_next_bucket_before_previous_ack(pool, shared):
 
 def test_load_weights_keeping_views_is_a_leak_error(pool, shared):
     s = _session()
-    prods, cons = _run(pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "keep_views": True}])
+    prods, cons = _run(
+        pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "keep_views": True}]
+    )
     _drain(shared["log"])
     assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitLeakError"
     assert "model.embed_tokens.weight" in cons[0]["error"] and "must" in cons[0]["error"]
@@ -158,15 +170,21 @@ def test_load_weights_keeping_views_is_a_leak_error(pool, shared):
 
 def test_exporter_skipping_a_tensor_fails_on_both_sides(pool, shared):
     s = _session()
-    prods, cons = _run(pool, [{"session": s, "rank": 1, "world_size": 1, "drop_last": True}], [{"session": s, "device": 1}])
+    prods, cons = _run(
+        pool, [{"session": s, "rank": 1, "world_size": 1, "drop_last": True}], [{"session": s, "device": 1}]
+    )
     _drain(shared["log"])
     assert not prods[0]["ok"] and "without yielding 1 announced tensor(s): 'lm_head.weight'" in prods[0]["error"]
-    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitRemoteError" and "lm_head.weight" in cons[0]["error"], cons[0]
+    assert not cons[0]["ok"] and cons[0]["error_type"] == "RefitRemoteError" and "lm_head.weight" in cons[0]["error"], (
+        cons[0]
+    )
 
 
 def test_plan_error_reaches_the_consumer_before_any_transfer(pool, shared):
     s = _session()
-    prods, cons = _run(pool, [{"session": s, "rank": 1, "world_size": 1, "free_bytes": 40000}], [{"session": s, "device": 1}])
+    prods, cons = _run(
+        pool, [{"session": s, "rank": 1, "world_size": 1, "free_bytes": 40000}], [{"session": s, "device": 1}]
+    )
     _drain(shared["log"])
     assert not prods[0]["ok"] and prods[0]["error_type"] == "RefitPlanError"
     assert "model.layers.1.mlp.experts.gate_up_proj" in prods[0]["error"] and "refit.sleep_level" in prods[0]["error"]

@@ -1,4 +1,5 @@
-"""What ships to users (rlc/ and the component folders it links, docs/, README.md) speaks about the product: no process text.
+"""What ships to users (rlc/ and the component folders it links, docs/, README.md) speaks about the product: no
+process text.
 
 Sources are cited by their public names (``NeMo-RL #2471``, ``SkyRL #1816``); internal tracker
 numbers, team roles, development tools and private paths have no meaning to a user.
@@ -32,8 +33,13 @@ SHIPPED_COMPONENTS = ("compiler", "runtime", "contract", "recipes", "templates",
 
 
 def shipped_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "rlc", *SHIPPED_COMPONENTS, "docs", "README.md"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "rlc", *SHIPPED_COMPONENTS, "docs", "README.md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [ROOT / p for p in listed if Path(p).suffix in TEXT_SUFFIXES and (ROOT / p).is_file()]
 
 

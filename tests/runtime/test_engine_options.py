@@ -27,7 +27,9 @@ def test_vllm_gets_the_typed_settings_then_the_pass_through_block():
     cfg = runtime("tiny-qwen3-1gpu.yaml", "generation.kv_cache_memory_bytes=1073741824",
                   "generation.vllm_kwargs.enable_prefix_caching=true", "generation.vllm_kwargs.max_num_seqs=64")
     kw = engine_kwargs(cfg, 0, distributed=False)
-    assert kw["kv_cache_memory_bytes"] == 1 << 30 and kw["gpu_memory_utilization"] == cfg.generation.gpu_memory_utilization
+    assert (
+        kw["kv_cache_memory_bytes"] == 1 << 30 and kw["gpu_memory_utilization"] == cfg.generation.gpu_memory_utilization
+    )
     assert kw["enable_prefix_caching"] is True and kw["max_num_seqs"] == 64
     assert kw["enable_sleep_mode"] is True and "distributed_executor_backend" not in kw
 

@@ -163,7 +163,9 @@ def _deepseek_v3() -> list[str]:
                                                     ("gate_proj", "up_proj", "down_proj")]
     names += [f"model.layers.3.{x}" for x in mla]
     names += ["model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias"]
-    names += [f"model.layers.3.mlp.experts.{e}.{x}.weight" for e in (0, 255) for x in ("gate_proj", "up_proj", "down_proj")]
+    names += [
+        f"model.layers.3.mlp.experts.{e}.{x}.weight" for e in (0, 255) for x in ("gate_proj", "up_proj", "down_proj")
+    ]
     names += [f"model.layers.3.mlp.shared_experts.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
     names += ["model.layers.61.enorm.weight", "model.layers.61.hnorm.weight", "model.layers.61.eh_proj.weight",
               "model.layers.61.shared_head.norm.weight", "model.layers.61.shared_head.head.weight"]
@@ -216,7 +218,10 @@ def test_wire_bytes_count_one_byte_per_weight_plus_the_block_scales():
         576 * 7168 + 5 * 56 * 4
     assert wire_bytes("lm_head.weight", (151936, 4096), 2, "block") == 151936 * 4096 * 2
     assert wire_bytes("model.layers.0.self_attn.q_proj.weight", (4096, 4096), 2, "tensor") == 4096 * 4096 * 2
-    shapes = [("model.layers.0.mlp.experts.0.up_proj.weight", (24576, 4096)), ("model.embed_tokens.weight", (16000, 4096))]
+    shapes = [
+        ("model.layers.0.mlp.experts.0.up_proj.weight", (24576, 4096)),
+        ("model.embed_tokens.weight", (16000, 4096)),
+    ]
     assert largest_wire_tensor(shapes, 2, None)[0] == "model.layers.0.mlp.experts.0.up_proj.weight"
     assert largest_wire_tensor(shapes, 2, "block")[0] == "model.embed_tokens.weight"
 
@@ -245,8 +250,10 @@ def test_the_stream_yields_what_the_specs_announce_and_grouping_changes_no_bit(g
     alone = dict(quantize_export(iter(exported), quantize_blocks, group_bytes=0))
     for name, t in got:
         want = alone[name]
-        assert t.dtype == want.dtype and np.array_equal(codes(t) if t.element_size() == 1 else t.float().numpy(),
-                                                        codes(want) if want.element_size() == 1 else want.float().numpy()), name
+        assert t.dtype == want.dtype and np.array_equal(
+            codes(t) if t.element_size() == 1 else t.float().numpy(),
+            codes(want) if want.element_size() == 1 else want.float().numpy(),
+        ), name
     assert scale_name("model.layers.0.mlp.experts.4.down_proj.weight") in alone
 
 
@@ -282,15 +289,25 @@ def _vllm_modules(router_fp8: bool) -> tuple[set[str], set[str]]:
     p = "model.layers.0"
     every = {"model.embed_tokens", f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.self_attn.q_norm",
              f"{p}.mlp.gate", f"{p}.mlp.experts", "model.norm", "lm_head"}
-    fp8 = {f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.experts"} | ({f"{p}.mlp.gate"} if router_fp8 else set())
+    fp8 = {f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.experts"} | (
+        {f"{p}.mlp.gate"} if router_fp8 else set()
+    )
     return fp8, every
 
 
 def test_vllm_module_names_follow_fusion_and_the_expert_stack():
-    assert vllm_module_of("model.layers.0.self_attn.k_proj.weight", QWEN3_MOE_PACKED) == "model.layers.0.self_attn.qkv_proj"
+    assert (
+        vllm_module_of("model.layers.0.self_attn.k_proj.weight", QWEN3_MOE_PACKED)
+        == "model.layers.0.self_attn.qkv_proj"
+    )
     assert vllm_module_of("model.layers.2.mlp.experts.17.down_proj.weight", {}) == "model.layers.2.mlp.experts"
-    assert vllm_module_of("model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-                          {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}) == "model.layers.3.self_attn.fused_qkv_a_proj"
+    assert (
+        vllm_module_of(
+            "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+            {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
+        )
+        == "model.layers.3.self_attn.fused_qkv_a_proj"
+    )
 
 
 def test_layout_check_passes_when_vllm_keeps_the_router_in_bf16_and_names_a_quantized_router():

@@ -24,7 +24,9 @@ from rlc.runtime.refit.specs import TensorSpec
 LAYER = [("model.embed_tokens.weight", (40, 256)), ("model.layers.0.self_attn.q_proj.weight", (128, 256)),
          ("model.layers.0.self_attn.k_proj.weight", (128, 256)), ("model.layers.0.input_layernorm.weight", (256,)),
          ("model.layers.0.mlp.gate.weight", (4, 256))]
-LAYER += [(f"model.layers.0.mlp.experts.{e}.{p}.weight", (128, 256)) for e in range(3) for p in ("gate_proj", "up_proj")]
+LAYER += [
+    (f"model.layers.0.mlp.experts.{e}.{p}.weight", (128, 256)) for e in range(3) for p in ("gate_proj", "up_proj")
+]
 LAYER += [("lm_head.weight", (40, 256))]
 
 
@@ -63,7 +65,7 @@ def refit(keep: bool, copy_buckets: bool, steps: int = 2) -> dict:
 
             def load(weights):
                 for name, t in weights:
-                    got[name] = t if keep else t.clone()
+                    got[name] = t if keep else t.clone()  # noqa: B023
 
             out["buckets"].append(consumer.receive(load, copy_buckets=copy_buckets).num_buckets)
             out["received"].append({n: t.clone() for n, t in got.items()})

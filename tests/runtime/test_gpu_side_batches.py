@@ -35,7 +35,9 @@ def test_pack_rejects_misaligned_and_too_long():
 
 
 def _batch(n):
-    return B.pack_rollouts([[1, 2]] * n, [[3, 4]] * n, [[-1.0, -1.0]] * n, list(range(n)), pad_id=0, pad_to_multiple=4).tensors()
+    return B.pack_rollouts(
+        [[1, 2]] * n, [[3, 4]] * n, [[-1.0, -1.0]] * n, list(range(n)), pad_id=0, pad_to_multiple=4
+    ).tensors()
 
 
 def test_dp_shard_and_microbatches_pad_with_masked_rows():
@@ -58,17 +60,29 @@ def test_optimizer_step_slices_cover_local_shard():
 def test_sampling_kwargs_and_logprobs_mode():
     sp = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2, stop=[])
     kw = S.sampling_kwargs(sp, 16, eos_token_id=2)
-    assert kw == {"n": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2, "logprobs": 0, "stop_token_ids": [2]}
+    assert kw == {
+        "n": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_tokens": 2,
+        "logprobs": 0,
+        "stop_token_ids": [2],
+    }
     assert S.logprobs_mode(sp) == "raw_logprobs"
     assert S.logprobs_mode(SimpleNamespace(temperature=0.7, top_p=1.0, top_k=-1)) == "processed_logprobs"
-    assert S.sampling_kwargs(SimpleNamespace(temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, stop=["\n"]), 2)["stop"] == ["\n"]
+    assert S.sampling_kwargs(SimpleNamespace(temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, stop=["\n"]), 2)[
+        "stop"
+    ] == ["\n"]
 
 
 def test_parse_request_output_reads_sampled_token_logprobs():
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
     comp = SimpleNamespace(token_ids=[7, 2], logprobs=[{7: lp(-0.1), 9: lp(-3.0)}, {2: lp(-0.2)}], text="7",
                            finish_reason="stop")
-    req = SimpleNamespace(outputs=[comp], prompt_token_ids=[1, 5, 6], prompt_logprobs=[None, {5: lp(-1.0)}, {6: lp(-2.0)}])
+    req = SimpleNamespace(
+        outputs=[comp], prompt_token_ids=[1, 5, 6], prompt_logprobs=[None, {5: lp(-1.0)}, {6: lp(-2.0)}]
+    )
     assert S.parse_request_output(req) == [Sample(token_ids=[7, 2], logprobs=[-0.1, -0.2], text="7",
                                                   finish_reason="stop")]
     assert S.prompt_logprobs_of(req) == [-1.0, -2.0]
@@ -77,16 +91,35 @@ def test_parse_request_output_reads_sampled_token_logprobs():
 
 
 def test_merge_train_metrics_sums_losses_and_weights_others():
-    a = TrainStepResult(loss_sums={"loss/total": 0.25}, weighted_sums={"clip_fraction": 10.0},
-                        maxes={"ratio_max": 1.1}, num_tokens=100.0, grad_norm=0.5, lr=1e-3, optimizer_steps=1, train_s=1.0)
-    b = TrainStepResult(loss_sums={"loss/total": 0.5}, weighted_sums={"clip_fraction": 30.0},
-                        maxes={"ratio_max": 1.3}, num_tokens=100.0, grad_norm=0.5, lr=1e-3, optimizer_steps=1, train_s=1.0)
+    a = TrainStepResult(
+        loss_sums={"loss/total": 0.25},
+        weighted_sums={"clip_fraction": 10.0},
+        maxes={"ratio_max": 1.1},
+        num_tokens=100.0,
+        grad_norm=0.5,
+        lr=1e-3,
+        optimizer_steps=1,
+        train_s=1.0,
+    )
+    b = TrainStepResult(
+        loss_sums={"loss/total": 0.5},
+        weighted_sums={"clip_fraction": 30.0},
+        maxes={"ratio_max": 1.3},
+        num_tokens=100.0,
+        grad_norm=0.5,
+        lr=1e-3,
+        optimizer_steps=1,
+        train_s=1.0,
+    )
     m = merge_train_metrics([a, b])
     assert m["loss/total"] == 0.75 and m["clip_fraction"] == 0.2 and m["ratio_max"] == 1.3 and m["num_tokens"] == 200
     assert merge_train_metrics([]) == {}
 
 
 def test_find_multiple_owners_flags_mtp_embedding():
-    owned = [["decoder.layers.0.w", "embedding.word_embeddings.weight"], ["decoder.layers.1.w", "embedding.word_embeddings.weight"]]
+    owned = [
+        ["decoder.layers.0.w", "embedding.word_embeddings.weight"],
+        ["decoder.layers.1.w", "embedding.word_embeddings.weight"],
+    ]
     assert find_multiple_owners(owned) == {"embedding.word_embeddings.weight": [0, 1]}
     assert find_multiple_owners([["a"], ["b"]]) == {}

@@ -88,7 +88,9 @@ def test_worker_env_forwards_and_refuses_expandable_segments():
 
 
 def test_worker_info_describes_node_and_gpu():
-    info = W.WorkerInfo(role="policy", rank=3, node_ip="10.0.0.7", hostname="gpu17", gpu_ids=[3], gpu_uuid="GPU-abc", pid=42, bundle=3)
+    info = W.WorkerInfo(
+        role="policy", rank=3, node_ip="10.0.0.7", hostname="gpu17", gpu_ids=[3], gpu_uuid="GPU-abc", pid=42, bundle=3
+    )
     text = info.describe()
     for part in ("policy worker 3", "10.0.0.7", "gpu17", "GPU 3", "GPU-abc"):
         assert part in text

@@ -59,7 +59,7 @@ def ref_advantages(rows: list[list[float]], *, leave_one_out: bool, normalize: b
         mean = sum(row) / g
         std = math.sqrt(sum((r - mean) ** 2 for r in row) / (g - 1))
         adv = []
-        for i, r in enumerate(row):
+        for r in row:
             baseline = (sum(row) - r) / (g - 1) if leave_one_out else mean
             a = r - baseline
             adv.append(a / (std + EPS) if normalize else a)

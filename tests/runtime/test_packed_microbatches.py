@@ -64,7 +64,9 @@ def test_mffd_is_never_worse_than_concatenation_on_random_batches():
     rng = random.Random(7)
     for _ in range(50):
         lengths = [rng.randint(8, 512) for _ in range(64)]
-        assert len(BP.pack(lengths, 1024, "modified_first_fit_decreasing")) <= len(BP.pack(lengths, 1024, "concatenative"))
+        assert len(BP.pack(lengths, 1024, "modified_first_fit_decreasing")) <= len(
+            BP.pack(lengths, 1024, "concatenative")
+        )
 
 
 def test_shuffle_is_seeded_so_every_rank_packs_alike():
@@ -237,7 +239,9 @@ def test_cp_partition_matches_the_zigzag_of_each_sequence():
 def _reference_cp_tokens(seq: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
     """NeMo-RL's ``_get_tokens_on_this_cp_rank`` for one sequence (chunks r and 2·CP−1−r)."""
     c = seq.shape[0] // (2 * cp_size)
-    return torch.cat([seq[cp_rank * c : (cp_rank + 1) * c], seq[(2 * cp_size - 1 - cp_rank) * c : (2 * cp_size - cp_rank) * c]])
+    return torch.cat(
+        [seq[cp_rank * c : (cp_rank + 1) * c], seq[(2 * cp_size - 1 - cp_rank) * c : (2 * cp_size - cp_rank) * c]]
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -254,7 +258,9 @@ def test_cp_ranks_hold_every_token_once_with_equal_causal_work(cp):
     assert len(set(work)) == 1
     row = torch.arange(T)
     for r in range(cp):
-        expected = torch.cat([_reference_cp_tokens(row[a:e], r, cp) for a, e in zip(bin_.cu_seqlens, bin_.cu_seqlens[1:])])
+        expected = torch.cat(
+            [_reference_cp_tokens(row[a:e], r, cp) for a, e in zip(bin_.cu_seqlens, bin_.cu_seqlens[1:])]
+        )
         assert torch.equal(parts[r], expected)
 
 
@@ -354,7 +360,9 @@ def _worker(dp_size: int, dp_rank: int, cp: int, cp_rank: int, budget: int):
 
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "gpu" / "tiny_runtime.yaml").read_text(encoding="utf-8"))
+    cfg = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "gpu" / "tiny_runtime.yaml").read_text(encoding="utf-8")
+    )
     cfg["training"]["sequence_packing"].update(enabled=True, train_mb_tokens=budget, logprob_mb_tokens=budget)
     cfg["train_parallel"].update(cp=cp, dp=dp_size)
     w = MegatronPolicyWorker(cfg, rank=0, world_size=dp_size * cp)  # no GPU work before setup()

@@ -168,9 +168,23 @@ def test_a_job_folder_another_user_made_first_fails_the_job_before_ray_starts(sl
         bundle = compile_e2e(tmp_path, ray_python, f"cluster.log_dir={shared}")
         job_id = slurm.sbatch(bundle / "launch.sbatch", "--hold", env=JOB_ENV)
         planted = "0" * 64 + "\n"
-        subprocess.run(["runuser", "-u", intruder, "--", "bash", "-c",
-                        f'umask 000; mkdir "$1/{job_id}" "$1/{job_id}/ray-auth" && printf "%s" "$2" >"$1/{job_id}/ray-auth/token"',
-                        "bash", str(shared), planted], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "runuser",
+                "-u",
+                intruder,
+                "--",
+                "bash",
+                "-c",
+                f'umask 000; mkdir "$1/{job_id}" "$1/{job_id}/ray-auth" && '
+                f'printf "%s" "$2" >"$1/{job_id}/ray-auth/token"',
+                "bash",
+                str(shared),
+                planted,
+            ],
+            check=True,
+            capture_output=True,
+        )
         slurm.run("scontrol", "release", job_id)
         end = slurm.wait(job_id, timeout=120)
         log = (shared / f"slurm-{job_id}.out").read_text()

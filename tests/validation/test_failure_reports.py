@@ -111,7 +111,8 @@ def test_known_failure_is_caught_by_its_rule(report: Report):
         [(d.severity, d.rule, d.message) for d in result.diagnostics if d.severity != "info"]
 
 
-@pytest.mark.parametrize("report", [pytest.param(r, id=r.id) for r in REPORTS if r.fixed is not None and not r.not_caught])
+@pytest.mark.parametrize("report", [pytest.param(r, id=r.id) for r in REPORTS
+                                    if r.fixed is not None and not r.not_caught])
 def test_the_published_fix_silences_the_rule(report: Report):
     if isinstance(report.fixed, Path):
         result = _check(report.fixed)

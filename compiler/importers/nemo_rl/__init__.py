@@ -73,7 +73,7 @@ def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequen
     false. With ``accept_loss`` the recipe records each dropped setting (comments, and
     ``extensions.nemo_rl_import.dropped``). ``allow_env``: resolve ``${oc.env:...}`` (its values are
     written into the recipe)."""
-    import dataclasses
+    import dataclasses  # noqa: PLC0415
 
     cfg = load_nemo_rl_config(config_path, overrides, allow_env=allow_env)
     mapping = map_config(cfg)

@@ -116,8 +116,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _register(name: str, fn: Callable[..., Any]) -> None:
     """Register ``fn`` as resolver ``name`` (replacing one of that name) with OmegaConf 2.4 or 2.3."""
-    import omegaconf
-    from omegaconf import OmegaConf
+    import omegaconf  # noqa: PLC0415
+    from omegaconf import OmegaConf  # noqa: PLC0415
 
     if tuple(int(p) for p in omegaconf.__version__.split(".")[:2] if p.isdigit()) >= (2, 4):
         OmegaConf.register_resolver(name, fn, replace=True)
@@ -138,12 +138,16 @@ def _bounded(name: str, fn: Callable[[Any, Any], Any], raised: list[BoundsError]
 
     def checked(a: Any, b: Any) -> Any:
         for seq, times in ((a, b), (b, a)):
-            if name == "mul" and isinstance(seq, (str, list)) and isinstance(times, int) and len(seq) * times > MAX_TEXT:
+            if (name == "mul" and isinstance(seq, (str, list)) and isinstance(times, int)
+                    and len(seq) * times > MAX_TEXT):
                 raise BoundsError(f"${{{name}:...}} would make {len(seq) * times} items, more than the {MAX_TEXT} "
                                   "rlc resolves")
         if name == "add" and isinstance(a, (str, list)) and isinstance(b, (str, list)) and len(a) + len(b) > MAX_TEXT:
-            raise BoundsError(f"${{{name}:...}} would make {len(a) + len(b)} items, more than the {MAX_TEXT} rlc resolves")
-        if name == "mul" and isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > _MAX_INT_BITS:
+            raise BoundsError(
+                f"${{{name}:...}} would make {len(a) + len(b)} items, more than the {MAX_TEXT} rlc resolves"
+            )
+        if (name == "mul" and isinstance(a, int) and isinstance(b, int)
+                and a.bit_length() + b.bit_length() > _MAX_INT_BITS):
             raise BoundsError(f"${{{name}:...}} would make a number of more than {_MAX_INT_BITS} bits")
         result = fn(a, b)
         if isinstance(result, int) and result.bit_length() > _MAX_INT_BITS:
@@ -157,8 +161,8 @@ def _resolvers(allow_env: bool) -> Iterator[list[BoundsError]]:
     """Within the block, OmegaConf resolves with NeMo-RL's arithmetic (bounded), its own resolvers that
     read only the config, and ``oc.env`` only when ``allow_env``; the registry is restored after.
     Yields the list of what the resolvers refused."""
-    from omegaconf import OmegaConf
-    from omegaconf.basecontainer import BaseContainer
+    from omegaconf import OmegaConf  # noqa: PLC0415
+    from omegaconf.basecontainer import BaseContainer  # noqa: PLC0415
 
     raised: list[BoundsError] = []
 
@@ -251,7 +255,7 @@ class _Source:
 
 def _merge_with_override(base: Any, override: Any) -> Any:
     """NeMo-RL's merge: a section marked ``_override_: true`` replaces the inherited one."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf  # noqa: PLC0415
 
     for key in list(override.keys()):
         child = override[key]
@@ -263,7 +267,7 @@ def _merge_with_override(base: Any, override: Any) -> Any:
 
 
 def _load(path: Path, shown: str, stack: tuple[Path, ...], sources: list[_Source]) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: PLC0415
 
     resolved = path.resolve()
     if resolved in stack:
@@ -283,7 +287,7 @@ def _load(path: Path, shown: str, stack: tuple[Path, ...], sources: list[_Source
     root = _compose(text, shown)
     try:
         config = OmegaConf.create(text) if root is not None else OmegaConf.create({})
-    except Exception as exc:  # OmegaConf wraps yaml errors in several types
+    except Exception as exc:  # OmegaConf wraps yaml errors in several types  # noqa: BLE001
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise NemoRlConfigError(f"{shown}: not a config OmegaConf reads: {_redact(first)}") from None
     if not isinstance(config, DictConfig):
@@ -337,7 +341,7 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def _has_key(config: Any, key: str) -> bool:
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig  # noqa: PLC0415
 
     node = config
     for part in key.split("."):
@@ -348,7 +352,7 @@ def _has_key(config: Any, key: str) -> bool:
 
 
 def _apply_overrides(config: Any, overrides: Sequence[str]) -> list[str]:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # noqa: PLC0415
 
     keys = []
     for text in overrides:
@@ -391,7 +395,7 @@ class _Budget:
 def _plain(container: Any, budget: _Budget) -> tuple[Any, int]:
     """``OmegaConf.to_container(container, resolve=True)`` within ``budget``, and its number of values.
     Each interpolation is resolved once (as OmegaConf 2.4 does); reusing it still counts its values."""
-    from omegaconf import DictConfig, ListConfig
+    from omegaconf import DictConfig, ListConfig  # noqa: PLC0415
 
     if container._is_none():
         return None, 1
@@ -424,7 +428,7 @@ def _plain(container: Any, budget: _Budget) -> tuple[Any, int]:
 
 def _resolve(config: Any, path: str | Path, allow_env: bool) -> dict[str, Any]:
     """Every interpolation of ``config`` resolved, within the limits (see the module docstring)."""
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415
 
     limit = TimeLimit(what="resolving the interpolations")
     raised: list[BoundsError] = []
@@ -455,8 +459,8 @@ def _resolve(config: Any, path: str | Path, allow_env: bool) -> dict[str, Any]:
 def load_nemo_rl_config(path: str | Path, overrides: Sequence[str] = (), allow_env: bool = False) -> NemoRlConfig:
     """Load ``path`` with its defaults chain, apply Hydra-style ``overrides``, resolve interpolations
     (``${oc.env:...}`` only with ``allow_env``)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf import OmegaConf  # noqa: PLC0415
+    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415
 
     sources: list[_Source] = []
     config = _load(Path(path), os.path.normpath(str(path)), (), sources)
@@ -479,7 +483,9 @@ def load_nemo_rl_config(path: str | Path, overrides: Sequence[str] = (), allow_e
             if line is not None:
                 origins[leaf] = f"{source.label}:{line}"
                 break
-    return NemoRlConfig(values=values, raw=cast("dict[str, Any]", raw), origins=origins, files=tuple(s.label for s in sources))
+    return NemoRlConfig(
+        values=values, raw=cast("dict[str, Any]", raw), origins=origins, files=tuple(s.label for s in sources)
+    )
 
 
 def _line_for(lines: dict[str, int], leaf: str) -> int | None:

@@ -61,8 +61,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("policy.megatron_cfg.optimizer.fp16", "follows policy.precision (model.dtype)"),
     ("policy.megatron_cfg.optimizer.params_dtype", "fp32 master parameters, as rlc keeps them"),
     ("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp", "NeMo-RL's FSDP switch (off)"),
-    ("policy.megatron_cfg.distributed_data_parallel_config.data_parallel_sharding_strategy",
-     "distributed-optimizer sharding (rlc: training.use_distributed_optimizer)"),
+    (
+        "policy.megatron_cfg.distributed_data_parallel_config.data_parallel_sharding_strategy",
+        "distributed-optimizer sharding (rlc: training.use_distributed_optimizer)",
+    ),
     ("policy.logprob_batch_size", "logprob micro-batch (speed and memory)"),
     ("policy.logprob_chunk_size", "logprob chunking (speed and memory)"),
     ("policy.offload_optimizer_for_logprob", "memory while computing logprobs"),
@@ -74,9 +76,14 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("data_plane.", "NeMo-RL's data plane"),
     ("data.validation.", "validation data"),
     ("env.dapo.num_workers", "reward workers"),
-    ("grpo.max_num_epochs", "run length: rlc stops at grpo.max_steps, over as many epochs of the prompts as that takes"),
-    ("policy.megatron_cfg.converter_type", "the checkpoint's architecture (rlc's Megatron-Bridge reads it from "
-     "config.json)"),
+    (
+        "grpo.max_num_epochs",
+        "run length: rlc stops at grpo.max_steps, over as many epochs of the prompts as that takes",
+    ),
+    (
+        "policy.megatron_cfg.converter_type",
+        "the checkpoint's architecture (rlc's Megatron-Bridge reads it from config.json)",
+    ),
 )
 
 #: Keys that change nothing given another key's value: (key, other key, its value, why).

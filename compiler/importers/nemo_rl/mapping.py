@@ -141,9 +141,13 @@ def fp8_recipe(v: Any) -> str:
     raise Unmappable(f"fp8_recipe {v!r}: rlc takes tensorwise, delayed, blockwise or mxfp8")
 
 
-_PACKING = {"modified_first_fit_decreasing": "modified_first_fit_decreasing", "modified_ffd": "modified_first_fit_decreasing",
-            "first_fit_decreasing": "first_fit_decreasing", "first_fit_shuffle": "first_fit_shuffle",
-            "concatenative": "concatenative"}
+_PACKING = {
+    "modified_first_fit_decreasing": "modified_first_fit_decreasing",
+    "modified_ffd": "modified_first_fit_decreasing",
+    "first_fit_decreasing": "first_fit_decreasing",
+    "first_fit_shuffle": "first_fit_shuffle",
+    "concatenative": "concatenative",
+}
 
 
 def kl_type(v: Any) -> str:
@@ -515,7 +519,9 @@ def _vllm_kwargs(m: _Mapper) -> None:
             speculative[path[1]] = key
             continue
         if path[0] in VLLM_OWNED:
-            m.out.unmapped.append(Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}", effect="none"))
+            m.out.unmapped.append(
+                Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}", effect="none")
+            )
             continue
         node = block
         for part in path[:-1]:
@@ -540,9 +546,15 @@ def _speculative_config(m: _Mapper, options: dict[str, str]) -> None:
     typed = "mtp" if method == "mtp" or method.endswith("_mtp") else "ngram" if method == "ngram" else None
     if typed is None:
         for key in options.values():
-            m.out.unmapped.append(Unmapped(key, m.leaves[key], f"speculative method {method or '(none)'!r}: rlc "
-                                           "runs mtp or ngram (generation.speculative_decoding.method); it changes speed, not the samples",
-                                           effect="none"))
+            m.out.unmapped.append(
+                Unmapped(
+                    key,
+                    m.leaves[key],
+                    f"speculative method {method or '(none)'!r}: rlc "
+                    "runs mtp or ngram (generation.speculative_decoding.method); it changes speed, not the samples",
+                    effect="none",
+                )
+            )
         return
     m.put("generation.speculative_decoding.method", typed, (method_key,) if method_key else (),
           f"vLLM method {method!r}" if method != typed else "")

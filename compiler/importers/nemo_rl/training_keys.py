@@ -25,7 +25,7 @@ M = "policy.megatron_cfg"
 def classified(u: Unmapped, cfg: NemoRlConfig) -> Unmapped:
     """``u`` with its effect on the experiment decided (:mod:`.effects`); a key of a component the config turns
     off changes nothing."""
-    import dataclasses
+    import dataclasses  # noqa: PLC0415
 
     if u.effect == "none" and is_default(u.key, u.value, cfg.raw_text(u.key)):
         return dataclasses.replace(u, effect="default")
