@@ -61,8 +61,8 @@ CASES: dict[str, dict[str, Any]] = {
 def _groups(case: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
     """Rollout groups as the driver holds them: a prompt and ``group`` generations (token ids, logprobs,
     routes with routing replay)."""
-    import numpy as np
-    import torch
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(seed)
     n, (lo, hi), size = case["n"], case["lengths"], case["group"]
@@ -89,9 +89,9 @@ def _groups(case: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
 
 
 def _worker(case: dict[str, Any], checkout: Path) -> Any:
-    import yaml
+    import yaml  # noqa: PLC0415
 
-    from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker
+    from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
 
     cfg = yaml.safe_load((checkout / "tests" / "gpu" / "tiny_runtime.yaml").read_text(encoding="utf-8"))
     t = cfg["training"]
@@ -106,12 +106,12 @@ def _worker(case: dict[str, Any], checkout: Path) -> Any:
 
 
 def measure_case(name: str, repeats: int, checkout: Path) -> dict[str, Any]:
-    import torch
+    import torch  # noqa: PLC0415
 
-    from rlc.runtime.grpo.loss import gen_kl_metrics
-    from rlc.runtime.policy import batches as B
-    from rlc.runtime.policy import packing as P
-    from rlc.runtime.policy.routes import micro_batch_routes
+    from rlc.runtime.grpo.loss import gen_kl_metrics  # noqa: PLC0415
+    from rlc.runtime.policy import batches as B  # noqa: PLC0415
+    from rlc.runtime.policy import packing as P  # noqa: PLC0415
+    from rlc.runtime.policy.routes import micro_batch_routes  # noqa: PLC0415
 
     case = CASES[name]
     groups = _groups(case)
@@ -144,7 +144,7 @@ def measure_case(name: str, repeats: int, checkout: Path) -> dict[str, Any]:
                     routes.append(gen.get("routed_experts"))
         batch = B.pack_rollouts(prompt_ids, resp_ids, gen_lps, advantages, pad_id=0, pad_to_multiple=16 * case["cp"],
                                 max_length=case["max_len"], routes=routes if routes_cfg else None,
-                                num_experts=routes_cfg["experts"] if routes_cfg else 0)
+                                num_experts=routes_cfg["experts"] if routes_cfg else 0).tensors()
         times["driver: batch"].append(time.perf_counter() - t0)
         n_local = case["n"] // case["dp"]
         width = int(batch["tokens"].shape[1]) - 1
@@ -190,7 +190,7 @@ def git_commit(root: Path) -> str:
 
 
 def machine() -> dict[str, Any]:
-    import torch
+    import torch  # noqa: PLC0415
 
     cpu = platform.processor()
     try:
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.child:
-        import torch
+        import torch  # noqa: PLC0415
 
         torch.set_num_threads(args.threads)
         print(json.dumps(measure_case(args.child, args.repeats, args.checkout)))

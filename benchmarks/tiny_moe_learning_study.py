@@ -273,8 +273,7 @@ def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None
     finally:
         toy.vocab_size = real_vocab_size  # type: ignore[assignment]
     if v.model == "moe":
-        sys.path.insert(0, str(REPO / "tests" / "gpu"))
-        from test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
+        from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
 
         add_mtp_layers(out, seed=0, bias_base=v.bias_base)
     import transformers  # noqa: PLC0415
@@ -749,7 +748,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma list of variants ({', '.join(VARIANTS)}) and presets ({', '.join(PRESETS)})")
     ap.add_argument("--seeds", default="1", help="grpo.seed values (prompt order and sampling); init is seed 0")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--prompts", type=int, default=128, help="prompts per step (the recipes' grpo.prompts_per_step: 128)")
+    ap.add_argument(
+        "--prompts", type=int, default=128, help="prompts per step (the recipes' grpo.prompts_per_step: 128)"
+    )
     ap.add_argument("--gens", type=int, default=16,
                     help="generations per prompt (the recipes' grpo.generations_per_prompt: 16)")
     ap.add_argument("--max-tokens", type=int, default=2)

@@ -320,7 +320,24 @@ def verify_swap(train_chunk: Any, inference_model: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["FA3_LAYOUT_HINT", "FLASH_ATTENTION_MISSING", "FreedWeights", "build_engine", "fa3_layout_hint",
-           "flash_attention", "require_flash_attention", "build_inference_model", "clear_rotary_cache", "free_weights",
-           "generate", "keep_router_bias_fp32", "pool_facts", "prepare_swap", "refit_tensors", "restore_weights", "swap",
-           "unwrap", "verify_swap"]
+__all__ = [
+    "FA3_LAYOUT_HINT",
+    "FLASH_ATTENTION_MISSING",
+    "FreedWeights",
+    "build_engine",
+    "fa3_layout_hint",
+    "flash_attention",
+    "require_flash_attention",
+    "build_inference_model",
+    "clear_rotary_cache",
+    "free_weights",
+    "generate",
+    "keep_router_bias_fp32",
+    "pool_facts",
+    "prepare_swap",
+    "refit_tensors",
+    "restore_weights",
+    "swap",
+    "unwrap",
+    "verify_swap",
+]

@@ -28,14 +28,12 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
 
 TOL = 2e-2  # bf16 output against an fp32 reference of the same bf16 inputs
 BLOCK = 64  # generation.megatron.block_size_tokens' default
@@ -43,7 +41,10 @@ TOKEN_ROUNDER, REQUEST_ROUNDER = 64, 4  # DynamicInferenceContext's eager-mode p
 MAX_BLOCKS = 8  # block-table columns: 512-token requests at most
 POOL_BLOCKS = 48
 GARBAGE = 100.0  # scale of the values left in unused pool slots
-SHAPES = {"tiny recipes (4 heads, 2 KV, head_dim 32)": (4, 2, 32), "8B-class (32 heads, 8 KV, head_dim 128)": (32, 8, 128)}
+SHAPES = {
+    "tiny recipes (4 heads, 2 KV, head_dim 32)": (4, 2, 32),
+    "8B-class (32 heads, 8 KV, head_dim 128)": (32, 8, 128),
+}
 # (query tokens, keys already cached) per request, decode requests first as the dynamic context orders them
 MIXED = [(1, 70), (1, 130), (40, 64), (100, 0), (5, 0)]  # 2 decodes, a chunked-prefill continuation, 2 prompts
 DECODE = [(1, 0), (1, 62), (1, 63), (1, 64), (1, 299)]  # 1, 63, 64, 65 and 300 keys: block edges
@@ -302,7 +303,7 @@ def run_calls(res: dict) -> None:
 
 
 def run(out: str | None) -> dict:
-    from test_mcore_generation import machine  # noqa: PLC0415
+    from tests.gpu.test_mcore_generation import machine  # noqa: PLC0415
 
     clock = Timer()
     res: dict = {"check": "FlashAttention for megatron-core's dynamic inference engine",

@@ -26,14 +26,12 @@ import platform
 import sys
 import time
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, dump, gpu_available  # noqa: E402
+from tests.gpu.common import Timer, dump, gpu_available
 
 CASES = {
     "tiny_step": {"n": 2048, "lengths": (5, 15), "heads": 4, "head_dim": 32, "seed": 0},
@@ -113,7 +111,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
                                  mrope_section=None)
 
         def call(x):
-            return apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu32, cp_group=_OneRank())
+            return apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu32, cp_group=_OneRank())  # noqa: B023
 
         def forward():
             with torch.no_grad():

@@ -1,6 +1,7 @@
-"""The Megatron backend's FlashAttention check names the fix when a FlashAttention-3 wheel installed its interface as the
-top-level module flash_attn_interface, where megatron-core 0.19 does not look (it imports flash_attn_3.flash_attn_interface).
-The modules are found, never imported: the files here are empty and no CUDA is needed."""
+"""The Megatron backend's FlashAttention check names the fix when a FlashAttention-3 wheel installed its interface as
+the top-level module flash_attn_interface, where megatron-core 0.19 does not look (it imports
+flash_attn_3.flash_attn_interface). The modules are found, never imported: the files here are empty and no CUDA is
+needed."""
 from __future__ import annotations
 
 import importlib

@@ -175,7 +175,7 @@ def test_pack_rollouts_equals_the_per_sample_code(seed):
     lists = _lists(rng, rng.randint(1, 60), 1, rng.choice([8, 40, 300]))
     multiple = rng.choice([1, 16, 64])
     pad = rng.randint(0, 5)
-    got = B.pack_rollouts(*lists, pad_id=pad, pad_to_multiple=multiple)
+    got = B.pack_rollouts(*lists, pad_id=pad, pad_to_multiple=multiple).tensors()
     ref = Reference.pack_rollouts(*lists, pad_id=pad, pad_to_multiple=multiple)
     _assert_same(got, ref)
     # the response positions, read back per sample, are the generation's logprobs rounded to float32
@@ -184,7 +184,7 @@ def test_pack_rollouts_equals_the_per_sample_code(seed):
 
 
 def _random_batch(rng: random.Random, n: int, hi: int) -> dict:
-    batch = B.pack_rollouts(*_lists(rng, n, 2, hi, empty_responses=False), pad_id=rng.randint(0, 3))
+    batch = B.pack_rollouts(*_lists(rng, n, 2, hi, empty_responses=False), pad_id=rng.randint(0, 3)).tensors()
     width = batch["mask"].shape[1]
     batch["old_logprobs"] = -torch.rand(n, width)
     batch["ref_logprobs"] = -torch.rand(n, width)
@@ -273,7 +273,7 @@ def _pack_in_child(queue) -> None:
 
 
 _CHILD_BATCH = B.pack_rollouts([[3, 4], [5, 6, 7]], [[8, 9, 10], [11, 12]], [[-1.0] * 3, [-1.0] * 2], [1.0, 1.0],
-                               pad_id=0)
+                               pad_id=0).tensors()
 
 
 def test_a_process_forked_after_packing_can_still_pack():

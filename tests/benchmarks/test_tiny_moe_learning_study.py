@@ -2,20 +2,12 @@
 each padded rollout row computes: the same log-probs, the same gradient, the same tokens per expert."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import tiny_moe_learning_study as study  # noqa: E402
-
+from benchmarks import tiny_moe_learning_study as study  # noqa: E402
 from rlc.runtime import toy  # noqa: E402
 
 
@@ -123,7 +115,10 @@ def test_vllm_hopper_mla_backends_follow_the_pinned_kernels():
     assert info["decode_head_size"] == 576 and info["prefill_qk_v"] == [192, 128]
     assert info["decode_backends"] == ["FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA"] and info["servable"]
     # latent 256 + rope 64 = 320: FA3 MLA decode still takes it, FlashMLA's dense kernel only 576
-    assert study.vllm_hopper_mla({**shipped, "kv_lora_rank": 256})["decode_backends"] == ["FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert study.vllm_hopper_mla({**shipped, "kv_lora_rank": 256})["decode_backends"] == [
+        "FLASH_ATTN_MLA",
+        "TRITON_MLA",
+    ]
     assert study.vllm_hopper_mla({**shipped, "kv_lora_rank": 128})["decode_backends"] == ["TRITON_MLA"]
     # FA3 prefill, V unpadded on SM90: equal dims, (128, 192] x (96, 128], or q/k <= 64
     assert study.vllm_hopper_mla({**shipped, "qk_nope_head_dim": 64})["servable"]  # 128 / 128

@@ -1,19 +1,16 @@
-"""The FlashAttention probe's CPU half (tests/gpu/test_flash_attn_probe.py): the paged batch is laid out as megatron-core's
-dynamic context lays it out, the reference read through the block table equals plain causal attention on each request's
-own keys, and the verdict fails on a kernel that is wrong, NaN, missing, or a stack that breaks vLLM."""
+"""The FlashAttention probe's CPU half (tests/gpu/test_flash_attn_probe.py): the paged batch is laid out as
+megatron-core's dynamic context lays it out, the reference read through the block table equals plain causal attention
+on each request's own keys, and the verdict fails on a kernel that is wrong, NaN, missing, or a stack that breaks
+vLLM."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.gpu import test_flash_attn_probe as p
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-import test_flash_attn_probe as p  # noqa: E402
+torch = pytest.importorskip("torch")
 
 SHAPE = (4, 2, 32)  # the tiny recipes' heads, KV heads, head_dim
 
