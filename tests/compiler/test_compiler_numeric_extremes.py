@@ -122,16 +122,16 @@ def test_the_value_from_the_field_report_is_a_recipe_error_in_every_command(tmp_
 def test_lint_reports_a_bug_on_one_file_and_lints_the_others(tmp_path, monkeypatch):
     """A bug in rlc on one recipe (simulated: the planner raises for it) is reported for that file
     (exit 3, a bug), and the recipes after it are still linted."""
-    from rlc.compiler import planner
+    from rlc.compiler import api
 
-    real = planner.plan_memory
+    real = api.plan_memory  # the pipeline's planner
 
     def plan_memory(recipe, *args, **kwargs):
         if recipe.grpo.max_steps == 77:
             raise ZeroDivisionError("simulated bug")
         return real(recipe, *args, **kwargs)
 
-    monkeypatch.setattr(planner, "plan_memory", plan_memory)
+    monkeypatch.setattr(api, "plan_memory", plan_memory)
     files = []
     for name, extra in (("a", "grpo: {max_steps: 5}"), ("b", "grpo: {max_steps: 77}"),
                         ("c", "grpo: {max_steps: 0}")):
