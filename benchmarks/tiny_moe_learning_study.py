@@ -25,17 +25,23 @@ models as shipped; the MoE with Megatron's aux-loss-free expert-bias update, oth
 other learning rates; the MLA attention's dims changed one at a time (``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim`` / ``v_head_dim``, heads, ``initializer_range``), with and without experts; a Qwen3-MoE
 (the dense model's GQA attention with the same experts) as control; and a proposed fix (``moe_fix*``: the
-MLA attention initialised to start like the dense model's, every dim kept). ``--variants attention`` is the
-preset for one GPU call.
+MLA attention initialised to start like the dense model's, every dim kept); the initialisation's size, place
+and draws (``init_std``: named weight matrices drawn at another std, as the checkpoint builder
+``tests/gpu/test_four_gpu_grpo.build_workspace(init_std=...)`` does; ``init_seed``). ``--variants attention``
+and ``--variants init`` are presets for one GPU call each.
 Every run also records the attention of the last prompt position (where the answer is predicted) at init
 and after training: its entropy (1 = uniform) and the mass on the two operand positions (0.4 = uniform).
 
-Each (variant, seed) is deterministic: init seed 0, prompt order and sampling by the seed on a CPU
-generator; on CUDA deterministic algorithms, eager attention and no TF32.
+Each (variant, seed) is deterministic: the checkpoint drawn with seed 0 (the shipped builder's; ``init_seed``
+None: the run's seed), prompt order and sampling by the seed on a CPU generator; on CUDA deterministic
+algorithms, eager attention and no TF32. Every run records the initial policy (``policy_at_init``: first-token
+entropy over the 100 prompts, mean p(right digit)) and the first step's policy KL.
 
     python benchmarks/tiny_moe_learning_study.py --variants dense,moe --seeds 1,42 --steps 150 --json OUT.json
     python3 benchmarks/tiny_moe_learning_study.py --device cuda --jobs 12 --variants attention --seeds 1,42 \\
         --steps 150 --deadline-s 500 --out DIR       # one GPU, 12 worker processes
+    python3 benchmarks/tiny_moe_learning_study.py --device cuda --jobs 16 --variants init --seeds 7,13,42,99 \\
+        --steps 150 --deadline-s 270 --out DIR       # 47 runs
 
 Writes the reward curve of every run, the 10-step mean reward at steps 25/50/100/150 and the first step where
 it reaches 0.8, with the command and the machine (``--out DIR``: ``DIR/tiny_moe_learning_study.json`` and a
@@ -88,6 +94,10 @@ class Variant:
     o_proj_scale: float = 1.0  # the attention output projections' weights times this
     attn_norm_gain: float = 1.0  # MoE: q_a_layernorm / kv_a_layernorm weights (1 in the checkpoint) times this
     q_norm_gain: float = 1.0  # MoE: q_a_layernorm's weights times this (the queries, so the attention logits, scale)
+    #: weight matrices drawn at another std than ``initializer_range``: fnmatch pattern over the checkpoint's tensor
+    #: names -> std, first match wins (``tests/gpu/test_four_gpu_grpo.with_init_std``, the checkpoint builder's own)
+    init_std: dict[str, float] = field(default_factory=dict)
+    init_seed: int | None = 0  # the checkpoint builder's seed (the shipped checkpoint's: 0); None: the run's seed
 
 
 #: Tiny Qwen3-MoE with the DeepSeek-V3 tiny model's layout: 4 layers, the first dense (intermediate 256),
@@ -104,6 +114,15 @@ SMALL_MLA = {"q_lora_rank": None, "kv_lora_rank": 128, "qk_nope_head_dim": 32, "
 #: its logits are ~16x smaller, and its output is ~3x the dense model's (o_proj and kv_b_proj have fan-in 512).
 #: q_a_layernorm's weights 16 make the logits O(1) as in the dense model; o_proj x 0.25 its output scale.
 FIX = {"q_norm_gain": 16.0, "o_proj_scale": 0.25}
+#: Checkpoint tensor-name patterns for ``Variant.init_std``: the MLA projections (q_a, q_b, kv_a_proj_with_mqa,
+#: kv_b, o_proj; their norms are vectors and keep weight 1), every decoder layer (attention, MLPs, experts,
+#: routers: all but the embedding and lm_head), the MLPs without the routers, the routers, the output head.
+ATTN = "model.layers.*.self_attn.*"
+BODY = "model.layers.*"
+ROUTER = "model.layers.*.mlp.gate.weight"
+MLP_NOT_ROUTER = {ROUTER: 0.02, "model.layers.*.mlp.*": 0.07}  # first match wins: routers stay at 0.02
+HEAD = "lm_head.weight"
+RUNTIME = {"bias_update_rate": 1e-3, "kl_penalty": 0.01}  # as the GPU runs train: Megatron's bias update, KL 0.01
 
 VARIANTS: dict[str, Variant] = {
     "dense": Variant("dense", "tiny Qwen3 as shipped (tiny-qwen3-1gpu)"),
@@ -186,17 +205,54 @@ VARIANTS: dict[str, Variant] = {
                                    bias_update_rate=1e-3, **FIX),
     "moe_fix_frozen_router": Variant("moe", "proposed fix, router frozen", freeze_router=True, **FIX),
     "moe_fix_lr2.5e-4": Variant("moe", "proposed fix, lr 2.5e-4", lr=2.5e-4, **FIX),
+    # --- the initialisation: how large, where, and with which draws
+    "moe_init0.05": Variant("moe", "MoE with initializer_range 0.05", overrides={"initializer_range": 0.05}),
+    "moe_init0.10": Variant("moe", "MoE with initializer_range 0.10", overrides={"initializer_range": 0.10}),
+    "moe_attn0.05": Variant("moe", "MoE, only the MLA projections at std 0.05 (the rest 0.02, the same draws)",
+                            init_std={ATTN: 0.05}),
+    "moe_attn0.07": Variant("moe", "MoE, only the MLA projections at std 0.07 (the rest 0.02, the same draws)",
+                            init_std={ATTN: 0.07}),
+    "moe_body0.07": Variant("moe", "MoE, every decoder layer at std 0.07; embedding and lm_head 0.02 (a "
+                            "near-uniform initial policy)", init_std={BODY: 0.07}),
+    "moe_head0.07": Variant("moe", "MoE, only lm_head at std 0.07 (the sharper initial policy alone)",
+                            init_std={HEAD: 0.07}),
+    "moe_mlp0.07": Variant("moe", "MoE, only the MLPs and experts (dense, shared, routed) at std 0.07, routers 0.02",
+                           init_std=MLP_NOT_ROUTER),
+    "moe_router0.07": Variant("moe", "MoE, only the router weights at std 0.07", init_std={ROUTER: 0.07}),
+    "moe_init0.07_frozen_router": Variant("moe", "initializer_range 0.07, router frozen",
+                                          overrides={"initializer_range": 0.07}, freeze_router=True),
+    "moe_init0.07_lr2.5e-4": Variant("moe", "initializer_range 0.07, lr 2.5e-4", overrides={"initializer_range": 0.07},
+                                     lr=2.5e-4),
+    "moe_init0.07_runtime": Variant("moe", "initializer_range 0.07 trained as the GPU runs: expert-bias update 1e-3, "
+                                    "KL penalty 0.01", overrides={"initializer_range": 0.07}, **RUNTIME),
+    "moe_attn0.07_runtime": Variant("moe", "MLA projections at 0.07 trained as the GPU runs: expert-bias update "
+                                    "1e-3, KL penalty 0.01", init_std={ATTN: 0.07}, **RUNTIME),
+    "moe_initseed": Variant("moe", "MoE as shipped, the checkpoint drawn with the run's seed instead of 0",
+                            init_seed=None),
+    "moe_init0.07_initseed": Variant("moe", "initializer_range 0.07, the checkpoint drawn with the run's seed",
+                                     overrides={"initializer_range": 0.07}, init_seed=None),
+    "moe_attn0.07_initseed": Variant("moe", "MLA projections at 0.07, the checkpoint drawn with the run's seed",
+                                     init_std={ATTN: 0.07}, init_seed=None),
 }
 
 
 #: ``--variants attention``: the attention study for one GPU call, the most telling first (with a deadline,
 #: runs go seed-major in this order, so the later ones are the ones that may miss their second seed).
+#: ``NAME@K``: that variant with the first K of ``--seeds`` only. ``--variants init`` (seeds 7,13,42,99: 47 runs)
+#: separates the initialisation's size (initializer_range 0.05 / 0.07 / 0.10), its place (MLA projections
+#: only, every decoder layer but embedding and head, head only, MLPs only, routers only; the rest 0.02 with the
+#: same draws), the draws themselves (the builder's seed = the run's), and the best candidates under the GPU
+#: runs' training (expert-bias update, KL 0.01), a frozen router and half the learning rate.
 PRESETS: dict[str, list[str]] = {
     "attention": ["dense", "moe", "moe_fix", "moe_bias_update", "moe_fix_bias_update", "moe_all_dense",
                   "moe_all_dense_fix", "qwen3_moe", "moe_small_mla", "moe_q_gain16", "moe_o_proj0.25", "moe_q_full",
                   "moe_nope64_v128", "moe_kv256", "moe_kv128", "moe_nope32_v32", "moe_heads8", "moe_q128",
                   "moe_init0.01", "moe_init0.04", "moe_all_dense_small_mla", "dense_4layers", "dense_no_qknorm",
                   "qwen3_moe_frozen_router", "moe_fix_q4", "moe_fix_frozen_router"],
+    "init": ["dense@2", "moe@2", "moe_init0.07", "moe_attn0.07", "moe_body0.07", "moe_head0.07",
+             "moe_init0.07_runtime@2", "moe_attn0.07_runtime@2", "moe_attn0.05@3", "moe_init0.05@3", "moe_init0.10@3",
+             "moe_mlp0.07@2", "moe_router0.07@2", "moe_init0.07_initseed@2", "moe_attn0.07_initseed@2",
+             "moe_initseed@2", "moe_init0.07_frozen_router@2", "moe_init0.07_lr2.5e-4@2"],
 }
 
 # ------------------------------------------------------------------ what vLLM 0.22 serves on Hopper
@@ -254,8 +310,10 @@ def vllm_note(v: Variant) -> str:
 # ------------------------------------------------------------------ models
 
 
-def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None = None) -> torch.nn.Module:
-    """The toy builders' checkpoint for this variant, loaded in fp32 on ``device`` (one file per variant, seed 0).
+def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None = None,
+                init_seed: int = 0) -> torch.nn.Module:
+    """The toy builders' checkpoint for this variant (drawn with ``init_seed``; ``v.init_std`` rescaled before the
+    MTP layer is added, as the checkpoint builder does), loaded in fp32 on ``device``.
 
     ``attn``: transformers' attention implementation (None: its default, SDPA)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -269,13 +327,16 @@ def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None
     if v.vocab is not None:  # build_toy_model always uses the tokenizer's size; this variant asks otherwise
         toy.vocab_size = lambda: v.vocab  # type: ignore[assignment]
     try:
-        toy_model.build_toy_model(out, config=config, moe=v.model == "qwen3_moe", seed=0)
+        toy_model.build_toy_model(out, config=config, moe=v.model == "qwen3_moe", seed=init_seed)
     finally:
         toy.vocab_size = real_vocab_size  # type: ignore[assignment]
-    if v.model == "moe":
-        from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
+    if v.model == "moe" or v.init_std:
+        from tests.gpu.test_four_gpu_grpo import add_mtp_layers, rescale_init  # noqa: PLC0415
 
-        add_mtp_layers(out, seed=0, bias_base=v.bias_base)
+        if v.init_std:
+            rescale_init(out, v.init_std)
+        if v.model == "moe":
+            add_mtp_layers(out, seed=init_seed, bias_base=v.bias_base)
     import transformers  # noqa: PLC0415
 
     transformers.logging.set_verbosity_error()
@@ -509,7 +570,7 @@ def run_variant(name: str, v: Variant, *, seed: int, steps: int, prompts: int, g
     from rlc.runtime.grpo.loss import grpo_loss  # noqa: PLC0415
 
     torch.manual_seed(seed)
-    model = build_model(v, workdir, device, attn)
+    model = build_model(v, workdir, device, attn, init_seed=seed if v.init_seed is None else v.init_seed)
     model.train()
     if v.freeze_router:
         for r in _router_modules(model):
@@ -527,6 +588,7 @@ def run_variant(name: str, v: Variant, *, seed: int, steps: int, prompts: int, g
     gen = torch.Generator().manual_seed(seed)
     all_prompts = torch.tensor([toy.char_ids(f"{a}+{b}=") for a in range(10) for b in range(10)], device=device)
     focus_init = attention_focus(model, all_prompts)
+    policy_init = policy_summary(model, all_prompts)
     rewards_curve, grad_norms, bias_spread, signal, entropy, policy_kl = [], [], [], [], [], []
     t0 = time.perf_counter()
     stopped = False
@@ -601,7 +663,7 @@ def run_variant(name: str, v: Variant, *, seed: int, steps: int, prompts: int, g
                 f"{time.perf_counter() - t0:.0f}s")
     return {"variant": name, "seed": seed, "reward_curve": rewards_curve, "grad_norm": grad_norms,
             "groups_with_signal": signal, "first_token_entropy": entropy, "bias_spread": bias_spread,
-            "policy_kl_per_step": policy_kl, "attention_at_init": focus_init,
+            "policy_kl_per_step": policy_kl, "policy_at_init": policy_init, "attention_at_init": focus_init,
             "attention_at_end": attention_focus(model, all_prompts),
             "final_per_prompt": per_prompt_answers(model), "seconds": round(time.perf_counter() - t0, 1),
             "steps_done": len(rewards_curve), "stopped_early": stopped,
@@ -615,6 +677,18 @@ def first_token_entropy(model: torch.nn.Module, prompt_ids: torch.Tensor) -> flo
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=prompt_ids).logits[:, -1, :].float(), dim=-1)
     return float(-(lp.exp() * lp).sum(-1).mean())
+
+
+def policy_summary(model: torch.nn.Module, all_prompts: torch.Tensor) -> dict[str, float]:
+    """The first response token's distribution over the 100 prompts: mean entropy (nats; uniform over the
+    vocabulary: log V), mean probability of the right digit, mean top probability, prompts answered wrong
+    with probability > 0.9."""
+    answers = per_prompt_answers(model)
+    with torch.no_grad():
+        top = torch.softmax(model(input_ids=all_prompts).logits[:, -1, :].float(), -1).max(-1).values
+    return {"first_token_entropy": round(first_token_entropy(model, all_prompts), 4),
+            "mean_p_right": round(sum(answers["p_right"]) / len(answers["p_right"]), 4),
+            "mean_p_top": round(float(top.mean()), 4), "confidently_wrong": answers["confidently_wrong"]}
 
 
 def first_token_kl(model: torch.nn.Module, prompt_ids: torch.Tensor, before: torch.Tensor) -> float:
@@ -652,14 +726,15 @@ def table(runs: list[dict[str, Any]]) -> str:
     """Markdown: per variant and batch, the 10-step mean reward at MARKS and the step reaching GOAL, per seed,
     with what vLLM 0.22 can serve on Hopper and the attention focus after training."""
     rows = ["| variant | prompts x gens | seed | " + " | ".join(f"step {m}" for m in MARKS)
-            + f" | last 10-mean | 10-mean >= {GOAL} at | operand attention init -> end | vLLM 0.22 Hopper MLA |",
-            "|---|---|---|" + "---|" * (len(MARKS) + 4)]
+            + f" | last 10-mean | 10-mean >= {GOAL} at | H init | KL step 1 | operand attention init -> end "
+            "| vLLM 0.22 Hopper MLA |",
+            "|---|---|---|" + "---|" * (len(MARKS) + 6)]
     order = list(VARIANTS)
     for r in sorted(runs, key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99,
                                          r["settings"]["prompts"], r["seed"])):
         if "error" in r or "skipped" in r:
             rows.append(f"| {r['variant']} | | {r['seed']} | " + " | ".join([""] * len(MARKS))
-                        + f" | | {'error' if 'error' in r else r['skipped']} | | |")
+                        + f" | | {'error' if 'error' in r else r['skipped']} | | | | |")
             continue
         cells = [f"{r['mean10_at'].get(str(m), r['mean10_at'].get(m, float('nan'))):.3f}" for m in MARKS]
         last = r["reward_curve"][-WINDOW:]
@@ -673,8 +748,56 @@ def table(runs: list[dict[str, Any]]) -> str:
         vllm = vllm_note(VARIANTS[r["variant"]]) if r["variant"] in VARIANTS else ""
         rows.append(f"| {r['variant']} | {r['settings']['prompts']} x {r['settings']['gens']} | {r['seed']} | "
                     + " | ".join(cells) + f" | {reached if reached is not None else 'not reached'}{done} | "
-                    + f"{focus} | {vllm} |")
+                    + f"{_fmt(_init_entropy(r), 2)} | {_fmt(_kl1(r), 3)} | {focus} | {vllm} |")
     return "\n".join(rows)
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def _init_entropy(r: dict[str, Any]) -> float | None:
+    """First-token entropy of the initial policy over the 100 prompts (older results: none)."""
+    return (r.get("policy_at_init") or {}).get("first_token_entropy")
+
+
+def _kl1(r: dict[str, Any]) -> float | None:
+    """KL of the first response token moved by the first optimizer step."""
+    return next((kl for step, kl in r.get("policy_kl_per_step", []) if step == 1), None)
+
+
+def summary(runs: list[dict[str, Any]]) -> str:
+    """Markdown: per variant (and batch), the seeds whose 10-step mean reached GOAL, the steps, the 10-step mean at
+    the last step (min-max), the initial policy's first-token entropy and the first step's policy KL (min-max)."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        if "error" in r or "skipped" in r:
+            continue
+        groups.setdefault((r["variant"], r["settings"]["prompts"], r["settings"]["gens"]), []).append(r)
+    order = list(VARIANTS)
+    head = f"| variant | seeds reaching {GOAL} | steps | last 10-mean (min-max) | H init | KL step 1 (min-max) | what |"
+    rows = [head, "|---|---|---|---|---|---|---|"]
+
+    def span(xs: list[float], digits: int) -> str:
+        return "" if not xs else (f"{min(xs):.{digits}f}" if min(xs) == max(xs) else
+                                  f"{min(xs):.{digits}f}-{max(xs):.{digits}f}")
+
+    for (name, _, _), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order
+                                                                  else 99, kv[0][1])):
+        steps = sorted(r["step_10mean_reached_goal"] for r in rs if r["step_10mean_reached_goal"] is not None)
+        last = [sum(r["reward_curve"][-WINDOW:]) / len(r["reward_curve"][-WINDOW:]) for r in rs if r["reward_curve"]]
+        ents = [x for x in map(_init_entropy, rs) if x is not None]
+        kls = [x for x in map(_kl1, rs) if x is not None]
+        short = sum(1 for r in rs if r.get("stopped_early"))
+        rows.append(f"| {name} | {len(steps)} of {len(rs)}{f' ({short} stopped early)' if short else ''} | "
+                    f"{', '.join(map(str, steps))} | {span(last, 3)} | {span(ents, 2)} | {span(kls, 3)} | "
+                    f"{VARIANTS[name].about if name in VARIANTS else ''} |")
+    return "\n".join(rows)
+
+
+def report(runs: list[dict[str, Any]]) -> str:
+    """The markdown result: the per-variant summary, then every run."""
+    return summary(runs) + "\n\n" + table(runs)
 
 
 def machine(device: str = "cpu") -> dict[str, Any]:
@@ -706,7 +829,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     name, seed = job["variant"], job["seed"]
     base = {"variant": name, "seed": seed, "about": VARIANTS[name].about,
             "settings": {"prompts": job["prompts"], "gens": job["gens"], "steps": job["steps"],
-                         "lr": VARIANTS[name].lr, "max_tokens": job["max_tokens"], "device": job["device"]}}
+                         "lr": VARIANTS[name].lr, "max_tokens": job["max_tokens"], "device": job["device"],
+                         "init_seed": seed if VARIANTS[name].init_seed is None else VARIANTS[name].init_seed,
+                         "init_std": VARIANTS[name].init_std, "kl_penalty": VARIANTS[name].kl_penalty,
+                         "bias_update_rate": VARIANTS[name].bias_update_rate}}
     if job["stop_at"] is not None and time.time() > job["stop_at"]:
         return {**base, "skipped": "deadline passed before it started"}
     try:
@@ -742,10 +868,35 @@ def list_variants() -> str:
     return "\n".join(lines)
 
 
+def parse_variants(spec: str) -> dict[str, int | None]:
+    """``--variants``: variant names, presets and ``NAME@K`` (the first K seeds only) -> name: K (None: every
+    seed), in order, the first mention of a name kept."""
+    picks: dict[str, int | None] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        for entry in PRESETS.get(item, [item]) if item else []:
+            name, _, k = entry.partition("@")
+            if name not in VARIANTS:
+                raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}; presets: "
+                                 f"{', '.join(PRESETS)}")
+            if k and (not k.isdigit() or int(k) < 1):
+                raise ValueError(f"{entry!r}: the seed count after '@' must be a whole number >= 1")
+            picks.setdefault(name, int(k) if k else None)
+    if not picks:
+        raise ValueError("--variants names no variant")
+    return picks
+
+
+def run_order(picks: dict[str, int | None], seeds: list[int]) -> list[tuple[str, int]]:
+    """(variant, seed) runs, seed-major: when the deadline bites, every variant has its first seed before any has
+    its second."""
+    return [(n, sd) for i, sd in enumerate(seeds) for n, k in picks.items() if k is None or i < k]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="dense,moe",
-                    help=f"comma list of variants ({', '.join(VARIANTS)}) and presets ({', '.join(PRESETS)})")
+                    help=f"comma list of variants ({', '.join(VARIANTS)}) and presets ({', '.join(PRESETS)}); "
+                    "NAME@K runs NAME with the first K seeds only")
     ap.add_argument("--seeds", default="1", help="grpo.seed values (prompt order and sampling); init is seed 0")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument(
@@ -773,13 +924,12 @@ def main(argv: list[str] | None = None) -> int:
         print(list_variants())
         return 0
     if a.table:
-        print(table(json.loads(Path(a.table).read_text(encoding="utf-8"))["runs"]))
+        print(report(json.loads(Path(a.table).read_text(encoding="utf-8"))["runs"]))
         return 0
-    names = [n for x in a.variants.split(",") if x for n in PRESETS.get(x, [x])]
-    names = list(dict.fromkeys(names))
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    try:
+        picks = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(str(e))
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     if a.jobs < 1:
@@ -793,10 +943,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     started = time.time()
     stop_at = started + a.deadline_s if a.deadline_s else None
-    # seed-major: when the deadline bites, every variant has its first seed before any has its second
     jobs = [{"variant": n, "seed": sd, "steps": a.steps, "prompts": a.prompts, "gens": a.gens,
              "max_tokens": a.max_tokens, "device": a.device, "attn": attn, "stop_at": stop_at}
-            for sd in seeds for n in names]
+            for n, sd in run_order(picks, seeds)]
     paths = [Path(a.json)] if a.json else []
     if a.out:
         paths.append(Path(a.out) / f"{RESULT_NAME}.json")
@@ -819,10 +968,10 @@ def main(argv: list[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         if a.out:
-            (Path(a.out) / f"{RESULT_NAME}.md").write_text(table(out["runs"]) + "\n", encoding="utf-8")
+            (Path(a.out) / f"{RESULT_NAME}.md").write_text(report(out["runs"]) + "\n", encoding="utf-8")
     print(f"done in {time.time() - started:.0f} s", flush=True)
     if a.out or a.json:
-        print(table(out["runs"]), flush=True)
+        print(report(out["runs"]), flush=True)
     return 0
 
 

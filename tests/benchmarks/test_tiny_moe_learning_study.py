@@ -153,5 +153,81 @@ def test_parallel_workers_give_the_in_process_result(tmp_path):
     there = next(r for r in out["runs"] if r["seed"] == 2)
     assert there["reward_curve"] == here["reward_curve"] and there["grad_norm"] == here["grad_norm"]
     assert there["final_per_prompt"] == here["final_per_prompt"]
+    init = there["policy_at_init"]  # the initial policy over the 100 prompts: near uniform for the dense model
+    assert 2.9 < init["first_token_entropy"] <= torch.log(torch.tensor(float(toy.vocab_size()))).item() + 1e-4
+    assert 0 < init["mean_p_right"] < init["mean_p_top"] < 1 and there["policy_kl_per_step"][0][0] == 1
+    assert there["settings"]["init_seed"] == 0 and "| dense | 0 of 2 |  |" in study.summary(out["runs"])
     late = study.run_job({**job, "stop_at": 0.0})
     assert late["skipped"] and "reward_curve" not in late
+
+
+def _checkpoint(path, **overrides):
+    """The toy builder's MoE checkpoint (seed 0) as written, with its config."""
+    from safetensors.torch import load_file
+
+    from rlc.runtime.toy_model import build_toy_model
+
+    cfg = {**study.model_config(study.VARIANTS["moe"]), **overrides}
+    out = build_toy_model(path, config=cfg, seed=0)
+    return load_file(str(next(out.glob("*.safetensors")))), cfg
+
+
+def test_init_std_draws_the_builders_weights_at_another_std(tmp_path):
+    """A pattern's std gives what ``initializer_range`` at that std gives (the same draws, one bf16 rounding
+    apart); only the named matrices change; vectors and unmatched tensors stay bit for bit."""
+    from tests.gpu.test_four_gpu_grpo import with_init_std
+
+    shipped, cfg = _checkpoint(tmp_path / "a")
+    wide, _ = _checkpoint(tmp_path / "b", initializer_range=0.07)
+    every = with_init_std(shipped, cfg, {"*": 0.07})
+    for name, t in wide.items():
+        got, want = every[name].float(), t.float()
+        if t.ndim < 2:
+            assert torch.equal(every[name], shipped[name]), name  # norms stay 1
+            continue
+        assert torch.equal(got == 0, want == 0), name  # the embedding's padding row stays 0
+        assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 2 ** -7, name
+        assert not torch.equal(every[name], shipped[name]), name
+    attn = with_init_std(shipped, cfg, {study.ATTN: 0.07})
+    changed = {k for k in shipped if not torch.equal(attn[k], shipped[k])}
+    assert changed == {k for k in shipped if ".self_attn." in k and shipped[k].ndim == 2} and len(changed) == 20
+    assert all(torch.equal(attn[k], every[k]) for k in changed)  # the same matrices as everything at 0.07
+    mlp = with_init_std(shipped, cfg, study.MLP_NOT_ROUTER)  # first match wins: routers stay at 0.02
+    assert all(torch.equal(mlp[k], shipped[k]) for k in shipped if k.endswith("mlp.gate.weight"))
+    assert not torch.equal(mlp["model.layers.1.mlp.experts.3.up_proj.weight"],
+                           shipped["model.layers.1.mlp.experts.3.up_proj.weight"])
+    with pytest.raises(ValueError, match=r"'model.layers.\*.self_attn.q_proj.weight'.*name no weight matrix"):
+        with_init_std(shipped, cfg, {study.ATTN: 0.07, "model.layers.*.self_attn.q_proj.weight": 0.05})
+    with pytest.raises(ValueError, match="name no weight matrix"):
+        with_init_std(shipped, cfg, {"model.norm.weight": 0.05})  # a vector: not redrawn
+
+
+def test_study_checkpoint_is_the_workspace_builders(tmp_path):
+    """The study's MLA-at-0.07 model is the checkpoint ``build_workspace(init_std=...)`` writes for the GPU
+    runs, bit for bit, and its MTP layer copies the rescaled last layer."""
+    from safetensors.torch import load_file
+    from tests.gpu.test_four_gpu_grpo import build_workspace
+
+    v = study.VARIANTS["moe_attn0.07"]
+    study.build_model(v, tmp_path / "study")
+    ours = load_file(str(tmp_path / "study" / "ckpt" / "model.safetensors"))
+    build_workspace(tmp_path / "gpu", init_std=v.init_std)
+    theirs = load_file(str(tmp_path / "gpu" / "deepseek_v3" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    last, mtp = "model.layers.3.self_attn.kv_b_proj.weight", "model.layers.4.self_attn.kv_b_proj.weight"
+    assert torch.equal(ours[mtp], ours[last]) and 0.06 < float(ours[last].float().std()) < 0.08
+
+
+def test_variant_seed_counts_and_seed_major_order():
+    picks = study.parse_variants("dense@2,moe,moe_attn0.07@1,dense")
+    assert picks == {"dense": 2, "moe": None, "moe_attn0.07": 1}
+    assert study.run_order(picks, [7, 13, 42]) == [("dense", 7), ("moe", 7), ("moe_attn0.07", 7), ("dense", 13),
+                                                   ("moe", 13), ("moe", 42)]
+    init = study.parse_variants("init")
+    order = study.run_order(init, [7, 13, 42, 99])
+    assert len(order) == 47 and [s for _, s in order] == sorted((s for _, s in order), key=[7, 13, 42, 99].index)
+    assert all(study.vllm_note(study.VARIANTS[n]) in ("not MLA", "FLASH_ATTN_MLA+FLASHMLA+TRITON_MLA") for n in init)
+    for bad, why in (("moe_nope", "unknown variant 'moe_nope'"), ("moe@0", "whole number >= 1"),
+                     ("moe@x", "whole number >= 1"), (",", "names no variant")):
+        with pytest.raises(ValueError, match=why):
+            study.parse_variants(bad)
