@@ -1,14 +1,22 @@
-"""The typed recipe: frozen dataclasses built once from a recipe the schema accepted.
+"""Every recipe key, declared once: the typed recipe, and the source of the schema, the reference
+and the ``runtime.yaml`` types.
 
-The schema (``rlc/schemas/recipe.schema.json``) is the one source of every default. After
-validation the compiler fills those defaults (:func:`rlc.compiler.schema.with_defaults`) and
-builds a :class:`Recipe` from the filled mapping (:func:`recipe_from_data`); every later stage
-(planner, rules, resolver, bundle writer, doctor) reads attributes of it and restates no default.
+Each key is one field of a frozen section class below, declared with :func:`~rlc.contract.declare.key`:
+its type (the annotation), its description, its default, its limits, and what the runtime does with
+it (``runtime=``: nothing, part of the experiment, or free to change between restarts, and why).
+``python -m rlc.compiler.declarations`` writes from these declarations, and a test fails while any of
+them is stale:
 
-So the classes here state no defaults either: every field is required, and a field is ``None``
-only where the schema has no default and the key is optional (``model.checkpoint``,
-``parallelism.generation.dp``, ...) or where ``null`` is an allowed value. A test walks the schema
-and these classes together, so a key added to one and not the other fails CI.
+* ``rlc/schemas/recipe.schema.json``: validation, did-you-mean, the defaults, editors' completion;
+* ``rlc/contract/runtime_types.py``: the ``runtime.yaml`` types the runtime reads;
+* ``docs/reference.md``: the reference for every key.
+
+After validation the compiler fills the schema's defaults (:func:`rlc.compiler.schema.with_defaults`)
+and builds a :class:`Recipe` from the filled mapping (:func:`recipe_from_data`); every later stage
+(planner, rules, resolver, bundle writer, doctor) reads attributes of it and restates no default. So
+the classes state no defaults of their own: a field is ``None`` only where the schema has no default
+and the key is optional (``model.checkpoint``, ``parallelism.generation.dp``, ...) or where ``null``
+is an allowed value.
 
 Lists become tuples (the recipe is shared by every re-plan of a candidate fix, so nothing may
 change it in place). Free-form blocks (``model.overrides``, ``cluster.env``,
@@ -22,77 +30,97 @@ properties here, once.
 from __future__ import annotations
 
 import dataclasses
-import typing
-from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 
 from rlc.compiler.diagnostics import PathPart, parse_path
+from rlc.contract.declare import COMPILER, EXPERIMENT, Declared, Reading, convert, key, load, restart, section, settings
 from rlc.contract.sequence_packing import default_mb_tokens
-from rlc.contract.typed_fields import field_types
 
 T = TypeVar("T")
 
-#: Top-level recipe keys that are no recipe setting: the loader consumes ``extends``; ``$schema``
-#: is a pointer for editors.
-NOT_SETTINGS = frozenset({"$schema", "extends"})
+#: The recipe file's own top-level keys, which are no setting: the loader consumes ``extends``;
+#: ``$schema`` is a pointer for editors. Each is ``(the setting it follows in the schema, its node)``.
+FILE_KEYS: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "$schema": (None, {"type": "string", "description": "Optional JSON-Schema pointer for editors; ignored by rlc."}),
+    "extends": ("version", {
+        "description": "A recipe to inherit from: a path relative to this file, or the name of a recipe shipped "
+                       "with rlc (see `rlc show --list`). Mappings merge key by key; lists and scalars replace. "
+                       "Chains may be several levels deep; cycles are reported.",
+        "type": "string", "minLength": 1}),
+}
+NOT_SETTINGS = frozenset(FILE_KEYS)
+#: The schema's identity (``$id``) and title.
+SCHEMA_ID = "https://rlc.dev/schemas/recipe.schema.json"
+SCHEMA_TITLE = "rlc recipe (version 1)"
 
 Switch = Literal["auto", "on", "off"]
+Gpu = Literal["h100-80gb", "h100-94gb", "h200-141gb", "h20-96gb", "a100-40gb", "a100-80gb", "b200-180gb",
+              "gb200-186gb", "l40s-48gb"]
+PackingAlgorithm = Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
+                           "concatenative", "modified_ffd"]
+
+# Why a key may change between restarts of one experiment (``runtime=`` of a key), where several share it.
+_WHERE = restart("where the run runs")
+_TRAIN_LAYOUT = restart("how the trainer is laid out over the GPUs")
+_GENERATION_LAYOUT = restart("how vLLM is laid out over the GPUs")
+_REFIT = restart("how the weights reach vLLM, not their values")
+_ENGINE = restart("the generation engine's speed and memory, not what it samples")
+_SPEED = restart("the trainer's speed and memory, not what it computes")
+_CHECKPOINTS = restart("the checkpoints' folder and cadence")
+_METRICS = restart("where metrics go")
 
 
 class RecipeTypeError(ValueError):
     """The mapping does not have the shape of a validated recipe (a bug: validate it first)."""
 
 
-class _Section:
-    """``repr`` and ``==`` of the typed-recipe classes, by their fields.
-
-    Written once here instead of generated per class: ``dataclass`` compiles each generated method
-    separately, and with ~30 classes that was half of this module's import time, which every
-    ``rlc validate`` and ``rlc lint`` pays."""
+class _Section(Declared):
+    """A section of the typed recipe (unhashable: sections hold mappings)."""
 
     __slots__ = ()
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
-
-    def __repr__(self) -> str:
-        inner = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))  # type: ignore[arg-type]
-        return f"{type(self).__name__}({inner})"
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Section)
-        return self._values() == other._values()
-
-    __hash__ = None  # type: ignore[assignment]  # sections hold mappings
-
-
-#: Frozen dataclass whose repr and equality come from :class:`_Section`.
-section = dataclass(frozen=True, repr=False, eq=False)
+    __hash__ = None  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------- model
 
 
-@section
+@section(runtime="ModelConfig")
 class ModelSection(_Section):
-    """The policy model."""
+    """The policy model. Architecture facts come from the checkpoint's own `config.json` (the `checkpoint` folder, or
+    the local Hugging Face cache), the shipped catalog (by `id`) for what it does not state, the Hub for a
+    model neither describes, or a local `config.json` (`config`)."""
 
-    id: str
-    """Hugging Face model id or catalog name."""
-    config: Optional[str]
-    """Local HF ``config.json`` to take the architecture facts from (None: the shipped catalog)."""
-    overrides: Mapping[str, Any]
-    """HF ``config.json`` keys replacing the catalog's facts (free-form)."""
-    checkpoint: Optional[str]
-    """Checkpoint directory the job loads; None means the model id (see :attr:`checkpoint_path`)."""
-    tokenizer: Optional[str]
-    """Tokenizer directory or id; None means the checkpoint (see :attr:`tokenizer_path`)."""
-    dtype: Literal["bfloat16", "float16", "float32"]
-    """Parameter dtype of trainer and generation engine."""
-    trust_remote_code: bool
-    """Pass ``trust_remote_code=True`` to HF/vLLM loaders."""
+    id: str = key(
+        "Hugging Face model id (e.g. `Qwen/Qwen3.5-397B-A17B`) or a catalog name. A model outside the shipped "
+        "catalog is planned from its checkpoint's `config.json` (the `checkpoint` folder, the Hugging Face cache, or "
+        "the Hub) or from `config`.",
+        min_length=1, runtime=EXPERIMENT, runtime_name="model.name")
+    config: Optional[str] = key(
+        "Path to a local HF `config.json` (relative to the recipe file that sets it, so a parent's path stays beside "
+        "the parent; or absolute). Overrides the catalog, and is how models outside the catalog are planned.",
+        min_length=1, runtime=COMPILER)
+    overrides: Mapping[str, Any] = key(
+        "HF `config.json` keys to add to (or replace in) the model's architecture facts, e.g. `{tie_word_embeddings: "
+        "false}` when no source states a fact the planner needs (RLC216), or a `rope_scaling` mapping. Applied on "
+        "top of the config rlc read (the checkpoint's, the catalog entry, or `config`); every override is named in "
+        "the plan.",
+        default={}, values={"type": ["string", "number", "integer", "boolean", "array", "object", "null"]},
+        property_names="^[A-Za-z_][A-Za-z0-9_]*$", runtime=COMPILER)
+    checkpoint: Optional[str] = key(
+        "HF checkpoint directory the job loads (config.json + safetensors), as seen inside the container, or a Hub "
+        "id. Defaults to `id` (only useful when the container has the model cached). rlc reads the model's facts "
+        "from its `config.json`: on this machine at that path, or under the host folder a `cluster.container.mounts` "
+        "entry binds there; for a Hub id, from the Hugging Face cache.",
+        min_length=1, runtime=EXPERIMENT, resolved=True)
+    tokenizer: Optional[str] = key(
+        "Tokenizer directory or id; defaults to `checkpoint`.",
+        min_length=1, runtime=EXPERIMENT, resolved=True)
+    dtype: Literal["bfloat16", "float16", "float32"] = key(
+        "Parameter dtype of the trainer and the generation engine.",
+        default="bfloat16", runtime=EXPERIMENT)
+    trust_remote_code: bool = key(
+        "Pass `trust_remote_code=True` to HF/vLLM loaders.",
+        default=False, runtime=restart("how the checkpoint's code is loaded, not what it holds"))
 
     @property
     def checkpoint_path(self) -> str:
@@ -112,98 +140,150 @@ class ModelSection(_Section):
 class SlurmSection(_Section):
     """SLURM submission options."""
 
-    partition: Optional[str]
-    """``#SBATCH --partition`` (None: the cluster's default)."""
-    account: Optional[str]
-    """``#SBATCH --account``."""
-    qos: Optional[str]
-    """``#SBATCH --qos``."""
-    time: str
-    """Wall-clock limit in SLURM's format."""
-    reservation: Optional[str]
-    """``#SBATCH --reservation``."""
-    exclusive: bool
-    """Request whole nodes."""
-    requeue: bool
-    """Let SLURM requeue the job on node failure (the runtime resumes from its checkpoint)."""
-    job_name: Optional[str]
-    """``#SBATCH --job-name``; None means the recipe's ``name``."""
-    extra_flags: tuple[str, ...]
-    """More ``#SBATCH`` options, each ``--flag`` or ``--flag=value``."""
+    partition: Optional[str] = key(
+        "`#SBATCH --partition`.",
+        pattern="^[A-Za-z0-9._,-]+$")
+    account: Optional[str] = key(
+        "`#SBATCH --account`.",
+        pattern="^[A-Za-z0-9._-]+$")
+    qos: Optional[str] = key(
+        "`#SBATCH --qos`.",
+        pattern="^[A-Za-z0-9._-]+$")
+    time: str = key(
+        "Wall-clock limit, SLURM format (`MM`, `HH:MM:SS`, `D-HH:MM:SS`).",
+        default="04:00:00", pattern="^([0-9]+-)?[0-9]+(:[0-9]{2}){0,2}$")
+    reservation: Optional[str] = key(
+        "`#SBATCH --reservation`.",
+        pattern="^[A-Za-z0-9._-]+$")
+    exclusive: bool = key(
+        "Request whole nodes (`#SBATCH --exclusive`).",
+        default=True)
+    requeue: bool = key(
+        "Let SLURM requeue the job on node failure (`--requeue`); the runtime resumes from the latest checkpoint.",
+        default=False)
+    job_name: Optional[str] = key(
+        "`#SBATCH --job-name`; defaults to `name`.",
+        min_length=1, max_length=128)
+    extra_flags: tuple[str, ...] = key(
+        "More `#SBATCH` options, each one `--flag=value` or `--flag` (e.g. `--constraint=ib`). Each becomes its own "
+        "quoted header line.",
+        default=[], items={"pattern": "^--[A-Za-z][A-Za-z0-9-]*(=.*)?$"})
 
 
 @section
 class ContainerSection(_Section):
-    """The container every task runs in."""
+    """The container every task runs in. The bundle mounts its own copy of rlc into it."""
 
-    runtime: Literal["pyxis", "apptainer", "none"]
-    """Container runtime (``none``: host Python)."""
-    image: Optional[str]
-    """Image reference (required unless ``runtime`` is ``none``; the bundle checks say so)."""
-    workdir: str
-    """Working directory inside the container."""
-    mount_home: bool
-    """Mount the user's home into the container."""
-    python: str
-    """Python interpreter inside the container."""
-    mounts: tuple[str, ...]
-    """Bind mounts, each ``src:dst`` or ``src:dst:ro|rw``."""
-    image_paths: tuple[str, ...]
-    """Folders the image holds (paths the job only reads there need no mount)."""
+    runtime: Literal["pyxis", "apptainer", "none"] = key(
+        "`pyxis` (srun --container-image), `apptainer` (apptainer exec --nv), or `none` (host Python).",
+        default="pyxis")
+    image: Optional[str] = key(
+        "Image reference (Pyxis/enroot URI or `.sqsh` path; Apptainer `.sif` path). Required unless runtime is "
+        "`none`.",
+        min_length=1)
+    workdir: str = key(
+        "Working directory inside the container.",
+        default="/workspace")
+    mount_home: bool = key(
+        "Mount the user's home into the container (Pyxis mounts it unless told not to).",
+        default=False)
+    python: str = key(
+        "Python interpreter inside the container (or on the host with `none`).",
+        default="python3")
+    mounts: tuple[str, ...] = key(
+        "Bind mounts, each `src:dst` or `src:dst:ro|rw` with absolute paths and no `,` or `:` inside a path. Every "
+        "path the job reads or writes in the container (data, a local checkpoint or tokenizer, checkpoint and "
+        "metrics folders, folders on `env.PYTHONPATH`, paths in `reward.kwargs`) must lie inside one of them (or, "
+        "for what it only reads, inside `image_paths`); an error names the mount to add. The bundle adds its own "
+        "folder and `log_dir`.",
+        default=[], items={"minLength": 3})
+    image_paths: tuple[str, ...] = key(
+        "Folders the image itself holds (absolute paths inside the container, e.g. `/opt/data` for a data set built "
+        "into the image): what the job only reads inside one of them needs no mount. What it writes (checkpoints, "
+        "metrics) must be on a mount: the image's files are not shared between nodes and are lost when the container "
+        "ends.",
+        default=[], items={"pattern": "^/"})
 
 
-@section
+@section(runtime="RayConfig")
 class RaySection(_Section):
-    """The Ray cluster the sbatch script starts across the allocation."""
+    """Ray cluster that the sbatch script starts across the allocation."""
 
-    port: int
-    """GCS port of the head."""
-    node_manager_port: int
-    """Raylet port on each node."""
-    object_manager_port: int
-    """Object manager port on each node."""
-    dashboard_port: int
-    """Dashboard port of the head (0: no dashboard)."""
-    min_worker_port: int
-    """Lowest port of Ray worker processes."""
-    max_worker_port: int
-    """Highest port of Ray worker processes."""
-    join_timeout_s: int
-    """Seconds to wait for every GPU to join before failing the job."""
+    port: int = key(
+        "GCS port of the Ray head.",
+        default=6379, minimum=1024, maximum=65535, runtime=COMPILER)
+    node_manager_port: int = key(
+        "Raylet port on each node.",
+        default=6700, minimum=1024, maximum=65535, runtime=COMPILER)
+    object_manager_port: int = key(
+        "Object manager port on each node.",
+        default=6701, minimum=1024, maximum=65535, runtime=COMPILER)
+    dashboard_port: int = key(
+        "Dashboard port of the head (0 disables the dashboard).",
+        default=0, minimum=0, maximum=65535, runtime=COMPILER)
+    min_worker_port: int = key(
+        "Lowest port for Ray worker processes.",
+        default=20000, minimum=1024, maximum=65535, runtime=COMPILER)
+    max_worker_port: int = key(
+        "Highest port for Ray worker processes.",
+        default=29999, minimum=1024, maximum=65535, runtime=COMPILER)
+    join_timeout_s: int = key(
+        "Seconds to wait for every GPU to join the Ray cluster before failing the job.",
+        default=600, minimum=10, maximum=7200, runtime=_WHERE)
 
 
-@section
+@section(runtime="ClusterConfig")
 class ClusterSection(_Section):
-    """Where the job runs: allocation, container, environment, Ray."""
+    """Where the job runs: SLURM allocation, container, environment and Ray ports."""
 
-    nodes: int
-    """SLURM nodes."""
-    gpus_per_node: int
-    """GPUs per node."""
-    gpu: str
-    """GPU type from the shipped catalog."""
-    calibration: Optional[str]
-    """Planner calibration file or shipped name (None: the shipped table)."""
-    gpu_type_gres: Optional[str]
-    """GRES type for ``--gpus-per-node=TYPE:N`` (None: untyped)."""
-    cpus_per_node: Optional[int]
-    """``--cpus-per-task`` (None: not requested)."""
-    mem_per_node: Optional[str]
-    """``--mem`` (None: not requested)."""
-    host_memory_gib: Optional[float]
-    """Host memory per node the job may use (None: from ``mem_per_node`` or the GPU's typical node)."""
+    nodes: int = key(
+        "Number of SLURM nodes (`#SBATCH --nodes`).",
+        minimum=1, maximum=4096, runtime=_WHERE)
+    gpus_per_node: int = key(
+        "GPUs per node (`#SBATCH --gpus-per-node`).",
+        minimum=1, maximum=16, runtime=_WHERE)
+    gpu: Gpu = key(
+        "GPU type from the shipped catalog; sets the memory the planner works with (e.g. `h100-80gb`, `h200-141gb`, "
+        "`a100-80gb`, `b200-180gb`, `gb200-186gb`).",
+        runtime=_WHERE, runtime_name="cluster.gpu_type")
+    calibration: Optional[str] = key(
+        "Memory-planner constants for this GPU and software stack: a file written by `rlc calibrate` (path relative "
+        "to this recipe) or the name of a calibration shipped with rlc (e.g. `h200-141gb`). Unset: the shipped table "
+        "(measured on h100-80gb; other GPUs fall back to it with RLC217). `rlc plan/validate/compile --calibration "
+        "FILE` overrides it.",
+        default=None, runtime=COMPILER)
+    gpu_type_gres: Optional[str] = key(
+        "Optional GRES type name for `--gpus-per-node=TYPE:N` when the cluster types its GPUs (e.g. `h100`). Leave "
+        "unset to request untyped GPUs.",
+        pattern="^[A-Za-z0-9_-]+$", runtime=COMPILER)
+    cpus_per_node: Optional[int] = key(
+        "CPUs per node to request (`--cpus-per-task`, one task per node). Unset = SLURM default.",
+        minimum=1, maximum=4096, runtime=COMPILER)
+    mem_per_node: Optional[str] = key(
+        "Memory per node for `--mem` (e.g. `0` for all, `500G`). Unset = SLURM default.",
+        pattern="^[0-9]+[KMGT]?$", runtime=COMPILER)
+    host_memory_gib: Optional[float] = key(
+        "Host (CPU) memory per node in GiB that the job may use. Checked against what sleep level 1 (vLLM's weights "
+        "backed up to CPU) and optimizer offload put in host memory. Unset: the GPU catalog's typical node "
+        "(`rlc/compiler/catalog/gpus.yaml`), or `mem_per_node` when that names a size.",
+        exclusive_minimum=0, maximum=1048576, runtime=COMPILER)
     slurm: SlurmSection
-    """SLURM submission options."""
     container: ContainerSection
-    """The container."""
-    env: Mapping[str, Union[str, int, float, bool]]
-    """Environment of every task (free-form)."""
-    log_dir: str
-    """Folder of SLURM output and per-job logs (relative: to where ``rlc compile`` runs)."""
-    shared_fs_roots: tuple[str, ...]
-    """Shared-filesystem roots; a mount source outside them warns."""
+    env: Mapping[str, Union[str, int, float, bool]] = key(
+        "Environment variables for every task (head, workers, driver). Values are strings. `$NAME` and `${NAME}` are "
+        "expanded at job start on each node (`PATH: /opt/conda/bin:$PATH` prepends to the container's PATH; an unset "
+        "variable is empty; `$$` is a literal `$`); nothing else is expanded. "
+        "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` is rejected with colocated vLLM.",
+        default={}, values={"type": ["string", "number", "boolean"]}, property_names="^[A-Za-z_][A-Za-z0-9_]*$",
+        runtime=restart("the job's environment"), runtime_name="env", runtime_type="dict[str, str]",
+        runtime_default=dict)
+    log_dir: str = key(
+        "Folder for SLURM output and per-job logs (`<log_dir>/<jobid>/`). Must be on a shared filesystem.",
+        default="./logs", runtime=_WHERE)
+    shared_fs_roots: tuple[str, ...] = key(
+        "Shared-filesystem roots (e.g. `/lustre`, `/home`); mount sources outside them get a warning.",
+        default=[], items={"pattern": "^/"}, runtime=COMPILER)
     ray: RaySection
-    """Ray ports and join timeout."""
 
     @property
     def world_size(self) -> int:
@@ -214,181 +294,302 @@ class ClusterSection(_Section):
 # --------------------------------------------------------------------------- parallelism
 
 
-@section
+@section(runtime="TrainParallelConfig")
 class TrainParallelism(_Section):
     """Megatron-core parallelism of the trainer."""
 
-    tp: int
-    """Tensor parallel size."""
-    pp: int
-    """Pipeline parallel size."""
-    ep: int
-    """Expert parallel size."""
-    etp: int
-    """Expert tensor parallel size."""
-    cp: int
-    """Context parallel size."""
-    vpp: int
-    """Virtual pipeline stages per pipeline rank (1: none)."""
-    sequence_parallel: bool
-    """Megatron sequence parallelism."""
-    num_layers_in_first_pipeline_stage: Optional[int]
-    """Layers on the first stage of an uneven pipeline (None: even split)."""
-    num_layers_in_last_pipeline_stage: Optional[int]
-    """Layers on the last stage of an uneven pipeline (None: even split)."""
+    tp: int = key(
+        "Tensor parallel size.",
+        default=1, minimum=1, maximum=65536, runtime=_TRAIN_LAYOUT)
+    pp: int = key(
+        "Pipeline parallel size.",
+        default=1, minimum=1, maximum=65536, runtime=_TRAIN_LAYOUT)
+    ep: int = key(
+        "Expert parallel size (MoE only).",
+        default=1, minimum=1, maximum=65536, runtime=_TRAIN_LAYOUT)
+    etp: int = key(
+        "Expert tensor parallel size (MoE only).",
+        default=1, minimum=1, maximum=65536, runtime=_TRAIN_LAYOUT)
+    cp: int = key(
+        "Context parallel size.",
+        default=1, minimum=1, maximum=65536, runtime=_TRAIN_LAYOUT)
+    vpp: int = key(
+        "Virtual pipeline stages per pipeline rank (1 = none).",
+        default=1, minimum=1, maximum=1024, runtime=_TRAIN_LAYOUT)
+    sequence_parallel: bool = key(
+        "Megatron sequence parallelism (needs tp > 1 to matter).",
+        default=False, runtime=_TRAIN_LAYOUT)
+    num_layers_in_first_pipeline_stage: Optional[int] = key(
+        "Decoder layers on the first pipeline stage (uneven pipelines); unset = even split.",
+        minimum=0, maximum=10000, runtime=_TRAIN_LAYOUT)
+    num_layers_in_last_pipeline_stage: Optional[int] = key(
+        "Decoder layers on the last pipeline stage (uneven pipelines); unset = even split.",
+        minimum=0, maximum=10000, runtime=_TRAIN_LAYOUT)
 
 
-@section
+@section(runtime="GenerationParallelConfig")
 class GenerationParallelism(_Section):
     """vLLM parallelism of each generation engine."""
 
-    tp: int
-    """vLLM tensor parallel size."""
-    pp: int
-    """vLLM pipeline parallel size."""
-    ep: int
-    """vLLM expert parallel size (1: off)."""
-    dp: Optional[int]
-    """vLLM engines (None: world / (tp × pp); ``planner.layout.generation_layout`` derives it)."""
+    tp: int = key(
+        "vLLM tensor parallel size.",
+        default=1, minimum=1, maximum=65536, runtime=_GENERATION_LAYOUT)
+    pp: int = key(
+        "vLLM pipeline parallel size.",
+        default=1, minimum=1, maximum=65536, runtime=_GENERATION_LAYOUT)
+    ep: int = key(
+        "vLLM expert parallel size (1 = off). Must be a multiple of tp and divide the expert count. Shrinks the "
+        "per-GPU expert shard vLLM keeps during sleep level 1.",
+        default=1, minimum=1, maximum=65536, runtime=_GENERATION_LAYOUT)
+    dp: Optional[int] = key(
+        "Number of vLLM engines; unset = world size / (tp × pp).",
+        minimum=1, maximum=65536, runtime=_GENERATION_LAYOUT, resolved=True)
 
 
 @section
 class ParallelismSection(_Section):
-    """How trainer and generation engine split the model."""
+    """How the trainer (Megatron) and the generation engine (vLLM) split the model."""
 
-    train: TrainParallelism
-    """The trainer's layout."""
-    generation: GenerationParallelism
-    """The generation engine's layout."""
+    train: TrainParallelism = key(runtime_name="train_parallel")
+    generation: GenerationParallelism = key(runtime_name="generation_parallel")
 
 
 # --------------------------------------------------------------------------- refit
 
 
-@section
+@section(runtime="RefitConfig")
 class RefitSection(_Section):
-    """Moving updated weights from the trainer into vLLM every step."""
+    """Moving updated weights from the trainer into vLLM every step. Each fix from the field reports is a switch
+    here; `auto` lets the rules decide (the decision is written into runtime.yaml and plan.txt)."""
 
-    buffer_memory_ratio: float
-    """Fraction of free memory at refit for both ping-pong halves (unused when ``buffer_gb`` is set)."""
-    buffer_gb: Optional[float]
-    """Fixed size of both halves together in GiB (None: sized by the ratio)."""
-    alignment_bytes: int
-    """Alignment of each tensor in the buffer."""
-    sleep_level: Literal[1, 2]
-    """vLLM sleep level after generation."""
-    offload_optimizer_for_refit: bool
-    """Optimizer state and grads to host memory during the refit."""
-    offload_params_for_generation: bool
-    """The trainer's bf16 parameters to host memory from the end of the refit to the next logprob pass."""
-    sync_params_before_refit: Switch
-    """Synchronous parameter all-gather before the export (``auto``: the rules decide)."""
-    dedupe_mtp_embedding: Switch
-    """Drop the MTP-replicated embedding on the last pipeline stage (``auto``: the rules decide)."""
-    per_rank_ipc_metadata: Switch
-    """Every trainer rank sends its own slicing metadata (``auto``: the rules decide)."""
-    fp32_params: Union[Literal["auto"], tuple[str, ...]]
-    """Parameter name patterns kept fp32 on the wire, or ``auto`` (the model's known ones)."""
-    verify_every: int
-    """Bit-for-bit refit check every N refits (0: never)."""
-    transport: Literal["cuda_ipc", "shm"]
-    """Buffer transport."""
+    buffer_memory_ratio: float = key(
+        "Fraction of the free GPU memory at refit used for the IPC buffer; it is split into two ping-pong halves, so "
+        "each half is `free × ratio / 2` and must hold the largest exported tensor. Mutually exclusive with "
+        "`buffer_gb`.",
+        default=0.3, exclusive_minimum=0, maximum=0.9, runtime=_REFIT, runtime_type="float | None")
+    buffer_gb: Optional[float] = key(
+        "Fixed IPC buffer size in GiB (both halves together) instead of a ratio.",
+        exclusive_minimum=0, maximum=1024, runtime=_REFIT)
+    alignment_bytes: int = key(
+        "Alignment of each tensor inside the buffer.",
+        default=256, minimum=1, maximum=1048576, runtime=_REFIT)
+    sleep_level: Literal[1, 2] = key(
+        "vLLM sleep level after generation. 1 offloads weights to CPU and keeps the weight shard allocation; 2 "
+        "discards weights (refit re-streams them anyway) and frees far more memory.",
+        default=1, runtime=_REFIT)
+    offload_optimizer_for_refit: bool = key(
+        "Move optimizer state and gradients to CPU during refit and back afterwards.",
+        default=True, runtime=_REFIT)
+    offload_params_for_generation: bool = key(
+        "Move the trainer's bf16 parameters to host memory after the refit, while vLLM generates, and back before "
+        "the trainer's next forward (as NeMo-RL, verl, slime and SkyRL run colocated generation). Frees the "
+        "parameter shard for vLLM's pool; costs one host round trip of the shard per step. Needs "
+        "`training.use_distributed_optimizer` (Megatron keeps the parameters in one contiguous buffer only then).",
+        default=False, runtime=_REFIT)
+    sync_params_before_refit: Switch = key(
+        "Force a synchronous parameter all-gather before exporting weights. Needed when the distributed optimizer "
+        "overlaps its param gather (stale shards otherwise). `auto` turns it on exactly then.",
+        default="auto", runtime=_REFIT, runtime_type="bool")
+    dedupe_mtp_embedding: Switch = key(
+        "Drop the MTP-replicated word embedding on the last pipeline stage so PP rank 0 is its only owner. Needed "
+        "for MTP with shared embeddings and pp > 1. `auto` turns it on exactly then.",
+        default="auto", runtime=_REFIT, runtime_type="bool")
+    per_rank_ipc_metadata: Switch = key(
+        "Each trainer rank sends its own buffer slicing metadata with its IPC handle. Turning it off reproduces the "
+        "rank-0-metadata bug (correct bytes under wrong names when ranks pack different tensors, e.g. ep > 1 or pp > "
+        "1). `auto` = on.",
+        default="auto", runtime=_REFIT, runtime_type="bool")
+    fp32_params: Union[Literal["auto"], tuple[str, ...]] = key(
+        "Parameters kept in fp32 on the wire (name patterns, fnmatch style), or `auto` for the model's known fp32 "
+        "parameters (MoE router `e_score_correction_bias`, expert bias).",
+        default="auto", items={"minLength": 1}, runtime=_REFIT, runtime_type="list[str]")
+    verify_every: int = key(
+        "Check refits bit for bit every N refits (0 = never). The trainer writes its export to node-local disk and "
+        "each vLLM worker compares every parameter with vLLM's own load of that file; a difference stops the run, "
+        "naming the parameters (and the mantissa bits lost when an fp32 parameter crossed in bf16). For debugging a "
+        "new model or layout: each check costs one export to disk and a CPU copy of the vLLM weights.",
+        default=0, minimum=0, maximum=1000000, runtime=_REFIT)
+    transport: Literal["cuda_ipc", "shm"] = key(
+        "`cuda_ipc` (colocated GPUs) or `shm` (CPU shared memory; tests only).",
+        default="cuda_ipc", runtime=_REFIT)
 
 
 # --------------------------------------------------------------------------- generation
 
 
-@section
+@section(runtime="SamplingConfig")
 class SamplingSection(_Section):
-    """Sampling parameters of rollouts."""
+    """Sampling parameters for rollouts."""
 
-    temperature: float
-    """Sampling temperature."""
-    top_p: float
-    """Nucleus threshold (1: off)."""
-    top_k: int
-    """Top-k (-1: off)."""
-    max_tokens: int
-    """Generated tokens per sample at most."""
-    stop: tuple[str, ...]
-    """Stop strings."""
-    stop_token_ids: tuple[int, ...]
-    """Token ids that end a sample besides EOS."""
+    temperature: float = key(
+        "Sampling temperature (GRPO needs > 0).",
+        default=1.0, exclusive_minimum=0, maximum=10, runtime=EXPERIMENT)
+    top_p: float = key(
+        "Nucleus sampling threshold.",
+        default=1.0, exclusive_minimum=0, maximum=1, runtime=EXPERIMENT)
+    top_k: int = key(
+        "Top-k sampling (-1 = off).",
+        default=-1, minimum=-1, maximum=1048576, runtime=EXPERIMENT)
+    max_tokens: int = key(
+        "Maximum generated tokens per sample.",
+        default=1024, minimum=1, maximum=16777216, runtime=EXPERIMENT)
+    stop: tuple[str, ...] = key(
+        "Stop strings.",
+        default=[], runtime=EXPERIMENT)
+    stop_token_ids: tuple[int, ...] = key(
+        "Token ids that end a sample besides the tokenizer's EOS (vLLM `stop_token_ids`), e.g. a chat template's "
+        "end-of-turn token.",
+        default=[], unique_items=True, items={"minimum": 0}, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="SpeculativeDecodingConfig")
 class SpeculativeDecodingSection(_Section):
-    """Speculative decoding in the rollout engine (vLLM ``speculative_config``)."""
+    """Speculative decoding in the rollout engine (vLLM `speculative_config`). Unset or null: off. rlc sets vLLM's
+    `speculative_config` from this block (so `generation.vllm_kwargs.speculative_config` is refused) and the
+    memory planner counts what it loads: with `mtp` the drafter's weights (the checkpoint's MTP blocks) sit in
+    vLLM's weight pool next to the model's shard. Rejection sampling keeps the sampled distribution the target
+    model's."""
 
-    method: Literal["mtp", "ngram"]
-    """``mtp``: the checkpoint's MTP layers draft; ``ngram``: prompt lookup (no weights)."""
-    num_speculative_tokens: int
-    """Draft tokens proposed per decoding step."""
-    prompt_lookup_min: int
-    """``ngram``: shortest n-gram that may match."""
-    prompt_lookup_max: int
-    """``ngram``: longest n-gram tried first."""
+    method: Literal["mtp", "ngram"] = key(
+        "How draft tokens are proposed. `mtp`: the checkpoint's own multi-token-prediction layers draft (vLLM method "
+        "`mtp`; DeepSeek-V3, Qwen3.5 / Qwen3-Next, GLM-4.5, Nemotron-H MTP checkpoints); vLLM loads them even when "
+        "`model.overrides` switches the trainer's MTP off, and they stay at the checkpoint's weights (the refit does "
+        "not update them), so `mtp` needs `refit.sleep_level: 1` (level 2 discards them and nothing writes them "
+        "back). `ngram`: prompt lookup, drafting the tokens that followed the latest matching n-gram of the sequence "
+        "so far (vLLM method `ngram`, no weights, CPU).",
+        runtime=_ENGINE)
+    num_speculative_tokens: int = key(
+        "Draft tokens proposed per decoding step (vLLM `num_speculative_tokens`). With `mtp`, more tokens than the "
+        "checkpoint has MTP layers run its MTP layers again in turn (vLLM warns of a lower acceptance rate).",
+        minimum=1, maximum=64, runtime=_ENGINE)
+    prompt_lookup_min: int = key(
+        "`ngram` only: shortest n-gram that may match (vLLM `prompt_lookup_min`). 2 skips single-token matches, "
+        "which propose poorly.",
+        default=2, minimum=1, maximum=1024, runtime=_ENGINE)
+    prompt_lookup_max: int = key(
+        "`ngram` only: longest n-gram tried first (vLLM `prompt_lookup_max`; 4 as in vLLM's n-gram example). Must be "
+        "≥ `prompt_lookup_min`.",
+        default=4, minimum=1, maximum=1024, runtime=_ENGINE)
 
 
-@section
+@section(runtime="Fp8RolloutConfig")
 class Fp8RolloutSection(_Section):
-    """FP8 rollouts (``generation.precision: fp8``)."""
+    """FP8 rollouts (used with `generation.precision: fp8`)."""
 
-    scales: Literal["auto", "block", "tensor"]
-    """``block``: 128×128 block scales, quantized by the trainer; ``tensor``: one scale per matrix, by vLLM;
-    ``auto``: block where the layout keeps every projection 128-aligned (``rlc.compiler.planner.fp8_layout``)."""
-    pow2_scales: bool
-    """Block scales rounded up to powers of two."""
+    scales: Literal["auto", "block", "tensor"] = key(
+        "Weight scales of the FP8 engine. `block`: one fp32 scale per 128×128 block (the DeepSeek-V3 checkpoint "
+        "format, vLLM `weight_block_size: [128, 128]`); the trainer quantizes with vLLM's own function before the "
+        "transfer, so the refit moves 1 byte per weight plus 4 bytes per block, and every quantized projection's "
+        "shard on a vLLM rank must be 128-aligned. `tensor`: one scale per weight matrix (vLLM's online "
+        "`fp8_per_tensor`); the refit moves `model.dtype` and vLLM quantizes as it loads, because a per-tensor scale "
+        "spans the q/k/v (gate/up) projections vLLM fuses and its tensor-parallel slice, which the trainer does not "
+        "see. `auto`: block where every quantized projection is 128-aligned on each vLLM rank, else tensor (the "
+        "decision and its reason are in `refit.decisions`).",
+        default="auto", runtime=EXPERIMENT, resolved=True)
+    pow2_scales: bool = key(
+        "Round block scales up to powers of two (vLLM's `use_ue8m0`; NeMo-RL `pow2_weight_scaling_factors`). Block "
+        "scales only.",
+        default=False, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="MegatronGenerationConfig")
 class MegatronGenerationSection(_Section):
-    """Megatron-core inference (``generation.backend: megatron``)."""
+    """Megatron-core inference (`generation.backend: megatron`); setting any of these with the vLLM backend is an
+    error."""
 
-    mode: Literal["auto", "shared", "dedicated"]
-    """Generate on the training model (``shared``) or on a second model refit by swap (``dedicated``)."""
-    transformer_impl: Literal["auto", "transformer_engine", "inference_optimized"]
-    """Layer implementation of the generating model (``auto``: the trainer's)."""
-    kv_cache: Literal["recompute", "offload", "persist"]
-    """What happens to the KV pool while the trainer runs."""
-    block_size_tokens: int
-    """Tokens per KV-cache block."""
-    max_tokens: Optional[int]
-    """Tokens per engine step at most (None: megatron-core's default)."""
-    max_requests: Optional[int]
-    """Requests per engine step at most (None: as many as the pool has blocks)."""
-    refit_backend: Literal["nccl", "gloo"]
-    """Copy service of ``swap_model_weights`` in dedicated mode."""
+    mode: Literal["auto", "shared", "dedicated"] = key(
+        "Which model generates. `shared`: the training model itself (no weights move; the refit only syncs the "
+        "trainer's parameters and wakes the engine). `dedicated`: a second model in the inference layout, refit "
+        "every step with megatron-core's `swap_model_weights` (the colocated reshard of NeMo-RL PR #3490); with the "
+        "trainer's layout every swap is a local copy. `auto`: `shared` when the inference model would equal the "
+        "training model (same layout and `transformer_impl`), else `dedicated`; the decision is recorded in "
+        "runtime.yaml.",
+        default="auto", runtime=_ENGINE, resolved=True)
+    transformer_impl: Literal["auto", "transformer_engine", "inference_optimized"] = key(
+        "Layer implementation of the generating model. `auto`: the trainer's (Transformer Engine). "
+        "`inference_optimized`: megatron-core's inference-optimized layers, which need a dedicated model; "
+        "megatron-core 0.19 refuses them for MoE layers with gated linear units (SwiGLU), expert tensor parallelism "
+        "or a router not in fp32, needs RMSNorm and no linear biases, and its router cannot do group-limited "
+        "routing.",
+        default="auto", runtime=_ENGINE, resolved=True)
+    kv_cache: Literal["recompute", "offload", "persist"] = key(
+        "What happens to the KV pool (`generation.kv_cache_memory_bytes`) while the trainer runs (megatron-core "
+        "`KVCacheManagementMode`). `recompute`: freed after each rollout and allocated again for the next; "
+        "`offload`: copied to host memory and back; `persist`: stays on the GPU through the trainer's passes (the "
+        "plan counts it there).",
+        default="recompute", runtime=_ENGINE)
+    block_size_tokens: int = key(
+        "Tokens per KV-cache block (megatron-core `InferenceConfig.block_size_tokens`). A request holds ceil((prompt "
+        "+ response) / block) blocks; the pool must hold the blocks of one full-length request plus megatron-core's "
+        "dummy block.",
+        default=256, minimum=1, maximum=65536, runtime=_ENGINE)
+    max_tokens: Optional[int] = key(
+        "Tokens per engine step at most, prefill and decode together (megatron-core `InferenceConfig.max_tokens`). "
+        "Unset: megatron-core's 16384. Sets the engine's activation and logits memory; a prompt longer than this is "
+        "refused (no chunked prefill).",
+        minimum=1, maximum=16777216, runtime=_ENGINE)
+    max_requests: Optional[int] = key(
+        "Requests in one engine step at most (megatron-core `InferenceConfig.max_requests`). Unset: as many as the "
+        "KV pool has blocks, rounded down to a multiple of 4. Must not exceed `max_tokens`.",
+        minimum=1, maximum=16777216, runtime=_ENGINE)
+    refit_backend: Literal["nccl", "gloo"] = key(
+        "Copy service of `swap_model_weights` in dedicated mode (megatron-core `refit_method`): `nccl` (same-GPU "
+        "pieces become a device copy) or `gloo` (through host memory).",
+        default="nccl", runtime=_ENGINE)
 
 
-@section
+@section(runtime="GenerationConfig")
 class GenerationSection(_Section):
     """The rollout engine."""
 
-    backend: Literal["vllm", "megatron"]
-    """Generation backend."""
-    megatron: MegatronGenerationSection
-    """Megatron-core inference settings (``backend: megatron``)."""
-    vllm_version: Optional[str]
-    """vLLM version of the job's container (None: the calibration entry's)."""
-    enforce_eager: bool
-    """Disable CUDA graphs."""
-    gpu_memory_utilization: float
-    """Fraction of GPU memory vLLM may use while awake."""
-    kv_cache_memory_bytes: Optional[int]
-    """Fixed KV-cache size (None: sized by ``gpu_memory_utilization``)."""
-    precision: Literal["auto", "fp8"]
-    """Rollout weight precision (``auto``: ``model.dtype``)."""
+    backend: Literal["vllm", "megatron"] = key(
+        "Generation backend. `vllm`: a vLLM engine next to each trainer rank, slept while the trainer runs and refit "
+        "over CUDA IPC. `megatron`: megatron-core's dynamic inference engine inside the trainer's own process, on "
+        "the training model (`generation.megatron.mode: shared`) or on a second, inference-layout model refit in "
+        "process with `swap_model_weights` (`dedicated`), as NeMo-RL's Megatron generation backend (NeMo-RL PR "
+        "#3490). With `megatron` the vLLM-only keys (`refit.sleep_level`, the IPC buffer, "
+        "`generation.gpu_memory_utilization`, `vllm_version`, `vllm_kwargs`) are errors, and "
+        "`generation.kv_cache_memory_bytes` is required.",
+        default="vllm", runtime=_ENGINE)
+    megatron: MegatronGenerationSection = key(runtime_type="MegatronGenerationConfig | None")
+    vllm_version: Optional[str] = key(
+        "vLLM version the job's container runs (e.g. `0.17.1`, `0.22.0`). Selects the sleep-mode semantics the "
+        "memory planner uses (what stays on the GPU and what goes to host memory at each sleep level) and is "
+        "recorded in runtime.yaml; the runtime warns if the installed vLLM differs. Unset: the version of the "
+        "planner's calibration entry for `cluster.gpu` (recorded explicitly).",
+        pattern="^[0-9]+\\.[0-9]+(\\.[0-9]+)?([.+-][0-9A-Za-z.+-]*)?$", runtime=_ENGINE, resolved=True)
+    enforce_eager: bool = key(
+        "Disable CUDA graphs. Costs throughput, but CUDA-graph buffers cannot be released by sleep and grow after "
+        "the first step.",
+        default=False, runtime=_ENGINE)
+    gpu_memory_utilization: float = key(
+        "Fraction of GPU memory vLLM may use (weights + KV cache) while awake.",
+        default=0.6, exclusive_minimum=0, maximum=0.95, runtime=_ENGINE)
+    kv_cache_memory_bytes: Optional[int] = key(
+        "Fixed KV-cache size in bytes for vLLM (its `kv_cache_memory_bytes`); takes precedence over "
+        "`gpu_memory_utilization` for the cache, so the sleep pool no longer grows when a vLLM upgrade profiles "
+        "memory differently (NeMo-RL PR #3280). The planner counts weights + this cache instead of the utilization "
+        "share. With `generation.backend: megatron` it is required: the size of megatron-core's fixed KV pool "
+        "(`InferenceConfig.buffer_size_gb`).",
+        minimum=1, maximum=1099511627776, runtime=_ENGINE)
+    precision: Literal["auto", "fp8"] = key(
+        "Weight precision of the rollout engine: `auto` = `model.dtype`; `fp8` = FP8 rollouts: vLLM holds the linear "
+        "layers' weights in float8_e4m3fn (1 byte per parameter) with the scales `generation.fp8` names, and every "
+        "refit delivers them quantized exactly as vLLM quantizes a bf16 weight. The embedding, LM head, norms and "
+        "MoE routers stay in `model.dtype`.",
+        default="auto", runtime=EXPERIMENT)
     fp8: Fp8RolloutSection
-    """FP8 rollouts (with ``precision: fp8``)."""
-    max_model_len: int
-    """Prompt + generation tokens at most."""
+    max_model_len: int = key(
+        "Maximum prompt + generation length in tokens.",
+        default=4096, minimum=16, maximum=16777216, runtime=EXPERIMENT)
     sampling: SamplingSection
-    """Sampling parameters."""
-    speculative_decoding: Optional[SpeculativeDecodingSection]
-    """Speculative decoding (None: off)."""
-    vllm_kwargs: Mapping[str, Any]
-    """vLLM engine options handed on unchanged (free-form)."""
+    speculative_decoding: Optional[SpeculativeDecodingSection] = key(default=None)
+    vllm_kwargs: Mapping[str, Any] = key(
+        "vLLM engine options rlc does not reason about (e.g. `enable_prefix_caching`, `max_num_seqs`, "
+        "`max_num_batched_tokens`, `kv_cache_dtype`), handed to `vllm.LLM(...)` unchanged and recorded in "
+        "runtime.yaml. Options rlc sets from typed keys (parallelism, memory, sleep mode, model, speculative "
+        "decoding) are rejected here with the key to use instead.",
+        default={}, property_names="^[A-Za-z_][A-Za-z0-9_]*$", runtime=_ENGINE)
 
     @property
     def drafts_with_mtp(self) -> bool:
@@ -401,176 +602,281 @@ class GenerationSection(_Section):
 # --------------------------------------------------------------------------- training
 
 
-@section
+@section(runtime="OptimizerConfig")
 class OptimizerSection(_Section):
     """Optimizer settings."""
 
-    name: Literal["adam", "sgd"]
-    """Optimizer."""
-    lr: float
-    """Peak learning rate."""
-    min_lr: float
-    """Final learning rate of decaying schedules."""
-    weight_decay: float
-    """Decoupled weight decay."""
-    adam_beta1: float
-    """Adam beta1."""
-    adam_beta2: float
-    """Adam beta2."""
-    adam_eps: float
-    """Adam epsilon."""
+    name: Literal["adam", "sgd"] = key(
+        "Optimizer.",
+        default="adam", runtime=EXPERIMENT)
+    lr: float = key(
+        "Peak learning rate.",
+        default=1e-06, exclusive_minimum=0, maximum=1, runtime=EXPERIMENT)
+    min_lr: float = key(
+        "Final learning rate of decaying schedules.",
+        default=0.0, minimum=0, maximum=1, runtime=EXPERIMENT)
+    weight_decay: float = key(
+        "Decoupled weight decay.",
+        default=0.01, minimum=0, maximum=10, runtime=EXPERIMENT)
+    adam_beta1: float = key(
+        "Adam beta1.",
+        default=0.9, minimum=0, exclusive_maximum=1, runtime=EXPERIMENT)
+    adam_beta2: float = key(
+        "Adam beta2.",
+        default=0.999, minimum=0, exclusive_maximum=1, runtime=EXPERIMENT)
+    adam_eps: float = key(
+        "Adam epsilon.",
+        default=1e-08, exclusive_minimum=0, maximum=1, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="LRScheduleConfig")
 class LrScheduleSection(_Section):
     """Learning-rate schedule."""
 
-    name: Literal["constant", "cosine", "linear"]
-    """Shape after warm-up."""
-    warmup_steps: int
-    """Linear warm-up steps."""
-    warmup_start_lr: float
-    """Learning rate the warm-up starts from."""
+    name: Literal["constant", "cosine", "linear"] = key(
+        "Schedule shape after warm-up.",
+        default="constant", runtime=EXPERIMENT)
+    warmup_steps: int = key(
+        "Linear warm-up steps.",
+        default=0, minimum=0, maximum=1000000000, runtime=EXPERIMENT)
+    warmup_start_lr: float = key(
+        "Learning rate the linear warm-up starts from (NeMo-RL / Megatron `lr_warmup_init`); it rises to "
+        "`training.optimizer.lr` over `warmup_steps`.",
+        default=0.0, minimum=0, maximum=1, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="Fp8TrainingConfig")
 class Fp8Section(_Section):
-    """FP8 training (Transformer Engine)."""
+    """FP8 training (Transformer Engine). Parameters and optimizer state stay in `model.dtype` / fp32; matrix
+    multiplies run in FP8."""
 
-    enabled: bool
-    """Run linear layers in FP8."""
-    format: Literal["e4m3", "hybrid"]
-    """FP8 format."""
-    recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"]
-    """Scaling recipe."""
-    param_gather: bool
-    """Keep all-gathered parameters in FP8."""
+    enabled: bool = key(
+        "Run linear layers in FP8.",
+        default=False, runtime=EXPERIMENT)
+    format: Literal["e4m3", "hybrid"] = key(
+        "FP8 format: `e4m3` everywhere, or `hybrid` (e4m3 forward, e5m2 gradients).",
+        default="e4m3", runtime=EXPERIMENT)
+    recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"] = key(
+        "Scaling recipe: `tensorwise`, `delayed`, `blockwise` (Hopper, DeepSeek-V3 style 128×128 blocks) or `mxfp8` "
+        "(Blackwell).",
+        default="blockwise", runtime=EXPERIMENT)
+    param_gather: bool = key(
+        "Keep the distributed optimizer's all-gathered parameters in FP8 (Megatron `fp8_param_gather`).",
+        default=False, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="MoeConfig")
 class MoeSection(_Section):
     """Mixture-of-experts execution in the trainer."""
 
-    token_dispatcher: Literal["alltoall", "allgather", "flex"]
-    """Megatron token dispatcher."""
-    deepep: bool
-    """DeepEP kernels (needs the flex dispatcher)."""
-    router_dtype: Literal["fp32", "fp64", "auto"]
-    """Router computation dtype (``auto``: the model provider's)."""
+    token_dispatcher: Literal["alltoall", "allgather", "flex"] = key(
+        "Megatron MoE token dispatcher: `alltoall`, `allgather`, or `flex` (needed by DeepEP).",
+        default="alltoall", runtime=_SPEED)
+    deepep: bool = key(
+        "Use DeepEP kernels for expert-parallel dispatch (Megatron `moe_enable_deepep`; needs `token_dispatcher: "
+        "flex` and DeepEP in the container).",
+        default=False, runtime=_SPEED)
+    router_dtype: Literal["fp32", "fp64", "auto"] = key(
+        "Router computation dtype (Megatron `moe_router_dtype`): `fp32` / `fp64` keep routing stable in low "
+        "precision; `auto` keeps the model provider's own setting.",
+        default="auto", runtime=_SPEED)
 
 
-@section
+@section(runtime="SequencePackingConfig")
 class SequencePackingSection(_Section):
-    """Packing rollouts into one sequence instead of padding."""
+    """Pack several rollouts into one sequence for the train and logprob passes instead of padding each to the
+    longest."""
 
-    enabled: bool
-    """Pack rollouts."""
-    algorithm: str
-    """Bin-packing algorithm (NeMo-RL's names)."""
-    train_mb_tokens: Optional[int]
-    """Token budget of a packed train micro batch (None: see :attr:`Recipe.train_mb_tokens`)."""
-    logprob_mb_tokens: Optional[int]
-    """Token budget of a packed logprob micro batch (None: see :attr:`Recipe.logprob_mb_tokens`)."""
+    enabled: bool = key(
+        "Pack rollouts (NeMo-RL `policy.sequence_packing.enabled`).",
+        default=False, runtime=_SPEED)
+    algorithm: PackingAlgorithm = key(
+        "Bin-packing algorithm for the packs (NeMo-RL's names; `modified_ffd` is the spelling some NeMo-RL recipes "
+        "use for `modified_first_fit_decreasing`).",
+        default="modified_first_fit_decreasing", runtime=_SPEED)
+    train_mb_tokens: Optional[int] = key(
+        "Token budget of a packed micro batch in the train pass (NeMo-RL `policy.sequence_packing.train_mb_tokens`): "
+        "sequences are bin-packed into micro batches of at most this many tokens (each sequence padded to the "
+        "multiple context and sequence parallelism need). Sets the train pass's activation and logits memory. Unset "
+        "= `max_sequence_length × micro_batch_size` (as many tokens as a padded micro batch of full-length "
+        "sequences).",
+        minimum=1, maximum=1073741824, runtime=_SPEED, resolved=True)
+    logprob_mb_tokens: Optional[int] = key(
+        "Token budget of a packed micro batch in the logprob passes (old and reference logprobs; NeMo-RL "
+        "`policy.sequence_packing.logprob_mb_tokens`). Unset = `max_sequence_length × logprob_batch_size` (NeMo-RL's "
+        "default).",
+        minimum=1, maximum=1073741824, runtime=_SPEED, resolved=True)
 
 
-@section
+@section(runtime="RouterReplayConfig")
 class RouterReplaySection(_Section):
-    """Rollout Routing Replay: the trainer routes each token to the experts vLLM routed it to."""
+    """Rollout Routing Replay (R3, arXiv 2510.11370) for MoE models: vLLM returns the experts it routed each rollout
+    token to (`enable_return_routed_experts`, vLLM PR #28284) and the trainer's logprob, reference and train
+    passes route every token to those same experts (Megatron's `RouterReplay`), so the trainer's logprobs are
+    computed on the experts that sampled the token."""
 
-    enabled: bool
-    """Replay vLLM's routing in the trainer's logprob, reference and train passes (MoE models)."""
+    enabled: bool = key(
+        "Replay vLLM's routing in the trainer (NeMo-RL `policy.router_replay.enabled`). MoE models only; vLLM 0.22 "
+        "without pipeline parallelism in vLLM; the MTP block's router is not replayed (vLLM never runs it on the "
+        "rollout's tokens). The rollout batch then carries the routes of every token (N x L x MoE layers x experts "
+        "per token, 1 byte each with up to 256 experts), counted in the host memory plan.",
+        default=False, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="TrainingConfig")
 class TrainingSection(_Section):
     """The trainer (Megatron-core through Megatron-Bridge)."""
 
     optimizer: OptimizerSection
-    """Optimizer settings."""
     lr_schedule: LrScheduleSection
-    """Learning-rate schedule."""
-    grad_clip: float
-    """Gradient-norm clip (0: off)."""
-    micro_batch_size: int
-    """Sequences per micro-batch on each data-parallel rank."""
-    logprob_batch_size: Optional[int]
-    """Sequences per micro-batch of the logprob passes (None: ``micro_batch_size``; see
-    :attr:`Recipe.logprob_batch_size`)."""
-    global_batch_size: Optional[int]
-    """Sequences per optimizer step (None: one GRPO step's samples; see :attr:`Recipe.global_batch_size`)."""
-    use_distributed_optimizer: bool
-    """Shard optimizer state over data-parallel ranks."""
-    use_precision_aware_optimizer: bool
-    """fp32 master weights live in the optimizer state (TE FusedAdam)."""
-    overlap_param_gather: bool
-    """Overlap the parameter all-gather with the next forward."""
-    grad_reduce_in_fp32: bool
-    """fp32 gradient buffers and reduction (4 B/param of grads instead of the param dtype's)."""
-    overlap_grad_reduce: bool
-    """Overlap the gradient reduce-scatter with backward."""
-    optimizer_cpu_offload: bool
-    """Megatron's hybrid CPU optimizer."""
-    optimizer_offload_fraction: float
-    """Share of the optimizer state offloaded with ``optimizer_cpu_offload``."""
-    offload_copies_gradients: bool
-    """The trainer's offload copies the gradient buffers to host memory (else it frees them)."""
-    offload_reference_policy: bool
-    """Keep the KL penalty's reference policy in pinned host memory, on the GPU only for its logprob pass."""
-    mtp_loss_scale: float
-    """Weight of the MTP block's loss (0: policy loss only)."""
-    activation_checkpointing: Literal["none", "selective", "full"]
-    """Activation recomputation granularity."""
-    max_sequence_length: Optional[int]
-    """Longest prompt + response the trainer packs (None: ``generation.max_model_len``)."""
-    seed: int
-    """Trainer random seed."""
+    grad_clip: float = key(
+        "Gradient-norm clip (0 = off).",
+        default=1.0, minimum=0, maximum=1000000, runtime=EXPERIMENT)
+    micro_batch_size: int = key(
+        "Sequences per micro-batch on each data-parallel rank.",
+        default=1, minimum=1, maximum=65536, runtime=restart("how the global batch is split"))
+    logprob_batch_size: Optional[int] = key(
+        "Sequences per micro-batch of the logprob passes on each data-parallel rank: the policy's logprobs before "
+        "the update and the reference policy's (NeMo-RL `policy.logprob_batch_size`); unset = `micro_batch_size`. "
+        "The pass is forward only, but its largest activation is the fp32 logits over the whole vocabulary, about 2 "
+        "× batch × sequence × vocabulary / TP × 4 bytes (the logits and the copy the logprob takes), so this bounds "
+        "the pass's memory, which the plan's logprob phase counts. With `sequence_packing` the passes run in packed "
+        "micro batches of `sequence_packing.logprob_mb_tokens` tokens instead, whose default is "
+        "`max_sequence_length` × this. Batch size changes the numerics of some kernels: with TP ≥ 4 NeMo-RL requires "
+        "it equal to `micro_batch_size`, so that the policy's logprobs before the update match those of the train "
+        "pass. rlc does not chunk the logits along the sequence (NeMo-RL's `logprob_chunk_size`): the train pass "
+        "holds the same logits for one micro-batch and their gradient as well, so chunking the logprob pass alone "
+        "never lowers the step's peak; raise `parallelism.train.tp` to split them.",
+        minimum=1, maximum=65536, runtime=_SPEED, resolved=True)
+    global_batch_size: Optional[int] = key(
+        "Sequences per optimizer step across all data-parallel ranks; unset = prompts_per_step × "
+        "generations_per_prompt (one optimizer step per GRPO step).",
+        minimum=1, maximum=16777216, runtime=EXPERIMENT, resolved=True)
+    use_distributed_optimizer: bool = key(
+        "Shard optimizer state over data-parallel ranks (Megatron distributed optimizer).",
+        default=True, runtime=_SPEED)
+    use_precision_aware_optimizer: bool = key(
+        "Megatron's precision-aware optimizer (NeMo-RL's default with Megatron): the fp32 master weights live in the "
+        "optimizer state (TE FusedAdam) instead of a separate fp32 copy of the parameters, so offloading the "
+        "optimizer before refit also moves them off the GPU. Needs `use_distributed_optimizer`.",
+        default=False, runtime=_SPEED)
+    overlap_param_gather: bool = key(
+        "Overlap the distributed optimizer's parameter all-gather with the next forward.",
+        default=False, runtime=_SPEED)
+    grad_reduce_in_fp32: bool = key(
+        "Megatron's `grad_reduce_in_fp32`: the DDP gradient buffers (`main_grad`) are fp32 and gradients are reduced "
+        "in fp32. Costs 4 bytes per parameter of gradient buffer instead of 2 (bf16) wherever the grads are held: on "
+        "the GPU in the train step (and at the refit and while generating unless `refit.offload_optimizer_for_refit` "
+        "moves them), in host memory where they are offloaded. Frameworks differ: NeMo-RL's examples set it false "
+        "and Megatron-LM's `--accumulate-allreduce-grads-in-fp32` is off unless given; verl and SkyRL turn it on. "
+        "Default true: what the bundled runtime has run.",
+        default=True, runtime=_SPEED)
+    overlap_grad_reduce: bool = key(
+        "Overlap gradient reduce-scatter with backward.",
+        default=False, runtime=_SPEED)
+    optimizer_cpu_offload: bool = key(
+        "Megatron's hybrid CPU optimizer offload. Measured to raise post-step GPU residency with colocated MoE "
+        "(12.72 → 15.86 GB); prefer `refit.offload_optimizer_for_refit`.",
+        default=False, runtime=_SPEED)
+    optimizer_offload_fraction: float = key(
+        "Fraction of optimizer state offloaded when `optimizer_cpu_offload` is on.",
+        default=1.0, minimum=0, maximum=1, runtime=_SPEED)
+    offload_copies_gradients: bool = key(
+        "What the trainer's offload does with Megatron's gradient buffers. false (default): they are freed and "
+        "rebuilt zeroed when the trainer comes back (Megatron-core's `offload_grad_buffers` / `offload_to_cpu`, as "
+        "the bundled runtime, NeMo-RL and verl offload), so they take no host memory. true: they are copied to host "
+        "memory with everything else the trainer allocated (torch_memory_saver with CPU backup, as slime and vime "
+        "offload); the planner then counts them in the host plan, so a translated slime or vime recipe plans the "
+        "host memory it needs there. The bundled runtime always frees them, and compiles either way: between the "
+        "optimizer step and the next step's zero_grad the gradient buffers hold nothing the run reads again, so a "
+        "copy would cost host memory and transfer time for no effect on training. With true its host memory is lower "
+        "than the plan by the copy's size (`rlc validate` says how much).",
+        default=False, runtime=COMPILER)
+    offload_reference_policy: bool = key(
+        "With `loss.kl_penalty` > 0: keep the frozen reference policy in pinned host memory and bring it to the GPU "
+        "only for its logprob pass (NeMo-RL keeps it as a CPU state dict; verl's `ref.megatron.param_offload`, slime "
+        "and SkyRL offload it too). The bundled runtime copies its weights once into pinned blocks whose sizes are "
+        "powers of two (so PyTorch's pinned allocator rounds nothing up), frees them on the GPU, and for each "
+        "reference logprob pass allocates them again, copies them in and frees them after; the trainer's weights, "
+        "gradients and optimizer state are not touched. The plan counts the copy in host memory and the weights on "
+        "the GPU only in the logprob phase, next to the trainer's.",
+        default=False, runtime=_SPEED)
+    mtp_loss_scale: float = key(
+        "Weight of the multi-token-prediction block's loss in each training step, for models with MTP layers "
+        "(DeepSeek-V3, Qwen3.5, GLM-4.5). Megatron's own default is 0.1, which in RL adds a next-next-token "
+        "cross-entropy on the model's own rollouts to the policy gradient; verl's MTP guide reports that only this "
+        "setting (MTP loss on all parameters at 0.1) changes RL training results noticeably. 0 (default) trains the "
+        "policy loss only; the MTP weights then stay as loaded and are still refit to vLLM.",
+        default=0.0, minimum=0, maximum=10, runtime=EXPERIMENT)
+    activation_checkpointing: Literal["none", "selective", "full"] = key(
+        "Activation recomputation granularity.",
+        default="none", runtime=_SPEED)
+    max_sequence_length: Optional[int] = key(
+        "Longest prompt + response the trainer packs; unset = generation.max_model_len.",
+        minimum=16, maximum=16777216, runtime=EXPERIMENT, resolved=True)
+    seed: int = key(
+        "Trainer random seed.",
+        default=1234, minimum=0, maximum=4294967295, runtime=EXPERIMENT)
     fp8: Fp8Section
-    """FP8 training."""
     moe: MoeSection
-    """MoE execution."""
     sequence_packing: SequencePackingSection
-    """Sequence packing."""
     router_replay: RouterReplaySection
-    """Rollout Routing Replay (MoE)."""
-    megatron_kwargs: Mapping[str, Any]
-    """Megatron options handed on unchanged (free-form)."""
+    megatron_kwargs: Mapping[str, Any] = key(
+        "Megatron model-config options rlc does not reason about (e.g. `apply_rope_fusion`, "
+        "`bias_activation_fusion`, `moe_permute_fusion`, `defer_fp32_logits`), set on the Megatron-Bridge model "
+        "provider unchanged and recorded in runtime.yaml. Options rlc sets from typed keys (parallelism, dtype, "
+        "recompute, FP8, MoE dispatcher) are rejected here with the key to use instead.",
+        default={}, property_names="^[A-Za-z_][A-Za-z0-9_]*$", runtime=_SPEED)
 
 
 # --------------------------------------------------------------------------- algorithm, data, outputs
 
 
-@section
+@section(runtime="DynamicSamplingConfig")
 class DynamicSamplingSection(_Section):
-    """Dropping groups whose rewards are all equal and generating more."""
+    """Drop groups whose rewards are all equal and generate more until the step is full."""
 
-    enabled: bool
-    """Turn dynamic sampling on."""
-    max_gen_batches: int
-    """Generation batches per step before giving up."""
-    batch_multiplier: float
-    """Prompts per batch as a multiple of ``prompts_per_step``."""
+    enabled: bool = key(
+        "Turn dynamic sampling on.",
+        default=False, runtime=EXPERIMENT)
+    max_gen_batches: int = key(
+        "Generation batches allowed per step before giving up (the error quotes the measured hit rate).",
+        default=10, minimum=1, maximum=10000, runtime=EXPERIMENT)
+    batch_multiplier: float = key(
+        "Prompts generated per batch, as a multiple of prompts_per_step. Needs dynamic sampling.",
+        default=1, minimum=1, maximum=1000, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="GrpoConfig")
 class GrpoSection(_Section):
     """The GRPO algorithm."""
 
-    prompts_per_step: int
-    """Prompts (groups) per step."""
-    generations_per_prompt: int
-    """Samples per prompt (group size)."""
-    max_steps: int
-    """GRPO steps to run."""
-    normalize_advantages: bool
-    """Divide advantages by the group's reward std."""
-    leave_one_out: bool
-    """Baseline each sample with the mean of the others of its group."""
+    prompts_per_step: int = key(
+        "Prompts (groups) per GRPO step.",
+        default=32, minimum=1, maximum=1048576, runtime=EXPERIMENT)
+    generations_per_prompt: int = key(
+        "Samples per prompt (the group size).",
+        default=8, minimum=2, maximum=4096, runtime=EXPERIMENT)
+    max_steps: int = key(
+        "GRPO steps to run.",
+        default=100, minimum=1, maximum=1000000000, runtime=restart("how long the run goes"))
+    normalize_advantages: bool = key(
+        "Divide advantages by the group's reward standard deviation (Bessel-corrected, + 1e-6). With `leave_one_out: "
+        "true` the result is mean-baseline GRPO scaled by G/(G−1) (G = generations_per_prompt), not RLOO: the "
+        "leave-one-out advantage is G/(G−1)·(r − mean) and the same std divides it.",
+        default=True, runtime=EXPERIMENT)
+    leave_one_out: bool = key(
+        "Baseline each sample with the mean reward of the other samples of its group (RLOO when "
+        "`normalize_advantages: false`; see `normalize_advantages` for the two together).",
+        default=False, runtime=EXPERIMENT)
     dynamic_sampling: DynamicSamplingSection
-    """Dynamic sampling."""
-    max_gen_kl: float
-    """Stop when vLLM's and the trainer's logprobs diverge more than this (0: never)."""
-    seed: int
-    """Seed of prompt order and sampling."""
+    max_gen_kl: float = key(
+        "Stop the run when the KL between vLLM's sampling logprobs and the trainer's logprobs on the generated "
+        "tokens exceeds this (0 = never). Catches wrong or stale weights after refit.",
+        default=0.05, minimum=0, maximum=1000, runtime=restart("when the run stops"))
+    seed: int = key(
+        "Seed for prompt order and sampling.",
+        default=42, minimum=0, maximum=4294967295, runtime=EXPERIMENT)
 
     @property
     def samples_per_step(self) -> int:
@@ -578,155 +884,199 @@ class GrpoSection(_Section):
         return self.prompts_per_step * self.generations_per_prompt
 
 
-@section
+@section(runtime="LossConfig")
 class LossSection(_Section):
-    """The clipped policy-gradient loss."""
+    """The clipped policy-gradient loss. Its logged `approx_kl` is the k3 estimate of KL(old ‖ new), (ratio − 1) −
+    log ratio averaged over the tokens, from the policy before the update to the one being trained."""
 
-    ratio_clip_low: float
-    """Lower clip of the importance ratio."""
-    ratio_clip_high: float
-    """Upper clip of the importance ratio."""
-    kl_penalty: float
-    """KL penalty to the reference policy (0: no reference model)."""
-    kl_estimator: Literal["k1", "k2", "k3"]
-    """KL estimator."""
-    token_level: bool
-    """Average over all tokens of the batch (else per sequence first)."""
-    clip_ratio_c: Optional[float]
-    """Dual-clip constant for negative advantages (None: off)."""
-    max_log_ratio: float
-    """Clamp of |log(new / old)| before exponentiating."""
-    importance_sampling_correction: bool
-    """Weight tokens by the truncated trainer/rollout probability ratio."""
-    importance_sampling_cap: float
-    """Upper bound of that weight."""
+    ratio_clip_low: float = key(
+        "Lower clip of the importance ratio (ratio ≥ 1 − low).",
+        default=0.2, minimum=0, maximum=1, runtime=EXPERIMENT)
+    ratio_clip_high: float = key(
+        "Upper clip of the importance ratio (ratio ≤ 1 + high); larger than low for asymmetric \"clip-higher\".",
+        default=0.2, minimum=0, maximum=10, runtime=EXPERIMENT)
+    kl_penalty: float = key(
+        "Coefficient of the KL penalty to the reference policy (0 = no reference model).",
+        default=0.0, minimum=0, maximum=1000, runtime=EXPERIMENT)
+    kl_estimator: Literal["k1", "k2", "k3"] = key(
+        "Estimator of KL(policy ‖ reference) for the penalty (Schulman's k1 = log-ratio, k2 = squared log-ratio / 2, "
+        "k3 = unbiased low-variance, non-negative).",
+        default="k3", runtime=EXPERIMENT)
+    token_level: bool = key(
+        "Average the loss over all tokens of the batch (true) or per sequence first (false).",
+        default=True, runtime=EXPERIMENT)
+    clip_ratio_c: Optional[float] = key(
+        "Dual-clip constant for negative advantages (verl's `clip_ratio_c`, Ye et al. 2020): where A < 0 the "
+        "per-token loss is capped at −c·A, so a ratio far above 1 on a bad token cannot make the loss unbounded. "
+        "Must be > 1 (verl uses 3.0); null turns dual-clip off.",
+        default=None, exclusive_minimum=1, maximum=1000, runtime=EXPERIMENT)
+    max_log_ratio: float = key(
+        "Bound on |log(new/old)| before the importance ratio is exponentiated, so a token whose logprobs diverged "
+        "cannot overflow the ratio to inf (verl clamps at 20).",
+        default=20.0, exclusive_minimum=0, maximum=80, runtime=EXPERIMENT)
+    importance_sampling_correction: bool = key(
+        "Weight each token's policy loss by the truncated importance ratio between the trainer's and the rollout "
+        "engine's probability of the sampled token, min(exp(trainer − vLLM logprob), `importance_sampling_cap`), "
+        "correcting the mismatch between the two engines (NeMo-RL `use_importance_sampling_correction`).",
+        default=False, runtime=EXPERIMENT)
+    importance_sampling_cap: float = key(
+        "Upper bound of the importance weight (truncated importance sampling).",
+        default=2.0, exclusive_minimum=0, maximum=1000, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="DataConfig")
 class DataSection(_Section):
     """Prompts."""
 
-    train: str
-    """Training prompts (JSONL)."""
-    val: Optional[str]
-    """Validation prompts (None: none)."""
-    prompt_key: str
-    """JSONL field of the prompt."""
-    answer_key: str
-    """JSONL field of the reference answer."""
-    prompt_template: str
-    """Template around each prompt (``{prompt}``)."""
-    max_prompt_length: int
-    """Longer prompts (tokens) are skipped."""
-    shuffle: bool
-    """Shuffle prompts each epoch."""
+    train: str = key(
+        "Training prompts, JSONL (one object per line), path as seen inside the container.",
+        min_length=1, runtime=EXPERIMENT, runtime_name="data.train_path")
+    val: Optional[str] = key(
+        "Validation prompts, JSONL.",
+        min_length=1, runtime=restart("validation only"), runtime_name="data.val_path")
+    prompt_key: str = key(
+        "JSONL field holding the prompt.",
+        default="prompt", runtime=EXPERIMENT)
+    answer_key: str = key(
+        "JSONL field holding the reference answer given to the reward.",
+        default="answer", runtime=EXPERIMENT)
+    prompt_template: str = key(
+        "Template applied to each prompt; `{prompt}` is replaced by the prompt text.",
+        default="{prompt}", pattern="\\{prompt\\}", runtime=EXPERIMENT)
+    max_prompt_length: int = key(
+        "Prompts longer than this many tokens are skipped.",
+        default=1024, minimum=1, maximum=16777216, runtime=EXPERIMENT)
+    shuffle: bool = key(
+        "Shuffle prompts each epoch (seeded by grpo.seed).",
+        default=True, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="RewardConfig")
 class RewardSection(_Section):
     """How completions are scored."""
 
-    function: str
-    """Built-in reward name or ``module:function``."""
-    failure_reward: float
-    """Reward of a sample the function fails on."""
-    kwargs: Mapping[str, Any]
-    """Keyword arguments of the function (free-form)."""
+    function: str = key(
+        "Built-in reward (`math`, alias `gsm8k`: reasoning-aware numeric answer, where after the thinking the last "
+        "`\\boxed{}` wins, then the last `#### n`, then the last number; `exact_match`; `prefix_match`; "
+        "`first_char`) or `package.module:function` importable inside the container.",
+        default="math",
+        pattern="^(math|gsm8k|exact_match|prefix_match|first_char|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
+        runtime=EXPERIMENT)
+    failure_reward: float = key(
+        "Reward given to a sample on which the reward function raises or returns a non-finite or non-numeric value. "
+        "The run goes on; the metrics count such samples (`reward/failures`) and the log shows one example per step.",
+        default=0.0, minimum=-1000000, maximum=1000000, runtime=EXPERIMENT)
+    kwargs: Mapping[str, Any] = key(
+        "Keyword arguments passed to the reward function.",
+        default={}, runtime=EXPERIMENT)
 
 
-@section
+@section(runtime="CheckpointConfig")
 class CheckpointingSection(_Section):
-    """Checkpoints and resuming."""
+    """Checkpoints; the runtime resumes from the latest on start (SLURM requeue continues the run)."""
 
-    enabled: bool
-    """Save checkpoints."""
-    dir: Optional[str]
-    """Checkpoint folder (None: ``<log_dir>/checkpoints/<name>``, derived by the resolver)."""
-    every_steps: int
-    """Save every this many steps."""
-    keep_last: int
-    """Checkpoints kept."""
-    resume: bool
-    """Resume from the latest complete checkpoint of the same experiment."""
-    resume_changed_recipe: bool
-    """Resume even from another experiment's checkpoint."""
+    enabled: bool = key(
+        "Save checkpoints.",
+        default=True, runtime=_CHECKPOINTS)
+    dir: Optional[str] = key(
+        "Checkpoint folder (shared filesystem); default `<log_dir>/checkpoints/<name>`.",
+        min_length=1, runtime=_CHECKPOINTS, resolved=True)
+    every_steps: int = key(
+        "Save every this many GRPO steps.",
+        default=50, minimum=1, maximum=1000000000, runtime=_CHECKPOINTS)
+    keep_last: int = key(
+        "Checkpoints kept (older ones are deleted).",
+        default=2, minimum=1, maximum=100000, runtime=_CHECKPOINTS)
+    resume: bool = key(
+        "Resume from the latest complete checkpoint on start, if the same experiment wrote it (see "
+        "`resume_changed_recipe`).",
+        default=True, runtime=_CHECKPOINTS)
+    resume_changed_recipe: bool = key(
+        "Resume even from a checkpoint written under a different experiment: a recipe whose model (tokenizer and MTP "
+        "layers included), data, reward, loss, optimizer, fp8 training, rollout precision (`generation.precision`, "
+        "`generation.fp8`), routing replay, sampling and context length (`generation.max_model_len`), GRPO settings "
+        "(all but `grpo.max_steps`) or `extensions` differ from this one's. Off, such a resume is refused and the "
+        "differing keys are named; turn it on only to change an experiment mid-run on purpose.",
+        default=False, runtime=_CHECKPOINTS)
 
 
-@section
+@section(runtime="LoggingConfig")
 class LoggingSection(_Section):
     """Metrics and logs."""
 
-    dir: Optional[str]
-    """Metrics folder (None: ``<log_dir>/metrics/<name>``, derived by the resolver)."""
-    jsonl: bool
-    """One JSON object per step in ``metrics.jsonl``."""
-    tensorboard: bool
-    """TensorBoard events."""
-    progress_bar: bool
-    """Progress bar on the driver."""
+    dir: Optional[str] = key(
+        "Metrics folder; default `<log_dir>/metrics/<name>`.",
+        min_length=1, runtime=_METRICS, resolved=True)
+    jsonl: bool = key(
+        "Write one JSON object per step to `metrics.jsonl`.",
+        default=True, runtime=_METRICS)
+    tensorboard: bool = key(
+        "Write TensorBoard events (needs the tensorboard package in the container).",
+        default=True, runtime=_METRICS)
+    progress_bar: bool = key(
+        "Show a progress bar with ETA on the driver.",
+        default=True, runtime=_METRICS)
 
 
 @section
 class LintIgnore(_Section):
     """One silenced warning."""
 
-    rule: str
-    """Rule id."""
-    reason: str
-    """Why the warning does not apply."""
+    rule: str = key(
+        "Rule id, e.g. `RLC301`.",
+        pattern="^RLC[0-9]{3}$")
+    reason: str = key(
+        "Why this warning does not apply.",
+        min_length=3)
 
 
 @section
 class LintSection(_Section):
-    """Lint settings of this recipe."""
+    """Lint settings for this recipe."""
 
-    ignore: tuple[LintIgnore, ...]
-    """Warnings to silence, each with a reason."""
+    ignore: tuple[LintIgnore, ...] = key(
+        "Warnings to silence, each with a reason. Errors cannot be silenced.",
+        default=[])
 
 
 # --------------------------------------------------------------------------- the recipe
 
 
-@section
+@section(runtime="RuntimeConfig")
 class Recipe(_Section):
-    """A recipe the schema accepted, with every schema default filled."""
+    """A declarative GRPO post-training recipe: which model, on which cluster, with which parallelism, and how
+    weights move from the Megatron trainer to the colocated vLLM engine ("refit"). `rlc compile` turns a
+    recipe into a launch bundle. Every key is documented here; this schema is the reference."""
 
-    version: int
-    """Recipe format version."""
-    name: str
-    """Run name (job name, log and checkpoint folders)."""
-    description: str
-    """Free text for ``rlc plan`` and the bundle README."""
+    version: Literal[1] = key(
+        "Recipe format version. This rlc reads version 1.", runtime=COMPILER)
+    name: str = key(
+        "Run name; used for the SLURM job name (unless `cluster.slurm.job_name` is set), log folders and "
+        "checkpoints.",
+        default="rlc-run", pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        runtime=restart("the run's label (its folders come from checkpointing.dir)"))
+    description: str = key(
+        "Free text shown in `rlc plan` and the bundle README.",
+        default="", runtime=COMPILER)
     model: ModelSection
-    """The policy model."""
     cluster: ClusterSection
-    """Where the job runs."""
     parallelism: ParallelismSection
-    """How the model is split."""
-    colocated: bool
-    """Trainer and generation engine share the GPUs."""
+    colocated: bool = key(
+        "Trainer and generation engine share the same GPUs (sleep/wake around each phase).",
+        default=True, runtime=restart("where each engine runs"))
     refit: RefitSection
-    """Weights from trainer to vLLM."""
     generation: GenerationSection
-    """The rollout engine."""
     training: TrainingSection
-    """The trainer."""
     grpo: GrpoSection
-    """The algorithm."""
     loss: LossSection
-    """The loss."""
     data: DataSection
-    """Prompts."""
     reward: RewardSection
-    """Scoring."""
     checkpointing: CheckpointingSection
-    """Checkpoints."""
     logging: LoggingSection
-    """Metrics and logs."""
     lint: LintSection
-    """Lint settings."""
-    extensions: Mapping[str, Any]
-    """Free-form settings for custom code."""
+    extensions: Mapping[str, Any] = key(
+        "Free-form settings for custom code (reward functions, plugins). The only place unknown keys are allowed.",
+        default={}, runtime=EXPERIMENT, runtime_default=dict)
 
     @property
     def global_batch_size(self) -> int:
@@ -765,91 +1115,25 @@ class Recipe(_Section):
 # --------------------------------------------------------------------------- building
 
 
-_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
-
-
-def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(name, resolved type) of each field of a typed-recipe class, worked out once per class."""
-    found = _FIELDS.get(cls)
-    if found is None:
-        hints = field_types(cls)
-        found = _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-    return found
-
-
-def _optional(tp: Any) -> bool:
-    return typing.get_origin(tp) is Union and type(None) in typing.get_args(tp)
-
-
-def _is_section(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-#: Field types that take the filled value as it is (scalars, literals, free-form mappings), found once.
-_PLAIN: dict[Any, bool] = {}
-
-
-def _is_plain(tp: Any) -> bool:
-    """True when ``_convert`` returns a value of type ``tp`` unchanged (no section, list or union in it)."""
-    plain = _PLAIN.get(tp)
-    if plain is None:
-        origin = typing.get_origin(tp)
-        plain = _PLAIN[tp] = origin is not Union and origin is not tuple and not _is_section(tp)
-    return plain
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """``value`` (from the filled mapping) as the field type ``tp`` wants it."""
-    if value is None or _is_plain(tp):
-        return value
-    origin = typing.get_origin(tp)
-    if origin is Union:  # Optional[X], or alternatives such as 'auto' | a list
-        for alternative in typing.get_args(tp):
-            if (typing.get_origin(alternative) is tuple and isinstance(value, (list, tuple))) or \
-                    (_is_section(alternative) and isinstance(value, Mapping)):
-                return _convert(alternative, value, path)
-        return value
-    if _is_section(tp):
-        if not isinstance(value, Mapping):
-            raise RecipeTypeError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
-        return _build(tp, value, path)
-    if origin is tuple:
-        item = typing.get_args(tp)[0]
-        if not isinstance(value, (list, tuple)):
-            raise RecipeTypeError(f"{path}: expected a list, got {type(value).__name__}")
-        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
-    return value
-
-
-def _build(cls: type[T], data: Mapping[str, Any], path: str) -> T:
-    values: dict[str, Any] = {}
-    for name, tp in _fields(cls):
-        if name in data:
-            value = data[name]
-            values[name] = value if value is None or _is_plain(tp) else \
-                _convert(tp, value, f"{path}.{name}" if path else name)
-        elif _optional(tp):
-            values[name] = None  # an optional key without a schema default, left unset
-        else:
-            where = f"{path}.{name}" if path else name
-            raise RecipeTypeError(f"{where}: missing; the typed recipe is built from a recipe the schema "
-                                  "accepted, with its defaults filled (rlc.compiler.schema.with_defaults)")
-    extra = set(data) - set(values) - (NOT_SETTINGS if not path else set())
-    if extra:
-        raise RecipeTypeError(f"{path or 'recipe'}: no typed field for {', '.join(sorted(extra))} "
-                              "(the schema and rlc.compiler.recipe_types disagree)")
-    return cls(**values)
+_READING = Reading(
+    error=RecipeTypeError,
+    unknown=lambda path, extra: (f"{path or 'recipe'}: no typed field for {', '.join(extra)} "
+                                 "(the schema and rlc.compiler.recipe_types disagree)"),
+    missing=lambda where: (f"{where}: missing; the typed recipe is built from a recipe the schema accepted, "
+                           "with its defaults filled (rlc.compiler.schema.with_defaults)"),
+    not_a_mapping=lambda path, value: f"{path or 'recipe'}: expected a mapping, got {type(value).__name__}",
+    as_written=False, top_level_ignored=NOT_SETTINGS)
 
 
 def recipe_from_data(data: Mapping[str, Any]) -> Recipe:
     """The typed recipe of ``data``: a recipe the schema accepted, with its defaults filled."""
-    return _build(Recipe, data, "")
+    return load(Recipe, data, "", _READING)
 
 
 def section_from_data(cls: type[T], data: Mapping[str, Any], path: str) -> T:
     """One typed section (e.g. :class:`ClusterSection` at ``cluster``) from its filled mapping,
     for stages that run when only that part of the recipe passed the schema."""
-    return _build(cls, data, path)
+    return load(cls, data, path, _READING)
 
 
 def with_value(recipe: T, path: str, value: Any) -> T:
@@ -863,26 +1147,23 @@ def with_value(recipe: T, path: str, value: Any) -> T:
 
 def _replaced(node: Any, parts: list[PathPart], value: Any, path: str) -> Any:
     head, rest = parts[0], parts[1:]
-    if not _is_section(type(node)) or not isinstance(head, str) or head not in dict(_fields(type(node))):
+    fields = typed_fields(type(node)) if isinstance(node, _Section) else {}
+    if not isinstance(head, str) or head not in fields:
         raise RecipeTypeError(f"{path}: not a setting of the typed recipe")
-    if rest:
-        new = _replaced(getattr(node, head), rest, value, path)
-    else:
-        tp = dict(_fields(type(node)))[head]
-        new = _convert(tp, value, path)
+    new = _replaced(getattr(node, head), rest, value, path) if rest else convert(fields[head], value, path, _READING)
     return dataclasses.replace(node, **{head: new})
 
 
 def typed_fields(cls: type) -> dict[str, Any]:
-    """Field name -> resolved type annotation of a typed-recipe class (for the schema parity test)."""
-    return dict(_fields(cls))
+    """Field name -> resolved type annotation of a typed-recipe class."""
+    return {name: tp for name, tp, _ in settings(cls)}
 
 
-__all__ = ["NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerSection", "DataSection",
-           "DynamicSamplingSection", "Fp8RolloutSection", "Fp8Section", "GenerationParallelism", "GenerationSection", "GrpoSection",
-           "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection", "MegatronGenerationSection",
-           "ModelSection",
-           "MoeSection", "OptimizerSection", "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError",
-           "RefitSection", "RewardSection", "SamplingSection", "SequencePackingSection", "SlurmSection",
-           "SpeculativeDecodingSection", "Switch", "TrainParallelism", "TrainingSection", "recipe_from_data",
-           "section_from_data", "typed_fields", "with_value"]
+__all__ = ["FILE_KEYS", "NOT_SETTINGS", "CheckpointingSection", "ClusterSection", "ContainerSection", "DataSection",
+           "DynamicSamplingSection", "Fp8RolloutSection", "Fp8Section", "GenerationParallelism", "GenerationSection",
+           "Gpu", "GrpoSection", "LintIgnore", "LintSection", "LoggingSection", "LossSection", "LrScheduleSection",
+           "MegatronGenerationSection", "ModelSection", "MoeSection", "OptimizerSection", "PackingAlgorithm",
+           "ParallelismSection", "RaySection", "Recipe", "RecipeTypeError", "RefitSection", "RewardSection",
+           "SamplingSection", "SequencePackingSection", "SlurmSection", "SpeculativeDecodingSection", "Switch",
+           "TrainParallelism", "TrainingSection", "recipe_from_data", "section_from_data", "typed_fields",
+           "with_value"]

@@ -3,6 +3,11 @@
 The runtime reads only this (``rlc.contract.runtime_config``), so every default is explicit,
 derived sizes are computed here, and each ``auto`` refit switch is replaced by the rule decision
 that settled it, with the reason kept in ``refit.decisions``.
+
+Each field of the ``runtime.yaml`` types names the recipe key it is resolved from
+(:func:`rlc.contract.declare.runtime_key`), so the tree is built from those declarations: a key's
+value is copied from the typed recipe, and only the values the compiler settles (derived sizes,
+model facts, ``auto`` decisions, default folders) are given here, each by its ``runtime.yaml`` path.
 """
 from __future__ import annotations
 
@@ -13,39 +18,24 @@ import typing
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from rlc import RUNTIME_CONFIG_VERSION
+from rlc.contract.declare import load, settings
 from rlc.contract.runtime_config import (
-    CheckpointConfig,
-    ClusterConfig,
-    DataConfig,
-    GenerationConfig,
-    GenerationParallelConfig,
-    GrpoConfig,
-    LoggingConfig,
-    LossConfig,
-    MegatronGenerationConfig,
-    ModelConfig,
-    RefitConfig,
-    RewardConfig,
+    READING,
     RuntimeConfig,
     RuntimeConfigError,
-    SequencePackingConfig,
-    TrainingConfig,
-    TrainParallelConfig,
     runtime_config_to_dict,
-    section_from_dict,
 )
-from rlc.contract.typed_fields import field_types
 
 from rlc.compiler.planner.layout import generation_layout, train_layout
-from rlc.compiler.recipe_types import Recipe, RefitSection
+from rlc.compiler.recipe_types import Recipe, RefitSection, Switch
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
 
 T = TypeVar("T")
 
-# Refit switches the rules decide when the recipe says ``auto`` (recipe key -> runtime key).
-AUTO_SWITCHES = ("sync_params_before_refit", "dedupe_mtp_embedding", "per_rank_ipc_metadata")
+#: Refit switches the rules decide when the recipe says ``auto``: the refit keys declared as a :data:`Switch`.
+AUTO_SWITCHES = tuple(name for name, tp, _ in settings(RefitSection) if tp == Switch)
 
 
 class ResolveError(ValueError):
@@ -109,32 +99,31 @@ def _section_type(tp: Any) -> Any:
     return None
 
 
-def _section(cls: type[T], source: Any, path: str, **given: Any) -> T:
-    """``cls`` (a runtime config section) from the typed recipe section ``source`` at ``path``.
+def _recipe_value(recipe: Recipe, key: str) -> Any:
+    node: Any = recipe
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
-    A field takes the recipe setting of the same name; a nested section is built the same way from
-    the typed sub-section of that name; ``given`` supplies the fields the compiler derives or
-    renames. A field with no setting and no given value is a resolver bug, named.
-    """
-    values: dict[str, Any] = {}
-    hints = field_types(cls)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass type
-        if f.name in given:
-            values[f.name] = given[f.name]
-        elif hasattr(source, f.name):
-            value = getattr(source, f.name)
-            nested = _section_type(hints[f.name])
-            if nested is not None and dataclasses.is_dataclass(value):
-                values[f.name] = dataclasses.asdict(_section(nested, value, f"{path}.{f.name}"))
-            else:
-                values[f.name] = _plain(value)
-        else:
-            raise ResolveError(f"{path}.{f.name}: the runtime needs it and the recipe has no such setting "
-                               "(recipe types and runtime config disagree)")
-    try:
-        return section_from_dict(cls, values, path)
-    except RuntimeConfigError as exc:
-        raise ResolveError(str(exc)) from None
+
+def _tree(cls: type, recipe: Recipe, given: dict[str, Any], path: str, used: set[str]) -> dict[str, Any]:
+    """The ``runtime.yaml`` mapping of section ``cls`` at ``path``: each field the compiler settles from
+    ``given`` (by its dotted path), every other one from the recipe key it declares."""
+    out: dict[str, Any] = {}
+    for name, tp, meta in settings(cls):
+        where = f"{path}.{name}" if path else name
+        if where in given:
+            out[name] = given[where]
+            used.add(where)
+            continue
+        source = meta.get("recipe")
+        if source is None:
+            raise ResolveError(f"{where}: the compiler derives it, and the resolver gives no value for it")
+        value = _recipe_value(recipe, source)
+        nested = _section_type(tp)
+        out[name] = (_tree(nested, recipe, given, where, used) if nested is not None and value is not None
+                     else _plain(value))
+    return out
 
 
 def output_dirs(recipe: Recipe) -> tuple[str, str]:
@@ -175,44 +164,41 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
         refit_decisions["fp8_scales"] = scales_reason
     megatron = _megatron(r, decisions, refit_decisions)
 
-    model, data = r.model, r.data
-    return RuntimeConfig(
-        version=RUNTIME_CONFIG_VERSION,
-        name=name,
-        model=_section(ModelConfig, model, "model", name=model.id, checkpoint=model.checkpoint_path,
-                       tokenizer=model.tokenizer_path, num_layers=facts.num_layers,
-                       num_experts=facts.num_experts or 0, mtp_num_layers=facts.mtp_num_layers or 0,
-                       mtp_shared_embedding=bool(facts.mtp_shared_embedding)),
-        cluster=_section(ClusterConfig, cluster, "cluster", world_size=cluster.world_size, gpu_type=cluster.gpu,
-                         gpu_memory_gib=float(result.gpu.memory_gib), log_dir=log_dir,
-                         ray={"address": "auto", "namespace": f"rlc-{name}",
-                              "join_timeout_s": cluster.ray.join_timeout_s}),
-        train_parallel=_section(TrainParallelConfig, r.parallelism.train, "parallelism.train",
-                                dp=tl.dp, expert_dp=tl.expert_dp),
-        generation_parallel=_section(GenerationParallelConfig, r.parallelism.generation, "parallelism.generation",
-                                     dp=gl.dp),
-        colocated=r.colocated,
-        refit=_section(RefitConfig, refit, "refit",
-                       buffer_memory_ratio=None if refit.buffer_gb is not None else refit.buffer_memory_ratio,
-                       fp32_params=fp32, decisions=refit_decisions,
-                       **{k: flag for k, (flag, _) in switches.items()}),
-        generation=_section(GenerationConfig, r.generation, "generation", vllm_version=_vllm_version(result, r),
-                            fp8={"scales": scales, "pow2_scales": r.generation.fp8.pow2_scales},
-                            megatron=megatron),
-        training=_section(TrainingConfig, r.training, "training", global_batch_size=r.global_batch_size,
-                          logprob_batch_size=r.logprob_batch_size, max_sequence_length=r.max_sequence_length,
-                          sequence_packing=dataclasses.asdict(_section(
-                              SequencePackingConfig, r.training.sequence_packing, "training.sequence_packing",
-                              train_mb_tokens=r.train_mb_tokens, logprob_mb_tokens=r.logprob_mb_tokens))),
-        grpo=_section(GrpoConfig, r.grpo, "grpo"),
-        loss=_section(LossConfig, r.loss, "loss"),
-        data=_section(DataConfig, data, "data", train_path=data.train, val_path=data.val),
-        reward=_section(RewardConfig, r.reward, "reward"),
-        checkpointing=_section(CheckpointConfig, r.checkpointing, "checkpointing", dir=checkpoint_dir),
-        logging=_section(LoggingConfig, r.logging, "logging", dir=metrics_dir),
-        env={k: _env_str(v) for k, v in cluster.env.items()},
-        extensions=_plain(r.extensions),
-    )
+    model = r.model
+    given: dict[str, Any] = {  # what the compiler settles, by runtime.yaml path; the rest is the recipe's
+        "version": RUNTIME_CONFIG_VERSION,
+        "model.checkpoint": model.checkpoint_path, "model.tokenizer": model.tokenizer_path,
+        "model.num_layers": facts.num_layers, "model.num_experts": facts.num_experts or 0,
+        "model.mtp_num_layers": facts.mtp_num_layers or 0, "model.mtp_shared_embedding": bool(facts.mtp_shared_embedding),
+        "cluster.world_size": cluster.world_size, "cluster.gpu_memory_gib": float(result.gpu.memory_gib),
+        "cluster.log_dir": log_dir, "cluster.ray.address": "auto", "cluster.ray.namespace": f"rlc-{name}",
+        "train_parallel.dp": tl.dp, "train_parallel.expert_dp": tl.expert_dp, "generation_parallel.dp": gl.dp,
+        "refit.buffer_memory_ratio": None if refit.buffer_gb is not None else refit.buffer_memory_ratio,
+        "refit.fp32_params": fp32, "refit.decisions": refit_decisions,
+        **{f"refit.{k}": flag for k, (flag, _) in switches.items()},
+        "generation.vllm_version": _vllm_version(result, r), "generation.fp8.scales": scales,
+        "generation.megatron": megatron,
+        "training.global_batch_size": r.global_batch_size, "training.logprob_batch_size": r.logprob_batch_size,
+        "training.max_sequence_length": r.max_sequence_length,
+        "training.sequence_packing.train_mb_tokens": r.train_mb_tokens,
+        "training.sequence_packing.logprob_mb_tokens": r.logprob_mb_tokens,
+        "checkpointing.dir": checkpoint_dir, "logging.dir": metrics_dir,
+        "env": {k: _env_str(v) for k, v in cluster.env.items()},
+    }
+    return _build(RuntimeConfig, r, given, "")
+
+
+def _build(cls: type[T], recipe: Recipe, given: dict[str, Any], path: str) -> T:
+    """Section ``cls`` at ``path``, built from the recipe and ``given`` and checked as the runtime reads it."""
+    used: set[str] = set()
+    data = _tree(cls, recipe, given, path, used)
+    unused = sorted(k for k in given if k not in used and (not path or k.startswith(path + ".")))
+    if unused:
+        raise ResolveError(f"{', '.join(unused)}: no such runtime.yaml key (the resolver and the runtime types disagree)")
+    try:
+        return load(cls, data, path, READING)
+    except RuntimeConfigError as exc:
+        raise ResolveError(str(exc)) from None
 
 
 #: Megatron-backend decisions the rules record (``generation.megatron.*`` and the refit kind), into ``refit.decisions``.
@@ -231,12 +217,13 @@ def _megatron(recipe: Recipe, decisions: dict[str, tuple[Any, str]],
     for key in MEGATRON_DECISIONS[:3]:
         if key not in decisions:
             raise ResolveError(f"{key}: not decided by any rule (generation.backend megatron)")
-    m = recipe.generation.megatron
     reset = decisions.get("generation.megatron.reset_router_num_groups")
-    return dataclasses.asdict(_section(
-        MegatronGenerationConfig, m, "generation.megatron", mode=decisions["generation.megatron.mode"][0],
-        transformer_impl=decisions["generation.megatron.transformer_impl"][0],
-        reset_router_num_groups=bool(reset[0]) if reset else False))
+    from rlc.contract.runtime_config import MegatronGenerationConfig
+
+    return dataclasses.asdict(_build(MegatronGenerationConfig, recipe, {
+        "generation.megatron.mode": decisions["generation.megatron.mode"][0],
+        "generation.megatron.transformer_impl": decisions["generation.megatron.transformer_impl"][0],
+        "generation.megatron.reset_router_num_groups": bool(reset[0]) if reset else False}, "generation.megatron"))
 
 
 def to_runtime_config(result: CheckResult) -> dict[str, Any]:

@@ -4,9 +4,9 @@
 one edited by hand or changed at start (``python -m rlc.runtime runtime.yaml grpo.max_steps=-5``
 used to start a run of -5 steps). The ranges come from one place, the recipe schema
 (``rlc/schemas/recipe.schema.json``, shipped with rlc): a ``runtime.yaml`` key takes the range of
-the recipe key it is resolved from (:data:`RECIPE_SECTION` names the sections whose names differ).
-The few numbers the compiler derives, with no recipe key of their own, have their range in
-:data:`DERIVED`. A test checks that every number the runtime reads has one or the other.
+the recipe key it is resolved from (each ``runtime.yaml`` field names it, :data:`RECIPE_KEYS`). The few
+numbers the compiler derives, with no recipe key of their own, declare their range
+(:data:`DERIVED`). A test checks that every number the runtime reads has one or the other.
 
 Pure Python (the schema is read as JSON, without ``jsonschema``).
 """
@@ -14,27 +14,45 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-#: ``runtime.yaml`` section -> the recipe section its keys are resolved from, where the names differ.
-RECIPE_SECTION = {"train_parallel": "parallelism.train", "generation_parallel": "parallelism.generation"}
-
 Bound = tuple[float | None, float | None]  # (minimum, maximum), both inclusive; None: unbounded there
 
-#: Numbers the compiler derives (no recipe key of their own): their ranges.
-DERIVED: dict[str, Bound] = {
-    "version": (None, None),  # compared with the runtime's own version first
-    "cluster.world_size": (1, 1 << 24),  # nodes × gpus_per_node
-    "cluster.gpu_memory_gib": (0.001, 1 << 20),  # the GPU's memory from the GPU catalog
-    "train_parallel.dp": (1, 1 << 24),
-    "train_parallel.expert_dp": (1, 1 << 24),
-    "model.num_layers": (1, 10_000),  # model facts (the model reader's own limits)
-    "model.num_experts": (0, 1 << 40),
-    "model.mtp_num_layers": (0, 10_000),
-    "refit.alignment_bytes": (1, 1 << 30),
-}
+
+def _declared() -> tuple[dict[str, str], dict[str, Bound]]:
+    """From the ``runtime.yaml`` types' declarations: the recipe key each key is resolved from, and the
+    range of each number the compiler derives."""
+    import dataclasses
+
+    from rlc.contract.declare import settings
+    from rlc.contract.runtime_types import RuntimeConfig
+
+    sources: dict[str, str] = {}
+    derived: dict[str, Bound] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp, meta in settings(cls):
+            path = f"{prefix}.{name}" if prefix else name
+            if meta.get("recipe") is not None:
+                sources[path] = meta["recipe"]
+            elif {tp, *typing.get_args(tp)} & {int, float}:
+                derived[path] = meta["range"]
+            for inner in (tp, *typing.get_args(tp)):
+                if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                    walk(inner, path)
+
+    walk(RuntimeConfig, "")
+    return sources, derived
+
+
+#: ``runtime.yaml`` key -> the recipe key it is resolved from (where that key's range lives).
+RECIPE_KEYS, _DERIVED = _declared()
+#: Numbers the compiler derives (no recipe key of their own): their ranges, from their declarations;
+#: ``refit.alignment_bytes`` keeps the wider range runtimes have always read.
+DERIVED: dict[str, Bound] = {**_DERIVED, "refit.alignment_bytes": (1, 1 << 30)}
 
 
 @lru_cache(maxsize=1)
@@ -116,9 +134,8 @@ def _describe(nodes: tuple[dict[str, Any], ...]) -> str:
 
 def recipe_key(runtime_key: str) -> str:
     """The recipe key a ``runtime.yaml`` key (``train_parallel.tp``) is resolved from."""
-    section, _, rest = runtime_key.partition(".")
-    head = RECIPE_SECTION.get(section, section)
-    return f"{head}.{rest}" if rest else head
+    base, brackets, _ = runtime_key.partition("[")
+    return RECIPE_KEYS.get(base, base) + ("[]" if brackets else "")
 
 
 def range_of(runtime_key: str) -> tuple[dict[str, Any], ...] | None:

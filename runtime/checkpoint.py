@@ -23,7 +23,8 @@ from a checkpoint whose experiment differs is refused, naming the keys, unless
 its ``name`` (so its checkpoint folder) and differ only in ``lr`` can no longer resume from each
 other's checkpoints. What may change between restarts (``max_steps``, the cluster, parallel layout,
 memory and refit settings, logging, checkpoint cadence) is listed, with why, in
-:data:`RESTART_KEYS`; every key of ``runtime.yaml`` is in one of the two lists.
+:data:`RESTART_KEYS`. Both lists come from the keys' declarations (each declares its policy), so every
+key of ``runtime.yaml`` is in one of the two.
 """
 
 from __future__ import annotations
@@ -248,43 +249,19 @@ def should_save(every_steps: int, step: int, max_steps: int) -> bool:
     return (every_steps > 0 and step % every_steps == 0) or step == max_steps
 
 
-#: The runtime config keys that define an experiment (see the module docstring). Every key of
-#: ``runtime.yaml`` is either here or in :data:`RESTART_KEYS` (a test checks it), so a new key is
-#: classified when it is added.
-EXPERIMENT_KEYS = (
-    "model.name", "model.checkpoint", "model.tokenizer", "model.dtype",
-    "model.num_layers", "model.num_experts", "model.mtp_num_layers", "model.mtp_shared_embedding",
-    "data.train_path", "data.prompt_key", "data.answer_key", "data.prompt_template", "data.max_prompt_length",
-    "data.shuffle", "reward", "loss", "generation.sampling", "generation.max_model_len",
-    "generation.precision", "generation.fp8", "training.router_replay",
-    "training.optimizer", "training.lr_schedule", "training.grad_clip", "training.global_batch_size",
-    "training.max_sequence_length", "training.seed", "training.mtp_loss_scale", "training.fp8",
-    "grpo.prompts_per_step", "grpo.generations_per_prompt", "grpo.normalize_advantages", "grpo.leave_one_out",
-    "grpo.dynamic_sampling", "grpo.seed", "extensions",
-)
-_SPEED = "the trainer's speed and memory, not what it computes"
-_ENGINE = "the generation engine's speed and memory, not what it samples"
-#: The runtime config keys that may change between restarts of one experiment, each with why.
-RESTART_KEYS: dict[str, str] = {
-    "version": "the runtime.yaml format", "name": "the run's label (its folders come from checkpointing.dir)",
-    "model.trust_remote_code": "how the checkpoint's code is loaded, not what it holds",
-    "cluster": "where the run runs", "train_parallel": "how the trainer is laid out over the GPUs",
-    "generation_parallel": "how vLLM is laid out over the GPUs", "colocated": "where each engine runs",
-    "refit": "how the weights reach vLLM, not their values",
-    "generation.backend": _ENGINE, "generation.vllm_version": _ENGINE, "generation.enforce_eager": _ENGINE,
-    "generation.gpu_memory_utilization": _ENGINE, "generation.kv_cache_memory_bytes": _ENGINE,
-    "generation.speculative_decoding": _ENGINE, "generation.vllm_kwargs": _ENGINE, "generation.megatron": _ENGINE,
-    "training.micro_batch_size": "how the global batch is split", "training.use_distributed_optimizer": _SPEED,
-    "training.overlap_param_gather": _SPEED, "training.overlap_grad_reduce": _SPEED,
-    "training.grad_reduce_in_fp32": _SPEED, "training.optimizer_cpu_offload": _SPEED,
-    "training.optimizer_offload_fraction": _SPEED, "training.activation_checkpointing": _SPEED,
-    "training.use_precision_aware_optimizer": _SPEED, "training.moe": _SPEED, "training.sequence_packing": _SPEED,
-    "training.megatron_kwargs": _SPEED, "training.logprob_batch_size": _SPEED,
-    "training.offload_reference_policy": _SPEED,
-    "grpo.max_steps": "how long the run goes", "grpo.max_gen_kl": "when the run stops",
-    "data.val_path": "validation only", "checkpointing": "the checkpoints' folder and cadence",
-    "logging": "where metrics go", "env": "the job's environment",
-}
+def _policies() -> dict[str, Any]:
+    from rlc.contract.declare import leaves
+    from rlc.contract.runtime_types import RuntimeConfig
+
+    return {path: meta["runtime"] for path, _, meta in leaves(RuntimeConfig)}
+
+
+#: The ``runtime.yaml`` keys that define an experiment (see the module docstring): those declared
+#: ``runtime=EXPERIMENT`` (:mod:`rlc.compiler.recipe_types`, ``DERIVED`` of :mod:`rlc.compiler.declarations`).
+#: Every key is either here or in :data:`RESTART_KEYS`: the generator refuses a key without a policy.
+EXPERIMENT_KEYS: tuple[str, ...] = tuple(k for k, p in _policies().items() if p.experiment)
+#: The ``runtime.yaml`` keys that may change between restarts of one experiment, each with why.
+RESTART_KEYS: dict[str, str] = {k: p.why for k, p in _policies().items() if not p.experiment}
 EXPERIMENT_STATE_KEY = "experiment"
 
 

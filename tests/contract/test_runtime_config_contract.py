@@ -245,3 +245,35 @@ def test_logprob_batch_and_reference_offload_reach_the_runtime_config(overrides,
         del stale["training"][key]
         with pytest.raises(RuntimeConfigError, match=f"training.{key}"):
             runtime_config_from_dict(stale)
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("refit.sleep_level", 7, "refit.sleep_level: 7 is not allowed; choose one of: 1, 2"),
+    ("refit.sleep_level", True, "refit.sleep_level: True is not allowed; choose one of: 1, 2"),
+    ("refit.transport", "tcp", "refit.transport: 'tcp' is not allowed; choose one of: 'cuda_ipc', 'shm'"),
+    ("loss.kl_estimator", "k9", "loss.kl_estimator: 'k9' is not allowed; choose one of: 'k1', 'k2', 'k3'"),
+    ("generation.fp8.scales", "auto", "generation.fp8.scales: 'auto' is not allowed; choose one of: 'block', 'tensor'"),
+    ("training.activation_checkpointing", "some", "training.activation_checkpointing: 'some' is not allowed"),
+])
+def test_a_value_outside_a_keys_choices_is_refused_naming_the_key(tiny_config, key, value, shown):
+    """A hand-edited runtime.yaml: every key with a fixed set of values takes only those (the recipe's choices,
+    ``auto`` left out where the compiler settles it)."""
+    bad = copy.deepcopy(tiny_config)
+    *parents, leaf = key.split(".")
+    node = bad
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    with pytest.raises(RuntimeConfigError) as err:
+        runtime_config_from_dict(bad)
+    assert str(err.value).startswith(shown)
+
+
+def test_the_runtime_reads_only_the_declared_choices(tiny_config):
+    from rlc.contract.declare import leaves
+    from rlc.contract.runtime_config import RuntimeConfig
+
+    literal = [path for path, tp, _ in leaves(RuntimeConfig) if "Literal" in str(tp)]
+    assert len(literal) >= 20  # every enum of the recipe that reaches runtime.yaml
+    cfg = runtime_config_from_dict(tiny_config)
+    assert cfg.refit.transport == "cuda_ipc" and cfg.refit.sleep_level in (1, 2)

@@ -36,9 +36,7 @@ def test_every_runtime_key_is_either_part_of_the_experiment_or_free_to_change_be
     leaves = _leaves(RuntimeConfig)
     classes = [*C.EXPERIMENT_KEYS, *C.RESTART_KEYS]
     unclassified = [k for k in leaves if not any(_covers(p, k) for p in classes)]
-    assert unclassified == [], (
-        f"classify in rlc/runtime/checkpoint.py (EXPERIMENT_KEYS or RESTART_KEYS): {unclassified}"
-    )
+    assert unclassified == [], f"declare a policy (runtime=) for: {unclassified}"
     both = [k for k in leaves if any(_covers(p, k) for p in C.EXPERIMENT_KEYS)
             and any(_covers(p, k) for p in C.RESTART_KEYS)]
     assert both == []
