@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
-
 from rlc.compiler.catalog.errors import CatalogError
+from rlc.compiler.tables import parse_table
 
 _GPUS_FILE = Path(__file__).with_name("gpus.yaml")
 
@@ -32,7 +31,7 @@ class GpuSpec:
 
 @lru_cache(maxsize=1)
 def _table() -> dict[str, GpuSpec]:
-    raw = yaml.safe_load(_GPUS_FILE.read_text(encoding="utf-8"))
+    raw = parse_table(_GPUS_FILE.read_text(encoding="utf-8"))
     return {
         name: GpuSpec(
             name=name,

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 import yaml
 
 from rlc.compiler.files import read_text_capped
+from rlc.compiler.tables import parse_table
 
 from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
 
@@ -119,7 +120,7 @@ def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
     """
     where = str(path or CALIBRATION_FILE)
     try:
-        raw = yaml.safe_load(read_text_capped(where))
+        raw = parse_table(read_text_capped(where))
     except UnicodeDecodeError:
         raise CalibrationError(f"{where}: not UTF-8 text") from None
     except OSError as exc:

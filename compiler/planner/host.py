@@ -24,12 +24,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-import yaml
-
 from rlc.contract.host_blocks import pinned_bytes
 from rlc.compiler.planner.plan import GIB, Item, gib
 from rlc.compiler.planner.residency import PhaseResidency
 from rlc.compiler.recipe_types import Recipe
+from rlc.compiler.tables import parse_table
 
 HOST_FILE = Path(__file__).with_name("host_memory.yaml")
 _SLURM_UNITS = {"K": 1 / (1 << 20), "M": 1 / 1024, "G": 1.0, "T": 1024.0, "": 1 / 1024}  # -> GiB (SLURM: MiB default)
@@ -46,7 +45,7 @@ class HostTable:
 
 @lru_cache(maxsize=1)
 def host_table() -> HostTable:
-    raw = yaml.safe_load(HOST_FILE.read_text(encoding="utf-8"))
+    raw = parse_table(HOST_FILE.read_text(encoding="utf-8"))
     if not isinstance(raw, dict) or raw.get("format") != 1:
         raise ValueError("host_memory.yaml must have format: 1")
     return HostTable(

@@ -16,10 +16,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-import yaml
-
 from rlc.compiler.recipe_types import Recipe
 from rlc.contract.calibration_record import CalibrationRecord, CalibrationRecordError
+from rlc.compiler.tables import parse_table
 
 SLEEP_FILE = Path(__file__).with_name("vllm_sleep.yaml")
 
@@ -125,7 +124,7 @@ def _growth(raw: Optional[Mapping[str, Any]]) -> Optional[ResidueGrowth]:
 @lru_cache(maxsize=1)
 def load_sleep_table() -> tuple[SleepSemantics, ...]:
     """Every entry of ``vllm_sleep.yaml``, sorted by ``since``."""
-    raw = yaml.safe_load(SLEEP_FILE.read_text(encoding="utf-8"))
+    raw = parse_table(SLEEP_FILE.read_text(encoding="utf-8"))
     if not isinstance(raw, dict) or raw.get("format") != 1 or not raw.get("entries"):
         raise SleepTableError("vllm_sleep.yaml must have format: 1 and a non-empty entries list")
     out = []
