@@ -568,5 +568,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def run() -> None:
+    """The ``rlc`` command as a process: :func:`main`, then exit without tearing the interpreter down.
+
+    At exit Python frees every module and object one by one, about a tenth of ``rlc validate``; the
+    operating system frees the process anyway. Exit handlers still run and the output is flushed
+    first, so nothing but that teardown is skipped."""
+    code = main()
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed output: main() has said so, the exit code too
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    run()

@@ -30,7 +30,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.files import FileTooLarge, is_regular_file, read_capped
 from rlc.compiler.recipe import shared_parents
 from rlc.compiler.yaml_loader import MAX_BYTES
-from rlc.compiler.resolve import output_dirs
+from rlc.compiler.run_dirs import output_dirs
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 _KEYS = ("version", "extends")

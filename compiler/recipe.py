@@ -22,7 +22,6 @@ import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -92,10 +91,9 @@ class LoadedRecipe:
 # --------------------------------------------------------------------------- shipped recipes
 
 def _recipes_dir() -> Path:
-    folder = resources.files("rlc.recipes")
-    if not isinstance(folder, Path):  # pragma: no cover - zip imports are not supported
-        raise RuntimeError("rlc.recipes must be installed as plain files")
-    return folder
+    from rlc.recipes import FOLDER
+
+    return FOLDER
 
 
 def shipped_recipe_names() -> list[str]:

@@ -27,8 +27,8 @@ Values that the schema cannot give as a default because they depend on other key
 defaulting to ``model.id``, the global batch to one GRPO step's samples, ...) are derived by
 properties here, once.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the annotations are evaluated once, as the classes are
+# built, instead of compiled from strings the first time the loader asks for them (every command does).
 import dataclasses
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 

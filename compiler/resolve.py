@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import posixpath
 import typing
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
@@ -27,6 +26,7 @@ from rlc.contract.runtime_config import (
 )
 
 from rlc.compiler.planner.layout import generation_layout, train_layout
+from rlc.compiler.run_dirs import output_dirs
 from rlc.compiler.recipe_types import Recipe, RefitSection, Switch
 
 if TYPE_CHECKING:
@@ -124,24 +124,6 @@ def _tree(cls: type, recipe: Recipe, given: dict[str, Any], path: str, used: set
         out[name] = (_tree(nested, recipe, given, where, used) if nested is not None and value is not None
                      else _plain(value))
     return out
-
-
-def output_dirs(recipe: Recipe) -> tuple[str, str]:
-    """The absolute checkpoint and metrics folders of a recipe's run: ``checkpointing.dir`` and
-    ``logging.dir``, by default ``checkpoints/<name>`` and ``metrics/<name>`` under ``cluster.log_dir``.
-
-    A relative ``cluster.log_dir`` means "beside where rlc compile ran" (shipped recipes live inside
-    the installed package, so the recipe's own folder would be the wrong anchor).
-    """
-    return output_dirs_of(recipe.cluster.log_dir, recipe.name, recipe.checkpointing.dir, recipe.logging.dir)
-
-
-def output_dirs_of(log_dir: str, name: str, checkpoint_dir: str | None, logging_dir: str | None) -> tuple[str, str]:
-    """:func:`output_dirs` from the four settings it reads (for checks that run without a whole recipe)."""
-    log_dir = os.path.abspath(log_dir)
-    return (os.path.abspath(checkpoint_dir if checkpoint_dir is not None
-                            else posixpath.join(log_dir, "checkpoints", name)),
-            os.path.abspath(logging_dir if logging_dir is not None else posixpath.join(log_dir, "metrics", name)))
 
 
 def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:

@@ -27,7 +27,6 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union
 
 from rlc.contract.typed_fields import field_types
@@ -38,14 +37,30 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- policy
 
 
-@dataclass(frozen=True)
 class Policy:
     """What the runtime makes of a key: ``experiment`` (it defines what is being trained), ``restart``
     (it may change between restarts of one experiment; ``why`` says what it changes instead) or
-    ``compiler`` (the runtime never reads it)."""
+    ``compiler`` (the runtime never reads it). Compared by value."""
 
+    __slots__ = ("kind", "why")
     kind: Literal["experiment", "restart", "compiler"]
     why: str
+
+    def __init__(self, kind: Literal["experiment", "restart", "compiler"], why: str) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "why", why)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Policy is read-only ({name})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and (self.kind, self.why) == (other.kind, other.why)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.why))
+
+    def __repr__(self) -> str:
+        return f"Policy({self.kind!r}, {self.why!r})"
 
     @property
     def experiment(self) -> bool:
@@ -133,12 +148,37 @@ def runtime_key(policy: Policy | None, *, recipe: str | None = None, minimum: fl
 
 
 class Declared:
-    """``repr``, ``==`` and ``hash`` of the declared classes, by their fields.
+    """``__init__``, frozenness, ``repr``, ``==`` and ``hash`` of the declared classes, by their fields.
 
     Written once here instead of generated per class: ``dataclass`` compiles each generated method
-    separately, and with ~60 classes that was most of the import time every ``rlc`` command pays."""
+    separately, and with ~60 classes that was most of the import time every ``rlc`` command pays.
+    The classes stay dataclasses (``dataclasses.fields``, ``replace`` and ``asdict`` work) and are
+    frozen: assigning a field raises ``dataclasses.FrozenInstanceError``."""
 
     __slots__ = ()
+    # (not annotated: typing.get_type_hints of a section lists its fields only)
+    __field_names__ = frozenset[str]()
+    __factories__ = dict[str, Callable[[], Any]]()
+
+    def __init__(self, **values: Any) -> None:
+        cls = type(self)
+        if values.keys() != cls.__field_names__:
+            for name, make in cls.__factories__.items():
+                if name not in values:
+                    values[name] = make()
+            missing = sorted(cls.__field_names__ - values.keys())
+            unknown = sorted(values.keys() - cls.__field_names__)
+            if missing or unknown:
+                raise TypeError(f"{cls.__name__}(): " + "; ".join(
+                    part for part in (missing and f"missing {', '.join(missing)}",
+                                      unknown and f"unexpected {', '.join(unknown)}") if part))
+        self.__dict__.update(values)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
@@ -161,11 +201,19 @@ class Declared:
 def section(cls: type[T] | None = None, *, runtime: str | None = None) -> Any:
     """A frozen dataclass of declared settings; ``runtime`` names its class in the ``runtime.yaml``
     types (sections without one stay in the compiler). Type checkers see keyword-only fields: a
-    declared default is the schema's, never the constructor's."""
+    declared default is the schema's, never the constructor's. The class must derive from
+    :class:`Declared`, which gives it its ``__init__`` and keeps it frozen."""
 
     def wrap(c: type[T]) -> type[T]:
+        if not issubclass(c, Declared):
+            raise TypeError(f"{c.__name__}: a declared section derives from Declared")
         c.__runtime_class__ = runtime  # type: ignore[attr-defined]
-        return dataclasses.dataclass(frozen=True, repr=False, eq=False)(c)
+        made = dataclasses.dataclass(init=False, repr=False, eq=False)(c)
+        fields = dataclasses.fields(made)  # type: ignore[arg-type]
+        made.__field_names__ = frozenset(f.name for f in fields)
+        made.__factories__ = {f.name: f.default_factory for f in fields
+                              if f.default_factory is not dataclasses.MISSING}
+        return made
 
     return wrap if cls is None else wrap(cls)
 
@@ -190,24 +238,27 @@ _SETTINGS: dict[type, tuple[tuple[str, Any, Mapping[str, Any]], ...]] = {}
 # --------------------------------------------------------------------------- loading
 
 
-@dataclass(frozen=True)
 class Reading:
     """How :func:`load` reads one kind of tree: the error it raises and its messages.
 
     The typed recipe is built from a mapping the schema accepted, with its defaults filled; an
     unknown or missing key there is a bug, and ``Optional`` keys without a default may be absent. A
-    ``runtime.yaml`` is read as written, by hand or by another rlc: every key must be there, and an
-    integer is read as a float where the type says float."""
+    ``runtime.yaml`` is read as written, by hand or by another rlc (``as_written``): every key must be
+    there, a mapping is a ``dict``, an integer is read as a float where the type says float, and a
+    ``Literal`` value must have the option's own type (``1.0`` is no ``1``); the typed recipe keeps the
+    schema's values as they are (``2`` stays ``2``)."""
 
-    error: type[Exception]
-    unknown: Callable[[str, list[str]], str]  # (path, sorted unknown keys) -> message
-    missing: Callable[[str], str]  # key path -> message
-    not_a_mapping: Callable[[str, Any], str]  # (path, value) -> message
-    #: True for ``runtime.yaml``: a key is never left out, a mapping is a ``dict``, an integer is read as a
-    #: float where the type says float, and a ``Literal`` value must have the option's own type (``1.0``
-    #: is no ``1``); False for the typed recipe, whose values are the schema's (``2`` stays ``2``).
-    as_written: bool
-    top_level_ignored: frozenset[str] = frozenset()
+    __slots__ = ("error", "unknown", "missing", "not_a_mapping", "as_written", "top_level_ignored")
+
+    def __init__(self, *, error: type[Exception], unknown: Callable[[str, list[str]], str],
+                 missing: Callable[[str], str], not_a_mapping: Callable[[str, Any], str], as_written: bool,
+                 top_level_ignored: frozenset[str] = frozenset()) -> None:
+        self.error = error  # raised with each message
+        self.unknown = unknown  # (path, sorted unknown keys) -> message
+        self.missing = missing  # key path -> message
+        self.not_a_mapping = not_a_mapping  # (path, value) -> message
+        self.as_written = as_written
+        self.top_level_ignored = top_level_ignored
 
 
 def load(cls: type[T], data: Any, path: str, how: Reading) -> T:

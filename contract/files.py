@@ -15,7 +15,6 @@ Pure Python (no torch, ray, vllm, megatron): the compiler and the runtime both i
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -126,6 +125,8 @@ def sha256_regular(path: str | os.PathLike[str], *, follow_links: bool = False) 
     """Hex sha256 of the regular file ``path`` (streamed, any size); links refused unless
     ``follow_links``. ``OSError`` for anything that is not a regular file."""
     fd = open_regular(path, follow_links=follow_links)
+    import hashlib  # OpenSSL's bindings: loaded by the commands that hash, not by every one
+
     digest = hashlib.sha256()
     try:
         while True:

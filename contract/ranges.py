@@ -16,7 +16,6 @@ import json
 import math
 import typing
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 Bound = tuple[float | None, float | None]  # (minimum, maximum), both inclusive; None: unbounded there
@@ -57,7 +56,9 @@ DERIVED: dict[str, Bound] = {**_DERIVED, "refit.alignment_bytes": (1, 1 << 30)}
 
 @lru_cache(maxsize=1)
 def _schema() -> dict[str, Any]:
-    text = resources.files("rlc.schemas").joinpath("recipe.schema.json").read_text(encoding="utf-8")
+    from rlc.schemas import RECIPE_SCHEMA
+
+    text = RECIPE_SCHEMA.read_text(encoding="utf-8")
     data = json.loads(text)
     assert isinstance(data, dict)
     return data

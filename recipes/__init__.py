@@ -1,1 +1,5 @@
-"""Data package: recipes shipped with rlc (found with ``importlib.resources``)."""
+"""Data package: recipes shipped with rlc."""
+from pathlib import Path
+
+#: The folder of the shipped recipes (plain files of the installed package).
+FOLDER = Path(__file__).parent

@@ -1,4 +1,4 @@
 """``python -m rlc`` is the ``rlc`` command."""
-from rlc.compiler.cli import main
+from rlc.compiler.cli import run
 
-raise SystemExit(main())
+run()

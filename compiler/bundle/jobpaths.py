@@ -43,7 +43,7 @@ from rlc.compiler.recipe_types import (
 )
 from rlc.compiler.shell import UnsafeValue, quote
 from rlc.contract.job_paths import is_local, kwarg_paths
-from rlc.compiler.resolve import output_dirs_of
+from rlc.compiler.run_dirs import output_dirs_of
 
 MOUNTS_KEY = "cluster.container.mounts"
 IMAGE_KEY = "cluster.container.image_paths"

@@ -175,3 +175,21 @@ def test_the_schema_file_is_the_one_the_compiler_reads():
     from rlc.compiler.schema import load_schema
 
     assert load_schema() == json.loads(D.schema_text())
+
+
+def test_declared_classes_are_frozen_dataclasses_that_list_only_their_fields():
+    import copy
+    import pickle
+
+    from rlc.compiler.schema import with_defaults
+
+    for cls in (rt.RefitSection, RuntimeConfig):
+        assert list(typing.get_type_hints(cls)) == [f.name for f in dataclasses.fields(cls)]
+    recipe = rt.recipe_from_data(with_defaults({"version": 1, "model": {"id": "x"}, "data": {"train": "/d"},
+                                                "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "h100-80gb"}}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.loss.kl_penalty = 1.0  # type: ignore[misc]
+    assert copy.deepcopy(recipe) == recipe == pickle.loads(pickle.dumps(recipe))
+    assert dataclasses.replace(recipe.loss, kl_penalty=0.5).kl_penalty == 0.5
+    with pytest.raises(TypeError, match="missing .*kl_penalty"):
+        rt.LossSection(ratio_clip_low=0.2)  # type: ignore[call-arg]
