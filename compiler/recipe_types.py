@@ -430,6 +430,13 @@ class SamplingSection(_Section):
     top_k: int = key(
         "Top-k sampling (-1 = off).",
         default=-1, minimum=-1, maximum=1048576, runtime=EXPERIMENT)
+    min_p: float = key(
+        "Min-p sampling (vLLM `min_p`; 0 = off): after the temperature, drop every token less likely than this "
+        "fraction of the most likely one. Keeps high-temperature rollouts coherent without a fixed top-k/top-p "
+        "cut. Like `top_p` it samples from a truncated distribution, which vLLM's logprobs then describe; the "
+        "trainer scores the full one, so gen-KL and `loss.importance_sampling_correction` see the difference. "
+        "The Megatron engine has no min-p (`generation.backend: megatron` refuses it).",
+        default=0.0, minimum=0, maximum=1, runtime=EXPERIMENT)
     max_tokens: int = key(
         "Maximum generated tokens per sample.",
         default=1024, minimum=1, maximum=16777216, runtime=EXPERIMENT)

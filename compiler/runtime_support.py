@@ -77,6 +77,9 @@ def megatron_gaps(recipe: Recipe) -> list[Gap]:
                         hint="generation.enforce_eager: true"))
     if recipe.generation.speculative_decoding is not None:
         gaps.append(Gap("generation.speculative_decoding", "MTP speculative decoding in the Megatron engine"))
+    if recipe.generation.sampling.min_p > 0:
+        gaps.append(Gap("generation.sampling.min_p", "min-p sampling in the Megatron engine (megatron-core's sampler "
+                        "has temperature, top-k and top-p only)"))
     if recipe.training.fp8.enabled:
         gaps.append(Gap("training.fp8.enabled", "FP8 models in the Megatron engine (megatron-core converts them for "
                         "inference in place, which the shared training model cannot take)"))

@@ -244,6 +244,9 @@ class SamplingConfig(Declared):
     """Nucleus sampling threshold."""
     top_k: int = runtime_key(EXPERIMENT, recipe="generation.sampling.top_k")
     """Top-k sampling (-1 = off)."""
+    min_p: float = runtime_key(EXPERIMENT, recipe="generation.sampling.min_p")
+    """Min-p sampling (vLLM `min_p`; 0 = off): after the temperature, drop every token less likely than this
+    fraction of the most likely one."""
     max_tokens: int = runtime_key(EXPERIMENT, recipe="generation.sampling.max_tokens")
     """Maximum generated tokens per sample."""
     stop: list[str] = runtime_key(EXPERIMENT, recipe="generation.sampling.stop")

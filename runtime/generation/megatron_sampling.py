@@ -71,6 +71,9 @@ def sampling_params_kwargs(sampling: SamplingConfig, eos_token_id: int | None) -
     if top_k and top_p:
         raise MegatronSamplingError(f"generation.sampling top_k {top_k} with top_p {top_p}: megatron-core's sampler "
                                     "refuses both at once; recompile with one of them off")
+    if float(getattr(sampling, "min_p", 0.0)) > 0:
+        raise MegatronSamplingError(f"generation.sampling.min_p {sampling.min_p}: megatron-core's sampler has "
+                                    "temperature, top-k and top-p only; recompile with min_p: 0 (or the vLLM backend)")
     if list(sampling.stop) or list(getattr(sampling, "stop_token_ids", ())):
         raise MegatronSamplingError("generation.sampling.stop / stop_token_ids: megatron-core stops a request on the "
                                     "tokenizer's EOS only (as rlc runs it); recompile without them")

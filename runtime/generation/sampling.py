@@ -24,6 +24,9 @@ def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | Non
         "max_tokens": int(sampling.max_tokens),
         "logprobs": 0,
     }
+    min_p = float(getattr(sampling, "min_p", 0.0))
+    if min_p > 0:
+        kw["min_p"] = min_p
     if sampling.stop:
         kw["stop"] = list(sampling.stop)
     stop_ids = [int(eos_token_id)] if eos_token_id is not None else []
@@ -34,11 +37,13 @@ def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | Non
 
 
 def logprobs_mode(sampling: SamplingConfig) -> str:
-    """``raw_logprobs`` at temperature 1 without top-p/top-k, else ``processed_logprobs``."""
+    """``raw_logprobs`` at temperature 1 without top-p/top-k/min-p, else ``processed_logprobs`` (the
+    distribution vLLM samples from after each of them)."""
     plain = (
         float(sampling.temperature) == 1.0
         and float(sampling.top_p) >= 1.0
         and not (sampling.top_k and sampling.top_k > 0)
+        and not float(getattr(sampling, "min_p", 0.0)) > 0
     )
     return "raw_logprobs" if plain else "processed_logprobs"
 

@@ -20,7 +20,7 @@ EOS = 2
 
 
 def _sampling(**kw) -> SamplingConfig:
-    base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, stop=[], stop_token_ids=[])
+    base = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=8, stop=[], stop_token_ids=[])
     return SamplingConfig(**{**base, **kw})
 
 
