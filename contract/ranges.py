@@ -180,6 +180,19 @@ def range_problems(data: Any) -> list[str]:
     return problems
 
 
+def declared_default(runtime_key: str) -> tuple[bool, Any]:
+    """``(True, default)`` of the recipe key a ``runtime.yaml`` key is resolved from, as the schema
+    declares it; ``(False, None)`` for a key without one (derived, or below a free-form mapping)."""
+    if runtime_key not in RECIPE_KEYS:
+        return False, None
+    node: Any = _schema()
+    for part in RECIPE_KEYS[runtime_key].split("."):
+        node = node.get("properties", {}).get(part)
+        if not isinstance(node, dict):
+            return False, None
+    return ("default" in node), node.get("default")
+
+
 @lru_cache(maxsize=None)
 def schema_has_object(recipe_path: str) -> bool:
     """Whether the schema describes the keys under ``recipe_path`` (False for free-form mappings)."""

@@ -288,12 +288,20 @@ def experiment(config: Any) -> dict[str, Any]:
 
 
 def experiment_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: recorded -> current`` for each experiment key that differs (empty when they match)."""
+    """``key: recorded -> current`` for each experiment key that differs (empty when they match).
+
+    A key the checkpoint does not record (an rlc that had no such key wrote it) at its declared default
+    is no change: a key joins rlc with the default that keeps what rlc did before it existed."""
     if recorded.get("sha256") == current["sha256"]:
         return []
+    from rlc.contract.ranges import declared_default
+
     old, new = recorded.get("values") or {}, current["values"]
-    return [f"{k}: {old.get(k, '(not recorded)')!r} -> {new.get(k, '(not set)')!r}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)] or ["(the recorded fingerprint differs)"]
+    differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if not differ:
+        return ["(the recorded fingerprint differs)"]
+    added = [k for k in differ if k not in old and k in new and declared_default(k) == (True, new[k])]
+    return [f"{k}: {old.get(k, '(not recorded)')!r} -> {new.get(k, '(not set)')!r}" for k in differ if k not in added]
 
 
 def resume_from_latest(cfg: Any, *, warn: Callable[[str], None] | None = None,

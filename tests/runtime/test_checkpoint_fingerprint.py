@@ -115,3 +115,16 @@ def test_a_checkpoint_written_under_other_settings_that_change_the_experiment_is
     with pytest.raises(C.CheckpointError, match="different experiment") as err:
         C.resume_from_latest(cfg, current=C.experiment(second))
     assert shown in str(err.value)
+
+
+def test_a_checkpoint_from_before_a_key_existed_resumes_while_the_key_keeps_its_default(tmp_path):
+    """A key joins rlc with the default that keeps what rlc did before; a checkpoint an older rlc wrote (no
+    such key recorded) resumes at that default, and is another experiment's once the key is set."""
+    current = C.experiment(_config("tiny-qwen3-1gpu.yaml"))
+    older = {"sha256": "written-before-min_p", "values": {k: v for k, v in current["values"].items()
+                                                          if k != "generation.sampling.min_p"}}
+    assert C.experiment_changes(older, current) == []
+    changed = C.experiment(_config("tiny-qwen3-1gpu.yaml", "generation.sampling.min_p=0.05"))
+    assert C.experiment_changes(older, changed) == ["generation.sampling.min_p: '(not recorded)' -> 0.05"]
+    different = {**older, "values": {**older["values"], "loss.kl_penalty": 0.5}}
+    assert C.experiment_changes(different, current) == ["loss.kl_penalty: 0.5 -> 0.0"]
