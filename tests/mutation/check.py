@@ -254,12 +254,13 @@ MUTATIONS = (
         ("tests/bundle/test_bundle_tree_lock.py",),
     ),
     # ---- the checkpoint fingerprint
+    # (a policy declared wrong in rlc/compiler/recipe_types.py reaches the runtime through the generated types)
     Mutation(
         "fingerprint-fp8-dropped",
         "checkpoint fingerprint",
-        "rlc/runtime/checkpoint.py",
-        '"training.mtp_loss_scale", "training.fp8",',
-        '"training.mtp_loss_scale",',
+        "rlc/contract/runtime_types.py",
+        'enabled: bool = runtime_key(EXPERIMENT, recipe="training.fp8.enabled")',
+        'enabled: bool = runtime_key(_SPEED, recipe="training.fp8.enabled")',
         ("tests/runtime/test_checkpoint_fingerprint.py",),
     ),
     Mutation(
@@ -273,9 +274,9 @@ MUTATIONS = (
     Mutation(
         "fingerprint-restart-key-counted",
         "checkpoint fingerprint",
-        "rlc/runtime/checkpoint.py",
-        '"grpo.dynamic_sampling", "grpo.seed", "extensions",',
-        '"grpo.dynamic_sampling", "grpo.seed", "extensions", "grpo.max_steps",',
+        "rlc/contract/runtime_types.py",
+        'max_steps: int = runtime_key(restart("how long the run goes"), recipe="grpo.max_steps")',
+        'max_steps: int = runtime_key(EXPERIMENT, recipe="grpo.max_steps")',
         ("tests/runtime/test_checkpoint_fingerprint.py",),
     ),
     # ---- origin tracking through merged mappings

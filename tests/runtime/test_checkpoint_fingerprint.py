@@ -128,3 +128,12 @@ def test_a_checkpoint_from_before_a_key_existed_resumes_while_the_key_keeps_its_
     assert C.experiment_changes(older, changed) == ["generation.sampling.min_p: '(not recorded)' -> 0.05"]
     different = {**older, "values": {**older["values"], "loss.kl_penalty": 0.5}}
     assert C.experiment_changes(different, current) == ["loss.kl_penalty: 0.5 -> 0.0"]
+
+
+@pytest.mark.parametrize("change", ["grpo.max_steps=40", "checkpointing.every_steps=3", "logging.tensorboard=false",
+                                    "refit.verify_every=5", "training.micro_batch_size=1"])
+def test_a_restart_that_changes_what_may_change_resumes(tmp_path, change):
+    """The usual restarts (run longer, save more often, other memory or refit settings) continue the run."""
+    first, second = _config("tiny-qwen3-1gpu.yaml"), _config("tiny-qwen3-1gpu.yaml", change)
+    assert first != second
+    assert C.experiment_changes(C.experiment(first), C.experiment(second)) == []
