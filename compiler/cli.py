@@ -14,6 +14,7 @@ megatron.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import io
 import json
@@ -573,10 +574,11 @@ def run() -> None:
 
     At exit Python frees every module and object one by one, about a tenth of ``rlc validate``; the
     operating system frees the process anyway. Exit handlers still run and the output is flushed
-    first, so nothing but that teardown is skipped."""
+    first, so nothing but that teardown is skipped. Under a profiler or tracer (``python -m cProfile -m
+    rlc``, a debugger), which reports after the command returns, it exits as usual."""
     code = main()
-    import atexit
-
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        raise SystemExit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

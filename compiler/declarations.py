@@ -16,6 +16,7 @@ range and policy.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import json
 import re
@@ -23,10 +24,10 @@ import sys
 import textwrap
 import typing
 from pathlib import Path
-import collections.abc
 from typing import Any, Literal, Mapping, Union
 
 from rlc.compiler import recipe_types as rt
+from rlc.compiler.docs import render_markdown
 from rlc.contract.declare import EXPERIMENT, NO_DEFAULT, Policy, restart, runtime_class, settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +146,8 @@ def _field_node(tp: Any, meta: Mapping[str, Any], path: str) -> dict[str, Any]:
     node["description"] = described
     node.update(meta.get("schema") or {})
     default = meta.get("default", NO_DEFAULT)
-    nullable = _union(tp) is not None and type(None) in typing.get_args(tp) and (default is None or meta.get("nullable"))
+    optional = _union(tp) is not None and type(None) in typing.get_args(tp)
+    nullable = optional and (default is None or meta.get("nullable"))
     if nullable:
         if "type" not in node:
             raise DeclarationError(f"{path}: a nullable value needs a JSON type")
@@ -255,7 +257,8 @@ def _py(tp: Any, resolved: bool = False) -> str:
     if _is_section(tp):
         name = runtime_class(tp)
         if name is None:
-            raise DeclarationError(f"{tp.__name__} reaches runtime.yaml but names no runtime class (@section(runtime=))")
+            raise DeclarationError(f"{tp.__name__} reaches runtime.yaml but names no runtime class "
+                                   "(@section(runtime=))")
         return name
     args = _union(tp)
     if args is not None:
@@ -439,8 +442,6 @@ def runtime_types_source() -> str:
 
 def generated() -> dict[Path, str]:
     """Every file the declarations generate, with the text it must have."""
-    from rlc.compiler.docs import render_markdown
-
     return {SCHEMA_PATH: schema_text(), RUNTIME_TYPES_PATH: runtime_types_source(),
             REFERENCE_PATH: render_markdown(recipe_schema())}
 

@@ -29,6 +29,7 @@ from rlc.compiler.diagnostics import SET_ORIGIN, Diagnostic, PathPart, format_pa
 from rlc.compiler.suggest import did_you_mean
 from rlc.compiler.yaml_loader import YamlLoadError, load_yaml, parse_text
 from rlc.contract.bounds import key_path_problem
+from rlc.recipes import FOLDER
 from rlc.compiler import schema
 
 #: A recipe file has one of these top-level keys; any other YAML mapping is refused without being shown.
@@ -91,8 +92,6 @@ class LoadedRecipe:
 # --------------------------------------------------------------------------- shipped recipes
 
 def _recipes_dir() -> Path:
-    from rlc.recipes import FOLDER
-
     return FOLDER
 
 

@@ -20,6 +20,7 @@ from rlc import RUNTIME_CONFIG_VERSION
 from rlc.contract.declare import load, settings
 from rlc.contract.runtime_config import (
     READING,
+    MegatronGenerationConfig,
     RuntimeConfig,
     RuntimeConfigError,
     runtime_config_to_dict,
@@ -151,7 +152,8 @@ def resolve_runtime_config(result: CheckResult) -> RuntimeConfig:
         "version": RUNTIME_CONFIG_VERSION,
         "model.checkpoint": model.checkpoint_path, "model.tokenizer": model.tokenizer_path,
         "model.num_layers": facts.num_layers, "model.num_experts": facts.num_experts or 0,
-        "model.mtp_num_layers": facts.mtp_num_layers or 0, "model.mtp_shared_embedding": bool(facts.mtp_shared_embedding),
+        "model.mtp_num_layers": facts.mtp_num_layers or 0,
+        "model.mtp_shared_embedding": bool(facts.mtp_shared_embedding),
         "cluster.world_size": cluster.world_size, "cluster.gpu_memory_gib": float(result.gpu.memory_gib),
         "cluster.log_dir": log_dir, "cluster.ray.address": "auto", "cluster.ray.namespace": f"rlc-{name}",
         "train_parallel.dp": tl.dp, "train_parallel.expert_dp": tl.expert_dp, "generation_parallel.dp": gl.dp,
@@ -176,7 +178,8 @@ def _build(cls: type[T], recipe: Recipe, given: dict[str, Any], path: str) -> T:
     data = _tree(cls, recipe, given, path, used)
     unused = sorted(k for k in given if k not in used and (not path or k.startswith(path + ".")))
     if unused:
-        raise ResolveError(f"{', '.join(unused)}: no such runtime.yaml key (the resolver and the runtime types disagree)")
+        raise ResolveError(f"{', '.join(unused)}: no such runtime.yaml key "
+                           "(the resolver and the runtime types disagree)")
     try:
         return load(cls, data, path, READING)
     except RuntimeConfigError as exc:
@@ -200,8 +203,6 @@ def _megatron(recipe: Recipe, decisions: dict[str, tuple[Any, str]],
         if key not in decisions:
             raise ResolveError(f"{key}: not decided by any rule (generation.backend megatron)")
     reset = decisions.get("generation.megatron.reset_router_num_groups")
-    from rlc.contract.runtime_config import MegatronGenerationConfig
-
     return dataclasses.asdict(_build(MegatronGenerationConfig, recipe, {
         "generation.megatron.mode": decisions["generation.megatron.mode"][0],
         "generation.megatron.transformer_impl": decisions["generation.megatron.transformer_impl"][0],

@@ -29,7 +29,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from rlc.compiler.diagnostics import Diagnostic, PathPart, format_path, sort_diagnostics
+from rlc.compiler.schema_check import is_valid
 from rlc.compiler.suggest import closest, did_you_mean
+from rlc.schemas import RECIPE_SCHEMA
 
 if TYPE_CHECKING:  # pragma: no cover
     from jsonschema.exceptions import ValidationError
@@ -41,8 +43,6 @@ SCHEMA_FILE = "recipe.schema.json"
 
 @lru_cache(maxsize=1)
 def _schema_text() -> str:
-    from rlc.schemas import RECIPE_SCHEMA
-
     return RECIPE_SCHEMA.read_text(encoding="utf-8")
 
 
@@ -452,8 +452,6 @@ def validate_data(data: Any, loaded: "LoadedRecipe | None" = None) -> list[Diagn
 
     A recipe without a problem is known as one without importing ``jsonschema``
     (:func:`rlc.compiler.schema_check.is_valid`); ``jsonschema`` finds and describes the problems."""
-    from rlc.compiler.schema_check import is_valid
-
     if is_valid(_schema(), data):
         return []
     converter = _Converter(loaded)

@@ -111,18 +111,20 @@ def key(description: str | None = None, *, default: Any = NO_DEFAULT, runtime: P
     """Declare one recipe key (a field of a section class in :mod:`rlc.compiler.recipe_types`).
 
     ``description`` is the one description of the key (schema, reference docs, the ``runtime.yaml``
-    types); a field that holds a section may leave it out and take the section's docstring. ``default`` is its schema default, the only one anywhere (the classes state none). Limits
-    are JSON Schema keywords by their Python names: ``minimum``, ``maximum``, ``exclusive_minimum``,
+    types); a field that holds a section may leave it out and take the section's docstring.
+    ``default`` is its schema default, the only one anywhere (the classes state none). Limits are
+    JSON Schema keywords by their Python names: ``minimum``, ``maximum``, ``exclusive_minimum``,
     ``exclusive_maximum``, ``min_length``, ``max_length``, ``pattern``, ``unique_items``; ``items``
     adds keywords to a list's items, ``values`` is the schema of a free-form mapping's values and
     ``property_names`` the pattern of its keys; ``nullable`` lets ``null`` be written for an
     ``Optional`` key without a ``null`` default.
 
-    ``runtime`` is the key's policy (:data:`COMPILER`, :data:`EXPERIMENT` or :func:`restart`). A key that reaches
-    ``runtime.yaml`` goes to the same place unless ``runtime_name`` names another (a dotted path from
-    the top); its type there is the recipe type with lists as lists and mappings as dicts, ``resolved``
-    drops ``None`` and ``"auto"`` (the compiler settles them), and ``runtime_type`` states it where it
-    differs otherwise; ``runtime_default`` (a factory) lets a ``runtime.yaml`` leave the key out.
+    ``runtime`` is the key's policy (:data:`COMPILER`, :data:`EXPERIMENT` or :func:`restart`). A key that
+    reaches ``runtime.yaml`` goes to the same place unless ``runtime_name`` names another (a dotted path
+    from the top); its type there is the recipe type with lists as lists and mappings as dicts,
+    ``resolved`` drops ``None`` and ``"auto"`` (the compiler settles them), and ``runtime_type`` states
+    it where it differs otherwise; ``runtime_default`` (a factory) lets a ``runtime.yaml`` leave the key
+    out.
     """
     unknown = sorted(set(limits) - set(_SCHEMA_WORDS))
     if unknown:
@@ -139,8 +141,9 @@ def key(description: str | None = None, *, default: Any = NO_DEFAULT, runtime: P
 def runtime_key(policy: Policy | None, *, recipe: str | None = None, minimum: float | None = None,
                 maximum: float | None = None, default_factory: Callable[[], Any] | None = None) -> Any:
     """A field of the ``runtime.yaml`` types (:mod:`rlc.contract.runtime_types`, generated): its
-    ``policy`` (``None`` for a field that holds a section), the recipe key it is resolved from (``None``: the compiler derives it) and, for a
-    derived number, its range. ``default_factory`` lets an older ``runtime.yaml`` leave it out."""
+    ``policy`` (``None`` for a field that holds a section), the recipe key it is resolved from (``None``:
+    the compiler derives it) and, for a derived number, its range. ``default_factory`` lets an older
+    ``runtime.yaml`` leave it out."""
     meta = {"runtime": policy, "recipe": recipe, "range": (minimum, maximum)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -448,5 +451,5 @@ def leaves(cls: type, path: str = "") -> list[tuple[str, Any, Mapping[str, Any]]
     return out
 
 
-__all__ = ["COMPILER", "EXPERIMENT", "NO_DEFAULT", "Declared", "Policy", "Reading", "convert", "key", "leaves", "load", "restart",
-           "runtime_class", "runtime_key", "section", "settings"]
+__all__ = ["COMPILER", "EXPERIMENT", "NO_DEFAULT", "Declared", "Policy", "Reading", "convert", "key", "leaves", "load",
+           "restart", "runtime_class", "runtime_key", "section", "settings"]

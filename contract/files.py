@@ -125,7 +125,7 @@ def sha256_regular(path: str | os.PathLike[str], *, follow_links: bool = False) 
     """Hex sha256 of the regular file ``path`` (streamed, any size); links refused unless
     ``follow_links``. ``OSError`` for anything that is not a regular file."""
     fd = open_regular(path, follow_links=follow_links)
-    import hashlib  # OpenSSL's bindings: loaded by the commands that hash, not by every one
+    import hashlib  # noqa: PLC0415  (OpenSSL's bindings: loaded by the commands that hash, not every one)
 
     digest = hashlib.sha256()
     try:

@@ -12,11 +12,16 @@ Pure Python (the schema is read as JSON, without ``jsonschema``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import typing
 from functools import lru_cache
 from typing import Any
+
+from rlc.contract.declare import settings
+from rlc.contract.runtime_types import RuntimeConfig
+from rlc.schemas import RECIPE_SCHEMA
 
 Bound = tuple[float | None, float | None]  # (minimum, maximum), both inclusive; None: unbounded there
 
@@ -24,11 +29,6 @@ Bound = tuple[float | None, float | None]  # (minimum, maximum), both inclusive;
 def _declared() -> tuple[dict[str, str], dict[str, Bound]]:
     """From the ``runtime.yaml`` types' declarations: the recipe key each key is resolved from, and the
     range of each number the compiler derives."""
-    import dataclasses
-
-    from rlc.contract.declare import settings
-    from rlc.contract.runtime_types import RuntimeConfig
-
     sources: dict[str, str] = {}
     derived: dict[str, Bound] = {}
 
@@ -56,8 +56,6 @@ DERIVED: dict[str, Bound] = {**_DERIVED, "refit.alignment_bytes": (1, 1 << 30)}
 
 @lru_cache(maxsize=1)
 def _schema() -> dict[str, Any]:
-    from rlc.schemas import RECIPE_SCHEMA
-
     text = RECIPE_SCHEMA.read_text(encoding="utf-8")
     data = json.loads(text)
     assert isinstance(data, dict)

@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlc.contract.declare import Policy, leaves
 from rlc.contract.files import CONFIG_BYTES, JsonError, parse_json, read_text_capped
+from rlc.contract.ranges import declared_default
+from rlc.contract.runtime_types import RuntimeConfig
 
 log = logging.getLogger("rlc.runtime.checkpoint")
 
@@ -249,10 +252,7 @@ def should_save(every_steps: int, step: int, max_steps: int) -> bool:
     return (every_steps > 0 and step % every_steps == 0) or step == max_steps
 
 
-def _policies() -> dict[str, Any]:
-    from rlc.contract.declare import leaves
-    from rlc.contract.runtime_types import RuntimeConfig
-
+def _policies() -> dict[str, Policy]:
     return {path: meta["runtime"] for path, _, meta in leaves(RuntimeConfig)}
 
 
@@ -294,8 +294,6 @@ def experiment_changes(recorded: dict[str, Any], current: dict[str, Any]) -> lis
     is no change: a key joins rlc with the default that keeps what rlc did before it existed."""
     if recorded.get("sha256") == current["sha256"]:
         return []
-    from rlc.contract.ranges import declared_default
-
     old, new = recorded.get("values") or {}, current["values"]
     differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if not differ:
