@@ -86,7 +86,15 @@ class TimeLimit:
 
     Uses ``SIGALRM``, so it bounds the block only in the main thread on POSIX (elsewhere it bounds
     nothing, and the node and size limits still hold). Libraries may wrap the exception in their
-    own; ``expired`` says whether the limit is what ended the block."""
+    own; ``expired`` says whether the limit is what ended the block.
+
+    Python discards an exception raised where nothing can receive it (a garbage-collector callback,
+    ``__del__``, a weakref callback), and a signal handler's exception lands wherever the main thread
+    happens to be. So after the first alarm the timer repeats every :data:`REPEAT_SECONDS` until
+    the block ends: one discarded alarm cannot let the block run on unbounded."""
+
+    #: Interval of the alarms after the first, while the block is still running.
+    REPEAT_SECONDS = 0.05
 
     def __init__(self, seconds: float | None = None, what: str = "resolving") -> None:
         self.seconds = RESOLVE_SECONDS if seconds is None else seconds
@@ -103,7 +111,7 @@ class TimeLimit:
     def __enter__(self) -> TimeLimit:
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGALRM, self._on_alarm)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, self.REPEAT_SECONDS)
             self._armed = True
         return self
 
