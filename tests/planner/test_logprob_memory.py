@@ -3,22 +3,44 @@ next to the trainer as the refit left it (and the reference policy, with a KL pe
 GPU is an error (RLC222) whose hint is the largest batch that fits."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlc.compiler import api
 from rlc.compiler.planner.memory import logits_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = str(ROOT / "tests" / "validation" / "recipes" / "verl-grpo-qwen3-30ba3b-4n8g-h20.yaml")  # TP1, 10240 tokens
+VERL = ROOT / "tests" / "validation" / "recipes" / "verl-grpo-qwen3-30ba3b-4n8g-h20.yaml"  # TP1, 10240 tokens
 GROWTH = str(ROOT / "tests" / "validation" / "failures" / "nemo-rl-2619-qwen3.5-35b-a3b-tp1-ep16.yaml")
 LOGITS = "fp32 logits of the logprob pass"
 GIB = 2**30
 
 
-def _check(*sets: str, recipe: str = RECIPE):
-    result = api.check(recipe, list(sets))
+@pytest.fixture(scope="module")
+def padded_recipe(tmp_path_factory) -> str:
+    """verl's Qwen3-30B-A3B recipe with padded micro batches (the published one packs): these tests vary the
+    padded logprob batch, and the packed case turns packing on with its default budgets."""
+    data = yaml.safe_load(VERL.read_text(encoding="utf-8"))
+    del data["training"]["sequence_packing"]
+    path = tmp_path_factory.mktemp("recipe") / VERL.name
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return str(path)
+
+
+#: The recipe ``_check`` plans by default: ``padded_recipe`` (set for every test).
+RECIPE = str(VERL)
+
+
+@pytest.fixture(autouse=True)
+def _plan_the_padded_recipe(padded_recipe, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "RECIPE", padded_recipe)
+
+
+def _check(*sets: str, recipe: str | None = None):
+    result = api.check(recipe or RECIPE, list(sets))
     assert result.plan is not None
     return result
 
