@@ -83,7 +83,8 @@ def reshard_gaps(recipe: Recipe) -> list[Gap]:
     or expert parallelism is resharded into it every step by a dedicated inference model (megatron-core's
     ``swap_model_weights``, NeMo-RL PR #3490). Pipeline and context parallelism in the trainer stay refused:
     pipeline-stage remapping (with the MTP layer's embedding replica on the last stage) and the swap out of a
-    context-parallel trainer are not built here."""
+    context-parallel trainer are not built here; so does expert tensor parallelism (megatron-core's expert
+    tensors carry no stride for their gated halves)."""
     t, g = recipe.parallelism.train, recipe.parallelism.generation
     gaps = []
     if g.tp * g.pp * g.ep > 1:
@@ -100,6 +101,13 @@ def reshard_gaps(recipe: Recipe) -> list[Gap]:
                         "last stage) is not built in the bundled runtime",
                         hint="parallelism.train.pp: 1 (tensor or expert parallelism instead), or "
                              "generation.backend: vllm"))
+    if t.etp > 1:
+        gaps.append(Gap("parallelism.train.etp",
+                        f"Megatron inference next to a trainer with expert tensor parallelism (ETP{t.etp}): on the "
+                        "trainer's model the engine would split experts over GPUs, and a reshard into ETP 1 is "
+                        "wrong in megatron-core 0.19, which marks a grouped-GEMM expert's gated linear_fc1 as a "
+                        "plain split (partition_stride 1) and would lay the ranks' gate and up rows end to end",
+                        hint="parallelism.train.etp: 1 (expert parallelism instead), or generation.backend: vllm"))
     if t.cp > 1:
         gaps.append(Gap("parallelism.train.cp",
                         f"Megatron inference next to a context-parallel trainer (CP{t.cp}): the swap into the "

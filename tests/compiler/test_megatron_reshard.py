@@ -63,6 +63,8 @@ def test_the_dense_recipe_pads_the_vocabulary_so_the_trainer_can_split_it():
      ("pipeline-parallel trainer (PP2)", "MTP layer's embedding replica")),
     (TP, ("parallelism.train.tp=1", "parallelism.train.cp=2", "training.sequence_packing.enabled=true"),
      "parallelism.train.cp", ("context-parallel trainer (CP2)",)),
+    (EP, ("parallelism.train.ep=1", "parallelism.train.etp=2"), "parallelism.train.etp",
+     ("ETP2", "partition_stride 1")),
 ])
 def test_layouts_the_runtime_does_not_reshard_into_are_refused_with_the_fix(path, sets, key, needles, tmp_path):
     result = check(path, *sets)
