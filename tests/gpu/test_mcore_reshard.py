@@ -108,8 +108,9 @@ def build_workspace(root: Path, model: str) -> dict:
 
     if model == "dense":
         ckpt = root / "dense" / "qwen3"
-        if not (ckpt / "config.json").exists():
-            build_toy_workspace(str(root / "dense"), config=DENSE_CONFIG)
+        if not (ckpt / "config.json").exists():  # the padded vocabulary of the recipe's model config
+            vocab = json.loads(DENSE_CONFIG.read_text(encoding="utf-8"))["vocab_size"]
+            build_toy_workspace(str(root / "dense"), config=DENSE_CONFIG, vocab_size=vocab)
         return {"checkpoint": ckpt, "data": root / "dense" / "data" / "train.jsonl"}
     from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
 

@@ -3,6 +3,8 @@ a broken one shows (a rank's swap not exact or not checked, too few refits, a bi
 model not built in its own layout, one engine missing)."""
 from __future__ import annotations
 
+import pytest
+
 from tests.gpu import test_mcore_reshard as proofs
 
 BIAS = "decoder.layers.{}.mlp.router.expert_bias"
@@ -69,3 +71,20 @@ def test_the_cases_name_the_shipped_recipes_and_their_layouts():
         g = result.recipe.parallelism.generation
         assert result.ok and case["train"] == f"TP{t.tp} EP{t.ep}" and case["inference"] == f"TP{g.tp} EP{g.ep}"
     assert proofs.moe_router_biases() == 3
+
+
+def test_the_dense_workspace_has_the_recipes_padded_vocabulary(tmp_path):
+    """The checkpoint the TP case trains has the vocabulary the recipe's model config declares (32: the trainer
+    splits it over TP 2), not the toy tokenizer's 23, which Megatron could not split."""
+    import json
+
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    ws = proofs.build_workspace(tmp_path, "dense")
+    cfg = json.loads((ws["checkpoint"] / "config.json").read_text(encoding="utf-8"))
+    declared = json.loads(proofs.DENSE_CONFIG.read_text(encoding="utf-8"))
+    assert cfg["vocab_size"] == declared["vocab_size"] == 32 and cfg["vocab_size"] % 2 == 0
+    (weights,) = sorted(ws["checkpoint"].glob("*.safetensors"))
+    assert load_file(str(weights))["model.embed_tokens.weight"].shape[0] == 32
+    assert ws["data"].exists()
