@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlc.compiler.mcore_generation import layout_differences
 from rlc.compiler.schema import default_at
 
 if TYPE_CHECKING:
@@ -57,20 +56,9 @@ def runtime_gaps(recipe: Recipe) -> list[Gap]:
 
 def megatron_gaps(recipe: Recipe) -> list[Gap]:
     """What of ``generation.backend: megatron`` the bundled runtime cannot run yet: it runs one eager engine per
-    GPU (direct mode, no data-parallel coordinator) on the trainer's layout."""
-    gaps = []
-    t = recipe.parallelism.train
-    if t.tp * t.pp * t.ep * t.cp > 1:
-        gaps.append(Gap("parallelism.train",
-                        f"Megatron inference with model parallelism (TP{t.tp} PP{t.pp} EP{t.ep} CP{t.cp}): the bundled "
-                        "runtime runs one engine per GPU (data parallelism only); model-parallel engines need "
-                        "megatron-core's data-parallel inference coordinator",
-                        hint="parallelism.train tp, pp, ep and cp 1 (or generation.backend: vllm)"))
-    elif layout_differences(recipe):
-        gaps.append(Gap("parallelism.generation",
-                        "resharding into an inference layout other than the trainer's ("
-                        + "; ".join(layout_differences(recipe)) + ")",
-                        hint="parallelism.generation equal to parallelism.train"))
+    GPU (direct mode, no data-parallel coordinator), on the trainer's model or on a dedicated inference model
+    resharded from a trainer with tensor and expert parallelism (see :func:`reshard_gaps`)."""
+    gaps = reshard_gaps(recipe)
     if not recipe.generation.enforce_eager:
         gaps.append(Gap("generation.enforce_eager", "CUDA graphs in the Megatron engine (the bundled runtime runs it "
                         "eager; the graphs would have to be chosen when the model is built)",
@@ -89,6 +77,45 @@ def megatron_gaps(recipe: Recipe) -> list[Gap]:
     return gaps
 
 
+def reshard_gaps(recipe: Recipe) -> list[Gap]:
+    """The inference layouts the bundled runtime's Megatron engine cannot run yet. It runs one engine per GPU, so
+    the inference model has one GPU per replica (``parallelism.generation`` tp, pp and ep 1); a trainer with tensor
+    or expert parallelism is resharded into it every step by a dedicated inference model (megatron-core's
+    ``swap_model_weights``, NeMo-RL PR #3490). Pipeline and context parallelism in the trainer stay refused:
+    pipeline-stage remapping (with the MTP layer's embedding replica on the last stage) and the swap out of a
+    context-parallel trainer are not built here; so does expert tensor parallelism (megatron-core's expert
+    tensors carry no stride for their gated halves)."""
+    t, g = recipe.parallelism.train, recipe.parallelism.generation
+    gaps = []
+    if g.tp * g.pp * g.ep > 1:
+        gaps.append(Gap("parallelism.generation",
+                        f"Megatron inference with model parallelism (TP{g.tp} PP{g.pp} EP{g.ep}): the bundled "
+                        "runtime runs one engine per GPU, without megatron-core's data-parallel inference "
+                        "coordinator that model-parallel engines need",
+                        hint="parallelism.generation: {tp: 1, pp: 1, ep: 1} (one inference replica per GPU; a "
+                             "trainer with TP or EP is resharded into it every step), or generation.backend: vllm"))
+    if t.pp > 1:
+        gaps.append(Gap("parallelism.train.pp",
+                        f"Megatron inference next to a pipeline-parallel trainer (PP{t.pp}): resharding pipeline "
+                        "stages into the one-stage inference model (and the MTP layer's embedding replica on the "
+                        "last stage) is not built in the bundled runtime",
+                        hint="parallelism.train.pp: 1 (tensor or expert parallelism instead), or "
+                             "generation.backend: vllm"))
+    if t.etp > 1:
+        gaps.append(Gap("parallelism.train.etp",
+                        f"Megatron inference next to a trainer with expert tensor parallelism (ETP{t.etp}): on the "
+                        "trainer's model the engine would split experts over GPUs, and a reshard into ETP 1 is "
+                        "wrong in megatron-core 0.19, which marks a grouped-GEMM expert's gated linear_fc1 as a "
+                        "plain split (partition_stride 1) and would lay the ranks' gate and up rows end to end",
+                        hint="parallelism.train.etp: 1 (expert parallelism instead), or generation.backend: vllm"))
+    if t.cp > 1:
+        gaps.append(Gap("parallelism.train.cp",
+                        f"Megatron inference next to a context-parallel trainer (CP{t.cp}): the swap into the "
+                        "inference model's CP 1 is not built in the bundled runtime",
+                        hint="parallelism.train.cp: 1, or generation.backend: vllm"))
+    return gaps
+
+
 def _router_replay_gaps(recipe: Recipe) -> list[Gap]:
     """Layouts where the bundled runtime cannot lay vLLM's routes onto the trainer's tokens yet."""
     if not recipe.training.router_replay.enabled:
@@ -101,4 +128,4 @@ def _router_replay_gaps(recipe: Recipe) -> list[Gap]:
     return gaps
 
 
-__all__ = ["Gap", "runtime_gaps"]
+__all__ = ["Gap", "megatron_gaps", "reshard_gaps", "runtime_gaps"]

@@ -25,6 +25,7 @@ from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runti
 from rlc.runtime import checkpoint as ckpt
 from rlc.runtime import workers as W
 from rlc.runtime.generation.backend import GenerationBackend, MegatronBackend, VllmBackend
+from rlc.runtime.generation.reshard_plan import prompt_chunks
 from rlc.runtime.generation.vllm_worker import VllmGenerationWorker
 from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config
 from rlc.runtime.grpo.dynamic_sampling import DynamicSampler
@@ -152,9 +153,7 @@ class GrpoRun:
         """Split prompts over the engines; score each generation with the reward function."""
         n = self.cfg.grpo.generations_per_prompt
         ids = [self.encode(p.prompt) for p in prompts]
-        engines = self.backend.engines
-        per = (len(ids) + engines - 1) // engines
-        chunks = [(e, ids[e * per : (e + 1) * per]) for e in range(engines)]
+        chunks = [(e, ids[a:b]) for e, (a, b) in enumerate(prompt_chunks(len(ids), self.backend.engines))]
         with self.timer(self.backend.timer):
             results = self.backend.generate([(e, c) for e, c in chunks if c], n)
         samples = [s for r in results for s in r.samples]

@@ -71,11 +71,14 @@ def build_toy_model(
     moe: bool = False,
     seed: int = 0,
     dtype: str = "bfloat16",
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random-init HF checkpoint + the toy tokenizer into ``out_dir``; returns it.
 
     ``config``: a dict or a ``config.json`` path overriding the built-in tiny config (its
-    ``vocab_size`` is ignored: the tokenizer's size is used).
+    ``vocab_size`` is ignored: the tokenizer's size is used). ``vocab_size``: the model's vocabulary
+    instead (at least the tokenizer's; the rows past it are never produced by the tokenizer), e.g. padded
+    so that Megatron can split the embedding over tensor parallelism.
     """
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -86,7 +89,9 @@ def build_toy_model(
         fields.update(extra)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = _hf_config(fields, toy.vocab_size(), dtype)
+    if vocab_size is not None and vocab_size < toy.vocab_size():
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the toy tokenizer's {toy.vocab_size()} tokens")
+    hf_config = _hf_config(fields, vocab_size or toy.vocab_size(), dtype)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)
     model = model.to(getattr(torch, dtype))
@@ -99,10 +104,11 @@ def build_toy_model(
 
 
 def build_toy_workspace(root: str | Path, *, moe: bool = False, seed: int = 0, config: Any = None,
-                        train: int = 4096, val: int = 128) -> dict[str, Path]:
+                        train: int = 4096, val: int = 128, vocab_size: int | None = None) -> dict[str, Path]:
     """``root/qwen3`` (checkpoint + tokenizer) and ``root/data/{train,val}.jsonl``."""
     root = Path(root)
-    ckpt = build_toy_model(root / ("qwen3_moe" if moe else "qwen3"), config=config, moe=moe, seed=seed)
+    ckpt = build_toy_model(root / ("qwen3_moe" if moe else "qwen3"), config=config, moe=moe, seed=seed,
+                           vocab_size=vocab_size)
     train_path = toy.write_dataset(root / "data" / "train.jsonl", train, seed)
     val_path = toy.write_dataset(root / "data" / "val.jsonl", val, seed + 1)
     return {"checkpoint": ckpt, "train": train_path, "val": val_path}

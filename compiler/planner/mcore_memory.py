@@ -22,13 +22,14 @@ run measures them (``tests/gpu/test_mcore_generation.py`` records measured memor
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from rlc.compiler.mcore_generation import inference_model, kv_pool
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.host import host_plan
-from rlc.compiler.planner.layout import generation_layout, train_layout
+from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
                                         _missing, _stage_figures, grads_note, nvls_items)
 from rlc.compiler.planner.plan import Check, Item, MemoryPlan, Phase, gib
@@ -73,6 +74,46 @@ def logits_bytes(recipe: Recipe, facts: ModelFacts, rows: int) -> Optional[int]:
     if facts.vocab is None:
         return None
     return rows * facts.vocab * LOGIT_BYTES // recipe.parallelism.generation.tp
+
+
+@dataclass(frozen=True)
+class InferenceShard:
+    """The dedicated inference model on one GPU (its worst pipeline stage) in the inference layout."""
+
+    layout: str
+    params_bytes: int
+    resharded: bool
+    #: the share of the shard's bytes that other GPUs send at a swap (0 with the trainer's layout)
+    remote_fraction: float
+
+    @property
+    def staging_bytes(self) -> int:
+        return int(self.params_bytes * self.remote_fraction)
+
+
+def inference_layout(recipe: Recipe) -> TrainLayout:
+    """``parallelism.generation`` as a Megatron layout: no context or virtual pipeline parallelism, no sequence
+    parallelism; expert TP is the trainer's with the trainer's layout, else the inference TP (megatron-core's
+    default; the runtime's ``rlc.runtime.generation.megatron_engine.inference_expert_tp``)."""
+    tl, g = train_layout(recipe), recipe.parallelism.generation
+    same = (g.tp, g.pp, g.ep) == (tl.tp, tl.pp, tl.ep) and tl.cp == 1
+    return dataclasses.replace(tl, tp=g.tp, pp=g.pp, ep=g.ep, cp=1, vpp=1, etp=tl.etp if same else g.tp,
+                               first=tl.first if same else None, last=tl.last if same else None,
+                               sequence_parallel=tl.sequence_parallel and g.tp > 1)
+
+
+def inference_shard(recipe: Recipe, facts: ModelFacts, bpp: int) -> Optional[InferenceShard]:
+    """The inference model's weights per GPU in its own layout, and how much of them a swap receives from
+    other GPUs (each dense piece split ``train TP / inference TP`` ways, each expert ``train EP / inference
+    EP`` ways: the GPU's own trainer holds one of those pieces); None when model facts are missing."""
+    tl, il = train_layout(recipe), inference_layout(recipe)
+    shards = megatron_stage_shards(facts, il)
+    if shards is None:
+        return None
+    params = max(s.params for s in shards) * bpp
+    resharded = (il.tp, il.pp, il.ep) != (tl.tp, tl.pp, tl.ep) or tl.cp > 1
+    local = min(1.0, (il.tp / tl.tp) * (il.ep / tl.ep) * (il.pp / tl.pp)) if resharded else 1.0
+    return InferenceShard(f"TP{il.tp} PP{il.pp} EP{il.ep}", params, resharded, 1.0 - local)
 
 
 def plan_megatron_generation(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
@@ -159,7 +200,13 @@ def plan_megatron_generation(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
     g_where = table["generate"].megatron
     g_fig = max(figs, key=lambda f: sum(_megatron_bytes(f, g_where, cal).values()))
     g_held = _megatron_bytes(g_fig, g_where, cal)
-    inference_weights = g_fig["params_bytes"]  # the trainer's layout: the same shard
+    inf = inference_shard(recipe, facts, bpp)
+    inference_weights = inf.params_bytes if inf is not None else g_fig["params_bytes"]
+    if dedicated and inf is not None:
+        plan.mcore["inference_model"] = {"layout": inf.layout, "resharded": inf.resharded,
+                                         "weights_bytes": inf.params_bytes, "swap_staging_bytes": inf.staging_bytes}
+    weights_note = (f"the inference layout's shard ({inf.layout})" if inf is not None and inf.resharded
+                    else "the inference layout's shard (the trainer's layout)")
     g_items = []
     for key, label in (("params", "Megatron params (bf16)"), ("master", "optimizer fp32 master"),
                        ("grads", "Megatron grads"), ("moments", "optimizer Adam moments"),
@@ -172,7 +219,7 @@ def plan_megatron_generation(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
     g_items.append(residual)
     if dedicated:
         g_items.append(Item("inference model weights (dedicated)", gib(inference_weights), OWNER, "params",
-                            "the inference layout's shard (the trainer's layout)"))
+                            weights_note))
     g_items += [pool_item] + engine_items + ctx
     plan.phases["generate"] = Phase("generate", "generation (Megatron engine awake)", tuple(g_items), limit,
                                     stage=g_fig["stage"], note="engine figures are estimates")
@@ -187,10 +234,15 @@ def plan_megatron_generation(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: C
         r_fig = max(figs, key=lambda f: sum(_megatron_bytes(f, r_where, cal).values()))
         r_held = _megatron_bytes(r_fig, r_where, cal)
         r_items = [Item(_label(k), gib(v), "megatron", "params") for k, v in r_held.items() if v]
-        r_items += [residual, Item("inference model weights (dedicated)", gib(r_fig["params_bytes"]), OWNER, "params",
-                                   "allocated again before the swap"),
-                    Item("swap staging", 0.0, OWNER, "params",
-                         "same layout: every piece is a same-GPU copy into the destination")]
+        if inf is not None and inf.resharded:
+            staging = Item("swap staging (upper bound)", gib(inf.staging_bytes), OWNER, "params",
+                           f"receive buffers of the pieces other GPUs send ({inf.remote_fraction:.0%} of the shard), "
+                           "all posted before the copy runs")
+        else:
+            staging = Item("swap staging", 0.0, OWNER, "params",
+                           "same layout: every piece is a same-GPU copy into the destination")
+        r_items += [residual, Item("inference model weights (dedicated)", gib(inference_weights), OWNER, "params",
+                                   "allocated again before the swap"), staging]
         if m.kv_cache == "persist":
             r_items.append(pool_item)
         r_items += ctx
@@ -221,4 +273,5 @@ def _label(key: str) -> str:
 
 REFERENCE_LABEL_SHORT = "reference policy params (bf16)"
 
-__all__ = ["CONTEXT_GIB", "OWNER", "engine_activation_bytes", "logits_bytes", "plan_megatron_generation"]
+__all__ = ["CONTEXT_GIB", "OWNER", "InferenceShard", "engine_activation_bytes", "inference_layout", "inference_shard",
+           "logits_bytes", "plan_megatron_generation"]

@@ -28,6 +28,10 @@ def mcore_refit_lines(plan: MemoryPlan) -> list[str]:
     if m.get("mode") == "dedicated":
         lines.append("  swap_model_weights copies every parameter and persistent buffer of the trainer into the "
                      "inference model (fp32 router bias kept fp32)")
+        inf = m.get("inference_model") or {}
+        if inf.get("resharded"):
+            lines.append(f"  resharded into {inf['layout']} (one inference replica per GPU): each slice goes from "
+                         "the GPU whose trainer holds it to the GPUs whose inference model wants it (NCCL)")
     else:
         lines.append("  shared mode: no weights move; the engine generates with the trainer's parameters")
     pool = m.get("kv_pool")

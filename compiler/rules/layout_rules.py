@@ -160,15 +160,23 @@ def _heads_checks(ctx: Context, tp: int, path: str, engine: str) -> None:
                       hint=f"use a TP dividing {value}")
 
 
-@rule("RLC105", "attention, linear-attention and Mamba heads must split over TP", severities=("error", "info"),
-      needs=("facts",),
+@rule("RLC105", "attention, linear-attention and Mamba heads (and the trainer's vocabulary) must split over TP",
+      severities=("error", "info"), needs=("facts",),
       rationale="Tensor parallelism gives each rank whole heads (query heads; Gated-DeltaNet key/value heads; "
-                "Mamba heads and groups) in both Megatron and vLLM.",
+                "Mamba heads and groups) in both Megatron and vLLM, and each trainer rank vocabulary / TP rows of "
+                "the embedding and output layer (vLLM pads its own).",
       seed="Megatron-core attention / GatedDeltaNet / Mamba mixers; vLLM model executors.",
-      fixes="Use a TP that divides every head count of the model (the message names the one that does not).")
+      fixes="Use a TP that divides every head count of the model (the message names the one that does not); "
+            "for the trainer also the vocabulary (or pad the checkpoint's vocab_size to a multiple of TP).")
 def heads_divide(ctx: Context) -> None:
     _heads_checks(ctx, train_layout(ctx.recipe).tp, f"{T}.tp", "trainer")
     _heads_checks(ctx, generation_layout(ctx.recipe).tp, f"{G}.tp", "vLLM")
+    tp, vocab = train_layout(ctx.recipe).tp, ctx.facts.vocab
+    if tp > 1 and vocab is not None and vocab % tp:
+        ctx.error(f"the vocabulary of {vocab} tokens does not split over trainer TP{tp}: Megatron-Bridge builds the "
+                  "embedding and output layer unpadded and megatron-core's vocab-parallel embedding gives each rank "
+                  "vocabulary / TP rows", f"{T}.tp",
+                  hint=f"use a TP dividing {vocab}, or a checkpoint whose vocab_size is a multiple of {tp}")
 
 
 @rule("RLC106", "KV heads vs TP: split evenly or replicate evenly", severities=("error", "info"), needs=("facts",),

@@ -20,6 +20,7 @@ import torch
 from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
 from rlc.runtime.generation.megatron_sampling import (group_samples, inference_config_kwargs, parse_request,
                                                       sampling_params_kwargs)
+from rlc.runtime.generation.reshard_plan import Grid, ReshardLayout
 from rlc.runtime.worker_api import Sample
 
 
@@ -212,6 +213,8 @@ def build_inference_model(bridge: Any, cfg: RuntimeConfig) -> tuple[Any, Any]:
     provider.tensor_model_parallel_size = g.tp
     provider.pipeline_model_parallel_size = g.pp
     provider.expert_model_parallel_size = g.ep
+    etp = inference_expert_tp(cfg)
+    provider.expert_tensor_parallel_size = etp
     provider.context_parallel_size = 1
     provider.sequence_parallel = bool(t.sequence_parallel and g.tp > 1)
     if m.transformer_impl == "inference_optimized":
@@ -220,8 +223,9 @@ def build_inference_model(bridge: Any, cfg: RuntimeConfig) -> tuple[Any, Any]:
             provider.moe_router_num_groups = None
             provider.moe_router_group_topk = None
     provider.finalize()
+    # collective: every trainer rank builds the same groups in the same order (new_group)
     pg = build_inference_pg_collection(torch.distributed.get_world_size(), tp_size=g.tp, pp_size=g.pp, cp_size=1,
-                                       ep_size=g.ep, expt_tp_size=t.etp)
+                                       ep_size=g.ep, expt_tp_size=etp)
     dtype = torch_dtype(cfg.model.dtype)
     chunks = provider.provide_distributed_model(wrap_with_ddp=False, bf16=dtype == torch.bfloat16,
                                                 fp16=dtype == torch.float16, pg_collection=pg)
@@ -233,6 +237,25 @@ def build_inference_model(bridge: Any, cfg: RuntimeConfig) -> tuple[Any, Any]:
     for p in model.parameters():
         p.requires_grad_(False)
     return model, pg
+
+
+def resharded(cfg: RuntimeConfig) -> bool:
+    """The inference layout differs from the trainer's: the swap moves slices between GPUs."""
+    g, t = cfg.generation_parallel, cfg.train_parallel
+    return (g.tp, g.pp, g.ep) != (t.tp, t.pp, t.ep) or t.cp > 1
+
+
+def inference_expert_tp(cfg: RuntimeConfig) -> int:
+    """The inference model's expert-TP size: the trainer's with the trainer's layout, else the inference TP
+    (megatron-core's default: experts split like the dense layers)."""
+    return cfg.train_parallel.etp if not resharded(cfg) else cfg.generation_parallel.tp
+
+
+def reshard_layout(cfg: RuntimeConfig) -> ReshardLayout:
+    """Both grids of this run (``rlc.runtime.generation.reshard_plan``)."""
+    t, g = cfg.train_parallel, cfg.generation_parallel
+    world = cfg.cluster.world_size
+    return ReshardLayout(Grid(world, t.tp, t.ep, t.etp), Grid(world, g.tp, g.ep, inference_expert_tp(cfg)))
 
 
 def refit_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -300,14 +323,22 @@ def swap(train_chunk: Any, inference_model: Any, refit_backend: str) -> dict[str
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def verify_swap(train_chunk: Any, inference_model: Any) -> dict[str, Any]:
+def verify_swap(train_chunk: Any, inference_model: Any, *, resharded: bool = False) -> dict[str, Any]:
     """Every tensor of the inference model equal, bit for bit and in dtype, to the trainer's of the same name
-    (the trainer's layout: same names and shapes); ``rlc.runtime.refit.verify.VerifyReport`` as a dict."""
+    (the trainer's layout: same names and shapes) or, ``resharded``, to its slice of the trainer's tensor
+    gathered over the trainer's groups (``rlc.runtime.generation.reshard_verify``; collective over all ranks);
+    ``rlc.runtime.refit.verify.VerifyReport`` as a dict."""
     from rlc.runtime.refit.verify import ParamMismatch, compare_parameters  # noqa: PLC0415
 
-    reference = refit_tensors(train_chunk)
     got = refit_tensors(inference_model)
     with torch.no_grad():
+        if resharded:
+            from rlc.runtime.generation import reshard_verify  # noqa: PLC0415
+
+            whole = reshard_verify.gathered_training_tensors(unwrap(train_chunk), refit_tensors(train_chunk))
+            reference, _ = reshard_verify.expected_inference_tensors(unwrap(inference_model), got, whole)
+        else:
+            reference = refit_tensors(train_chunk)
         report = compare_parameters(got, reference)
     out = report.to_dict()
     extra = sorted(set(got) - set(reference))
@@ -335,7 +366,10 @@ __all__ = [
     "keep_router_bias_fp32",
     "pool_facts",
     "prepare_swap",
+    "inference_expert_tp",
     "refit_tensors",
+    "reshard_layout",
+    "resharded",
     "restore_weights",
     "swap",
     "unwrap",

@@ -98,6 +98,16 @@ class MegatronGenerationMixin:
         inference_model = pg = None
         if m.mode == "dedicated":
             self._params_back()
+            if E.resharded(cfg):
+                layout = E.reshard_layout(cfg)
+                if not layout.direct:
+                    raise NotImplementedError(
+                        f"inference TP{layout.inference.tp} EP{layout.inference.ep}: the bundled runtime runs one "
+                        "engine per GPU (parallelism.generation tp, pp and ep 1, RLC311); recompile")
+                facts["reshard"] = layout.describe(self.rank, getattr(self.pm.provider, "num_moe_experts", None))
+                print(f"[megatron-inference] rank {self.rank}: resharding train TP{layout.train.tp} "
+                      f"EP{layout.train.ep} -> inference TP{layout.inference.tp} EP{layout.inference.ep} "
+                      f"({layout.replicas} replicas): {facts['reshard']}", flush=True)
             inference_model, pg = E.build_inference_model(self.pm.bridge, cfg)
             print(f"[megatron-inference] rank {self.rank}: built the dedicated inference model "
                   f"({m.transformer_impl})", flush=True)
@@ -133,7 +143,7 @@ class MegatronGenerationMixin:
             st.swaps += 1
             moved, tensors, swap_s = swapped["bytes"], swapped["num_tensors"], swapped["seconds"]
             if verify:
-                report = E.verify_swap(self.pm.model[0], st.inference_model)
+                report = E.verify_swap(self.pm.model[0], st.inference_model, resharded=E.resharded(self.cfg))
         else:
             # the engine's requests are scheduled per rank: a forward pre-hook that gathers parameters across
             # data-parallel ranks (overlap_param_gather) would wait on ranks that generate other requests

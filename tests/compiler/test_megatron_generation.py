@@ -224,7 +224,7 @@ def test_block_bytes_follow_megatron_cores_formula():
 
 @pytest.mark.parametrize("sets, key", [
     (("generation.enforce_eager=false",), "generation.enforce_eager"),
-    (("cluster.gpus_per_node=2", "parallelism.train.tp=2", "parallelism.generation.tp=2"), "parallelism.train"),
+    (("cluster.gpus_per_node=2", "parallelism.train.tp=2", "parallelism.generation.tp=2"), "parallelism.generation"),
     (("cluster.gpus_per_node=2", "parallelism.generation.tp=2", f"{G}.mode=dedicated"), "parallelism.generation"),
     (("training.router_replay.enabled=true",), "training.router_replay.enabled"),
 ])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -129,6 +129,13 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     mcore_vs_vllm)  # the dense recipe with each backend: step, generation and refit time, memory per phase
       run_stage mcore_vs_vllm 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case compare \
         --root /tmp/rlc-mcore-compare --out "$OUT" --compare-steps "${MCORE_COMPARE_STEPS:-20}" --timeout 200 ;;
+    mcore_reshard_tp|mcore_reshard_ep)  # nvidia-h200-x2: the dedicated inference model in another layout than the
+      # trainer's (tp: train TP2 -> inference TP1 x 2 replicas; ep: train EP2 -> inference EP1, fp32 router bias);
+      # GRPO with every swap checked bit for bit against the gathered trainer tensors (>= 20 refits), the toy task
+      # learned, memory per phase next to the plan (MCORE_RESHARD_STEPS, default 200; MCORE_RESHARD_TIMEOUT, driver s)
+      run_stage "$stage" 530 python3 "$REPO"/tests/gpu/test_mcore_reshard.py --case "${stage#mcore_reshard_}" \
+        --root "/tmp/rlc-$stage" --out "$OUT" --steps "${MCORE_RESHARD_STEPS:-200}" \
+        --timeout "${MCORE_RESHARD_TIMEOUT:-400}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     fp8_refit) run_stage fp8_refit 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case dense-8b \
       --scales "${FP8_SCALES:-block}" --out "$OUT" ;;
