@@ -27,8 +27,10 @@ other learning rates; the MLA attention's dims changed one at a time (``q_lora_r
 (the dense model's GQA attention with the same experts) as control; and a proposed fix (``moe_fix*``: the
 MLA attention initialised to start like the dense model's, every dim kept); the initialisation's size, place
 and draws (``init_std``: named weight matrices drawn at another std, as the checkpoint builder
-``tests/gpu/test_four_gpu_grpo.build_workspace(init_std=...)`` does; ``init_seed``). ``--variants attention``
-and ``--variants init`` are presets for one GPU call each.
+``rlc.runtime.toy_model.build_toy_model(init_std=...)`` does; ``init_seed``). ``--variants attention``
+and ``--variants init`` are presets for one GPU call each. Every variant's checkpoint is drawn with its own
+``init_std`` only: ``moe`` is the tiny MoE as first shipped (every matrix at ``initializer_range`` 0.02), and
+``moe_attn0.07`` is the one its model folder now ships (``_init_std`` in its config.json).
 Every run also records the attention of the last prompt position (where the answer is predicted) at init
 and after training: its entropy (1 = uniform) and the mass on the two operand positions (0.4 = uniform).
 
@@ -95,7 +97,7 @@ class Variant:
     attn_norm_gain: float = 1.0  # MoE: q_a_layernorm / kv_a_layernorm weights (1 in the checkpoint) times this
     q_norm_gain: float = 1.0  # MoE: q_a_layernorm's weights times this (the queries, so the attention logits, scale)
     #: weight matrices drawn at another std than ``initializer_range``: fnmatch pattern over the checkpoint's tensor
-    #: names -> std, first match wins (``tests/gpu/test_four_gpu_grpo.with_init_std``, the checkpoint builder's own)
+    #: names -> std, first match wins (``rlc.runtime.toy_model.with_init_std``, the checkpoint builder's own)
     init_std: dict[str, float] = field(default_factory=dict)
     init_seed: int | None = 0  # the checkpoint builder's seed (the shipped checkpoint's: 0); None: the run's seed
 
@@ -327,16 +329,15 @@ def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None
     if v.vocab is not None:  # build_toy_model always uses the tokenizer's size; this variant asks otherwise
         toy.vocab_size = lambda: v.vocab  # type: ignore[assignment]
     try:
-        toy_model.build_toy_model(out, config=config, moe=v.model == "qwen3_moe", seed=init_seed)
+        # the variant's own init only (the model folder's _init_std is the shipped choice, ``moe_attn0.07``)
+        toy_model.build_toy_model(out, config=config, moe=v.model == "qwen3_moe", seed=init_seed,
+                                  init_std=v.init_std)
     finally:
         toy.vocab_size = real_vocab_size  # type: ignore[assignment]
-    if v.model == "moe" or v.init_std:
-        from tests.gpu.test_four_gpu_grpo import add_mtp_layers, rescale_init  # noqa: PLC0415
+    if v.model == "moe":
+        from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
 
-        if v.init_std:
-            rescale_init(out, v.init_std)
-        if v.model == "moe":
-            add_mtp_layers(out, seed=init_seed, bias_base=v.bias_base)
+        add_mtp_layers(out, seed=init_seed, bias_base=v.bias_base)
     import transformers  # noqa: PLC0415
 
     transformers.logging.set_verbosity_error()

@@ -6,6 +6,10 @@ seed), saved with ``save_pretrained`` next to the toy task's character-level tok
 vLLM both load the same directory. ``vocab_size`` is always the tokenizer's size, so vLLM never
 samples an id the tokenizer cannot decode.
 
+A config may name weight matrices drawn at another standard deviation than its ``initializer_range``
+(``"_init_std": {"model.layers.*.self_attn.*": 0.07}``: fnmatch patterns over tensor names, first match wins;
+see :func:`with_init_std`); the builder applies them to the checkpoint it writes.
+
 ``python -m rlc.runtime.toy_model OUT [--config config.json] [--moe] [--seed S]`` writes
 ``OUT/qwen3/`` (checkpoint + tokenizer) and ``OUT/data/{train,val}.jsonl`` (the toy task), the
 layout ``rlc/recipes/tiny-qwen3-1gpu.yaml`` expects for ``OUT=/tmp/rlc-tiny``.
@@ -13,6 +17,7 @@ layout ``rlc/recipes/tiny-qwen3-1gpu.yaml`` expects for ``OUT=/tmp/rlc-tiny``.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,10 @@ def _hf_config(fields: dict[str, Any], vocab_size: int, dtype: str):
     return config
 
 
+#: The config key naming weight matrices drawn at another std (not a transformers field: rlc's builder reads it).
+INIT_STD_KEY = "_init_std"
+
+
 def build_toy_model(
     out_dir: str | Path,
     *,
@@ -72,6 +81,7 @@ def build_toy_model(
     seed: int = 0,
     dtype: str = "bfloat16",
     vocab_size: int | None = None,
+    init_std: dict[str, float] | None = None,
 ) -> Path:
     """Write a random-init HF checkpoint + the toy tokenizer into ``out_dir``; returns it.
 
@@ -79,6 +89,8 @@ def build_toy_model(
     ``vocab_size`` is ignored: the tokenizer's size is used). ``vocab_size``: the model's vocabulary
     instead (at least the tokenizer's; the rows past it are never produced by the tokenizer), e.g. padded
     so that Megatron can split the embedding over tensor parallelism.
+    ``init_std``: the weight matrices drawn at another std (:func:`with_init_std`); ``None`` takes the
+    config's ``_init_std`` (none if it has none), ``{}`` draws every matrix at ``initializer_range``.
     """
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -99,8 +111,57 @@ def build_toy_model(
     model.generation_config.eos_token_id = toy.EOS_ID
     model.generation_config.pad_token_id = toy.PAD_ID
     model.save_pretrained(str(out), safe_serialization=True)
+    chosen = fields.get(INIT_STD_KEY) if init_std is None else init_std
+    if chosen:
+        rescale_init(out, {str(k): float(v) for k, v in dict(chosen).items()})
     toy.build_tokenizer(out)
     return out
+
+
+def with_init_std(sd: dict[str, Any], cfg: dict[str, Any], init_std: dict[str, float]) -> dict[str, Any]:
+    """``sd`` with the weight matrices named by ``init_std`` (fnmatch pattern over tensor names -> std) drawn at
+    that std instead of ``initializer_range``; the first matching pattern wins.
+
+    transformers initialises every weight matrix of these models (projections, experts, router, embedding,
+    head) as ``N(0, initializer_range)`` (the embedding's padding row 0) and ``normal_`` scales one standard draw
+    per element by the std; so each matched matrix is rescaled by ``std / initializer_range``: the builder's
+    own draws of its seed at the new std (a pattern ``*`` at 0.07 is the checkpoint of ``initializer_range``
+    0.07, up to one bf16 rounding). Vectors (norm weights, the router bias) keep their values. A pattern
+    that names no weight matrix is an error.
+    """
+    import torch  # noqa: PLC0415
+
+    base = float(cfg.get("initializer_range", 0.02))
+    out, used = dict(sd), dict.fromkeys(init_std, 0)
+    for name, t in sd.items():
+        if t.ndim < 2 or not t.is_floating_point():
+            continue
+        pattern = next((p for p in init_std if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
+            continue
+        used[pattern] += 1
+        out[name] = (t.to(torch.float64) * (float(init_std[pattern]) / base)).to(t.dtype)
+    unused = [p for p, n in used.items() if n == 0]
+    if unused:
+        raise ValueError(f"init_std: pattern(s) {unused} name no weight matrix of the checkpoint (e.g. "
+                         f"'model.layers.*.self_attn.*', 'lm_head.weight'); fix or remove them")
+    return out
+
+
+def rescale_init(ckpt: str | Path, init_std: dict[str, float]) -> dict[str, Any]:
+    """:func:`with_init_std` applied to a one-file safetensors checkpoint, in place; returns how many tensors it
+    changed."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    ckpt = Path(ckpt)
+    files = sorted(ckpt.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"{ckpt}: expected one safetensors file, found {len(files)}")
+    cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    sd = load_file(str(files[0]))
+    new = with_init_std(sd, cfg, init_std)
+    save_file(new, str(files[0]), metadata={"format": "pt"})
+    return {"init_std": dict(init_std), "rescaled_tensors": sum(1 for k in sd if new[k] is not sd[k])}
 
 
 def build_toy_workspace(root: str | Path, *, moe: bool = False, seed: int = 0, config: Any = None,

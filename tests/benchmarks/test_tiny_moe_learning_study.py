@@ -162,20 +162,20 @@ def test_parallel_workers_give_the_in_process_result(tmp_path):
 
 
 def _checkpoint(path, **overrides):
-    """The toy builder's MoE checkpoint (seed 0) as written, with its config."""
+    """The toy builder's MoE checkpoint (seed 0) with every matrix at ``initializer_range``, with its config."""
     from safetensors.torch import load_file
 
     from rlc.runtime.toy_model import build_toy_model
 
     cfg = {**study.model_config(study.VARIANTS["moe"]), **overrides}
-    out = build_toy_model(path, config=cfg, seed=0)
+    out = build_toy_model(path, config=cfg, seed=0, init_std={})
     return load_file(str(next(out.glob("*.safetensors")))), cfg
 
 
 def test_init_std_draws_the_builders_weights_at_another_std(tmp_path):
     """A pattern's std gives what ``initializer_range`` at that std gives (the same draws, one bf16 rounding
     apart); only the named matrices change; vectors and unmatched tensors stay bit for bit."""
-    from tests.gpu.test_four_gpu_grpo import with_init_std
+    from rlc.runtime.toy_model import with_init_std
 
     shipped, cfg = _checkpoint(tmp_path / "a")
     wide, _ = _checkpoint(tmp_path / "b", initializer_range=0.07)
@@ -216,6 +216,33 @@ def test_study_checkpoint_is_the_workspace_builders(tmp_path):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     last, mtp = "model.layers.3.self_attn.kv_b_proj.weight", "model.layers.4.self_attn.kv_b_proj.weight"
     assert torch.equal(ours[mtp], ours[last]) and 0.06 < float(ours[last].float().std()) < 0.08
+
+
+def test_the_shipped_tiny_moe_is_drawn_as_its_model_folder_says(tmp_path):
+    """The GPU runs' checkpoint (``build_workspace`` with no ``init_std``) takes ``_init_std`` from the model
+    folder's config.json: bit for bit the study's ``moe_attn0.07``; ``init_std={}`` is the study's ``moe`` (every
+    matrix at ``initializer_range``), so the study's baseline keeps meaning the first shipped draw."""
+    import json
+
+    from safetensors.torch import load_file
+    from tests.gpu.test_four_gpu_grpo import MODEL_CONFIG, build_workspace
+
+    declared = json.loads(MODEL_CONFIG.read_text(encoding="utf-8"))["_init_std"]
+    assert declared == study.VARIANTS["moe_attn0.07"].init_std
+    build_workspace(tmp_path / "shipped")
+    shipped = load_file(str(tmp_path / "shipped" / "deepseek_v3" / "model.safetensors"))
+    study.build_model(study.VARIANTS["moe_attn0.07"], tmp_path / "fix")
+    fix = load_file(str(tmp_path / "fix" / "ckpt" / "model.safetensors"))
+    assert shipped.keys() == fix.keys() and all(torch.equal(shipped[k], fix[k]) for k in shipped)
+    build_workspace(tmp_path / "plain", init_std={})
+    study.build_model(study.VARIANTS["moe"], tmp_path / "base")
+    plain = load_file(str(tmp_path / "plain" / "deepseek_v3" / "model.safetensors"))
+    base = load_file(str(tmp_path / "base" / "ckpt" / "model.safetensors"))
+    assert all(torch.equal(plain[k], base[k]) for k in plain)
+    q = "model.layers.0.self_attn.q_a_proj.weight"
+    assert 0.06 < float(shipped[q].float().std()) < 0.08 and 0.015 < float(plain[q].float().std()) < 0.025
+    router = "model.layers.1.mlp.gate.weight"
+    assert torch.equal(shipped[router], plain[router])  # only the attention is drawn wider
 
 
 def test_variant_seed_counts_and_seed_major_order():

@@ -85,54 +85,6 @@ def with_mtp_layers(sd: dict, cfg: dict, *, seed: int = 0, bias_base: float = 30
     return out
 
 
-def with_init_std(sd: dict, cfg: dict, init_std: dict[str, float]) -> dict:
-    """``sd`` with the weight matrices named by ``init_std`` (fnmatch pattern over tensor names -> std) drawn at
-    that std instead of ``initializer_range``; the first matching pattern wins.
-
-    transformers initialises every weight matrix of these models (projections, experts, router, embedding,
-    head) as ``N(0, initializer_range)`` (the embedding's padding row 0) and ``normal_`` scales one standard draw
-    per element by the std; so each matched matrix is rescaled by ``std / initializer_range``: the builder's
-    own draws of its seed at the new std (a pattern ``*`` at 0.07 is the checkpoint of ``initializer_range``
-    0.07, up to one bf16 rounding). Vectors (norm weights, the router bias) keep their values. A pattern
-    that names no weight matrix is an error.
-    """
-    import fnmatch  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    base = float(cfg.get("initializer_range", 0.02))
-    out, used = dict(sd), dict.fromkeys(init_std, 0)
-    for name, t in sd.items():
-        if t.ndim < 2 or not t.is_floating_point():
-            continue
-        pattern = next((p for p in init_std if fnmatch.fnmatchcase(name, p)), None)
-        if pattern is None:
-            continue
-        used[pattern] += 1
-        out[name] = (t.to(torch.float64) * (float(init_std[pattern]) / base)).to(t.dtype)
-    unused = [p for p, n in used.items() if n == 0]
-    if unused:
-        raise ValueError(f"init_std: pattern(s) {unused} name no weight matrix of the checkpoint (e.g. "
-                         f"'model.layers.*.self_attn.*', 'lm_head.weight'); fix or remove them")
-    return out
-
-
-def rescale_init(ckpt: str | Path, init_std: dict[str, float]) -> dict:
-    """``with_init_std`` applied to a one-file safetensors checkpoint, in place (before ``add_mtp_layers``, so
-    the MTP layer copies the rescaled last layer); returns how many tensors it changed."""
-    from safetensors.torch import load_file, save_file  # noqa: PLC0415
-
-    ckpt = Path(ckpt)
-    files = sorted(ckpt.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{ckpt}: expected one safetensors file, found {len(files)}")
-    cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    sd = load_file(str(files[0]))
-    new = with_init_std(sd, cfg, init_std)
-    save_file(new, str(files[0]), metadata={"format": "pt"})
-    return {"init_std": dict(init_std), "rescaled_tensors": sum(1 for k in sd if new[k] is not sd[k])}
-
-
 def add_mtp_layers(ckpt: str | Path, **kwargs) -> dict:
     """``with_mtp_layers`` applied to a one-file safetensors checkpoint, in place."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
@@ -151,14 +103,14 @@ def add_mtp_layers(ckpt: str | Path, **kwargs) -> dict:
 
 def build_workspace(root: str | Path, *, seed: int = 0, bias_base: float = 30.0,
                     init_std: dict[str, float] | None = None) -> dict:
-    """The checkpoint (``init_std``: see ``with_init_std``) and the toy data under ``root``."""
+    """The checkpoint and the toy data under ``root``. ``init_std`` (``rlc.runtime.toy_model.with_init_std``):
+    ``None`` draws as the model's config.json says (its ``_init_std``), ``{}`` every matrix at
+    ``initializer_range``."""
     from rlc.runtime import toy  # noqa: PLC0415
     from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
 
     root = Path(root)
-    ckpt = build_toy_model(root / "deepseek_v3", config=MODEL_CONFIG, seed=seed)
-    if init_std:
-        rescale_init(ckpt, init_std)
+    ckpt = build_toy_model(root / "deepseek_v3", config=MODEL_CONFIG, seed=seed, init_std=init_std)
     info = add_mtp_layers(ckpt, seed=seed, bias_base=bias_base)
     toy.write_dataset(root / "data" / "train.jsonl", 4096, seed)
     return {"checkpoint": str(ckpt), **info}
