@@ -31,7 +31,7 @@ from rlc.compiler.shell import Quoted
 from rlc import __version__
 from rlc.compiler.resolve import resolve_runtime_config
 from rlc.compiler.runtime_support import runtime_gaps
-from rlc.contract.records import dataclass
+from dataclasses import dataclass
 from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_from_dict, runtime_config_to_dict
 
 if TYPE_CHECKING:

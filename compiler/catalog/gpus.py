@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.tables import parse_table
-from rlc.contract.records import dataclass
+from dataclasses import dataclass
 
 _GPUS_FILE = Path(__file__).with_name("gpus.yaml")
 
