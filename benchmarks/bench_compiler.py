@@ -26,7 +26,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -39,6 +38,11 @@ from typing import Any
 
 from rlc.compiler.cli import dump_yaml
 from rlc.compiler.recipe import load_recipe
+
+if __package__:
+    from benchmarks._provenance import git_commit, machine
+else:  # run as a script (python benchmarks/bench_compiler.py): this folder is first on the path
+    from _provenance import git_commit, machine  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"
@@ -106,27 +110,6 @@ def make_variants(base: Path, folder: Path, count: int, seed: int = 0) -> int:
         text = "# yaml-language-server: $schema=../schemas/recipe.schema.json\n" + dump_yaml(variant)
         (folder / f"{name}.yaml").write_text(text)
     return broken
-
-
-def git_commit(root: Path) -> str:
-    proc = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
-            "load_average_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-            "platform": platform.platform()}
 
 
 def _times(values: list[float]) -> dict[str, Any]:

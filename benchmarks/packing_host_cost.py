@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -39,6 +38,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+if __package__:
+    from benchmarks._provenance import git_commit
+    from benchmarks._provenance import machine as _machine
+else:  # run as a script (python benchmarks/packing_host_cost.py): this folder is first on the path
+    from _provenance import git_commit  # type: ignore[no-redef]
+    from _provenance import machine as _machine  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("driver: batch", "old logprobs", "ref logprobs", "train", "driver: gen-KL")
@@ -182,27 +188,10 @@ def measure_case(name: str, repeats: int, checkout: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the parent: run, table, JSON
 
 
-def git_commit(root: Path) -> str:
-    proc = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
-
-
 def machine() -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
-            "load_average_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
+    return _machine(torch=torch.__version__)
 
 
 def run_child(checkout: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:

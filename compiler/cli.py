@@ -21,9 +21,8 @@ import json
 import os
 import shlex
 import sys
-import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from rlc.compiler.diagnostics import (
     DEFAULT_ORIGIN,
@@ -142,6 +141,8 @@ def cmd_lint(args: argparse.Namespace) -> int:
             outputs = [output_folders(path, result)] if result.ok else []  # (checks may run in workers)
         except Exception as exc:  # a bug in rlc: say so for this file and lint the others  # noqa: BLE001
             if getattr(args, "debug", False):
+                import traceback  # noqa: PLC0415 - only for --debug
+
                 traceback.print_exc()
             return [Diagnostic("error", f"internal error: {type(exc).__name__}: {exc} (a bug in rlc; rerun "
                                "`rlc validate --debug` on this file for the traceback and report it)",
@@ -387,8 +388,42 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- argument parsing
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``rlc`` argument parser (exposed for documentation and tests)."""
+class _Unparsed:
+    """Stands in for the parser of a command this run does not parse (``build_parser(only=...)``)."""
+
+    epilog: str | None = None
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_defaults(self, **kwargs: Any) -> None:
+        pass
+
+    def add_subparsers(self, **kwargs: Any) -> _Unparsed:
+        return self
+
+    def add_parser(self, *args: Any, **kwargs: Any) -> _Unparsed:
+        return self
+
+
+#: The commands :func:`build_parser` adds, in its order.
+COMMANDS = ("validate", "lint", "show", "schema", "explain", "plan", "compile", "calibrate", "import", "doctor",
+            "submit")
+
+
+def _command_only(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs when nothing but it needs parsing (``rlc [--debug] COMMAND ...``):
+    then only that command's parser is built, the others cost nothing. ``None`` for anything else
+    (``--help``, ``--version``, an unknown command): the whole parser."""
+    for arg in argv:
+        if arg != "--debug":
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``rlc`` argument parser (exposed for documentation and tests); with ``only``, the
+    parser of that command alone is built (the others are listed nowhere but never run)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show a traceback for internal errors")
@@ -407,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str,
             with_set: bool = False) -> argparse.ArgumentParser:
+        if only is not None and name != only:
+            return cast(argparse.ArgumentParser, _Unparsed())
         parents = [common, sets] if with_set else [common]
         p = sub.add_parser(name, parents=parents, help=help_text, description=help_text)
         p.set_defaults(func=func)
@@ -466,8 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="calibration file to write")
     p.add_argument("--id", metavar="ID", help="entry id (default: GPU and vLLM version, e.g. h200-141gb-vllm-0.22.0)")
 
-    p = sub.add_parser("import", parents=[common], help="turn another tool's config into an rlc recipe",
-                       description="turn another tool's config into an rlc recipe")
+    p = (sub.add_parser("import", parents=[common], help="turn another tool's config into an rlc recipe",
+                        description="turn another tool's config into an rlc recipe")
+         if only in (None, "import") else cast(argparse.ArgumentParser, _Unparsed()))
     importers = p.add_subparsers(dest="source", metavar="SOURCE")
     importers.required = True
     p = importers.add_parser(
@@ -529,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = _ClosedOutput("output")
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - nowhere to report to; the exit code still says
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_only(argv))
     try:
         args, extra = parser.parse_known_args(argv)
         # `rlc import nemo-rl CONFIG --set k=v a.b=1`: NeMo-RL overrides may follow options
@@ -555,12 +594,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the output could not be written (disk full, closed), or a file read failed
         _discard_stdout()
         if debug:
+            import traceback  # noqa: PLC0415 - only for --debug
+
             traceback.print_exc()
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         print(f"rlc {args.command}: I/O error: {exc.strerror or exc}{where}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # a bug in rlc, not bad input  # noqa: BLE001
         if debug:
+            import traceback  # noqa: PLC0415 - only for --debug
+
             traceback.print_exc()
         else:
             print(f"rlc: internal error: {type(exc).__name__}: {exc}\n"

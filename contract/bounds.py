@@ -17,8 +17,6 @@ Pure Python; the compiler and the runtime both import it.
 """
 from __future__ import annotations
 
-import signal
-import threading
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -109,6 +107,9 @@ class TimeLimit:
                           "exponentially, or a cycle)")
 
     def __enter__(self) -> TimeLimit:
+        import signal  # noqa: PLC0415 - only where a limit is set (not on every command's import path)
+        import threading  # noqa: PLC0415
+
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGALRM, self._on_alarm)
             signal.setitimer(signal.ITIMER_REAL, self.seconds, self.REPEAT_SECONDS)
@@ -118,6 +119,8 @@ class TimeLimit:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._armed:
+            import signal  # noqa: PLC0415 - (imported by __enter__ already)
+
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self._old_handler)
             self._armed = False

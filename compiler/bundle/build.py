@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from rlc.compiler.shell import Quoted
 from rlc import __version__
 from rlc.compiler.resolve import resolve_runtime_config
 from rlc.compiler.runtime_support import runtime_gaps
+from dataclasses import dataclass
 from rlc.contract.runtime_config import RuntimeConfigError, runtime_config_from_dict, runtime_config_to_dict
 
 if TYPE_CHECKING:
@@ -144,15 +145,15 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
     try:
         for name, text in contents.items():
             _write(staged / name, text, _mode(name))
-        copy_rlc(staged / "rlc_pkg")
+        copied = {f"rlc_pkg/{rel}": sha for rel, sha in copy_rlc(staged / "rlc_pkg").items()}
         set_modes(staged, secrets=SECRET_FILES, scripts=_EXECUTABLE)
-        hashes = write_manifests(staged)
+        hashes = write_manifests(staged, copied)
         _write(staged / "launch.sbatch",
                render_script("launch.sbatch.j2", {**ctx.values, **{k: Quoted(v) for k, v in hashes.items()}}),
                SCRIPT_MODE)
         lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
                          overrides=list(loaded.overrides) if loaded is not None else [], container=container,
-                         recipe_name=recipe.name, log_dir=ctx.log_dir)
+                         recipe_name=recipe.name, log_dir=ctx.log_dir, known=copied)
         write_lock(staged, lock)
         files = sorted([*lock["files"], "bundle.lock.json"])
         commit(staged, out_dir, force)

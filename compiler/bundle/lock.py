@@ -26,7 +26,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rlc.compiler.files import CONFIG_BYTES, read_capped, sha256_regular
 from rlc.compiler.recipe_types import ContainerSection
@@ -99,20 +99,29 @@ def set_modes(folder: Path, secrets: tuple[str, ...], scripts: tuple[str, ...]) 
     """Give every entry the compiler's permissions (see :data:`DIR_MODE`): the same on every machine
     whatever the umask or the source checkout's modes, none writable by others."""
     for rel, st in _entries(folder, ()):
-        path = folder / rel
         if stat.S_ISDIR(st.st_mode):
-            path.chmod(DIR_MODE)
+            mode = DIR_MODE
         elif stat.S_ISREG(st.st_mode):
-            path.chmod(SECRET_MODE if rel in secrets else SCRIPT_MODE if rel in scripts else FILE_MODE)
+            mode = SECRET_MODE if rel in secrets else SCRIPT_MODE if rel in scripts else FILE_MODE
+        else:
+            continue
+        if stat.S_IMODE(st.st_mode) != mode:  # (what was created with its mode is left alone)
+            (folder / rel).chmod(mode)
 
 
-def write_manifests(folder: Path) -> dict[str, str]:
+def _sha256(folder: Path, rel: str, known: Mapping[str, str] | None) -> str:
+    found = known.get(rel) if known else None
+    return found if found is not None else sha256_regular(folder / rel)
+
+
+def write_manifests(folder: Path, known: Mapping[str, str] | None = None) -> dict[str, str]:
     """Write :data:`TREE_NAME` and :data:`MANIFEST_NAME` for ``folder`` (all but :data:`UNCHECKED`);
-    returns their sha256 as the job script's values ``tree_sha256`` and ``manifest_sha256``."""
+    returns their sha256 as the job script's values ``tree_sha256`` and ``manifest_sha256``.
+    ``known``: the sha256 of files (by relative path) hashed as they were written, not read again."""
     entries = _entries(folder, UNCHECKED)
     tree = "".join(line + "\n" for line in _c_sorted([tree_line(rel, st) for rel, st in entries]))
     files = sorted(rel for rel, st in entries if stat.S_ISREG(st.st_mode))
-    manifest = "".join(f"{sha256_regular(folder / rel)}  {rel}\n" for rel in files)
+    manifest = "".join(f"{_sha256(folder, rel, known)}  {rel}\n" for rel in files)
     (folder / TREE_NAME).write_text(tree, encoding="utf-8")
     (folder / MANIFEST_NAME).write_text(manifest, encoding="utf-8")
     for name in (TREE_NAME, MANIFEST_NAME):
@@ -138,8 +147,9 @@ def recorded_override(text: str) -> str:
 
 
 def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: ContainerSection,
-              recipe_name: str, log_dir: str) -> dict[str, Any]:
-    """The lock mapping for the entries now in ``folder`` (the lock file itself excluded)."""
+              recipe_name: str, log_dir: str, known: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The lock mapping for the entries now in ``folder`` (the lock file itself excluded); ``known``
+    as for :func:`write_manifests`."""
     entries = _entries(folder, (LOCK_NAME,))
     return {
         "rlc_bundle": LOCK_FORMAT,
@@ -153,7 +163,7 @@ def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], c
         },
         "log_dir": log_dir,
         "container": {"runtime": container.runtime, "image": container.image},
-        "files": {rel: sha256_regular(folder / rel) for rel, st in sorted(entries) if stat.S_ISREG(st.st_mode)},
+        "files": {rel: _sha256(folder, rel, known) for rel, st in sorted(entries) if stat.S_ISREG(st.st_mode)},
         "tree": {rel: tree_fields(st) for rel, st in sorted(entries)},
     }
 

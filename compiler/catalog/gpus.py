@@ -1,13 +1,12 @@
 """The GPU catalog (``gpus.yaml``): usable memory per ``cluster.gpu`` name, with its source."""
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from rlc.compiler.catalog.errors import CatalogError
 from rlc.compiler.tables import parse_table
+from dataclasses import dataclass
 
 _GPUS_FILE = Path(__file__).with_name("gpus.yaml")
 
@@ -56,6 +55,8 @@ def gpu_spec(name: str) -> GpuSpec:
     table = _table()
     if name in table:
         return table[name]
+    import difflib  # noqa: PLC0415 - only for an unknown GPU's did-you-mean
+
     close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise CatalogError(f"unknown GPU {name!r}{hint} (known: {', '.join(sorted(table))})")
