@@ -116,29 +116,53 @@ def _times(values: list[float]) -> dict[str, Any]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "runs": len(values)}
 
 
-def measure(source: Path, folder: Path, broken: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """Wall times of ``validate`` and ``compile`` (base recipe) and ``lint`` (all variants) with ``source``'s rlc."""
-    # As a user runs it: Python caches bytecode (an installed wheel has it precompiled). This
-    # environment may set PYTHONDONTWRITEBYTECODE, which makes every run recompile every rlc module;
-    # the cache goes to a temp folder, not the source tree.
+def _env(source: Path, tmp: Path) -> dict[str, str]:
+    """``source``'s rlc first on the path, bytecode cached in a temp folder of its own.
+
+    As a user runs it: Python caches bytecode (an installed wheel has it precompiled). This environment
+    may set PYTHONDONTWRITEBYTECODE, which makes every run recompile every rlc module; the cache goes to
+    a temp folder, not the source tree."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = str(source)
     env["PYTHONPYCACHEPREFIX"] = str(tmp / f"pycache-{abs(hash(str(source)))}")
+    return env
+
+
+def measure(sources: list[Path], folder: Path, broken: int, args: argparse.Namespace,
+            tmp: Path) -> list[dict[str, Any]]:
+    """Wall times of ``validate`` and ``compile`` (base recipe) and ``lint`` (all variants) with each source's rlc.
+
+    The checkouts take turns run by run (the order rotating each run), so a change of the machine's load
+    during the measurement weighs on all of them alike instead of on whichever ran last."""
     rlc = [sys.executable, "-m", "rlc"]
     validate = rlc + ["validate", str(BASE)]
-    wall(validate, 1, tmp, {0}, env)  # warm the OS file cache, write the bytecode
-    v = wall(validate, args.runs, tmp, {0}, env)
-    bundles = tmp / f"bundles-{abs(hash(str(source)))}"
-    c = [wall(rlc + ["compile", str(BASE), "-o", str(bundles / f"b{i}")], 1, tmp, {0}, env)[0]
-         for i in range(args.runs + 1)][1:]  # (the first run writes bytecode)
-    lint = rlc + ["lint", str(folder)]
-    lt = wall(lint, args.lint_runs, tmp, {1} if broken else {0}, env)
-    start = wall([sys.executable, "-c", "pass"], args.runs, tmp, {0}, env)
-    return {"source": str(source), "commit": git_commit(source),
-            "validate_s": _times(v), "compile_s": _times(c), "lint_s": _times(lt),
-            "python_start_s": min(start), "python_start_median_s": statistics.median(start),
-            "lint_in_validate_runs": statistics.median(lt) / statistics.median(v),
-            "lint_per_recipe_ms": 1e3 * statistics.median(lt) / args.variants}
+    envs = {s: _env(s, tmp) for s in sources}
+    bundles = {s: tmp / f"bundles-{abs(hash(str(s)))}" for s in sources}
+
+    def compile_once(s: Path, i: int) -> float:
+        return wall(rlc + ["compile", str(BASE), "-o", str(bundles[s] / f"b{i}")], 1, tmp, {0}, envs[s])[0]
+
+    for s in sources:  # warm the OS file cache, write the bytecode
+        wall(validate, 1, tmp, {0}, envs[s])
+        compile_once(s, args.runs)
+    v: dict[Path, list[float]] = {s: [] for s in sources}
+    c: dict[Path, list[float]] = {s: [] for s in sources}
+    start: dict[Path, list[float]] = {s: [] for s in sources}
+    for i in range(args.runs):
+        turn = sources[i % len(sources):] + sources[:i % len(sources)]
+        for s in turn:
+            v[s] += wall(validate, 1, tmp, {0}, envs[s])
+            c[s].append(compile_once(s, i))
+            start[s] += wall([sys.executable, "-c", "pass"], 1, tmp, {0}, envs[s])
+    out = []
+    for s in sources:
+        lt = wall(rlc + ["lint", str(folder)], args.lint_runs, tmp, {1} if broken else {0}, envs[s])
+        out.append({"source": str(s), "commit": git_commit(s),
+                    "validate_s": _times(v[s]), "compile_s": _times(c[s]), "lint_s": _times(lt),
+                    "python_start_s": min(start[s]), "python_start_median_s": statistics.median(start[s]),
+                    "lint_in_validate_runs": statistics.median(lt) / statistics.median(v[s]),
+                    "lint_per_recipe_ms": 1e3 * statistics.median(lt) / args.variants})
+    return out
 
 
 def measure_peers(runs: int, tmp: Path) -> list[dict[str, Any]]:
@@ -171,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = tmp_path / "recipes"
         folder.mkdir()
         broken = make_variants(BASE, folder, args.variants)
-        results = [measure(REPO, folder, broken, args, tmp_path)]
-        results += [measure(b.resolve(), folder, broken, args, tmp_path) for b in args.baseline]
+        results = measure([REPO] + [b.resolve() for b in args.baseline], folder, broken, args, tmp_path)
         peers = measure_peers(args.runs, tmp_path)
     info = machine()  # (the load average after the runs)
 
