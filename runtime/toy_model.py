@@ -148,9 +148,9 @@ def with_init_std(sd: dict[str, Any], cfg: dict[str, Any], init_std: dict[str, f
     return out
 
 
-def rescale_init(ckpt: str | Path, init_std: dict[str, float]) -> dict[str, Any]:
-    """:func:`with_init_std` applied to a one-file safetensors checkpoint, in place; returns how many tensors it
-    changed."""
+def transform_checkpoint(ckpt: str | Path, change: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``change(state_dict, config) -> state_dict`` applied to a one-file safetensors checkpoint, in place;
+    returns the state dicts before and after."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     ckpt = Path(ckpt)
@@ -159,8 +159,15 @@ def rescale_init(ckpt: str | Path, init_std: dict[str, float]) -> dict[str, Any]
         raise ValueError(f"{ckpt}: expected one safetensors file, found {len(files)}")
     cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     sd = load_file(str(files[0]))
-    new = with_init_std(sd, cfg, init_std)
+    new = change(sd, cfg)
     save_file(new, str(files[0]), metadata={"format": "pt"})
+    return sd, new
+
+
+def rescale_init(ckpt: str | Path, init_std: dict[str, float]) -> dict[str, Any]:
+    """:func:`with_init_std` applied to a one-file safetensors checkpoint, in place; returns how many tensors it
+    changed."""
+    sd, new = transform_checkpoint(ckpt, lambda sd, cfg: with_init_std(sd, cfg, init_std))
     return {"init_std": dict(init_std), "rescaled_tensors": sum(1 for k in sd if new[k] is not sd[k])}
 
 

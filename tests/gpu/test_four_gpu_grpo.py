@@ -87,16 +87,9 @@ def with_mtp_layers(sd: dict, cfg: dict, *, seed: int = 0, bias_base: float = 30
 
 def add_mtp_layers(ckpt: str | Path, **kwargs) -> dict:
     """``with_mtp_layers`` applied to a one-file safetensors checkpoint, in place."""
-    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+    from rlc.runtime.toy_model import transform_checkpoint  # noqa: PLC0415
 
-    ckpt = Path(ckpt)
-    files = sorted(ckpt.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{ckpt}: expected one safetensors file, found {len(files)}")
-    cfg = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    sd = load_file(str(files[0]))
-    new = with_mtp_layers(sd, cfg, **kwargs)
-    save_file(new, str(files[0]), metadata={"format": "pt"})
+    sd, new = transform_checkpoint(ckpt, lambda sd, cfg: with_mtp_layers(sd, cfg, **kwargs))
     fp32 = [k for k, v in new.items() if str(v.dtype) == "torch.float32"]
     return {"tensors": len(new), "mtp_tensors": len(new) - len(sd), "fp32_tensors": len(fp32)}
 

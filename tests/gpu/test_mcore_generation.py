@@ -181,6 +181,23 @@ def preflight(env: dict) -> dict:
     return found
 
 
+def compile_recipe(recipe: str, run_dir: Path, checkpoint: Path | str, data: Path | str,
+                   extra: tuple[str, ...] | list[str] = ()) -> Path:
+    """``rlc compile`` of the shipped ``recipe`` into ``run_dir/bundle`` (a fresh ``run_dir``) with the workspace's
+    checkpoint, tokenizer and data, logs under ``run_dir``, no checkpointing, and the ``extra`` settings."""
+    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [f"model.checkpoint={checkpoint}", f"model.tokenizer={checkpoint}", f"data.train={data}",
+            f"cluster.log_dir={run_dir}/logs", f"logging.dir={run_dir}/logs", "checkpointing.enabled=false", *extra]
+    cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPES / f"{recipe}.yaml"), "-o", str(run_dir / "bundle"),
+           "--force", *[w for s in sets for w in ("--set", s)]]
+    proc = subprocess.run(cmd, env=_env(REPO), capture_output=True, text=True, check=False, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlc compile {recipe} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return run_dir / "bundle"
+
+
 class Workspace:
     """Checkpoints, data and one Ray head for every run of a case (the two-GPU proofs' ``Lab``, one GPU)."""
 
@@ -207,22 +224,10 @@ class Workspace:
         return info
 
     def compile(self, recipe: str, run: str, extra: tuple[str, ...] = ()) -> Path:
-        from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
-
-        run_dir = self.root / "runs" / run
-        shutil.rmtree(run_dir, ignore_errors=True)
         dense = recipe in (DENSE_MG, DENSE_VLLM)
         ws = self.root / ("dense" if dense else "moe")
         ckpt = ws / ("qwen3" if dense else "glm4_moe")
-        sets = [f"model.checkpoint={ckpt}", f"model.tokenizer={ckpt}", f"data.train={ws}/data/train.jsonl",
-                f"cluster.log_dir={run_dir}/logs", f"logging.dir={run_dir}/logs", "checkpointing.enabled=false",
-                *extra]
-        cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPES / f"{recipe}.yaml"), "-o", str(run_dir / "bundle"),
-               "--force", *[w for s in sets for w in ("--set", s)]]
-        proc = subprocess.run(cmd, env=_env(REPO), capture_output=True, text=True, check=False, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"rlc compile {recipe} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return run_dir / "bundle"
+        return compile_recipe(recipe, self.root / "runs" / run, ckpt, ws / "data" / "train.jsonl", extra)
 
     def run(self, bundle: Path, overrides: list[str], timeout_s: int) -> dict:
         got = self.lab.start_driver(bundle, overrides, "driver.log", timeout_s)

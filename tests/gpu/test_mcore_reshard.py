@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import traceback
@@ -35,8 +34,9 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.common import Timer, dump, gpu_available
-from tests.gpu.test_mcore_generation import (GEN_KL_STOP, MIN_SWAPS, REWARD_GOAL, ROUTER_BIAS, _tail, machine,
-                                             memory_vs_plan, preflight, timings, verdict_learning)
+from tests.gpu.test_mcore_generation import (GEN_KL_STOP, MIN_SWAPS, REWARD_GOAL, ROUTER_BIAS, _tail,
+                                             compile_recipe, machine, memory_vs_plan, preflight, timings,
+                                             verdict_learning)
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "rlc" / "recipes"
@@ -123,19 +123,7 @@ def build_workspace(root: Path, model: str) -> dict:
 
 
 def compile_bundle(root: Path, recipe: str, ws: dict, steps: int) -> Path:
-    from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
-
-    run_dir = root / "runs" / recipe
-    shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [f"model.checkpoint={ws['checkpoint']}", f"model.tokenizer={ws['checkpoint']}", f"data.train={ws['data']}",
-            f"cluster.log_dir={run_dir}/logs", f"logging.dir={run_dir}/logs", "checkpointing.enabled=false",
-            f"grpo.max_steps={steps}"]
-    cmd = [sys.executable, "-m", "rlc", "compile", str(RECIPES / f"{recipe}.yaml"), "-o", str(run_dir / "bundle"),
-           "--force", *[w for s in sets for w in ("--set", s)]]
-    proc = subprocess.run(cmd, env=_env(REPO), capture_output=True, text=True, check=False, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"rlc compile {recipe} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return run_dir / "bundle"
+    return compile_recipe(recipe, root / "runs" / recipe, ws["checkpoint"], ws["data"], [f"grpo.max_steps={steps}"])
 
 
 def run_case(case: str, root: str, steps: int, timeout_s: int) -> dict:
