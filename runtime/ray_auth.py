@@ -11,6 +11,11 @@ at once whether the head takes the token.
 :func:`token_source` says where this process's token comes from, in the order Ray reads it
 (``RAY_AUTH_TOKEN``, then the file ``RAY_AUTH_TOKEN_PATH``, then ``~/.ray/auth_token``), without
 ever reading the token into a message. Ray is imported inside the functions.
+
+Ray 2.60 turns token auth on by itself when ``RAY_AUTH_MODE`` is unset and ``~/.ray/auth_token``
+exists (any earlier local ``ray.init`` writes that file): ``ray start --head`` then starts a
+token-protected head. A process joining it sends that file's token to an explicit address
+(``RAY_ADDRESS`` included) only with ``RAY_AUTH_MODE=token``; :func:`token_source` says so.
 """
 from __future__ import annotations
 
@@ -39,6 +44,12 @@ def token_source(env: Mapping[str, str] | None = None) -> str:
     """Where this process's Ray token comes from (never the token), for an error message."""
     env = os.environ if env is None else env
     mode = env.get("RAY_AUTH_MODE", "")
+    default = Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
+    if not mode and default.exists():
+        return (f"no token: RAY_AUTH_MODE is not set here. A Ray head started where {default} exists turns token "
+                "auth on by itself, but a process joining it by address sends that token only with "
+                "RAY_AUTH_MODE=token: set RAY_AUTH_MODE=token here (and RAY_AUTH_TOKEN_PATH if the head used "
+                "another file), or start the head with RAY_AUTH_MODE=disabled")
     if mode != "token":
         return (f"no token: RAY_AUTH_MODE is {mode!r} here, not 'token', so this process sends none" if mode
                 else "no token: RAY_AUTH_MODE is not set here (Ray sends a token only with RAY_AUTH_MODE=token)")
@@ -48,7 +59,6 @@ def token_source(env: Mapping[str, str] | None = None) -> str:
         return (
             f"the file {env['RAY_AUTH_TOKEN_PATH']} (RAY_AUTH_TOKEN_PATH){_file_note(Path(env['RAY_AUTH_TOKEN_PATH']))}"
         )
-    default = Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
     return (f"Ray's default token file {default} (RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH are not set)"
             f"{_file_note(default)}")
 

@@ -157,6 +157,28 @@ def test_join_with_the_clusters_token_still_connects(ray_head):
     assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
 
 
+def test_join_by_address_with_the_token_only_in_rays_default_file_says_to_set_the_auth_mode(ray_head, tmp_path):
+    # Ray 2.60 turns token auth on by itself for a head started where ~/.ray/auth_token exists (any earlier
+    # local ray.init leaves that file), but a process joining it by address (RAY_ADDRESS included) sends the
+    # token only with RAY_AUTH_MODE=token. The refusal names that setting; with it set, the join works.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(Path(ray_head["RAY_AUTH_TOKEN_PATH"]).read_text())
+    env = {k: v for k, v in ray_head.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    env["HOME"] = str(home)
+    code = ("import types\n"
+            "from rlc.runtime.workers import WorkerFailure, connect\n"
+            "cfg = types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=60)\n"
+            "try:\n    print(connect(cfg, {}))\nexcept WorkerFailure as exc:\n    print('FAILED:', exc)\n")
+    start = time.time()
+    out = _run(code, env, timeout=150)
+    assert "FAILED:" in out.stdout and time.time() - start < 30, out.stdout + out.stderr
+    assert f"A Ray head started where {home}/.ray/auth_token exists turns token auth on" in out.stdout, out.stdout
+    assert "set RAY_AUTH_MODE=token here" in out.stdout, out.stdout
+    out = _run(code, {**env, "RAY_AUTH_MODE": "token"})
+    assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
+
+
 def test_probe_names_each_job_path_missing_on_a_node(ray_head, tmp_path):
     # what a missing mount looks like inside a container: the path is not there on the node
     runtime = _runtime_yaml(tmp_path, 1, f"data.val={tmp_path}/gone/val.jsonl", f"model.tokenizer={tmp_path}/gone/tok",

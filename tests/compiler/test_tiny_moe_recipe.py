@@ -1,4 +1,4 @@
-"""Issue 8 on the CPU: the 4-GPU tiny-MoE-with-MTP recipe compiles, resolves to the layout and the refit
+"""On the CPU: the 4-GPU tiny-MoE-with-MTP recipe compiles, resolves to the layout and the refit
 fixes the issue needs, and refuses to compile with either fix switched off."""
 from __future__ import annotations
 

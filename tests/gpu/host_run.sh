@@ -71,7 +71,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage refit_scale "${SCALE_TIMEOUT:-580}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_at_scale" \
         --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${tm:+--tiny-metrics "$tm"} --check ;;
     grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
-    grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 ;;
+    grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 --smoke ;;
     engine_options) run_stage engine_options 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-engine-options \
       --out "$OUT/engine_options" --steps 4 --resume-steps 0 --timeout 240 --smoke \
       --set training.use_precision_aware_optimizer=true --set generation.kv_cache_memory_bytes=2147483648 \

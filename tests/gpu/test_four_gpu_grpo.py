@@ -1,4 +1,4 @@
-"""Issue 8 GPU proof (nvidia-h200-x4): a tiny MoE whose MTP layer shares the word embedding, trained with
+"""GPU proof (nvidia-h200-x4): a tiny MoE whose MTP layer shares the word embedding, trained with
 Megatron TP1/PP2/EP2 and vLLM TP2/EP2 colocated on the same 4 GPUs, compiled from the shipped recipe.
 
 1. ``build_workspace``: the tiny DeepSeek-V3 of ``rlc/recipes/models/tiny-moe-mtp/config.json`` made by
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -141,20 +142,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ray(num_gpus: int, env: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """A Ray head of this test only (``--block``: terminating it stops its processes); returns its address."""
+def start_ray(num_gpus: int, env: dict, log_path: Path) -> tuple[subprocess.Popen, dict]:
+    """A Ray head of this test only (``--block``: terminating it stops its processes), protected by a
+    token of its own, as a job's head is; returns it and what a process joining it sets (``RAY_ADDRESS``
+    and the token). Nothing left on the machine (``~/.ray/auth_token``, an earlier head) decides its auth."""
     port = _free_port()
+    token = log_path.parent / "ray-auth-token"
+    token.write_text(secrets.token_hex(32) + "\n")
+    token.chmod(0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
            f"--num-gpus={num_gpus}", "--disable-usage-stats", "--include-dashboard=false"]
     with open(log_path, "w") as log:  # the head keeps its own copy of the descriptor
-        head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        head = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT)
     # `ray start` writes the head's GCS address here once the node is up
     current = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and head.poll() is None:
         address = current.read_text().strip() if current.exists() else ""
         if address.endswith(f":{port}"):
-            return head, address
+            return head, {"RAY_ADDRESS": address, **auth}
         time.sleep(1)
     stop(head)
     raise RuntimeError(f"the Ray head (port {port}) did not come up; see {log_path}")
@@ -263,8 +270,8 @@ def run(root: str = DEFAULT_ROOT, out: str | None = None, timeout_s: int = 540, 
     plan = json.loads((bundle / "plan.json").read_text(encoding="utf-8"))
     mcfg = json.loads(MODEL_CONFIG.read_text(encoding="utf-8"))
     env = _env(bundle / "rlc_pkg")
-    head, address = start_ray(cfg.cluster.world_size, env, rootp / "ray-head.log")
-    env["RAY_ADDRESS"] = address
+    head, join = start_ray(cfg.cluster.world_size, env, rootp / "ray-head.log")
+    env.update(join)
     try:
         res["rc"] = run_driver(bundle, env, rootp / "driver.log", timeout_s)
     finally:

@@ -1,4 +1,4 @@
-"""Issue 6 GPU proof: ``python -m rlc.runtime runtime.yaml`` learns the toy task on one GPU.
+"""GPU proof: ``python -m rlc.runtime runtime.yaml`` learns the toy task on one GPU.
 
 A tiny random Qwen3 (``rlc.runtime.toy_model``) learns "a+b=" -> (a+b) mod 10 with GRPO: Megatron
 trainer + colocated vLLM on one GPU via Ray, refit through the refit engine every step with the
@@ -78,8 +78,9 @@ def summarize(records: list[dict], steps: int) -> dict:
 
 
 def smoke_verdict(res: dict, steps: int, overrides: dict) -> tuple[bool, list[str]]:
-    """The steps ran with a refit each; with the parameter offload on, every step moved the trainer's
-    parameters off the GPU (a wrong restore would show as a gen-KL stop, exit 3, before this)."""
+    """The steps ran with a refit each; a restart (``--resume-steps``) exited 0 and went on after the last
+    step; with the parameter offload on, every step moved the trainer's parameters off the GPU (a wrong
+    restore would show as a gen-KL stop, exit 3, before this)."""
     s = res["summary"]
     reasons = []
     if res["rc"] != 0:
@@ -88,6 +89,10 @@ def smoke_verdict(res: dict, steps: int, overrides: dict) -> tuple[bool, list[st
         reasons.append(f"{s['steps_logged']} steps and {s['refits_logged']} refits logged of {steps}")
     if res.get("resume_rc") not in (None, 0):
         reasons.append(f"the resumed run exited {res['resume_rc']}")
+    if "resume" in res:  # a few steps cannot lift the reward off chance: the step numbers show the resume
+        after = res["resume"]["steps"]
+        if not after or after[0] != steps + 1 or after != list(range(steps + 1, steps + 1 + len(after))):
+            reasons.append(f"the restart logged steps {after}, expected {steps + 1}.. (resumed after step {steps})")
     freed = s["params_offload_freed_gib"]
     if overrides.get(PARAM_OFFLOAD_KEY):
         if len(freed) != steps or not all(f > 0 for f in freed):
@@ -95,6 +100,17 @@ def smoke_verdict(res: dict, steps: int, overrides: dict) -> tuple[bool, list[st
     elif freed:
         reasons.append(f"parameters were offloaded with {PARAM_OFFLOAD_KEY} off: {freed}")
     return not reasons, reasons
+
+
+def _machine() -> str:
+    import platform  # noqa: PLC0415
+
+    try:
+        import torch  # noqa: PLC0415 - torch
+
+        return f"{platform.node()} ({torch.cuda.get_device_name(0)}, torch {torch.__version__})"
+    except Exception:  # noqa: BLE001 - no GPU: the record still says where it ran
+        return platform.node()
 
 
 def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, resume_steps: int = 3,
@@ -108,7 +124,8 @@ def run(root: str = "/tmp/rlc-tiny", out: str | None = None, steps: int = 150, r
     build_toy_workspace(root)
     cfg = tiny_cfg_dict(root, **{"grpo.max_steps": steps, **(overrides or {})})
     yaml1 = write_yaml(cfg, Path(root) / "runtime.yaml")
-    res: dict = {"goal": {"reward": GOAL_REWARD, "gen_kl": GOAL_GEN_KL, "steps": steps}, "overrides": overrides or {}}
+    res: dict = {"command": " ".join(["python", *sys.argv]), "machine": _machine(),
+                 "goal": {"reward": GOAL_REWARD, "gen_kl": GOAL_GEN_KL, "steps": steps}, "overrides": overrides or {}}
     res["rc"] = _run_driver(yaml1, timeout_s)
     res["train_wall_s"] = clock()
     metrics_path = Path(root) / "logs" / "metrics.jsonl"

@@ -75,7 +75,8 @@ def goal_step(steps: list[int], rewards: list[float]) -> int | None:
 
 def verdict_learning(run: dict, max_steps: int) -> dict:
     """Learned the toy task with the Megatron engine: the goal reached, every step logged and refit in order, the
-    engines were Megatron's (no vLLM engine started). A run cut by the timeout passes once the goal was reached."""
+    engines were Megatron's (no vLLM engine started). A run cut by the timeout, or stopped at its goal by the
+    harness, passes once the goal was reached."""
     steps, rewards = rewards_of(run["metrics"])
     kls = [float(r["gen_kl"]) for r in run["metrics"] if "gen_kl" in r]
     refits = sorted({int(r["step"]) for r in run["ranks"]})
@@ -85,7 +86,8 @@ def verdict_learning(run: dict, max_steps: int) -> dict:
                 and max(refits, default=-1) <= len(steps) + 1)
     megatron = "Megatron inference engines up" in run["log"] and "vLLM engines up" not in run["log"]
     finished = run["rc"] == 0 and len(steps) == max_steps
-    cut = run["rc"] == 124 and reached is not None
+    # cut by the timeout, or stopped by the harness (Lab.start_driver), once the goal was reached
+    cut = (run["rc"] == 124 or run.get("stopped_at_goal") is not None) and reached is not None
     res = {"rc": run["rc"], "steps": len(steps), "step_10mean_reached_goal": reached, "goal": REWARD_GOAL,
            "first10_mean": _mean(rewards[:WINDOW]), "last10_mean": _mean(rewards[-WINDOW:]),
            "refits": len(refits), "refits_in_order": in_order, "megatron_engines": megatron,
@@ -229,8 +231,8 @@ class Workspace:
         ckpt = ws / ("qwen3" if dense else "glm4_moe")
         return compile_recipe(recipe, self.root / "runs" / run, ckpt, ws / "data" / "train.jsonl", extra)
 
-    def run(self, bundle: Path, overrides: list[str], timeout_s: int) -> dict:
-        got = self.lab.start_driver(bundle, overrides, "driver.log", timeout_s)
+    def run(self, bundle: Path, overrides: list[str], timeout_s: int, stop_at_goal_after: int | None = None) -> dict:
+        got = self.lab.start_driver(bundle, overrides, "driver.log", timeout_s, stop_at_goal_after)
         got["plan"] = json.loads((bundle / "plan.json").read_text(encoding="utf-8"))
         return got
 
@@ -251,7 +253,7 @@ def _router_biases() -> int:
 
 def case_learn(ws: Workspace, recipe: str, steps: int, timeout_s: int) -> dict:
     bundle = ws.compile(recipe, f"learn_{recipe}", (f"grpo.max_steps={steps}",))
-    got = ws.run(bundle, [f"grpo.max_gen_kl={GEN_KL_STOP}"], timeout_s)
+    got = ws.run(bundle, [f"grpo.max_gen_kl={GEN_KL_STOP}"], timeout_s, stop_at_goal_after=1)
     res = {"recipe": recipe, "learning": verdict_learning(got, steps),
            "memory": memory_vs_plan(got["metrics"], got["plan"]), "timing_mean_s": timings(got["metrics"]),
            "calibration": got["calibration"][:6], "seconds": got["seconds"]}

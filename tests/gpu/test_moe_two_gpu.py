@@ -35,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class Lab:
         self.root = Path(root)
         self.gpus = gpus
         self.head = None
-        self.address = ""
+        self.join_env: dict = {}  # RAY_ADDRESS and the head's token, for every process that joins it
 
     def workspace(self) -> dict:
         from rlc.runtime.toy_model import build_toy_workspace  # noqa: PLC0415
@@ -84,7 +85,7 @@ class Lab:
     def start(self) -> None:
         if self.head is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.head, self.address = start_ray(self.gpus, _env(REPO), self.root / "ray-head.log")
+            self.head, self.join_env = start_ray(self.gpus, _env(REPO), self.root / "ray-head.log")
 
     def close(self) -> None:
         if self.head is not None:
@@ -109,26 +110,45 @@ class Lab:
             raise RuntimeError(f"rlc compile {recipe} failed:\n{proc.stdout}\n{proc.stderr}")
         return run_dir / "bundle"
 
-    def start_driver(self, bundle: Path, overrides: list[str], log_name: str, timeout_s: int) -> dict:
-        """``python -m rlc.runtime bundle/runtime.yaml KEY=VALUE...`` as ``node.sh driver`` runs it."""
+    def start_driver(self, bundle: Path, overrides: list[str], log_name: str, timeout_s: int,
+                     stop_at_goal_after: int | None = None) -> dict:
+        """``python -m rlc.runtime bundle/runtime.yaml KEY=VALUE...`` as ``node.sh driver`` runs it.
+
+        ``stop_at_goal_after=N``: end the run (SIGTERM) at the first step >= N by which the toy task's
+        goal is reached (:func:`goal_stop_step`), so a learning proof spends no GPU time on the steps
+        after it; the result's ``stopped_at_goal`` is that step (else ``None``). A run cut by
+        ``timeout_s`` has ``rc`` 124 and keeps every metric it logged."""
         from rlc.contract.runtime_config import load_runtime_config  # noqa: PLC0415
 
         self.start()
-        env = _env(bundle / "rlc_pkg")
-        env["RAY_ADDRESS"] = self.address
+        env = {**_env(bundle / "rlc_pkg"), **self.join_env}
         log_path = bundle.parent / log_name
+        logs = Path(load_runtime_config(bundle / "runtime.yaml").logging.dir)
         cmd = [sys.executable, "-m", "rlc.runtime", str(bundle / "runtime.yaml"), *overrides]
         print("$", " ".join(cmd), flush=True)
         t = Timer()
+        stopped_at = None
         with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=bundle / "rlc_pkg", env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(2)
+                if stop_at_goal_after is not None and stopped_at is None:
+                    stopped_at = goal_stop_step(read_jsonl(logs / "metrics.jsonl"), stop_at_goal_after)
+                    if stopped_at is not None:
+                        print(f"goal reached by step {stopped_at}: stopping the run", flush=True)
+                        proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
             try:
-                rc = subprocess.run(cmd, cwd=bundle / "rlc_pkg", env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=timeout_s, check=False).returncode
+                rc = proc.wait(30)
             except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            if stopped_at is None and time.monotonic() >= deadline:
                 rc = 124
-        logs = Path(load_runtime_config(bundle / "runtime.yaml").logging.dir)
         text = log_path.read_text(encoding="utf-8", errors="replace")
-        return {"rc": rc, "seconds": t(), "log": text, "log_path": str(log_path),
+        return {"rc": rc, "seconds": t(), "log": text, "log_path": str(log_path), "stopped_at_goal": stopped_at,
                 "metrics": read_jsonl(logs / "metrics.jsonl"), "verify": read_jsonl(logs / "refit_verify.jsonl"),
                 "ranks": read_jsonl(logs / "refit_ranks.jsonl"), "calibration": read_jsonl(logs / "calibration.jsonl")}
 
@@ -186,8 +206,28 @@ def verdict_bit_exact(run: dict, refits: int, min_fp32: int = 0) -> dict:
     res = {"rc": run["rc"], "verified_refits": steps, "records": len(run["verify"]), "not_exact": bad[:5],
            "params_per_worker": sorted({r["params_compared"] for r in run["verify"]}),
            "bytes_per_worker": sorted({r["bytes_compared"] for r in run["verify"]}), "fp32_params_min": fp32}
-    res["passed"] = bool(run["rc"] == 0 and len(steps) >= refits and not bad and fp32 >= min_fp32)
+    res["passed"] = bool(_ended_well(run) and len(steps) >= refits and not bad and fp32 >= min_fp32)
     return res
+
+
+def _ended_well(run: dict) -> bool:
+    """Exit 0, or stopped by the harness once the goal was reached (:meth:`Lab.start_driver`)."""
+    return run["rc"] == 0 or run.get("stopped_at_goal") is not None
+
+
+def _rewards(metrics: list[dict]) -> list[tuple[int, float]]:
+    return sorted((int(r["step"]), float(r["reward/mean"])) for r in metrics if "reward/mean" in r)
+
+
+def goal_stop_step(metrics: list[dict], min_step: int) -> int | None:
+    """The last logged step when it is >= ``min_step`` and the 10-step mean reward has reached
+    ``REWARD_GOAL`` by it (steps logged without gaps from 1), else ``None`` (pure)."""
+    rows = _rewards(metrics)
+    if not rows or rows[-1][0] < min_step or [s for s, _ in rows] != list(range(1, len(rows) + 1)):
+        return None
+    rewards = [r for _, r in rows]
+    reached = any(sum(rewards[i - WINDOW:i]) / WINDOW >= REWARD_GOAL for i in range(WINDOW, len(rewards) + 1))
+    return rows[-1][0] if reached else None
 
 
 def verdict_learning(run: dict, max_steps: int, switches: dict) -> dict:
@@ -208,8 +248,12 @@ def verdict_learning(run: dict, max_steps: int, switches: dict) -> dict:
         "switches": switches,
         "reward_curve": [round(x, 4) for x in rewards],
     }
-    res["passed"] = bool(run["rc"] == 0 and len(rows) == max_steps and reached is not None
-                         and kls and max(kls) <= GEN_KL_GOAL and refit_steps == list(range(0, max_steps + 1)))
+    ran = run.get("stopped_at_goal") or max_steps  # a run stopped at its goal ran that many steps
+    res["stopped_at_goal"] = run.get("stopped_at_goal")
+    # a run stopped between a step's metrics and its refit may lack the last step's refit
+    refits_ok = refit_steps[:ran] == list(range(0, ran)) and (refit_steps[-1:] == [ran] or res["stopped_at_goal"])
+    res["passed"] = bool(_ended_well(run) and len(rows) >= ran and reached is not None and reached <= max_steps
+                         and kls and max(kls) <= GEN_KL_GOAL and refits_ok)
     return res
 
 

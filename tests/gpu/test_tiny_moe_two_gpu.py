@@ -108,6 +108,39 @@ def test_bit_exact_and_learning_verdicts():
     assert not learning(rising, refits=range(0, 41, 2))["passed"]    # a step without its refit
 
 
+def test_a_run_stops_at_the_first_step_past_the_minimum_by_which_the_goal_is_reached():
+    def metrics(rewards):
+        return [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+
+    rising = [0.1] * 20 + [0.9] * 20                      # the 10-step mean reaches 0.8 at step 29
+    assert proofs.goal_stop_step(metrics(rising[:28]), 1) is None
+    assert proofs.goal_stop_step(metrics(rising[:29]), 1) == 29
+    assert proofs.goal_stop_step(metrics(rising[:29]), 35) is None  # two verified refits wanted: not yet
+    assert proofs.goal_stop_step(metrics(rising[:36]), 35) == 36
+    assert proofs.goal_stop_step(metrics([0.1] * 60), 1) is None
+    gap = metrics(rising[:30])
+    del gap[5]                                              # a step missing from the log: never stop on it
+    assert proofs.goal_stop_step(gap, 1) is None
+
+
+def test_a_run_stopped_at_its_goal_passes_the_learning_and_bit_exact_verdicts():
+    rising = [0.1] * 20 + [0.9] * 20
+    metrics = [{"step": i + 1, "reward/mean": r, "gen_kl": 1e-4} for i, r in enumerate(rising)]
+    ok = {"worker": 0, "bit_exact": True, "mismatches": [], "params_compared": 5, "bytes_compared": 9,
+          "fp32_params": ["a"]}
+    stopped = _run(rc=-15, stopped_at_goal=40, metrics=metrics, ranks=[{"step": s} for s in range(41)],
+                   verify=[{**ok, "step": s} for s in (0, 20)])
+    v = proofs.verdict_learning(stopped, 150, {})
+    assert v["passed"] and v["stopped_at_goal"] == 40 and v["step_10mean_reached_goal"] == 29
+    assert proofs.verdict_bit_exact(stopped, refits=2)["passed"]
+    # signalled without the harness having seen the goal: an ordinary failure
+    assert not proofs.verdict_learning({**stopped, "stopped_at_goal": None}, 150, {})["passed"]
+    assert not proofs.verdict_bit_exact({**stopped, "stopped_at_goal": None}, refits=2)["passed"]
+    # a step before the stop without its refit
+    assert not proofs.verdict_learning({**stopped, "ranks": [{"step": s} for s in range(41) if s != 7]},
+                                       150, {})["passed"]
+
+
 def test_resume_verdict():
     metrics = [{"step": s, "reward/mean": 0.35} for s in (201, 202, 203)]
     ok = proofs.verdict_resume(_run(metrics=metrics, log="resumed from /x/step_000200 (step 200)"), 0.37, 200)

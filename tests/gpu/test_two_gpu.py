@@ -1,4 +1,4 @@
-"""Issue 7 GPU proofs on two GPUs (nvidia-h200-x2): the refit seed fixes, each switched off and on.
+"""GPU proofs on two GPUs (nvidia-h200-x2): the refit seed fixes, each switched off and on.
 
 - ``param_sync`` (NeMo-RL #4086): DP=2, distributed optimizer with ``overlap_param_gather``. After an
   optimizer step the export (what a refit reads) without the forced gather holds stale shards of the

@@ -1,6 +1,9 @@
 """CPU checks of the GPU proofs' verdicts: each passes on good evidence and fails on each kind of bad."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 import pytest
 
@@ -112,3 +115,20 @@ def test_packing_verdict_passes_within_and_names_each_figure_outside():
     assert not ok and why[0].startswith("packed vs fp32 logprob_max_abs")
     ok, why = packing_verdict(PADDED_ERROR, good, leak={"logprob_max_abs": 0.05})  # a leak rounding could hide
     assert not ok and "negative control" in why[0]
+
+
+SMOKE_RECORD = Path(__file__).resolve().parents[2] / "docs" / "results" / "grpo-smoke-h200" / "grpo_learning.json"
+
+
+def test_the_smoke_verdict_passes_the_measured_smoke_run_and_fails_a_restart_from_scratch():
+    from tests.gpu.test_grpo_learning import smoke_verdict  # noqa: PLC0415 - the GPU script's own verdict
+
+    rec = json.loads(SMOKE_RECORD.read_text(encoding="utf-8"))
+    assert smoke_verdict(rec, 4, {}) == (True, [])
+    # its reward after 4 steps is at chance: the learning run's resume rule cannot judge a smoke run
+    assert not resume_verdict(rec["resume_rc"], rec["resume"]["steps"], rec["resume"]["reward"], steps=4,
+                              resume_steps=2)[0]
+    ok, why = smoke_verdict({**rec, "resume": {"steps": [1, 2], "reward": [0.1, 0.1]}}, 4, {})
+    assert not ok and "expected 5.." in why[0]
+    assert not smoke_verdict({**rec, "resume_rc": 1}, 4, {})[0]
+    assert not smoke_verdict({**rec, "summary": {**rec["summary"], "refits_logged": 3}}, 4, {})[0]
