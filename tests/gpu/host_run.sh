@@ -104,10 +104,11 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage r3 590 python3 "$REPO"/tests/gpu/test_router_replay.py "${r3_args[@]}" ;;
     two_gpu) run_stage two_gpu 500 python3 "$REPO"/tests/gpu/test_two_gpu.py --out "$OUT" --only "${ONLY:-param_sync,ep2_metadata,calibration}" ;;
     prod_dense|prod_moe)  # GRPO with a KL penalty, the reference in host memory and packing, from a compiled bundle
-      # (PROD_STEPS, default 150; PROD_SETS: more space-separated KEY=VALUE, e.g. routing replay for the MoE)
+      # (PROD_STEPS, default 150; PROD_SETS: more space-separated KEY=VALUE, e.g. routing replay for the MoE;
+      # PROD_BUDGET: seconds for the check, default 560; the run stops once the goal is reached after step 50)
       m=${stage#prod_}; sets=(); for s in ${PROD_SETS:-}; do sets+=(--set "$s"); done
-      run_stage "$stage" 590 python3 "$REPO"/tests/gpu/test_production_settings.py --model "$m" --root "/tmp/rlc-$stage" \
-        --out "$OUT/$stage" --steps "${PROD_STEPS:-150}" "${sets[@]}" ;;
+      run_stage "$stage" $(( ${PROD_BUDGET:-560} + 30 )) python3 "$REPO"/tests/gpu/test_production_settings.py --model "$m" \
+        --root "/tmp/rlc-$stage" --out "$OUT/$stage" --steps "${PROD_STEPS:-150}" --budget "${PROD_BUDGET:-560}" "${sets[@]}" ;;
     packing)  # packed vs padded logprobs/loss/gradients (tolerance from the padded pass's bf16 error vs fp32), tokens/s
       run_stage packing 480 python3 "$REPO"/tests/gpu/test_sequence_packing.py --root /tmp/rlc-packing --out "$OUT/packing" ;;
     packing_cp2)  # the same under context parallelism 2 (nvidia-h200-x2)
