@@ -114,6 +114,15 @@ def test_probe_fails_saying_why(ray_head, tmp_path):
     assert "probe FAILED: 2 GPUs in the cluster, runtime.yaml expects world_size=4" in out.stdout
 
 
+def _join(env: dict, join_timeout_s: int = 60) -> subprocess.CompletedProcess:
+    """``connect()`` to the cluster at RAY_ADDRESS in a fresh process: prints the cluster, or ``FAILED:`` and why."""
+    code = ("import types\n"
+            "from rlc.runtime.workers import WorkerFailure, connect\n"
+            f"cfg = types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s={join_timeout_s})\n"
+            "try:\n    print(connect(cfg, {}))\nexcept WorkerFailure as exc:\n    print('FAILED:', exc)\n")
+    return _run(code, env, timeout=join_timeout_s + 30)
+
+
 def _other_token(ray_head, tmp_path) -> tuple[dict, Path, str]:
     """The head's environment with another token file (a job joining a cluster started with another token)."""
     token = os.urandom(32).hex()
@@ -126,12 +135,8 @@ def _other_token(ray_head, tmp_path) -> tuple[dict, Path, str]:
 def test_join_fails_at_once_on_a_refused_token_naming_the_token_file_and_address(ray_head, tmp_path):
     # connect() used to retry the refusal as "head still starting" for all of join_timeout_s (here 120 s)
     env, path, token = _other_token(ray_head, tmp_path)
-    code = ("import types\n"
-            "from rlc.runtime.workers import WorkerFailure, connect\n"
-            "cfg = types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=120)\n"
-            "try:\n    connect(cfg, {})\nexcept WorkerFailure as exc:\n    print('FAILED:', exc)\n")
     start = time.time()
-    out = _run(code, env, timeout=150)
+    out = _join(env, join_timeout_s=120)
     took = time.time() - start
     assert out.returncode == 0 and "FAILED:" in out.stdout, out.stdout + out.stderr
     assert took < 30, f"{took:.0f} s: retried the refused token"
@@ -150,10 +155,7 @@ def test_join_fails_at_once_on_a_refused_token_naming_the_token_file_and_address
 
 
 def test_join_with_the_clusters_token_still_connects(ray_head):
-    code = ("import types\n"
-            "from rlc.runtime.workers import connect\n"
-            "print(connect(types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=60), {}))\n")
-    out = _run(code, ray_head)
+    out = _join(ray_head)
     assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
 
 
@@ -166,16 +168,12 @@ def test_join_by_address_with_the_token_only_in_rays_default_file_says_to_set_th
     (home / ".ray" / "auth_token").write_text(Path(ray_head["RAY_AUTH_TOKEN_PATH"]).read_text())
     env = {k: v for k, v in ray_head.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     env["HOME"] = str(home)
-    code = ("import types\n"
-            "from rlc.runtime.workers import WorkerFailure, connect\n"
-            "cfg = types.SimpleNamespace(address='auto', namespace='rlc', join_timeout_s=60)\n"
-            "try:\n    print(connect(cfg, {}))\nexcept WorkerFailure as exc:\n    print('FAILED:', exc)\n")
     start = time.time()
-    out = _run(code, env, timeout=150)
+    out = _join(env)
     assert "FAILED:" in out.stdout and time.time() - start < 30, out.stdout + out.stderr
     assert f"A Ray head started where {home}/.ray/auth_token exists turns token auth on" in out.stdout, out.stdout
     assert "set RAY_AUTH_MODE=token here" in out.stdout, out.stdout
-    out = _run(code, {**env, "RAY_AUTH_MODE": "token"})
+    out = _join({**env, "RAY_AUTH_MODE": "token"})
     assert out.returncode == 0 and "2 GPUs, 1 CPUs, 1 nodes" in out.stdout, out.stdout + out.stderr
 
 
