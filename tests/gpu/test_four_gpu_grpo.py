@@ -156,7 +156,7 @@ def start_ray(num_gpus: int, env: dict, log_path: Path) -> tuple[subprocess.Pope
     with open(log_path, "w") as log:  # the head keeps its own copy of the descriptor
         head = subprocess.Popen(cmd, env={**env, **auth}, stdout=log, stderr=subprocess.STDOUT)
     # `ray start` writes the head's GCS address here once the node is up
-    current = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    current = Path(env.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and head.poll() is None:
         address = current.read_text().strip() if current.exists() else ""

@@ -4,8 +4,11 @@ joining it with what ``start_ray`` returns connects, whatever an earlier run lef
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +24,10 @@ def test_a_joining_process_connects_despite_a_stray_default_token(tmp_path):
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(os.urandom(32).hex())  # an earlier run's token
     env = {k: v for k, v in _env(REPO).items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    # a Ray temp dir of its own (short: Ray's socket paths have a length limit): the head's
+    # ray_current_cluster file must not name a dead cluster to later tests' ray.init()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlc-rt-"))
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=str(ray_tmp))
     head, join = start_ray(0, env, tmp_path / "ray-head.log")
     try:
         assert join["RAY_AUTH_MODE"] == "token" and join["RAY_ADDRESS"]
@@ -39,3 +45,4 @@ def test_a_joining_process_connects_despite_a_stray_default_token(tmp_path):
         assert "REFUSED: InvalidAuthToken" in out.stdout, out.stdout + out.stderr
     finally:
         stop(head)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

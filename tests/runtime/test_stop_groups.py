@@ -15,7 +15,8 @@ from rlc.runtime.workers import WorkerGroup, stop_groups  # noqa: E402
 def local_ray():
     owned = not ray.is_initialized()  # another test of this process may have connected already
     if owned:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # address="local": a new cluster, never one a stale /tmp/ray/ray_current_cluster names
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     if owned:
         ray.shutdown()
