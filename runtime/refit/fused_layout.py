@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from rlc.contract.refit_buffer import fused_transfer_applies
 from rlc.runtime.refit.errors import RefitPlanError
 from rlc.runtime.refit.specs import TensorSpec
 
@@ -63,13 +64,9 @@ class ExpertGroup:
 
 
 def fused_transfer_decision(requested: bool, precision: str) -> tuple[bool, str]:
-    """Whether a refit moves stacked experts (``refit.fused_transfer``, ``generation.precision``) and why."""
-    if not requested:
-        return False, "off (refit.fused_transfer: false)"
-    if precision == "fp8":
-        return False, ("off for FP8 rollouts: the experts travel per expert (block scales are computed per "
-                       "exported tensor, and vLLM's layerwise reload quantizes what it loads)")
-    return True, "on (refit.fused_transfer: true)"
+    """Whether a refit moves stacked experts and why (:func:`rlc.contract.refit_buffer.fused_transfer_applies`,
+    the decision the memory planner makes too)."""
+    return fused_transfer_applies(requested, precision)
 
 
 def parse_fused(name: str) -> tuple[str, str] | None:
