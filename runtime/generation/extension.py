@@ -30,6 +30,7 @@ class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
 
     _rlc_consumer: Any  # rlc.runtime.refit.consumer.RefitConsumer once paired (rlc_refit_prepare), else None
+    _rlc_routes: Any  # rlc.runtime.refit.fused.RouteTable after the first fused refit of a pairing, else None
 
     model_runner: Any  # provided by the vLLM worker class this extends
 

@@ -120,12 +120,12 @@ def fuse_specs(specs: Sequence[TensorSpec], groups: Iterable[ExpertGroup]) -> li
     out: list[TensorSpec] = []
     placed: set[str] = set()
     for s in specs:
-        g = by_name.get(s.name)
-        if g is None:
+        found = by_name.get(s.name)
+        if found is None:
             out.append(s)
-        elif g.prefix not in placed:
-            placed.add(g.prefix)
-            out.extend((g.w13, g.w2))
+        elif found.prefix not in placed:
+            placed.add(found.prefix)
+            out.extend((found.w13, found.w2))
     return out
 
 

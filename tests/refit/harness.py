@@ -289,7 +289,8 @@ def moe_export(fused: bool, step: int):
                 continue
             prefix, kind = parsed
             if kind == "fused_w13":
-                parts = [torch.cat([part(prefix, e, "gate_proj"), part(prefix, e, "up_proj")]) for e in range(MOE_EXPERTS)]
+                parts = [torch.cat([part(prefix, e, "gate_proj"), part(prefix, e, "up_proj")])
+                         for e in range(MOE_EXPERTS)]
             else:
                 parts = [part(prefix, e, "down_proj") for e in range(MOE_EXPERTS)]
             yield s.name, (StackedParts(parts) if ".layers.0." in prefix else torch.stack(parts))

@@ -35,7 +35,7 @@ from rlc.runtime.refit.fused_layout import (
 from rlc.runtime.refit.specs import TensorSpec
 from tests.refit import harness as H
 
-E, I, HID = 8, 16, 32
+E, INTER, HID = 8, 16, 32
 P = "model.layers.5.mlp.experts"
 
 
@@ -43,9 +43,9 @@ def _per_expert(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for e in range(E):
-        out[f"{P}.{e}.gate_proj.weight"] = torch.randn(I, HID, generator=g).to(torch.bfloat16)
-        out[f"{P}.{e}.up_proj.weight"] = torch.randn(I, HID, generator=g).to(torch.bfloat16)
-        out[f"{P}.{e}.down_proj.weight"] = torch.randn(HID, I, generator=g).to(torch.bfloat16)
+        out[f"{P}.{e}.gate_proj.weight"] = torch.randn(INTER, HID, generator=g).to(torch.bfloat16)
+        out[f"{P}.{e}.up_proj.weight"] = torch.randn(INTER, HID, generator=g).to(torch.bfloat16)
+        out[f"{P}.{e}.down_proj.weight"] = torch.randn(HID, INTER, generator=g).to(torch.bfloat16)
     return out
 
 
@@ -57,7 +57,7 @@ def _fused(per_expert: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _destination(local: tuple[int, ...], tp_rank: int, tp_size: int, dtype=torch.bfloat16) -> ExpertDestination:
-    part = I // tp_size
+    part = INTER // tp_size
     return ExpertDestination(P, torch.zeros(len(local), 2 * part, HID, dtype=dtype),
                              torch.zeros(len(local), HID, part, dtype=dtype), E, local, tp_rank, tp_size)
 
@@ -65,7 +65,7 @@ def _destination(local: tuple[int, ...], tp_rank: int, tp_size: int, dtype=torch
 def _reference_load(d: ExpertDestination, per_expert: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """What vLLM's weight_loader makes of the per-expert tensors, into fresh copies of ``d``'s parameters."""
     w13, w2 = torch.zeros_like(d.w13), torch.zeros_like(d.w2)
-    part = I // d.tp_size
+    part = INTER // d.tp_size
     rows = slice(d.tp_rank * part, (d.tp_rank + 1) * part)
     for slot, e in enumerate(d.local_to_global):
         w13[slot, :part].copy_(per_expert[f"{P}.{e}.gate_proj.weight"][rows])  # w1
@@ -87,11 +87,11 @@ def test_expert_groups_fuse_in_place_and_split_back():
     groups, refused = expert_groups(specs)
     assert refused == {} and list(groups) == [P]
     g = groups[P]
-    assert (g.num_experts, g.intermediate, g.hidden, g.layer) == (E, I, HID, 5)
+    assert (g.num_experts, g.intermediate, g.hidden, g.layer) == (E, INTER, HID, 5)
     fused = fuse_specs(specs, groups.values())
     assert [s.name for s in fused] == ["model.embed_tokens.weight", f"{P}.fused_w13", f"{P}.fused_w2",
                                        "model.norm.weight"]
-    assert fused[1].shape == (E, 2 * I, HID) and fused[2].shape == (E, HID, I)
+    assert fused[1].shape == (E, 2 * INTER, HID) and fused[2].shape == (E, HID, INTER)
     assert sum(s.nbytes for s in fused) == sum(s.nbytes for s in specs)  # the same bytes, 3 x 8 -> 2 tensors
     assert [n for n, *_ in unfused_names(fused[1])] == [n for n in g.per_expert_names() if "down" not in n]
     assert parse_fused(f"{P}.fused_w2") == (P, "fused_w2") and parse_fused(f"{P}.0.down_proj.weight") is None
@@ -102,7 +102,7 @@ def test_incomplete_or_uneven_expert_groups_stay_per_expert():
     missing = [s for s in specs if s.name != f"{P}.3.up_proj.weight"]
     groups, refused = expert_groups(missing)
     assert groups == {} and "missing 3.up_proj" in refused[P]
-    odd = [TensorSpec(s.name, (I + 1, HID), s.dtype) if s.name == f"{P}.2.gate_proj.weight" else s for s in specs]
+    odd = [TensorSpec(s.name, (INTER + 1, HID), s.dtype) if s.name == f"{P}.2.gate_proj.weight" else s for s in specs]
     groups, refused = expert_groups(odd)
     assert groups == {} and "shapes or dtypes differ" in refused[P]
     assert fuse_specs(missing, groups.values()) == missing
@@ -128,7 +128,7 @@ def test_one_layer_on_one_gpu_is_one_copy_per_destination_and_equals_the_loader(
     FusedLoader(lambda ws: pytest.fail(f"loader called with {[n for n, _ in ws]}"), table)(list(fused.items()))
     w13, w2 = _reference_load(d, per_expert)
     assert torch.equal(d.w13, w13) and torch.equal(d.w2, w2)
-    assert torch.equal(d.w13[:, :I], torch.stack([per_expert[f"{P}.{e}.gate_proj.weight"] for e in range(E)]))
+    assert torch.equal(d.w13[:, :INTER], torch.stack([per_expert[f"{P}.{e}.gate_proj.weight"] for e in range(E)]))
 
 
 @pytest.mark.parametrize("local,tp_rank,tp_size", [
@@ -146,7 +146,7 @@ def test_expert_and_tensor_parallel_slices_match_vllms_weight_loader(local, tp_r
     FusedLoader(lambda ws: pytest.fail("nothing should reach the loader"), table)(list(fused.items()))
     w13, w2 = _reference_load(d, per_expert)
     assert torch.equal(d.w13, w13) and torch.equal(d.w2, w2)
-    part = I // tp_size
+    part = INTER // tp_size
     e0 = local[0]
     gate_rows = per_expert[f"{P}.{e0}.gate_proj.weight"][tp_rank * part:(tp_rank + 1) * part]
     up_rows = per_expert[f"{P}.{e0}.up_proj.weight"][tp_rank * part:(tp_rank + 1) * part]
@@ -197,7 +197,8 @@ def test_the_per_refit_check_catches_a_changed_mapping():
     remapped = ExpertDestination(**{**d.__dict__, "local_to_global": (1, 0, 2, 3, 4, 5, 6, 7)})
     with pytest.raises(RefitManifestError, match="not where the direct-copy table points"):
         table.check(specs, {P: remapped})
-    resized = [TensorSpec(s.name, (E, 2 * I, HID + 1) if s.name.endswith("w13") else s.shape, s.dtype) for s in specs]
+    resized = [TensorSpec(s.name, (E, 2 * INTER, HID + 1) if s.name.endswith("w13") else s.shape, s.dtype)
+               for s in specs]
     with pytest.raises(RefitManifestError, match="export list is not the one"):
         table.check(resized, {P: d})
     assert table.fingerprint != build_routes(specs, {P: moved}).fingerprint
