@@ -2,6 +2,7 @@
 
     python benchmarks/refit_at_scale.py --out DIR [--cases engine,dense-8b,moe-ep2,moe-tp2]
                                         [--tiny-metrics metrics.jsonl] [--refits 10] [--check]
+                                        [--fused-transfer] [--keep-buffers-gb GIB]
     python benchmarks/refit_at_scale.py --dry-run      # CPU: the plan (memory budget, spot checks)
     python benchmarks/refit_at_scale.py --docs-rows DIR/refit_at_scale.json   # rows for docs/refit.md
 
@@ -17,9 +18,15 @@ Cases:
             device-to-device copy (goal: ratio >= 0.4).
   dense-8b  Qwen3-8B, one GPU, trainer TP=1, vLLM TP=1.
   moe-1gpu  Qwen3-30B-A3B, one GPU, trainer TP=1, vLLM TP=1 (all 61 GB through one producer/consumer).
-  moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2 (goal: total refit <= 1.5 s).
+  moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
+
+Goals (``--check``): every 30B-A3B case median total refit <= 0.5 s and slowest <= 1.0 s, dense-8b median
+<= 0.05 s, engine >= 0.4 of the copy. ``--fused-transfer`` runs the GPU cases with ``refit.fused_transfer``
+(each MoE layer's experts as two stacked tensors, copied straight into vLLM's fused parameters) and, after the
+spot checks, a full ``refit.verify_every`` comparison of every vLLM parameter with vLLM's own load of the
+per-expert export.
 
 Each measured cycle: negate the trainer's weights (so every refit moves new values) ->
 ``wake_up(["weights"])`` -> refit (all trainer ranks and the vLLM workers at once) ->
@@ -62,6 +69,8 @@ ALL_CASES = ("engine", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
 ENGINE_OVERRIDES = {"load_format": "dummy", "skip_tokenizer_init": True}
+#: The full ``verify_every`` comparison holds ~3 copies of the model in host memory (128 GiB on the H200 host).
+FULL_VERIFY_MAX_BYTES = 24 * 10**9
 
 
 # --------------------------------------------------------------------------- arguments
@@ -75,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--refits", type=int, default=10, help="measured refits per case (after --warmup)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--buffer-gb", type=float, default=2.0, help="refit.buffer_gb: both ping-pong halves, GiB")
+    ap.add_argument("--fused-transfer", action="store_true",
+                    help="refit.fused_transfer: true (stacked experts, direct copies into vLLM's fused parameters)")
+    ap.add_argument("--keep-buffers-gb", type=float, default=None,
+                    help="refit.keep_buffers_gb (default: --buffer-gb, so the halves are kept across refits)")
     ap.add_argument("--moe-vllm-util", type=float, default=0.4, help="vLLM gpu_memory_utilization, 30B-A3B")
     ap.add_argument("--moe-1gpu-vllm-util", type=float, default=0.48,
                     help="vLLM gpu_memory_utilization, 30B-A3B on one GPU")
@@ -104,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--refits must be >= 1 and --warmup >= 0 (got {a.refits}, {a.warmup})")
     if a.engine_gib <= 0 or a.buffer_gb <= 0:
         ap.error("--engine-gib and --buffer-gb must be > 0")
+    if a.keep_buffers_gb is None:
+        a.keep_buffers_gb = a.buffer_gb
+    if a.keep_buffers_gb < 0:
+        ap.error("--keep-buffers-gb must be >= 0")
     a.case_list = cases
     return a
 
@@ -284,7 +301,8 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
     d["generation_parallel"].update(tp=lay.gen_tp, pp=1, ep=1, dp=lay.gpus // lay.gen_tp)
     d["generation"].update(gpu_memory_utilization=lay.vllm_util, max_model_len=a.max_model_len, enforce_eager=True)
     d["refit"].update(buffer_gb=lay.buffer_gb, buffer_memory_ratio=None, sleep_level=2,
-                      offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False)
+                      offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False,
+                      fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb))
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")
@@ -421,6 +439,11 @@ class GpuSession:
                     if not case["spot_checks"]["passed"]:
                         problems = "; ".join(case["spot_checks"]["problems"][:3])
                         self.results["errors"].append(f"{lay.name}: bit-exact spot checks failed: {problems}")
+                    if a.fused_transfer:
+                        case["verify"] = self.full_verify(lay, trainers, gen, case)
+                        if not case["verify"].get("bit_exact"):
+                            self.results["errors"].append(f"{lay.name}: full verify_every pass not bit-exact: "
+                                                          f"{str(case['verify'])[:300]}")
                 slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
@@ -440,6 +463,43 @@ class GpuSession:
                 pass
             for t in trainers:
                 ray.kill(t)
+
+    def full_verify(self, lay: P.Layout, trainers: list, gen: Any, case: dict) -> dict:
+        """``refit.verify_every``'s check after the last refit: every trainer rank writes its per-expert export,
+        every vLLM worker compares all its parameters with vLLM's own load of it (``rlc.runtime.refit.verify``).
+        That check holds the export, a snapshot and the reference in host memory (3 x the model); for a model
+        above ``FULL_VERIFY_MAX_BYTES`` every fused expert parameter of three whole MoE layers (first, middle,
+        last: every expert) is checked the same way by reload instead."""
+        cfg = P.load_hf_config(lay.model)
+        if P.model_bytes(cfg).total > FULL_VERIFY_MAX_BYTES:
+            layers = sorted({0, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 1})
+            experts = int(cfg.get("num_experts") or 0)
+            hf = [f"model.layers.{n}.mlp.experts.{e}.{p}.weight" for n in layers for e in range(experts)
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+            params = [f"model.layers.{n}.mlp.experts.{w}" for n in layers for w in ("w13_weight", "w2_weight")]
+            try:
+                exported = _wait([t.export_named.remote(hf) for t in trainers], "verify: export of whole layers")
+                by_device = {s["gpu_uuid"]: exported[r] for r, s in enumerate(case["setup"])}
+                reports = _wait([gen.refit_verify_tensors.remote(by_device, params)], "verify: reload in vLLM")[0]
+            except Exception as exc:
+                return {"bit_exact": False, "error": str(exc)[-1500:]}
+            ok = bool(reports) and all(r.get("bit_exact") and not r.get("missing_params") for r in reports)
+            return {"bit_exact": ok, "scope": f"every expert of layers {layers} ({len(hf)} HF tensors)",
+                    "workers": [{k: r.get(k) for k in ("params_compared", "bit_exact", "mismatches", "missing_params")}
+                                for r in reports]}
+        export_dir = str(self.root / f"verify-{uuid.uuid4().hex[:6]}")
+        try:
+            _wait([t.refit_dump_export.remote(export_dir) for t in trainers], "verify: export to disk")
+            reports = _wait([gen.refit_verify.remote(export_dir)], "verify: reference load in vLLM")[0]
+        except Exception as exc:
+            return {"bit_exact": False, "error": str(exc)[-1500:]}
+        slim = [{k: r[k] for k in ("params_compared", "bytes_compared", "bit_exact", "mismatches", "not_loaded")
+                 if k in r} for r in reports]
+        for r in slim:
+            r["mismatches"] = r.get("mismatches", [])[:6]
+            r["not_loaded"] = r.get("not_loaded", [])[:6]
+        return {"bit_exact": bool(reports) and all(r.get("bit_exact") for r in reports), "scope": "every parameter",
+                "workers": slim}
 
     def spot_check(self, plan_: dict, trainers: list, gen: Any, case: dict) -> dict:
         """Each vLLM worker reloads the plan's HF tensors, exported by the trainer rank on its GPU, through

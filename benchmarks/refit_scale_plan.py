@@ -485,7 +485,12 @@ class Goal:
         return {**asdict(self), "measured": self.measured, "met": self.met}
 
 
-MOE_TOTAL_REFIT_S = 1.5
+#: Qwen3-30B-A3B total refit: median and slowest of the measured refits (a refit is on every step's critical path,
+#: so its spread counts too). 61 GB at the two-copy bound of an H200 (pack + load) is ~0.064 s.
+MOE_TOTAL_REFIT_S = 0.5
+MOE_MAX_REFIT_S = 1.0
+#: Qwen3-8B total refit, median (16.4 GB: ~0.017 s at the two-copy bound).
+DENSE_TOTAL_REFIT_S = 0.05
 ENGINE_RATIO = 0.4
 TINY_OVERHEAD = 0.15
 
@@ -496,16 +501,16 @@ def evaluate_goals(results: dict[str, Any]) -> list[Goal]:
     cases = results.get("cases", {})
     for name in sorted(n for n in cases if n.startswith("moe")):
         summary = cases[name].get("summary")
-        value = summary["total_refit_s"]["median"] if summary else None
-        goals.append(
-            Goal(
-                f"{name} total refit (s)",
-                f"Qwen3-30B-A3B, {cases[name].get('describe', name)}; median of the measured refits",
-                MOE_TOTAL_REFIT_S,
-                True,
-                value,
-            )
-        )
+        what = f"Qwen3-30B-A3B, {cases[name].get('describe', name)}"
+        goals.append(Goal(f"{name} total refit (s)", f"{what}; median of the measured refits", MOE_TOTAL_REFIT_S,
+                          True, summary["total_refit_s"]["median"] if summary else None))
+        goals.append(Goal(f"{name} slowest refit (s)", f"{what}; max of the measured refits", MOE_MAX_REFIT_S,
+                          True, summary["total_refit_s"]["max"] if summary else None))
+    if "dense-8b" in cases:
+        summary = cases["dense-8b"].get("summary")
+        goals.append(Goal("dense-8b total refit (s)", f"Qwen3-8B, {cases['dense-8b'].get('describe', 'dense-8b')}; "
+                          "median of the measured refits", DENSE_TOTAL_REFIT_S, True,
+                          summary["total_refit_s"]["median"] if summary else None))
     engine = results.get("engine") or {}
     goals.append(Goal("engine ratio at 2 GiB", "refit bandwidth / same-run device-to-device copy",
                       ENGINE_RATIO, False, engine.get("ratio")))

@@ -4,6 +4,11 @@ The buffer is ``free × refit.buffer_memory_ratio`` (or ``refit.buffer_gb`` GiB)
 two ping-pong halves, each aligned down to the alignment. A tensor must fit one half, not the
 whole buffer: ``free × ratio / 2 >= tensor`` (:func:`half_holds`; a tensor exactly the half's size
 fits, at offset 0).
+
+With ``refit.fused_transfer`` a MoE layer's routed experts travel stacked, one tensor for every expert's gate
+and up projections and one for the down projections, so the largest tensor a buffer half must hold (or a
+one-off buffer take) is a stacked one even for models whose checkpoint names each expert
+(:func:`exported_experts`); :func:`fused_transfer_applies` is the one decision compiler and runtime share.
 """
 from __future__ import annotations
 
@@ -43,3 +48,19 @@ def half_holds(half: int, tensor_bytes: int) -> bool:
     sends a tensor that does not fit in a one-off buffer of its own.
     """
     return tensor_bytes <= half
+
+
+def fused_transfer_applies(requested: bool, precision: str) -> tuple[bool, str]:
+    """Whether a refit moves stacked experts (``refit.fused_transfer``, ``generation.precision``) and why."""
+    if not requested:
+        return False, "off (refit.fused_transfer: false)"
+    if precision == "fp8":
+        return False, ("off for FP8 rollouts: the experts travel per expert (block scales are computed per "
+                       "exported tensor, and vLLM's layerwise reload quantizes what it loads)")
+    return True, "on (refit.fused_transfer: true)"
+
+
+def exported_experts(expert_export: str | None, *, fused: bool) -> str | None:
+    """How the refit moves routed experts: ``stacked`` when fused transfer applies, else as the model exports
+    them (``per_expert`` / ``stacked`` / None when unknown)."""
+    return "stacked" if fused and expert_export is not None else expert_export

@@ -172,6 +172,13 @@ class RefitConfig(Declared):
     """Check refits bit for bit every N refits (0 = never)."""
     transport: Literal["cuda_ipc", "shm"] = runtime_key(_REFIT, recipe="refit.transport")
     """`cuda_ipc` (colocated GPUs) or `shm` (CPU shared memory; tests only)."""
+    fused_transfer: bool = runtime_key(_REFIT, recipe="refit.fused_transfer")
+    """Move each MoE layer's routed experts as two stacked tensors (gate/up and down, every expert at once)
+    instead of one tensor per expert and projection, and copy them straight into vLLM's fused expert
+    parameters (`w13_weight`, `w2_weight`) with one copy per destination."""
+    keep_buffers_gb: float = runtime_key(_REFIT, recipe="refit.keep_buffers_gb")
+    """GiB of refit IPC buffers (both ping-pong halves together) kept allocated, with vLLM's mappings of them,
+    from one refit to the next: no allocation and no IPC handle per refit while the halves fit."""
     decisions: dict[str, str] = runtime_key(_REFIT)
     """Why each `auto` was settled: the recipe, or the rule id and its reason."""
 

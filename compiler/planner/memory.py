@@ -277,6 +277,14 @@ def wire_tensor(recipe: Recipe, facts: ModelFacts, bpp: int) -> Optional[tuple[s
     return fp8_contract.largest_wire_tensor(shapes, bpp, scales)
 
 
+def refit_facts(recipe: Recipe, facts: ModelFacts) -> ModelFacts:
+    """The facts the refit math reads: with ``refit.fused_transfer`` the routed experts travel stacked
+    (``rlc.contract.refit_buffer.exported_experts``), so the largest tensor on the wire is a stacked one."""
+    fused, _ = refit_buffer.fused_transfer_applies(bool(recipe.refit.fused_transfer), recipe.generation.precision)
+    layout = refit_buffer.exported_experts(facts.expert_export, fused=fused)
+    return facts if layout == facts.expert_export else dataclasses.replace(facts, expert_export=layout)
+
+
 def _ratio_at(k: int) -> float:
     return round(k * RATIO_STEP, 3)
 
@@ -537,7 +545,7 @@ def _refit_phases(plan: MemoryPlan, s: _PlanInputs) -> None:
     if refit_phase.free_gib is None:
         plan.unknown.append("free memory at refit: needs the vLLM weight shard")
         return
-    name, largest = facts.largest_export_tensor(bpp)
+    name, largest = refit_facts(recipe, facts).largest_export_tensor(bpp)
     if largest is None:
         plan.unknown.append(f"largest exported tensor: {name}")
         return

@@ -10,6 +10,12 @@ format, loaded, put through the quantization method's ``process_weights_after_lo
 of a bf16 weight with ``scales: tensor``; kernel layouts and fused-expert formats with ``scales: block``) and
 copied into the parameters the engine holds. A layer is processed once all its tensors are in, possibly
 buckets later, so the consumer hands ``load_weights`` a private copy of each bucket.
+
+Fused expert transfer (``refit.fused_transfer``): at the first refit after pairing the worker builds the
+direct-copy table from the producer's export list and the engine's fused MoE layers
+(:mod:`rlc.runtime.refit.fused`); every later refit checks it against both before any byte moves. Tensors
+the table does not cover go through ``load_weights`` as before. FP8 engines take no direct copies: their
+loads run through the layerwise reload, which quantizes and re-lays out what it loads.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
 
     _rlc_consumer: Any  # rlc.runtime.refit.consumer.RefitConsumer once paired (rlc_refit_prepare), else None
+    _rlc_routes: Any  # rlc.runtime.refit.fused.RouteTable after the first fused refit of a pairing, else None
 
     model_runner: Any  # provided by the vLLM worker class this extends
 
@@ -33,11 +40,13 @@ class RlcWorkerExtension:
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
     def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0,
-                          fp8_scales: str | None = None, fp8_pow2: bool = False) -> dict[str, Any]:
+                          fp8_scales: str | None = None, fp8_pow2: bool = False,
+                          fused: bool = False) -> dict[str, Any]:
         """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently).
 
         ``fp8_scales`` / ``fp8_pow2``: ``generation.fp8`` of an FP8 engine (None: bf16 rollouts). With ``block``
-        the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer."""
+        the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer.
+        ``fused``: ``refit.fused_transfer`` (direct copies into the fused expert parameters; bf16 engines)."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.consumer import RefitConsumer  # noqa: PLC0415 - torch and zmq: vLLM's workers have them
@@ -50,8 +59,13 @@ class RlcWorkerExtension:
         specs = consumer.prepare()
         self._rlc_fp8_scales = fp8_scales
         self._rlc_fp8_pow2 = fp8_pow2
+        self._rlc_fused = bool(fused) and fp8_scales is None
+        self._rlc_routes = None  # built at the first refit after this pairing
         info: dict[str, Any] = {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
-                                "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs)}
+                                "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs),
+                                "fused_transfer": ("on" if self._rlc_fused else
+                                                   "off: FP8 rollouts load through vLLM's layerwise reload"
+                                                   if fused else "off")}
         if fp8_scales == "block":
             from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
 
@@ -72,10 +86,31 @@ class RlcWorkerExtension:
             model.load_weights(weights=weights)
 
         if getattr(self, "_rlc_fp8_scales", None) is None:
-            return consumer.receive(load).to_dict()
+            if not getattr(self, "_rlc_fused", False):
+                return consumer.receive(load).to_dict()
+            return self._rlc_receive_fused(load)
         with self._rlc_reload():
             metrics = consumer.receive(load, copy_buckets=True)
         return metrics.to_dict()
+
+    def _rlc_receive_fused(self, load: Any) -> dict[str, Any]:
+        """One refit with direct copies into the fused expert parameters (table built once, checked every refit)."""
+        import time  # noqa: PLC0415
+
+        from rlc.runtime.refit.fused import FusedLoader, build_routes, vllm_expert_destinations  # noqa: PLC0415
+
+        consumer = self._rlc_consumer
+        t0 = time.perf_counter()
+        destinations = vllm_expert_destinations(self.model_runner.model)
+        table = self._rlc_routes
+        if table is None:
+            table = self._rlc_routes = build_routes(consumer.expected, destinations)
+        else:
+            table.check(consumer.expected, destinations)
+        table_s = time.perf_counter() - t0
+        loader = FusedLoader(load, table)
+        metrics = consumer.receive(loader).to_dict()
+        return {**metrics, "fused": {**loader.stats.to_dict(), **table.summary(), "table_s": table_s}}
 
     @contextlib.contextmanager
     def _rlc_reload(self) -> Iterator[None]:

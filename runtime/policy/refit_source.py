@@ -15,6 +15,9 @@
   on this GPU with vLLM's own per-block function (``rlc.runtime.refit.fp8``) and the wire carries each
   projection as float8_e4m3fn plus its fp32 ``weight_scale_inv``. ``export`` stays the bf16 stream:
   ``refit.verify_every`` checks vLLM against vLLM's own quantization of exactly these bf16 weights.
+- ``refit.fused_transfer``: each MoE layer's routed experts travel as two stacked tensors
+  (``rlc.runtime.policy.fused_export``) and the rest as Bridge exports it; ``export`` stays Bridge's per-expert
+  stream, which ``refit.verify_every`` and the spot checks compare against. Off for FP8 rollouts.
 - FP8 training with ``training.fp8.param_gather`` (FP8 primary weights): Megatron-Bridge's export
   dequantizes every Transformer Engine FP8 parameter to its nominal dtype (``maybe_dequantize`` in each
   parameter mapping), so the exporter yields ``model.dtype`` weights either way and the refit quantizes
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
+from rlc.runtime.refit.fused_layout import fused_transfer_decision
 from rlc.runtime.refit.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -153,6 +157,8 @@ class RefitSource:
             from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
 
             self.quantizer = block_quantizer(gen.fp8.pow2_scales)
+        self.fused_wanted, self.fused_reason = fused_transfer_decision(bool(cfg.refit.fused_transfer), gen.precision)
+        self.fused: Any = None  # rlc.runtime.policy.fused_export.FusedExport once prepared with stacked layers
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if cfg.refit.dedupe_mtp_embedding:
@@ -176,7 +182,10 @@ class RefitSource:
 
     def dry_specs(self) -> list:
         """The export list (name, shape, dtype in export order), from one export pass; with FP8 block
-        scales, the list the quantized stream yields (``rlc.runtime.refit.fp8.quantized_specs``)."""
+        scales, the list the quantized stream yields (``rlc.runtime.refit.fp8.quantized_specs``); with fused
+        transfer, the list of the fused stream (one layer's stacked experts checked against Bridge's export)."""
+        if self.fused_wanted:
+            return self._fused_specs()
         specs = []
         for name, tensor in self.export():
             specs.append(TensorSpec.from_tensor(name, tensor))
@@ -187,8 +196,60 @@ class RefitSource:
             specs = quantized_specs(specs)
         return specs
 
+    def _fused_specs(self) -> list:
+        """The Bridge pass of ``dry_specs`` with fused transfer: finds the layers whose experts travel stacked and
+        compares the first one's stacked tensors with Bridge's per-expert tensors, bit for bit."""
+        from megatron.core import parallel_state  # noqa: PLC0415
+
+        from rlc.runtime.policy.fused_export import (  # noqa: PLC0415
+            FusedExportError,
+            compare_with_bridge,
+            expert_modules,
+            plan_fused_export,
+            reference_layer,
+            why_not_fusable,
+        )
+
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        candidates: dict[int, Any] = {}
+        refused: dict[str, str] = {}
+        for layer, experts in expert_modules(self.model).items():
+            why = why_not_fusable(experts, etp=etp, pp=pp)
+            if why is None:
+                candidates[layer] = experts
+            else:
+                refused[f"layer {layer}"] = why
+        check = min(candidates) if candidates else None
+        reference = reference_layer(candidates[check]) if check is not None else None  # collective with EP
+        bridge_specs, diffs = [], []
+        for name, tensor in self.export():
+            bridge_specs.append(TensorSpec.from_tensor(name, tensor))
+            if reference is not None and check is not None:
+                diff = compare_with_bridge(reference, check, name, tensor)
+                if diff is not None:
+                    diffs.append(diff)
+            del tensor
+        del reference
+        torch.cuda.empty_cache()
+        if diffs:
+            raise FusedExportError(
+                f"refit.fused_transfer: the stacked experts of layer {check} differ from Megatron-Bridge's per-expert "
+                f"export ({len(diffs)} tensors, e.g. {diffs[0]}); set refit.fused_transfer: false")
+        fused = plan_fused_export(self.model, self.tasks, bridge_specs, candidates, refused)
+        self.fused = fused if fused.groups else None
+        if self.fused is None:
+            self.fused_reason = "off: no MoE layer can travel stacked (" + (
+                "; ".join(f"{k}: {v}" for k, v in sorted(fused.refused.items())[:3]) or "no MoE layers") + ")"
+            return bridge_specs
+        return self.fused.wire_specs(bridge_specs)
+
     def stream(self):
-        """What a refit sends: the export, block-quantized for FP8 rollouts with block scales."""
+        """What a refit sends: the export, block-quantized for FP8 rollouts with block scales; with fused
+        transfer, Bridge's export without the stacked layers' experts, then those layers stacked."""
+        if self.fused is not None:
+            return self.fused.stream(self.bridge.export_hf_weights(
+                self.model, cpu=False, show_progress=False, conversion_tasks=self.fused.bridge_tasks))
         if not self.block_fp8:
             return self.export()
         from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
@@ -221,6 +282,8 @@ class RefitSource:
             "prepare_s": time.perf_counter() - t0,
             "device_key": producer.device_key,
             "fp8_quantizer": self.quantizer.source if self.quantizer is not None else None,
+            "fused_transfer": {"on": self.fused is not None, "reason": self.fused_reason,
+                               **(self.fused.summary() if self.fused is not None else {})},
         }
 
     def send(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Rules (NeMo-RL #2471, failure 2, is the reason they are explicit):
   split into **two ping-pong halves**, each aligned down to the alignment. A tensor must fit one
   half, not the whole buffer: ``free × ratio / 2 >= tensor`` is the real condition that the
   original code hid behind a ``// 2``.
-* Each half is capped at the total export size (a small model does not reserve 30 % of the GPU).
+* Each half is capped at the total export size, each tensor padded to the alignment (a small model
+  does not reserve 30 % of the GPU, and a half that may hold the whole export does).
 * Tensors are packed **in export order**; each offset is aligned. Regular buckets alternate
   halves 0, 1, 0, 1 ... so the producer packs bucket k+1 while the consumer loads bucket k.
 * A tensor larger than a half gets its **own one-off buffer** if ``2 × half + tensor + reserve``
@@ -291,7 +292,8 @@ def plan_refit(
         buffer_memory_ratio=buffer_memory_ratio,
         buffer_gb=buffer_gb,
         alignment=alignment,
-        total_export_bytes=total,
+        # every tensor starts aligned: capped at the padded total, one half holds the whole export
+        total_export_bytes=sum(align_up(s.nbytes, alignment) for s in specs),
         reserve_bytes=reserve_bytes,
     )
     if (

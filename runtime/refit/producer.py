@@ -15,8 +15,8 @@ into the other half; a half is reused only after the consumer acked the bucket t
 At the end the consumer verifies its manifest and answers ``Done`` (or an error, raised here).
 
 The two halves (and the consumer's mappings of them) are created once and kept for the next refit
-while both together are at most ``keep_buffers_max_bytes`` (default 2 GiB): no allocation, no IPC
-handle export or open per refit. They are replaced when the plan needs bigger halves than the kept
+while both together are at most ``keep_buffers_max_bytes`` (default ``refit.keep_buffers_gb``): no
+allocation, no IPC handle export or open per refit. They are replaced when the plan needs bigger halves than the kept
 ones, and released by ``close``. Buffers above the limit, and one-off buffers for tensors larger
 than a half, are allocated per refit and freed at its end, so large buffers never stay resident
 while the generation engine is awake.
@@ -41,6 +41,7 @@ from rlc.runtime.refit.bucket_planner import (
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
 from rlc.runtime.refit.channel import Channel, bind, close_socket, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
+from rlc.runtime.refit.fused import copy_export
 from rlc.runtime.refit.metrics import RefitMetrics, fixes_active
 from rlc.runtime.refit.protocol import (
     PROTOCOL_VERSION,
@@ -62,9 +63,11 @@ from rlc.runtime.refit.specs import TensorSpec, specs_to_json, wire_specs
 
 EventHook = Callable[[str, int], None]
 
-#: Both ping-pong halves together up to this size stay allocated (and mapped by the consumer) between
-#: refits; larger halves are allocated per refit. Resident while the generation engine is awake.
-KEEP_BUFFERS_MAX_BYTES = 2 << 30
+#: ``refit.keep_buffers_gb`` as bytes: both ping-pong halves together up to this size stay allocated (and
+#: mapped by the consumer) between refits; larger halves are allocated per refit. Resident while the
+#: generation engine is awake.
+def keep_buffers_bytes(refit_cfg: Any) -> int:
+    return int(float(refit_cfg.keep_buffers_gb) * (1 << 30))
 
 
 class RefitProducer:
@@ -89,7 +92,7 @@ class RefitProducer:
         metadata_source_rank: int | None = None,
         metadata_subscribers: int | None = None,
         empty_cache: bool = True,
-        keep_buffers_max_bytes: int = KEEP_BUFFERS_MAX_BYTES,
+        keep_buffers_max_bytes: int | None = None,
         extra_fp32_params: Sequence[str] = (),
     ) -> None:
         """
@@ -117,7 +120,7 @@ class RefitProducer:
                 bypass this process's caching allocator, can use the memory the buffers used.
             keep_buffers_max_bytes: keep both halves allocated (and mapped by the consumer) from one
                 refit to the next while together they are at most this many bytes; 0 releases them
-                after every refit.
+                after every refit. Default: ``refit_cfg.keep_buffers_gb``.
             extra_fp32_params: fnmatch patterns that also travel in fp32 besides ``refit_cfg.fp32_params``
                 (the block scales of FP8 rollouts).
         """
@@ -141,7 +144,8 @@ class RefitProducer:
         self.metadata_source_rank = metadata_source_rank
         self.metadata_subscribers = metadata_subscribers
         self.empty_cache = empty_cache
-        self.keep_buffers_max_bytes = keep_buffers_max_bytes
+        self.keep_buffers_max_bytes = (keep_buffers_bytes(refit_cfg) if keep_buffers_max_bytes is None
+                                       else keep_buffers_max_bytes)
         self.fp32_patterns = [*refit_cfg.fp32_params, *extra_fp32_params]
         self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
         self._last_plan: RefitPlan | None = None  # for the current export list (reset by prepare)
@@ -484,7 +488,7 @@ class _ProducerRun:
                 buf = self.halves[pl.slot]
             t1 = time.perf_counter()
             view = buf.view(pl.offset, spec.nbytes, spec.shape, torch_dtype(spec.dtype), spec.name, track=False)
-            view.copy_(tensor.detach())
+            copy_export(view, tensor)  # a tensor, or experts stacked straight into the buffer
             del view
             m.pack_seconds += time.perf_counter() - t1
             done.add(name)

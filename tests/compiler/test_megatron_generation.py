@@ -74,7 +74,8 @@ def test_virtual_pipeline_stages_are_refused():
                                         ("generation.gpu_memory_utilization", "0.2"),
                                         ("generation.vllm_version", "0.22.0"),
                                         ("generation.vllm_kwargs.max_num_seqs", "64"),
-                                        ("generation.precision", "fp8")])
+                                        ("generation.precision", "fp8"), ("refit.fused_transfer", "true"),
+                                        ("refit.keep_buffers_gb", "4")])
 def test_each_vllm_only_key_is_an_error_that_says_why(key, value):
     errors = [(p, m) for p, r, m in found(check(DENSE, f"{key}={value}")) if r == "RLC402"]
     assert len(errors) == 1 and errors[0][0] == key.split(".vllm_kwargs")[0] + (".vllm_kwargs" if "vllm_kwargs" in key
@@ -85,6 +86,7 @@ def test_each_vllm_only_key_is_an_error_that_says_why(key, value):
 
 def test_neutral_values_of_vllm_only_switches_are_fine():
     assert check(DENSE, "refit.per_rank_ipc_metadata=auto", "refit.fp32_params=auto").ok
+    assert check(DENSE, "refit.fused_transfer=false").ok  # the default, said explicitly
 
 
 def test_megatron_settings_with_vllm_are_an_error():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale refit_fast grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -12,6 +12,9 @@
 # refit_scale: SCALE_CASES (default engine,dense-8b,moe-ep2,moe-tp2; needs 2 GPUs for moe-*),
 #   TINY_METRICS=path/metrics.jsonl adds the tiny-run goal (default: a grpo / grpo_smoke stage run before
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
+# refit_fast: refit_at_scale.py with refit.fused_transfer on (FAST_CASES, default engine,dense-8b,moe-1gpu; one GPU),
+#   goals: 30B-A3B median <= 0.5 s and max <= 1.0 s, 8B median <= 0.05 s, engine >= 0.4 of the copy; JSON in
+#   $OUT/refit_fast (FAST_TIMEOUT, default 590 s).
 # fp8_refit / fp8_refit_moe: a verified refit into FP8 vLLM parameters at Qwen3-8B / Qwen3-30B-A3B shapes with refit
 #   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor); fp8_grpo: the tiny GRPO run with FP8
 #   rollouts, 150 steps (FP8_GRPO_SCALES: tensor (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with
@@ -70,6 +73,9 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       [[ -z $tm && -f /tmp/rlc-smoke/logs/metrics.jsonl ]] && tm=/tmp/rlc-smoke/logs/metrics.jsonl
       run_stage refit_scale "${SCALE_TIMEOUT:-580}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_at_scale" \
         --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${tm:+--tiny-metrics "$tm"} --check ;;
+    refit_fast)
+      run_stage refit_fast "${FAST_TIMEOUT:-590}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_fast" \
+        --cases "${FAST_CASES:-engine,dense-8b,moe-1gpu}" --fused-transfer --check ;;
     grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
     grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 --smoke ;;
     engine_options) run_stage engine_options 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-engine-options \

@@ -11,6 +11,7 @@ ping-pong half (a one-off bucket).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import traceback
 import weakref
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from rlc.contract.runtime_config import RefitConfig
+from rlc.runtime.refit.fused import ExpertDestination, FusedLoader, StackedParts, build_routes
+from rlc.runtime.refit.fused_layout import expert_groups, fuse_specs, parse_fused
 from rlc.runtime.refit.specs import TensorSpec
 
 # Shared with pool workers through the pool initializer (multiprocessing primitives can only be
@@ -50,6 +53,8 @@ def refit_config(**overrides: Any) -> RefitConfig:
         fp32_params=list(FP32_PATTERNS),
         verify_every=0,
         transport="shm",
+        fused_transfer=False,
+        keep_buffers_gb=2.0,
         decisions={},
     )
     base.update(overrides)
@@ -228,6 +233,172 @@ def consumer_main(job: dict[str, Any]) -> dict[str, Any]:
         out = _error(e)
         out.update({k: v for k, v in result.items() if k not in out})
         return out
+    finally:
+        if consumer is not None:
+            consumer.close()
+
+
+# --------------------------------------------------------------------------- a tiny MoE, fused or per expert
+
+MOE_EXPERTS, MOE_INTER, MOE_HIDDEN, MOE_VOCAB = 8, 16, 32, 64
+#: The consumer side's engine layout: tensor-parallel rank 1 of 2 (half of the intermediate dimension) and,
+#: per MoE layer, the global experts its slots hold (layer 1: every other expert, in vLLM's round-robin way);
+#: layer 2 holds its experts in FP8, which the direct copies do not cover.
+MOE_TP_RANK, MOE_TP_SIZE = 1, 2
+MOE_LOCAL_EXPERTS = {0: tuple(range(8)), 1: (1, 3, 5, 7), 2: tuple(range(8))}
+MOE_FP8_LAYERS = {2}
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def moe_specs() -> list[TensorSpec]:
+    """A tiny MoE's export list, per expert as Megatron-Bridge exports it (router bias in fp32)."""
+    h, i = MOE_HIDDEN, MOE_INTER
+    specs = [TensorSpec("model.embed_tokens.weight", (MOE_VOCAB, h), "bfloat16")]
+    for layer in sorted(MOE_LOCAL_EXPERTS):
+        p = f"model.layers.{layer}"
+        specs += [TensorSpec(f"{p}.self_attn.o_proj.weight", (h, h), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.gate.weight", (MOE_EXPERTS, h), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (MOE_EXPERTS,), "float32")]
+        for e in range(MOE_EXPERTS):
+            specs += [TensorSpec(f"{p}.mlp.experts.{e}.gate_proj.weight", (i, h), "bfloat16"),
+                      TensorSpec(f"{p}.mlp.experts.{e}.up_proj.weight", (i, h), "bfloat16"),
+                      TensorSpec(f"{p}.mlp.experts.{e}.down_proj.weight", (h, i), "bfloat16")]
+    specs.append(TensorSpec("lm_head.weight", (MOE_VOCAB, h), "bfloat16"))
+    return specs
+
+
+def moe_export(fused: bool, step: int):
+    """The export stream of :func:`moe_specs`, per expert or fused (layer 0's experts as separate parameters
+    stacked by the producer, the others as already stacked tensors). Same values either way."""
+    specs = moe_specs()
+    if not fused:
+        return specs, ((s.name, synthetic_tensor(s, step)) for s in specs)
+    by_name = {s.name: s for s in specs}
+    groups, refused = expert_groups(specs)
+    assert not refused, refused
+    wire = fuse_specs(specs, groups.values())
+
+    def part(prefix: str, e: int, proj: str) -> torch.Tensor:
+        return synthetic_tensor(by_name[f"{prefix}.{e}.{proj}.weight"], step)
+
+    def gen():
+        for s in wire:
+            parsed = parse_fused(s.name)
+            if parsed is None:
+                yield s.name, synthetic_tensor(s, step)
+                continue
+            prefix, kind = parsed
+            if kind == "fused_w13":
+                parts = [torch.cat([part(prefix, e, "gate_proj"), part(prefix, e, "up_proj")])
+                         for e in range(MOE_EXPERTS)]
+            else:
+                parts = [part(prefix, e, "down_proj") for e in range(MOE_EXPERTS)]
+            yield s.name, (StackedParts(parts) if ".layers.0." in prefix else torch.stack(parts))
+
+    return wire, gen()
+
+
+class TinyMoeEngine:
+    """The generation side of the tiny MoE in the layout vLLM holds it: fused ``w13_weight`` / ``w2_weight`` per
+    layer (this rank's slice and experts), everything else as exported. ``load_weights`` follows vLLM's
+    ``FusedMoE.weight_loader`` for per-expert tensors (gate -> first half of w13, up -> second half, this
+    rank's rows; down -> this rank's columns; experts not held are skipped) and copies the rest by name."""
+
+    def __init__(self) -> None:
+        h, part = MOE_HIDDEN, MOE_INTER // MOE_TP_SIZE
+        self.params: dict[str, torch.Tensor] = {}
+        for s in moe_specs():
+            if not _PER_EXPERT.match(s.name):
+                self.params[s.name] = torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+        for layer, local in MOE_LOCAL_EXPERTS.items():
+            dtype = torch.float8_e4m3fn if layer in MOE_FP8_LAYERS else torch.bfloat16
+            p = f"model.layers.{layer}.mlp.experts"
+            self.params[f"{p}.w13_weight"] = torch.zeros((len(local), 2 * part, h), dtype=dtype)
+            self.params[f"{p}.w2_weight"] = torch.zeros((len(local), h, part), dtype=dtype)
+
+    def destinations(self) -> dict[str, ExpertDestination]:
+        out = {}
+        for layer, local in MOE_LOCAL_EXPERTS.items():
+            p = f"model.layers.{layer}.mlp.experts"
+            out[p] = ExpertDestination(p, self.params[f"{p}.w13_weight"], self.params[f"{p}.w2_weight"], MOE_EXPERTS,
+                                       local, MOE_TP_RANK, MOE_TP_SIZE)
+        return out
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        part = MOE_INTER // MOE_TP_SIZE
+        rows = slice(MOE_TP_RANK * part, (MOE_TP_RANK + 1) * part)
+        for name, t in weights:
+            m = _PER_EXPERT.match(name)
+            if m is None:
+                self.params[name].copy_(t)  # KeyError for a name the engine does not know (a fused one)
+                continue
+            layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+            local = MOE_LOCAL_EXPERTS[layer]
+            if expert not in local:
+                continue
+            slot = local.index(expert)
+            p = f"model.layers.{layer}.mlp.experts"
+            if proj == "down_proj":
+                self.params[f"{p}.w2_weight"][slot].copy_(t[:, rows])
+            else:
+                half = 0 if proj == "gate_proj" else part
+                self.params[f"{p}.w13_weight"][slot, half:half + part].copy_(t[rows])
+
+
+def moe_producer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """A producer streaming the tiny MoE (``job['fused']``: fused or per expert) for ``job['steps']`` refits."""
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.producer import RefitProducer
+
+    producer = None
+    try:
+        producer = RefitProducer(refit_config(), session=job["session"], rank=0, world_size=1,
+                                 export_dtype="bfloat16", backend=ShmBackend("shm-moe"),
+                                 free_bytes=job.get("free_bytes", 1 << 20), timeout_s=job.get("timeout_s", 20.0))
+        wire, _ = moe_export(job["fused"], 0)
+        producer.prepare(wire)
+        metrics = []
+        for step in range(job.get("steps", 1)):
+            _, stream = moe_export(job["fused"], step)
+            metrics.append(producer.send(stream).to_dict())
+        return {"ok": True, "metrics": metrics, "num_specs": len(wire)}
+    except BaseException as e:
+        return _error(e)
+    finally:
+        if producer is not None:
+            producer.close()
+
+
+def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """The consumer into :class:`TinyMoeEngine`: with ``job['fused']`` through the direct-copy table (built at the
+    first refit, checked at every later one), else through the engine's ``load_weights`` alone. Returns the
+    engine's tensors after the last refit (CPU copies) and the loader's counts."""
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.consumer import RefitConsumer
+
+    consumer = None
+    try:
+        engine = TinyMoeEngine()
+        consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-moe"),
+                                 timeout_s=job.get("timeout_s", 20.0))
+        consumer.prepare()
+        table = None
+        stats = []
+        for _ in range(job.get("steps", 1)):
+            if job["fused"]:
+                if table is None:
+                    table = build_routes(consumer.expected, engine.destinations())
+                else:
+                    table.check(consumer.expected, engine.destinations())
+                loader = FusedLoader(engine.load_weights, table)
+                consumer.receive(loader)
+                stats.append(loader.stats.to_dict())
+            else:
+                consumer.receive(engine.load_weights)
+        return {"ok": True, "params": {n: t.clone() for n, t in engine.params.items()}, "stats": stats,
+                "table": None if table is None else {**table.summary(), "uncovered": dict(table.uncovered)}}
+    except BaseException as e:
+        return _error(e)
     finally:
         if consumer is not None:
             consumer.close()

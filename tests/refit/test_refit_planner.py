@@ -205,6 +205,8 @@ def test_plan_from_runtime_config():
         fp32_params=["*e_score_correction_bias"],
         verify_every=0,
         transport="cuda_ipc",
+        fused_transfer=False,
+        keep_buffers_gb=2.0,
         decisions={},
     )
     plan = plan_from_config([FUSED], 44 * GIB, cfg)

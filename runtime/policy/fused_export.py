@@ -1,0 +1,176 @@
+"""The trainer side of ``refit.fused_transfer``: each MoE layer's routed experts as two stacked tensors.
+
+Megatron-core holds a layer's experts as the grouped GEMM's weights (``TEGroupedMLP``: one ``weight<i>``
+per local expert, or a single ``[experts, out, in]`` weight) or as separate MLPs (``SequentialMLP``). With
+expert tensor parallelism 1 a gated ``linear_fc1`` weight is ``[gate; up]`` of one expert and ``linear_fc2`` is
+its ``down_proj``: exactly the rows vLLM's ``w13_weight`` and ``w2_weight`` hold per expert. So the export of a
+layer is its local weights stacked (straight into the IPC buffer by the producer, or the single grouped
+weight as it is) and, with expert parallelism, gathered over the expert-parallel group in one collective
+(local expert ``i`` of EP rank ``r`` is global expert ``r × local + i``, megatron-core's placement). Every
+other tensor still comes from Megatron-Bridge's export, whose expert tasks are left out for the fused layers.
+
+Where a layer's experts cannot be exported this way (expert tensor parallelism, pipeline parallelism, biases,
+no gated unit, FP8 primary weights), the layer stays on Bridge's per-expert export and the reason is
+reported. At ``prepare`` the fused export of one layer is compared bit for bit with Bridge's per-expert export
+of the same layer; a difference stops before any refit, naming the tensor.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from rlc.runtime.refit.fused import StackedParts, materialize
+from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups
+from rlc.runtime.refit.specs import TensorSpec
+
+_TASK_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.mlp\.experts\.")
+_HF_EXPERT = re.compile(r"^(?P<prefix>.+\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<e>\d+)\."
+                        r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class FusedExportError(RuntimeError):
+    """The stacked expert export differs from Megatron-Bridge's per-expert export."""
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def expert_modules(model: list) -> dict[int, Any]:
+    """Global decoder layer index (0-based) -> the layer's routed experts module, for every MoE layer."""
+    out: dict[int, Any] = {}
+    for chunk in model:
+        decoder = getattr(_unwrap(chunk), "decoder", None)
+        for layer in getattr(decoder, "layers", []) or []:
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                out[int(layer.layer_number) - 1] = experts
+    return out
+
+
+def _local_weights(experts: Any, linear: str) -> torch.Tensor | list[torch.Tensor]:
+    """The local experts' weights of ``linear_fc1`` / ``linear_fc2``: one 3-D tensor or a list of 2-D ones."""
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        return [getattr(e, linear).weight for e in experts.local_experts]
+    lin = getattr(experts, linear)
+    if getattr(lin, "single_grouped_weight", False):
+        return lin.weight
+    return [getattr(lin, f"weight{i}") for i in range(int(experts.num_local_experts))]
+
+
+def why_not_fusable(experts: Any, *, etp: int, pp: int) -> str | None:
+    """Why this experts module stays on the per-expert export (None: it can be stacked)."""
+    cfg = experts.config
+    if pp > 1:
+        return "pipeline parallelism: Bridge broadcasts every stage's tensors, the stacked export does not"
+    if etp != 1:
+        return f"expert tensor parallelism {etp} splits each expert's rows over ranks"
+    if not getattr(cfg, "gated_linear_unit", False):
+        return "experts without a gated linear unit"
+    if getattr(cfg, "add_bias_linear", False):
+        return "experts with biases"
+    if not (hasattr(experts, "local_experts") or hasattr(experts, "linear_fc1")):
+        return f"unknown experts module {type(experts).__name__}"
+    for linear in ("linear_fc1", "linear_fc2"):
+        w = _local_weights(experts, linear)
+        for t in [w] if isinstance(w, torch.Tensor) else w:
+            if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.dtype.is_floating_point:
+                return f"{type(t).__name__} weights (FP8 primary weights are dequantized by Bridge's export)"
+    return None
+
+
+def stacked(experts: Any) -> Iterator[tuple[str, Any]]:
+    """``(fused_w13 | fused_w2, tensor)`` of one layer, every expert: a ``StackedParts`` the producer stacks into
+    its buffer, a zero-copy grouped weight, or (expert parallelism) the gather over the EP group."""
+    group = experts.ep_group
+    ep = group.size() if group is not None else 1
+    for kind, linear in ((W13, "linear_fc1"), (W2, "linear_fc2")):
+        w = _local_weights(experts, linear)
+        if ep == 1:
+            yield kind, (w.detach() if isinstance(w, torch.Tensor) else StackedParts(w))
+            continue
+        local = (w.detach() if isinstance(w, torch.Tensor) else torch.stack([p.detach() for p in w])).contiguous()
+        out = torch.empty((ep * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        torch.distributed.all_gather_into_tensor(out, local, group=group)
+        yield kind, out
+
+
+@dataclass
+class FusedExport:
+    """Which layers travel stacked, and the Bridge tasks left for everything else."""
+
+    modules: dict[int, Any]  # decoder layer -> experts module, for the layers exported stacked
+    groups: dict[int, ExpertGroup]  # decoder layer -> its HF names and shapes
+    bridge_tasks: list
+    refused: dict[str, str] = field(default_factory=dict)  # layer / prefix -> why it stays per expert
+
+    def wire_specs(self, bridge_specs: list[TensorSpec]) -> list[TensorSpec]:
+        """The export list in stream order: Bridge's tensors without the stacked layers' experts, then the
+        stacked tensors layer by layer."""
+        replaced = {n for g in self.groups.values() for n in g.per_expert_names()}
+        out = [s for s in bridge_specs if s.name not in replaced]
+        for layer in sorted(self.groups):
+            out += [self.groups[layer].w13, self.groups[layer].w2]
+        return out
+
+    def stream(self, bridge_export: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        yield from bridge_export
+        for layer in sorted(self.groups):
+            prefix = self.groups[layer].prefix
+            for kind, tensor in stacked(self.modules[layer]):
+                yield f"{prefix}.{kind}", tensor
+                del tensor
+
+    def summary(self) -> dict[str, Any]:
+        return {"layers": len(self.groups), "refused": dict(sorted(self.refused.items())[:8])}
+
+
+def plan_fused_export(model: list, tasks: list, bridge_specs: list[TensorSpec], candidates: dict[int, Any],
+                      refused: dict[str, str]) -> FusedExport:
+    """The fused export of the ``candidates`` (layer -> experts module) whose HF groups are complete in
+    ``bridge_specs``; Bridge's tasks for their experts are dropped from ``tasks``."""
+    groups, not_fusable = expert_groups(bridge_specs)
+    refused = {**refused, **not_fusable}
+    by_layer = {g.layer: g for g in groups.values() if g.layer is not None}
+    chosen = {layer: by_layer[layer] for layer in candidates if layer in by_layer}
+    for layer in candidates:
+        if layer not in by_layer:
+            refused.setdefault(f"layer {layer}", "its per-expert HF tensors are not all in the export")
+    keep = []
+    for t in tasks:
+        m = _TASK_LAYER.search(getattr(t, "global_param_name", "") or "") if t is not None else None
+        if m is None or int(m.group(1)) not in chosen:
+            keep.append(t)
+    return FusedExport({layer: candidates[layer] for layer in chosen}, chosen, keep, refused)
+
+
+def compare_with_bridge(reference: dict[str, torch.Tensor], layer: int, name: str, tensor: torch.Tensor) -> str | None:
+    """Compare one of Bridge's per-expert tensors with the stacked ``reference`` (kind -> tensor) of decoder
+    layer ``layer``: a description of the difference, or None when the bits agree (or it is another tensor)."""
+    m = _HF_EXPERT.match(name)
+    if m is None or int(m.group("layer")) != layer:
+        return None
+    e, proj = int(m.group("e")), m.group("proj")
+    inter = reference[W13].shape[1] // 2
+    if proj == "down_proj":
+        ref = reference[W2][e]
+    else:
+        ref = reference[W13][e].narrow(0, 0 if proj == "gate_proj" else inter, inter)
+    got = tensor.detach().to(device=ref.device, dtype=ref.dtype)
+    if got.shape != ref.shape or not torch.equal(got, ref):
+        return f"{name}: the stacked export's slice differs from Bridge's tensor"
+    return None
+
+
+def reference_layer(experts: Any) -> dict[str, torch.Tensor]:
+    """The stacked tensors of one layer, materialized (the self-check's reference)."""
+    return {kind: materialize(t).clone() for kind, t in stacked(experts)}
+
+
+__all__ = ["FusedExport", "FusedExportError", "compare_with_bridge", "expert_modules", "plan_fused_export",
+           "reference_layer", "stacked", "why_not_fusable"]

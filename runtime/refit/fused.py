@@ -1,0 +1,371 @@
+"""Fused expert transfer on the torch side: the producer's stacked tensors and the consumer's direct copies.
+
+``refit.fused_transfer`` (names and layout: :mod:`rlc.runtime.refit.fused_layout`) sends each MoE layer's
+routed experts as two stacked tensors. On the vLLM side a :class:`RouteTable`, built once at the first
+refit from the wire export list and the engine's fused MoE layers (:class:`ExpertDestination`), says for
+every fused tensor which views of vLLM's ``w13_weight`` / ``w2_weight`` its slices go to: with the whole
+layer on one GPU that is one copy per destination; with tensor parallelism vLLM holds a slice of the
+intermediate dimension (gate and up slices of ``w13``, a column slice of ``w2``); with expert parallelism
+the experts it holds (vLLM's own global-to-local expert map). Every refit the table is checked against
+the export list the producer announced and against the destinations as they are now (same tensors, same
+places); a difference stops the refit (``RefitManifestError``) instead of writing into stale memory.
+
+:class:`FusedLoader` is the ``load_weights`` the consumer calls per bucket: covered tensors become direct
+copies, issued for the whole bucket at once (``torch._foreach_copy_``); everything else goes to vLLM's own
+``load_weights``: tensors that are not fused, and fused tensors the table does not cover (an FP8 or other
+quantized destination, a layout vLLM re-lays out after loading, a module name vLLM maps differently),
+split back into the per-expert HF tensors vLLM's loader expects. ``refit.verify_every`` compares the result
+with vLLM's own load of the per-expert export, bit for bit.
+
+:class:`StackedParts` is what the trainer yields for a layer whose experts are separate parameters: the
+producer stacks them straight into the IPC buffer (one kernel, no intermediate tensor).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from rlc.runtime.refit.errors import RefitManifestError
+from rlc.runtime.refit.fused_layout import W13, check_fused_spec, parse_fused, unfused_names
+from rlc.runtime.refit.specs import TensorSpec, normalize_dtype
+
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+#: vLLM's unquantized MoE backends that compute on ``w13_weight`` / ``w2_weight`` exactly as loaded (others may
+#: re-lay the weights out in ``process_weights_after_loading``; they load through vLLM).
+DIRECT_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
+# --------------------------------------------------------------------------- producer side
+
+
+class StackedParts:
+    """Equally shaped tensors to be stacked along a new first dimension, by the producer, into its buffer."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        if not parts:
+            raise ValueError("StackedParts needs at least one tensor")
+        first = parts[0]
+        if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts):
+            raise ValueError("StackedParts: every part must have the first part's shape, dtype and device")
+        self.parts = list(parts)
+        self.shape = torch.Size((len(parts), *first.shape))
+        self.dtype = first.dtype
+        self.device = first.device
+
+    def copy_into(self, out: torch.Tensor) -> None:
+        """Write the stacked tensor into ``out`` (one kernel when the dtypes agree)."""
+        if out.dtype == self.dtype and out.is_contiguous():
+            torch.stack([p.detach() for p in self.parts], dim=0, out=out)
+        else:
+            out.copy_(self.materialize())
+
+    def materialize(self) -> torch.Tensor:
+        return torch.stack([p.detach() for p in self.parts], dim=0)
+
+
+def copy_export(out: torch.Tensor, tensor: Any) -> None:
+    """The producer's pack of one exported tensor (a tensor or :class:`StackedParts`) into its buffer view."""
+    if isinstance(tensor, StackedParts):
+        tensor.copy_into(out)
+    else:
+        out.copy_(tensor.detach())
+
+
+def materialize(tensor: Any) -> torch.Tensor:
+    """A plain tensor for whatever an exporter yielded (``StackedParts`` are stacked)."""
+    return tensor.materialize() if isinstance(tensor, StackedParts) else tensor
+
+
+# --------------------------------------------------------------------------- consumer side
+
+
+@dataclass(frozen=True)
+class ExpertDestination:
+    """One fused MoE layer of the generation engine, as the direct copies see it."""
+
+    prefix: str  # the HF experts prefix it loads ("model.layers.3.mlp.experts")
+    w13: torch.Tensor  # the parameter's data: [local experts, 2 × intermediate / tp, hidden]
+    w2: torch.Tensor  # [local experts, hidden, intermediate / tp]
+    global_experts: int
+    local_to_global: tuple[int, ...]  # slot j of w13 / w2 holds global expert local_to_global[j]
+    tp_rank: int = 0
+    tp_size: int = 1
+    #: Why this layer takes no direct copies (quantized, a backend that re-lays weights out, ...); None: it can.
+    why_not: str | None = None
+
+    def signature(self) -> tuple[Any, ...]:
+        """What must stay the same for a route table built against this layer to stay valid."""
+        return (self.prefix, *(_tensor_signature(t) for t in (self.w13, self.w2)), self.global_experts,
+                self.local_to_global, self.tp_rank, self.tp_size, self.why_not)
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+class CopyOp(NamedTuple):
+    """One direct copy: ``source(fused)`` -> ``dst`` (a view of a destination parameter)."""
+
+    dst: torch.Tensor
+    expert_start: int  # first global expert (dim 0 of the fused tensor)
+    experts: int
+    dim: int  # dimension of the fused tensor sliced for tensor parallelism, -1 for none
+    start: int
+    length: int
+
+    def source(self, fused: torch.Tensor) -> torch.Tensor:
+        src = fused.narrow(0, self.expert_start, self.experts)
+        return src if self.dim < 0 else src.narrow(self.dim, self.start, self.length)
+
+    def describe(self) -> tuple[int, int, int, int, int, tuple[Any, ...]]:
+        return (self.expert_start, self.experts, self.dim, self.start, self.length, _tensor_signature(self.dst))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one fused wire tensor goes."""
+
+    name: str
+    spec: TensorSpec
+    destination: str  # "<prefix>.w13_weight" / "<prefix>.w2_weight"
+    ops: tuple[CopyOp, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.dst.numel() * op.dst.element_size() for op in self.ops)
+
+
+def _fingerprint(items: Iterable[Any]) -> str:
+    h = hashlib.sha256()
+    for item in items:
+        h.update(repr(item).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def specs_fingerprint(specs: Sequence[TensorSpec]) -> str:
+    """Fingerprint of the fused part of a wire export list (what a route table was built for)."""
+    return _fingerprint((s.name, s.shape, s.dtype) for s in specs if parse_fused(s.name) is not None)
+
+
+def destinations_fingerprint(destinations: Mapping[str, ExpertDestination]) -> str:
+    return _fingerprint(d.signature() for _, d in sorted(destinations.items()))
+
+
+@dataclass
+class RouteTable:
+    """Fused wire tensor -> direct copies, built once and checked every refit."""
+
+    routes: dict[str, Route]
+    uncovered: dict[str, str]  # fused wire name -> why it loads through vLLM's load_weights
+    specs_key: str
+    destinations_key: str
+    destination_signatures: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint([self.specs_key, self.destinations_key,
+                             *((n, r.destination, [op.describe() for op in r.ops]) for n, r in sorted(self.routes.items())),
+                             *sorted(self.uncovered.items())])
+
+    def check(self, specs: Sequence[TensorSpec], destinations: Mapping[str, ExpertDestination]) -> None:
+        """Raise ``RefitManifestError`` when the export list or a destination changed since the table was built."""
+        if specs_fingerprint(specs) != self.specs_key:
+            raise RefitManifestError(
+                "fused transfer: the producer's export list is not the one the direct-copy table was built for; "
+                "the table is rebuilt only when the producer and consumer pair again (prepare)")
+        if destinations_fingerprint(destinations) == self.destinations_key:
+            return
+        now = {p: d.signature() for p, d in destinations.items()}
+        changed = sorted(set(now) ^ set(self.destination_signatures)
+                         | {p for p in now if p in self.destination_signatures and now[p] != self.destination_signatures[p]})
+        raise RefitManifestError(
+            f"fused transfer: vLLM's fused expert parameters of {', '.join(changed[:4]) or 'some layer'} are not "
+            "where the direct-copy table points (moved, resized or replaced since the first refit); copying would "
+            "write memory the engine no longer reads. Turn refit.fused_transfer off if the engine re-allocates "
+            "its weights between refits")
+
+    def summary(self) -> dict[str, Any]:
+        return {"routes": len(self.routes), "copies": sum(len(r.ops) for r in self.routes.values()),
+                "uncovered": len(self.uncovered), "uncovered_examples": dict(sorted(self.uncovered.items())[:4]),
+                "fingerprint": self.fingerprint}
+
+
+def _runs(local_to_global: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(global start, local start, count)`` of the runs where consecutive slots hold consecutive experts."""
+    runs: list[tuple[int, int, int]] = []
+    for local, g in enumerate(local_to_global):
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == local:
+            g0, l0, n = runs[-1]
+            runs[-1] = (g0, l0, n + 1)
+        else:
+            runs.append((g, local, 1))
+    return runs
+
+
+def _route(spec: TensorSpec, d: ExpertDestination) -> Route | str:
+    """The direct copies of one fused tensor into ``d``, or why there are none."""
+    prefix, kind, experts, inter, hidden = check_fused_spec(spec)
+    if d.why_not:
+        return d.why_not
+    dst = d.w13 if kind == W13 else d.w2
+    param = f"{prefix}.{'w13_weight' if kind == W13 else 'w2_weight'}"
+    if normalize_dtype(dst.dtype) != spec.dtype:
+        return (f"{param} holds {normalize_dtype(dst.dtype)}, the wire carries {spec.dtype} (quantized or "
+                "converted weights load through vLLM)")
+    if experts != d.global_experts:
+        return f"{experts} experts on the wire, vLLM's layer has {d.global_experts} (redundant experts?)"
+    local = len(d.local_to_global)
+    if sorted(set(d.local_to_global)) != sorted(d.local_to_global) or not all(0 <= g < experts for g in d.local_to_global):
+        return f"vLLM's local-to-global expert map {list(d.local_to_global)[:8]} is not a set of experts"
+    if d.tp_size < 1 or inter % d.tp_size or not 0 <= d.tp_rank < d.tp_size:
+        return f"intermediate size {inter} does not split evenly over {d.tp_size} tensor-parallel ranks"
+    part = inter // d.tp_size
+    want = (local, 2 * part, hidden) if kind == W13 else (local, hidden, part)
+    if tuple(dst.shape) != want:
+        return f"{param} has shape {list(dst.shape)}, the wire tensor needs {list(want)} (padded weights?)"
+    ops: list[CopyOp] = []
+    first = d.tp_rank * part
+    for g0, l0, n in _runs(d.local_to_global):
+        slots = dst.narrow(0, l0, n)
+        if d.tp_size == 1:
+            ops.append(CopyOp(slots, g0, n, -1, 0, 0))
+        elif kind == W13:  # vLLM's w13: this rank's gate rows (w1), then its up rows (w3)
+            ops.append(CopyOp(slots.narrow(1, 0, part), g0, n, 1, first, part))
+            ops.append(CopyOp(slots.narrow(1, part, part), g0, n, 1, inter + first, part))
+        else:  # w2: this rank's columns of down_proj
+            ops.append(CopyOp(slots, g0, n, 2, first, part))
+    return Route(spec.name, spec, param, tuple(ops))
+
+
+def build_routes(specs: Sequence[TensorSpec], destinations: Mapping[str, ExpertDestination]) -> RouteTable:
+    """The direct-copy table for the fused tensors of the wire ``specs`` (other names are not routed)."""
+    routes: dict[str, Route] = {}
+    uncovered: dict[str, str] = {}
+    for spec in specs:
+        parsed = parse_fused(spec.name)
+        if parsed is None:
+            continue
+        d = destinations.get(parsed[0])
+        if d is None:
+            uncovered[spec.name] = f"vLLM has no fused MoE layer named {parsed[0]!r}"
+            continue
+        result = _route(spec, d)
+        if isinstance(result, str):
+            uncovered[spec.name] = result
+        else:
+            routes[spec.name] = result
+    return RouteTable(routes, uncovered, specs_fingerprint(specs), destinations_fingerprint(destinations),
+                      {p: d.signature() for p, d in destinations.items()})
+
+
+def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused tensor as the per-expert HF tensors vLLM's ``load_weights`` takes (views, no copy)."""
+    spec = TensorSpec(name, tuple(tensor.shape), normalize_dtype(tensor.dtype))
+    return [(n, tensor[e].narrow(0, start, rows)) for n, e, start, rows in unfused_names(spec)]
+
+
+@dataclass
+class FusedLoadStats:
+    direct_tensors: int = 0  # fused wire tensors copied straight into vLLM's parameters
+    direct_copies: int = 0
+    direct_bytes: int = 0
+    unfused_tensors: int = 0  # fused wire tensors split back and loaded by vLLM
+    loader_tensors: int = 0  # tensors handed to vLLM's load_weights (after splitting)
+    loader_calls: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class FusedLoader:
+    """``load_weights`` for the consumer: direct copies for routed fused tensors, vLLM's loader for the rest."""
+
+    def __init__(self, load_weights: LoadWeights, table: RouteTable) -> None:
+        self.load_weights = load_weights
+        self.table = table
+        self.stats = FusedLoadStats()
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        s = self.stats
+        for name, tensor in weights:
+            route = self.table.routes.get(name)
+            if route is not None:
+                for op in route.ops:
+                    dsts.append(op.dst)
+                    srcs.append(op.source(tensor))
+                s.direct_tensors += 1
+                s.direct_copies += len(route.ops)
+                s.direct_bytes += route.nbytes
+            elif parse_fused(name) is not None:
+                rest.extend(unfuse(name, tensor))
+                s.unfused_tensors += 1
+            else:
+                rest.append((name, tensor))
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)  # the bucket's direct copies in one call
+        del srcs
+        if rest:
+            s.loader_tensors += len(rest)
+            s.loader_calls += 1
+            self.load_weights(rest)
+
+
+# --------------------------------------------------------------------------- vLLM's layers
+
+
+def why_not_direct(module: Any) -> str | None:
+    """Why a vLLM ``FusedMoE`` layer takes no direct copies (None: it can). vLLM 0.22: an unquantized layer on
+    the Triton backends computes on ``w13_weight`` / ``w2_weight`` exactly as its ``weight_loader`` writes them."""
+    method = getattr(module, "quant_method", None)
+    kind = type(method).__name__
+    if kind != "UnquantizedFusedMoEMethod":
+        return f"quantized experts ({kind}): vLLM processes them as they load"
+    backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+    if backend not in DIRECT_BACKENDS:
+        return f"vLLM's {backend} MoE backend may re-lay the weights out after loading"
+    if getattr(module, "w13_bias", None) is not None or getattr(module, "w2_bias", None) is not None:
+        return "experts with biases load through vLLM"
+    if getattr(getattr(module, "moe_config", None), "is_act_and_mul", True) is False:
+        return "w13 without a gate/up pair"
+    if getattr(module, "enable_eplb", False):
+        return "expert load balancing moves experts between refits"
+    return None
+
+
+def vllm_expert_destinations(model: Any) -> dict[str, ExpertDestination]:
+    """Every fused MoE layer of a vLLM model (anything with ``w13_weight`` / ``w2_weight`` and an expert map),
+    keyed by its module name, which is the HF experts prefix it loads for models without a name mapper."""
+    out: dict[str, ExpertDestination] = {}
+    for name, module in model.named_modules():
+        w13 = getattr(module, "w13_weight", None)
+        w2 = getattr(module, "w2_weight", None)
+        mapper = getattr(module, "_map_global_expert_id_to_local_expert_id", None)
+        if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or mapper is None or w13.dim() != 3:
+            continue
+        global_experts = int(module.global_num_experts)
+        local = int(w13.shape[0])
+        slots = [-1] * local
+        for g in range(global_experts):
+            slot = int(mapper(g))
+            if 0 <= slot < local:
+                slots[slot] = g
+        why = why_not_direct(module)
+        if why is None and -1 in slots:
+            why = "vLLM's expert map leaves a local slot empty (redundant experts?)"
+        out[name] = ExpertDestination(name, w13.data, w2.data, global_experts, tuple(slots),
+                                      int(module.tp_rank), int(module.tp_size), why)
+    return out
+
+
+__all__ = ["CopyOp", "DIRECT_BACKENDS", "ExpertDestination", "FusedLoadStats", "FusedLoader", "Route", "RouteTable",
+           "StackedParts", "build_routes", "copy_export", "destinations_fingerprint", "materialize",
+           "specs_fingerprint", "unfuse", "vllm_expert_destinations", "why_not_direct"]
