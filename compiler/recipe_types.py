@@ -415,8 +415,8 @@ class RefitSection(_Section):
     fused_transfer: bool = key(
         "Move each MoE layer's routed experts as two stacked tensors (gate/up and down, every expert at once) "
         "instead of one tensor per expert and projection, and copy them straight into vLLM's fused expert "
-        "parameters (`w13_weight`, `w2_weight`) with one copy per destination. The faster path for MoE models "
-        "(a 30B-A3B layer's 384 expert tensors become 2); vLLM's own `load_weights` still loads everything the "
+        "parameters (`w13_weight`, `w2_weight`) with one copy per destination (a 30B-A3B layer's 384 "
+        "expert tensors become 2). Off by default; vLLM's own `load_weights` still loads everything the "
         "direct copies do not cover, and `refit.verify_every` checks the result against it bit for bit. Not for "
         "FP8 rollouts (the per-expert path runs, and says so). vLLM backend only.",
         default=False, runtime=_REFIT)

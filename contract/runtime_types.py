@@ -175,7 +175,8 @@ class RefitConfig(Declared):
     fused_transfer: bool = runtime_key(_REFIT, recipe="refit.fused_transfer")
     """Move each MoE layer's routed experts as two stacked tensors (gate/up and down, every expert at once)
     instead of one tensor per expert and projection, and copy them straight into vLLM's fused expert
-    parameters (`w13_weight`, `w2_weight`) with one copy per destination."""
+    parameters (`w13_weight`, `w2_weight`) with one copy per destination (a 30B-A3B layer's 384 expert tensors
+    become 2)."""
     keep_buffers_gb: float = runtime_key(_REFIT, recipe="refit.keep_buffers_gb")
     """GiB of refit IPC buffers (both ping-pong halves together) kept allocated, with vLLM's mappings of them,
     from one refit to the next: no allocation and no IPC handle per refit while the halves fit."""
