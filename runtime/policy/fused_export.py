@@ -23,12 +23,10 @@ from typing import Any, Iterator
 import torch
 
 from rlc.runtime.refit.fused import StackedParts, materialize
-from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups
+from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups, layer_of, parse_per_expert
 from rlc.runtime.refit.specs import TensorSpec
 
 _TASK_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.mlp\.experts\.")
-_HF_EXPERT = re.compile(r"^(?P<prefix>.+\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<e>\d+)\."
-                        r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class FusedExportError(RuntimeError):
@@ -152,10 +150,10 @@ def plan_fused_export(model: list, tasks: list, bridge_specs: list[TensorSpec], 
 def compare_with_bridge(reference: dict[str, torch.Tensor], layer: int, name: str, tensor: torch.Tensor) -> str | None:
     """Compare one of Bridge's per-expert tensors with the stacked ``reference`` (kind -> tensor) of decoder
     layer ``layer``: a description of the difference, or None when the bits agree (or it is another tensor)."""
-    m = _HF_EXPERT.match(name)
-    if m is None or int(m.group("layer")) != layer:
+    parsed = parse_per_expert(name)
+    if parsed is None or layer_of(parsed[0]) != layer:
         return None
-    e, proj = int(m.group("e")), m.group("proj")
+    _, e, proj = parsed
     inter = reference[W13].shape[1] // 2
     if proj == "down_proj":
         ref = reference[W2][e]

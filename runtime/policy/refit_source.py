@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
-from rlc.runtime.refit.fused_layout import fused_transfer_decision
+from rlc.contract.refit_buffer import fused_transfer_applies
 from rlc.runtime.refit.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class RefitSource:
             from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
 
             self.quantizer = block_quantizer(gen.fp8.pow2_scales)
-        self.fused_wanted, self.fused_reason = fused_transfer_decision(bool(cfg.refit.fused_transfer), gen.precision)
+        self.fused_wanted, self.fused_reason = fused_transfer_applies(bool(cfg.refit.fused_transfer), gen.precision)
         self.fused: Any = None  # rlc.runtime.policy.fused_export.FusedExport once prepared with stacked layers
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()

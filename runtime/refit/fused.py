@@ -23,7 +23,7 @@ producer stacks them straight into the IPC buffer (one kernel, no intermediate t
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -152,10 +152,6 @@ def specs_fingerprint(specs: Sequence[TensorSpec]) -> str:
     return _fingerprint((s.name, s.shape, s.dtype) for s in specs if parse_fused(s.name) is not None)
 
 
-def destinations_fingerprint(destinations: Mapping[str, ExpertDestination]) -> str:
-    return _fingerprint(d.signature() for _, d in sorted(destinations.items()))
-
-
 @dataclass
 class RouteTable:
     """Fused wire tensor -> direct copies, built once and checked every refit."""
@@ -163,8 +159,11 @@ class RouteTable:
     routes: dict[str, Route]
     uncovered: dict[str, str]  # fused wire name -> why it loads through vLLM's load_weights
     specs_key: str
-    destinations_key: str
-    destination_signatures: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    destination_signatures: dict[str, tuple[Any, ...]]  # experts prefix -> ExpertDestination.signature()
+
+    @property
+    def destinations_key(self) -> str:
+        return _fingerprint(sig for _, sig in sorted(self.destination_signatures.items()))
 
     @property
     def fingerprint(self) -> str:
@@ -178,9 +177,9 @@ class RouteTable:
             raise RefitManifestError(
                 "fused transfer: the producer's export list is not the one the direct-copy table was built for; "
                 "the table is rebuilt only when the producer and consumer pair again (prepare)")
-        if destinations_fingerprint(destinations) == self.destinations_key:
-            return
         now = {p: d.signature() for p, d in destinations.items()}
+        if now == self.destination_signatures:
+            return
         changed = sorted(set(now) ^ set(self.destination_signatures)
                          | {p for p in now if p in self.destination_signatures and now[p] != self.destination_signatures[p]})
         raise RefitManifestError(
@@ -259,8 +258,7 @@ def build_routes(specs: Sequence[TensorSpec], destinations: Mapping[str, ExpertD
             uncovered[spec.name] = result
         else:
             routes[spec.name] = result
-    return RouteTable(routes, uncovered, specs_fingerprint(specs), destinations_fingerprint(destinations),
-                      {p: d.signature() for p, d in destinations.items()})
+    return RouteTable(routes, uncovered, specs_fingerprint(specs), {p: d.signature() for p, d in destinations.items()})
 
 
 def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -367,5 +365,5 @@ def vllm_expert_destinations(model: Any) -> dict[str, ExpertDestination]:
 
 
 __all__ = ["CopyOp", "DIRECT_BACKENDS", "ExpertDestination", "FusedLoadStats", "FusedLoader", "Route", "RouteTable",
-           "StackedParts", "build_routes", "copy_export", "destinations_fingerprint", "materialize",
+           "StackedParts", "build_routes", "copy_export", "materialize",
            "specs_fingerprint", "unfuse", "vllm_expert_destinations", "why_not_direct"]

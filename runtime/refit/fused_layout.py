@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from rlc.contract.refit_buffer import fused_transfer_applies
 from rlc.runtime.refit.errors import RefitPlanError
 from rlc.runtime.refit.specs import TensorSpec
 
@@ -46,8 +45,7 @@ class ExpertGroup:
     @property
     def layer(self) -> int | None:
         """The decoder layer index in the prefix (``.layers.<i>.``), None when there is none."""
-        m = _LAYER.search(self.prefix + ".")
-        return int(m.group(1)) if m else None
+        return layer_of(self.prefix)
 
     @property
     def w13(self) -> TensorSpec:
@@ -63,10 +61,16 @@ class ExpertGroup:
                 for p in ("gate_proj", "up_proj", "down_proj")]
 
 
-def fused_transfer_decision(requested: bool, precision: str) -> tuple[bool, str]:
-    """Whether a refit moves stacked experts and why (:func:`rlc.contract.refit_buffer.fused_transfer_applies`,
-    the decision the memory planner makes too)."""
-    return fused_transfer_applies(requested, precision)
+def parse_per_expert(name: str) -> tuple[str, int, str] | None:
+    """``(experts prefix, expert, "gate_proj" | "up_proj" | "down_proj")`` of a per-expert HF name, else None."""
+    m = _PER_EXPERT.match(name)
+    return (m.group("prefix"), int(m.group("expert")), m.group("proj")) if m else None
+
+
+def layer_of(prefix: str) -> int | None:
+    """The decoder layer index in an experts prefix (``.layers.<i>.``), None when there is none."""
+    m = _LAYER.search(prefix + ".")
+    return int(m.group(1)) if m else None
 
 
 def parse_fused(name: str) -> tuple[str, str] | None:
@@ -81,9 +85,10 @@ def expert_groups(specs: Sequence[TensorSpec]) -> tuple[dict[str, ExpertGroup], 
     ``up_proj`` of one shape ``[I, H]`` and a ``down_proj`` of shape ``[H, I]``, all of one dtype."""
     found: dict[str, dict[tuple[int, str], TensorSpec]] = {}
     for s in specs:
-        m = _PER_EXPERT.match(s.name)
-        if m:
-            found.setdefault(m.group("prefix"), {})[(int(m.group("expert")), m.group("proj"))] = s
+        parsed = parse_per_expert(s.name)
+        if parsed:
+            prefix, expert, proj = parsed
+            found.setdefault(prefix, {})[(expert, proj)] = s
     groups: dict[str, ExpertGroup] = {}
     refused: dict[str, str] = {}
     for prefix, parts in found.items():
@@ -153,6 +158,5 @@ def unfused_names(spec: TensorSpec) -> list[tuple[str, int, int, int]]:
     return [(f"{prefix}.{e}.down_proj.weight", e, 0, hidden) for e in range(experts)]
 
 
-__all__ = ["ExpertGroup", "W13", "W2", "check_fused_spec", "expert_groups", "fuse_specs", "fused_transfer_decision",
-           "parse_fused",
-           "unfused_names"]
+__all__ = ["ExpertGroup", "W13", "W2", "check_fused_spec", "expert_groups", "fuse_specs", "layer_of", "parse_fused",
+           "parse_per_expert", "unfused_names"]

@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+from rlc.contract.refit_buffer import fused_transfer_applies
 from rlc.runtime.refit.bucket_planner import SLOT_ONEOFF, plan_refit
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.fused import (
@@ -28,7 +29,6 @@ from rlc.runtime.refit.fused import (
 from rlc.runtime.refit.fused_layout import (
     expert_groups,
     fuse_specs,
-    fused_transfer_decision,
     parse_fused,
     unfused_names,
 )
@@ -109,10 +109,10 @@ def test_incomplete_or_uneven_expert_groups_stay_per_expert():
 
 
 def test_fp8_rollouts_keep_the_per_expert_path_and_say_why():
-    assert fused_transfer_decision(True, "bf16")[0] is True
-    on, why = fused_transfer_decision(True, "fp8")
+    assert fused_transfer_applies(True, "bf16")[0] is True
+    on, why = fused_transfer_applies(True, "fp8")
     assert on is False and "FP8 rollouts" in why
-    assert fused_transfer_decision(False, "bf16") == (False, "off (refit.fused_transfer: false)")
+    assert fused_transfer_applies(False, "bf16") == (False, "off (refit.fused_transfer: false)")
 
 
 # --------------------------------------------------------------------------- the direct-copy table
