@@ -134,6 +134,10 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         init_model_parallel(self.cfg.train_parallel, self.cfg.training.seed)
         torch.manual_seed(self.cfg.training.seed)
         self._pm = build_policy(self.cfg)
+        if self.cfg.training.sequence_packing.enabled and self.cfg.model.mtp_num_layers:
+            from rlc.runtime.policy import packed_roll  # noqa: PLC0415
+
+            packed_roll.install()  # the MTP block's shift of a packed row, whole-row instead of per sequence
         self.total_opt_steps = max(1, int(total_opt_steps))
         self.coords = {
             "rank": self.rank,

@@ -14,10 +14,13 @@ Pure Python (no torch / megatron imports) so the mapping is tested on CPU; ``meg
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from rlc.contract.runtime_config import RuntimeConfig
 from rlc.contract.engine_options import MEGATRON_OWNED
+
+log = logging.getLogger(__name__)
 
 
 def typed_provider_settings(cfg: RuntimeConfig) -> dict[str, Any]:
@@ -45,25 +48,47 @@ def typed_provider_settings(cfg: RuntimeConfig) -> dict[str, Any]:
     return out
 
 
-def packed_rope_fusion(provider: Any, cfg: RuntimeConfig) -> bool:
-    """Whether to turn on Transformer Engine's fused RoPE (``apply_rope_fusion``) for sequence packing.
+def packed_rope_fusion(provider: Any, cfg: RuntimeConfig, *, mla_kernels: bool | None = None) -> bool:
+    """Whether to turn on fused RoPE (``apply_rope_fusion``) for sequence packing.
 
     Unfused, megatron-core 0.19 applies RoPE to a packed (``thd``) row one sequence at a time: about a dozen small
     kernels per sequence, in every attention layer, for the queries and the keys, and again backward, so a micro
-    batch of many short sequences spends its time launching them. The fused kernel takes the whole row at once (and
-    computes in fp32); NeMo-RL's Megatron configurations turn it on too. It is left alone when the recipe sets
-    ``training.megatron_kwargs.apply_rope_fusion`` (that value is applied), and for models whose RoPE the fused
-    packed kernel does not cover: other position embeddings, YaRN scaling, multi-latent attention, multimodal
-    RoPE sections.
+    batch of many short sequences spends its time launching them. Fused, one kernel takes the whole row (and
+    computes in fp32); NeMo-RL's Megatron configurations turn it on too. Standard attention gets Transformer
+    Engine's kernel; multi-latent attention (MLA) gets megatron-core's own Triton kernels
+    (``fused_apply_mla_rope_for_q`` / ``_kv``), which it uses for its YaRN rotary embedding (the MLA providers'
+    ``rope_type``, which is plain RoPE at scaling factor 1) and never while generating, so not with the Megatron
+    generation backend. ``mla_kernels``: whether those kernels can load (Triton installed); found out here when
+    not given.
+
+    It is left alone when the recipe sets ``training.megatron_kwargs.apply_rope_fusion`` (that value is applied),
+    and for RoPE the fused packed kernels do not cover: other position embeddings, YaRN scaling outside MLA,
+    multimodal RoPE sections, MLA with plain ``rope`` or with cached latents.
     """
     if not cfg.training.sequence_packing.enabled or "apply_rope_fusion" in cfg.training.megatron_kwargs:
         return False
     if getattr(provider, "apply_rope_fusion", False) or getattr(provider, "position_embedding_type", None) != "rope":
         return False
-    # the fused thd kernel takes no YaRN concentration factor; MLA and multimodal sections have RoPE paths of their own
+    if getattr(provider, "multi_latent_attention", False):
+        return _mla_rope_fusion(provider, cfg, mla_kernels)
+    # the fused thd kernel takes no YaRN concentration factor; multimodal sections have a RoPE path of their own
     return (getattr(provider, "yarn_rotary_scaling_factor", None) is None
-            and not getattr(provider, "multi_latent_attention", False)
             and getattr(provider, "mrope_section", None) is None)
+
+
+def _mla_rope_fusion(provider: Any, cfg: RuntimeConfig, kernels: bool | None) -> bool:
+    if getattr(provider, "rope_type", None) != "yarn" or getattr(provider, "cache_mla_latents", False):
+        return False
+    if cfg.generation.backend != "vllm":
+        return False  # megatron-core asserts that inference never runs MLA with fused RoPE
+    if kernels is None:
+        import importlib.util  # noqa: PLC0415
+
+        kernels = importlib.util.find_spec("triton") is not None
+    if not kernels:
+        log.warning("sequence packing on multi-latent attention without Triton: megatron-core applies RoPE one "
+                    "packed sequence at a time, which can dominate the step time on short rollouts")
+    return kernels
 
 
 def apply_provider_settings(provider: Any, cfg: RuntimeConfig) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale refit_fast grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench refit_scale refit_fast grpo grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -124,6 +124,9 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --out "$OUT/packing_smoke" --steps 4 --resume-steps 0 --timeout 240 --smoke --set training.sequence_packing.enabled=true ;;
     packed_rope)  # RoPE on packed rows: megatron-core's unfused per-sequence loop vs the fused kernel (time, error vs fp32)
       run_stage packed_rope 300 python3 "$REPO"/tests/gpu/test_packed_rope.py --out "$OUT/packed_rope" ;;
+    packed_mla)  # packed rows through MLA's RoPE (unfused per sequence vs megatron-core's fused kernels) and the MTP
+      # shift (megatron-core's per-sequence roll vs the runtime's whole-row one, bit for bit): time, error vs fp32
+      run_stage packed_mla 300 python3 "$REPO"/tests/gpu/test_packed_mla.py --out "$OUT/packed_mla" ;;
     mcore_shared)  # generation.backend megatron, shared mode: the dense toy task learns (docs/generation-backends.md)
       run_stage mcore_shared 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case shared --root /tmp/rlc-mcore-shared \
         --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
@@ -150,8 +153,11 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       --scales "${FP8_SCALES:-block}" --fp8-util 0.40 --refits 2 --out "$OUT" ;;
     fp8_grpo) run_stage fp8_grpo 540 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales "${FP8_GRPO_SCALES:-tensor}" \
       --steps "${FP8_GRPO_STEPS:-150}" --timeout 420 --out "$OUT/fp8_grpo" ;;
-    fp8_grpo_block) run_stage fp8_grpo_block 540 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales block \
-      --root /tmp/rlc-fp8-grpo-block --steps "${FP8_GRPO_STEPS:-150}" --timeout 420 --out "$OUT/fp8_grpo_block" ;;
+    fp8_grpo_block)  # block scales run on DeepGEMM, whose kernels vLLM JIT-compiles at engine start (about 200 s on
+      # a fresh host), so this stage runs 40 steps, verified at 0, 20 and 40; learning is the tensor-scale stage's proof
+      run_stage fp8_grpo_block 570 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales block \
+      --root /tmp/rlc-fp8-grpo-block --steps "${FP8_GRPO_STEPS:-40}" --verify-every 20 \
+      --timeout "${FP8_GRPO_TIMEOUT:-520}" --out "$OUT/fp8_grpo_block" ;;
     fp8_train) run_stage fp8_train 540 python3 "$REPO"/tests/gpu/test_fp8_train.py --recipe "${FP8_TRAIN_RECIPE:-blockwise}" \
       --steps 8 --timeout 240 --out "$OUT/fp8_train" ;;
     *) log "unknown stage $stage" ;;

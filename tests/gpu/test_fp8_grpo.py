@@ -113,6 +113,15 @@ def run_bundle(bundle: Path, timeout_s: int) -> dict:
             "logs": str(logs)}
 
 
+def keep_log_tail(src: Path, dst: Path, limit: int = 4 << 20) -> None:
+    """The driver's whole log (its last ``limit`` bytes), timestamps and all, next to the result: a run that stalls
+    says where only there."""
+    if src.exists():
+        with open(src, "rb") as f:
+            f.seek(max(0, src.stat().st_size - limit))
+            dst.write_bytes(f.read())
+
+
 def bf16_reference() -> dict | None:
     if not BF16_RESULT.exists():
         return None
@@ -182,6 +191,7 @@ def run(root: str, out: str | None, scales: str, steps: int, verify_every: int, 
                 src = Path(got["logs"]) / name
                 if src.exists():
                     shutil.copy(src, Path(out) / f"fp8_grpo_{scales}_{name}")
+            keep_log_tail(bundle.parent / "driver.log", Path(out) / f"fp8_grpo_{scales}_driver.log")
         res["bf16"] = bf16_reference()
         if bf16:  # the same bundle with bf16 rollouts, now
             bbundle, _ = compile_bundle(rootp / "bf16", ws, [f"grpo.max_steps={steps}"])

@@ -203,8 +203,10 @@ if __name__ == "__main__":
 
     sets = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in a.set)}
     r = run(a.root, a.out, a.steps, a.resume_steps, a.timeout, overrides=sets)
-    if a.smoke:
+    if a.smoke:  # the record says which verdict judged it
         ok, why = smoke_verdict(r, a.steps, sets)
+        r.update(verdict="smoke", passed=ok, reasons=why)
+        dump(r, a.out, "grpo_learning")
         print("smoke:", "passed" if ok else "; ".join(why), "| memory used (GiB, mean):",
               r["summary"]["memory_used_gib_mean"], flush=True)
         sys.exit(0 if ok else 1)

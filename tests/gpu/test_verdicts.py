@@ -117,13 +117,15 @@ def test_packing_verdict_passes_within_and_names_each_figure_outside():
     assert not ok and "negative control" in why[0]
 
 
-SMOKE_RECORD = Path(__file__).resolve().parents[2] / "docs" / "results" / "grpo-smoke-h200" / "grpo_learning.json"
+SMOKE_RECORDS = [Path(__file__).resolve().parents[2] / "docs" / "results" / "grpo-smoke-h200" / name
+                 for name in ("grpo_learning.json", "grpo_learning_rerun.json")]
 
 
-def test_the_smoke_verdict_passes_the_measured_smoke_run_and_fails_a_restart_from_scratch():
+@pytest.mark.parametrize("record", SMOKE_RECORDS, ids=lambda p: p.name)
+def test_the_smoke_verdict_passes_the_measured_smoke_run_and_fails_a_restart_from_scratch(record):
     from tests.gpu.test_grpo_learning import smoke_verdict  # noqa: PLC0415 - the GPU script's own verdict
 
-    rec = json.loads(SMOKE_RECORD.read_text(encoding="utf-8"))
+    rec = json.loads(record.read_text(encoding="utf-8"))
     assert smoke_verdict(rec, 4, {}) == (True, [])
     # its reward after 4 steps is at chance: the learning run's resume rule cannot judge a smoke run
     assert not resume_verdict(rec["resume_rc"], rec["resume"]["steps"], rec["resume"]["reward"], steps=4,
