@@ -1,11 +1,13 @@
 """``rlc calibrate RUN_DIR... --recipe RECIPE -o FILE``: runs' memory records -> a calibration file.
 
 Reads each run folder (:mod:`rlc.compiler.planner.runs`), fits the per-GPU constants
-(:mod:`rlc.compiler.planner.fit`), writes the calibration file atomically and returns the table of
-used GiB per phase, measured vs predicted before and after the fit.
+(:mod:`rlc.compiler.planner.fit`; for runs of ``generation.backend: megatron`` the engine's constants,
+:mod:`rlc.compiler.planner.mcore_fit`, on top of the recipe's calibration), writes the calibration file
+atomically and returns the table of used GiB per phase, measured vs predicted before and after the fit.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -13,10 +15,11 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import yaml
 
-from rlc.compiler.planner.calibration import CalibrationError, calibration_for, load_table
-from rlc.compiler.planner.fit import compare, comparison_text, fit, to_table
+from rlc.compiler.planner.calibration import Calibration, CalibrationError, calibration_for, load_table
+from rlc.compiler.planner import mcore_fit
+from rlc.compiler.planner.fit import Fitted, check_runs, compare, comparison_text, fit, to_table
 from rlc.compiler.planner.memory import plan_memory
-from rlc.compiler.planner.runs import read_run
+from rlc.compiler.planner.runs import RunMeasurements, read_run
 
 if TYPE_CHECKING:
     from rlc.compiler.api import CheckResult
@@ -44,6 +47,27 @@ def write_atomically(path: Path, text: str) -> None:
         raise CalibrationError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
+def _fit_megatron(runs: Sequence[RunMeasurements], result: CheckResult, base: Calibration,
+                  entry_id: str) -> tuple[Calibration, list[Fitted]]:
+    """The recipe's calibration (``base``) with the Megatron generation backend's constants fitted to ``runs``
+    (runs of that backend); the trainer's constants stay the base's (fit them from a vLLM-backend run)."""
+    recipe, facts, gpu = result.recipe, result.facts, result.gpu
+    assert recipe is not None and facts is not None and gpu is not None
+    check_runs(runs, recipe)
+    cal, fitted = mcore_fit.fit_megatron_backend(mcore_fit.MegatronRunMemory.from_runs(runs), recipe, facts, gpu,
+                                                 base)
+    names = ", ".join(str(r.path) for r in runs)
+    sources = dict(base.sources)
+    if base.gpu != gpu.name:
+        sources = {k: f"not measured on {gpu.name}: from {base.id} ({v})" for k, v in sources.items()}
+    for f in fitted:
+        sources[f.name] = f"rlc calibrate: {names}"
+    return dataclasses.replace(cal, id=entry_id, gpu=gpu.name, versions=runs[0].versions,
+                               source=f"{base.source}; the Megatron generation backend's constants: rlc calibrate "
+                                      f"from {names} ({recipe.name})",
+                               sources=sources, fallback_note=None), fitted
+
+
 def calibrate(run_dirs: Sequence[str], result: CheckResult, output: Path, entry_id: Optional[str] = None) -> str:
     """Fit from ``run_dirs`` for the checked recipe ``result`` (with model facts and a GPU); write
     ``output``; return the report."""
@@ -53,11 +77,17 @@ def calibrate(run_dirs: Sequence[str], result: CheckResult, output: Path, entry_
     runs = [read_run(d) for d in run_dirs]
     base = calibration_for(gpu.name, table=result.calibration or None)
     entry_id = entry_id or default_id(gpu.name, runs[0].versions)
-    fitted_cal, fitted = fit(runs, recipe, facts, gpu, base, entry_id)
     before = plan_memory(recipe, facts, gpu, calibration=result.calibration or None)
-    after = plan_memory(recipe, facts, gpu, calibration=[fitted_cal])
-    comparison = compare(before, after, runs)
-    table = to_table(fitted_cal, fitted, comparison)
+    if recipe.generation.backend == "megatron":
+        fitted_cal, fitted = _fit_megatron(runs, result, base, entry_id)
+        after = plan_memory(recipe, facts, gpu, calibration=[fitted_cal])
+        comparison = mcore_fit.compare(before, after, mcore_fit.MegatronRunMemory.from_runs(runs))
+        table = to_table(fitted_cal, fitted, comparison, {k: v for k, (_, v) in mcore_fit.COMPARED.items()})
+    else:
+        fitted_cal, fitted = fit(runs, recipe, facts, gpu, base, entry_id)
+        after = plan_memory(recipe, facts, gpu, calibration=[fitted_cal])
+        comparison = compare(before, after, runs)
+        table = to_table(fitted_cal, fitted, comparison)
     write_atomically(output, HEADER + yaml.safe_dump(table, sort_keys=False, allow_unicode=True, width=110))
     load_table.cache_clear()
     load_table(str(output))  # what was written reads back

@@ -38,6 +38,16 @@ def pad_multiples(*, tp: int, sequence_parallel: bool, cp: int, fp8_recipe: str 
     return PadMultiples(sequence=sequence, row=row)
 
 
+#: Without packing, the trainer's batch is padded to its longest sequence rounded up to this many tokens per TP × CP
+#: rank (``padded_row_multiple``; the driver's ``pack_rollouts``).
+PADDED_ROW_MULTIPLE = 16
+
+
+def padded_row_multiple(tp: int, cp: int) -> int:
+    """The token multiple a padded (unpacked) batch's rows are rounded up to."""
+    return PADDED_ROW_MULTIPLE * int(tp) * int(cp)
+
+
 def round_up(n: int, multiple: int) -> int:
     multiple = max(1, int(multiple))
     return -(-int(n) // multiple) * multiple
@@ -50,4 +60,5 @@ def default_mb_tokens(max_sequence_length: int, micro_batch_size: int) -> int:
     return int(max_sequence_length) * int(micro_batch_size)
 
 
-__all__ = ["FP8_ROW_MULTIPLE", "PadMultiples", "default_mb_tokens", "pad_multiples", "round_up"]
+__all__ = ["FP8_ROW_MULTIPLE", "PADDED_ROW_MULTIPLE", "PadMultiples", "default_mb_tokens", "pad_multiples",
+           "padded_row_multiple", "round_up"]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runtime_config_to_dict
+from rlc.contract.sequence_packing import padded_row_multiple
 from rlc.runtime import checkpoint as ckpt
 from rlc.runtime import workers as W
 from rlc.runtime.generation.backend import GenerationBackend, MegatronBackend, VllmBackend
@@ -202,7 +203,8 @@ class GrpoRun:
                 routes.append(sample.routed_experts)
         tp = self.cfg.train_parallel
         batch = pack_rollouts(prompt_ids, resp_ids, gen_lps, flat_advantages, pad_id=self.pad_id,
-                              pad_to_multiple=16 * tp.tp * tp.cp, max_length=self.cfg.training.max_sequence_length,
+                              pad_to_multiple=padded_row_multiple(tp.tp, tp.cp),
+                              max_length=self.cfg.training.max_sequence_length,
                               routes=routes if replay else None, num_experts=self.cfg.model.num_experts)
         unrouted = sum(len(r) for r in resp_ids) - float(batch.mask.sum()) if replay else None
         return Packed(batch, unrouted)

@@ -44,6 +44,8 @@ class Calibration:
     megatron_master_params_stay_at_refit: bool
     megatron_refit_residual_gib: float
     megatron_cpu_offload_extra_gib: float
+    megatron_engine_context_gib: float
+    megatron_train_workspace_gib: float
     vllm_base_gib: float
     vllm_awake_extra_gib: float
     vllm_cuda_graph_gib: float
@@ -53,6 +55,7 @@ class Calibration:
     fragmentation_tensor_gib: float  # the largest tensor the points were measured with
     sources: dict[str, str] = field(default_factory=dict)  # constant -> its source line
     meanings: dict[str, str] = field(default_factory=dict)  # constant -> what it is (``what:``)
+    derivations: dict[str, str] = field(default_factory=dict)  # constant -> the arithmetic that gave it (``derived:``)
     reference: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
     fallback_note: Optional[str] = None  # set when this entry was measured on another GPU
@@ -77,8 +80,19 @@ class Calibration:
         return pts[-1][1] * scale
 
 
-def _entry(raw: Mapping[str, Any]) -> Calibration:
-    consts = raw["constants"]
+#: Constants of ``generation.backend: megatron``'s plan. A file written before rlc planned that backend has none of
+#: them: they are then taken from the shipped table (``calibration.yaml``) and their source says so.
+MEGATRON_BACKEND_CONSTANTS = ("megatron_engine_context_gib", "megatron_train_workspace_gib")
+
+
+def _entry(raw: Mapping[str, Any], fallback: Optional[Calibration] = None) -> Calibration:
+    consts = dict(raw["constants"])
+    if fallback is not None:
+        for key in MEGATRON_BACKEND_CONSTANTS:
+            if key not in consts:
+                consts[key] = {"value": getattr(fallback, key), "what": fallback.meanings.get(key, ""),
+                               "source": f"not in this file: from the shipped entry {fallback.id} "
+                                         f"({fallback.sources.get(key, '')})"}
 
     def value(key: str) -> Any:
         if key not in consts or "value" not in consts[key]:
@@ -97,6 +111,8 @@ def _entry(raw: Mapping[str, Any]) -> Calibration:
         megatron_master_params_stay_at_refit=bool(value("megatron_master_params_stay_at_refit")),
         megatron_refit_residual_gib=float(value("megatron_refit_residual_gib")),
         megatron_cpu_offload_extra_gib=float(value("megatron_cpu_offload_extra_gib")),
+        megatron_engine_context_gib=float(value("megatron_engine_context_gib")),
+        megatron_train_workspace_gib=float(value("megatron_train_workspace_gib")),
         vllm_base_gib=float(value("vllm_base_gib")),
         vllm_awake_extra_gib=float(value("vllm_awake_extra_gib")),
         vllm_cuda_graph_gib=float(value("vllm_cuda_graph_gib")),
@@ -106,6 +122,7 @@ def _entry(raw: Mapping[str, Any]) -> Calibration:
         fragmentation_tensor_gib=float(value("fragmentation_tensor_gib")),
         sources={k: str(v.get("source", "")) for k, v in consts.items() if isinstance(v, dict)},
         meanings={k: str(v.get("what", "")) for k, v in consts.items() if isinstance(v, dict)},
+        derivations={k: str(v["derived"]) for k, v in consts.items() if isinstance(v, dict) and "derived" in v},
         reference=dict(raw.get("reference", {})),
         measured=dict(raw.get("measured", {})),
     )
@@ -139,7 +156,7 @@ def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
     entries = []
     for i, entry in enumerate(raw["entries"]):
         try:
-            entries.append(_entry(entry))
+            entries.append(_entry(entry, _fallback(entry) if path is not None else None))
         except CalibrationError as exc:
             raise CalibrationError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -147,6 +164,16 @@ def load_table(path: Optional[str] = None) -> tuple[Calibration, ...]:
             raise CalibrationError(f"{where}: calibration entry {name}: malformed ({type(exc).__name__}: {exc})") \
                 from None
     return tuple(entries)
+
+
+def _fallback(entry: Any) -> Optional[Calibration]:
+    """The shipped table's entry that fills the constants a file lacks (:data:`MEGATRON_BACKEND_CONSTANTS`): the
+    one measured on the entry's GPU, else the first; None when the file has them all (nothing to fill)."""
+    consts = entry.get("constants") if isinstance(entry, dict) else None
+    if not isinstance(consts, dict) or all(k in consts for k in MEGATRON_BACKEND_CONSTANTS):
+        return None
+    shipped = load_table()
+    return next((c for c in shipped if c.gpu == entry.get("gpu")), shipped[0])
 
 
 def shipped_calibrations() -> dict[str, Path]:

@@ -221,9 +221,14 @@ def compare(before: MemoryPlan, after: MemoryPlan, runs: Sequence[RunMeasurement
     return [PhaseComparison(p, measured[p], before.phase_used_gib(p), after.phase_used_gib(p)) for p in COMPARED]
 
 
-def to_table(cal: Calibration, fitted: Sequence[Fitted], comparison: Sequence[PhaseComparison]) -> dict[str, Any]:
-    """The calibration file (``format: 1``, one entry) that :func:`load_table` reads."""
-    derived = {f.name: f.derived for f in fitted}
+def to_table(cal: Calibration, fitted: Sequence[Fitted], comparison: Sequence[PhaseComparison],
+             measured_as: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """The calibration file (``format: 1``, one entry) that :func:`load_table` reads. ``measured_as``: what each
+    compared phase was measured as (:data:`COMPARED` by default). The arithmetic of constants measured on this
+    GPU and kept from the base entry is kept too."""
+    measured_as = COMPARED if measured_as is None else measured_as
+    kept = {k: v for k, v in cal.derivations.items() if not cal.sources.get(k, "").startswith("not measured on")}
+    derived = {**kept, **{f.name: f.derived for f in fitted}}
     constants: dict[str, Any] = {}
     for field in dataclasses.fields(Calibration):
         name = field.name
@@ -247,7 +252,7 @@ def to_table(cal: Calibration, fitted: Sequence[Fitted], comparison: Sequence[Ph
             "reference": dict(cal.reference),
             "constants": constants,
             "check": {c.phase: {"measured_used_gib": _round(c.measured), "predicted_before_gib": _round(c.before),
-                                "predicted_after_gib": _round(c.after), "measured_as": COMPARED[c.phase]}
+                                "predicted_after_gib": _round(c.after), "measured_as": measured_as[c.phase]}
                       for c in comparison},
         }],
     }

@@ -32,7 +32,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlc.contract import fp8 as fp8_contract
 from rlc.contract import refit_buffer
-from rlc.contract.sequence_packing import pad_multiples, round_up
 from rlc.compiler.planner.fp8_layout import fp8_scales
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
@@ -42,6 +41,8 @@ from rlc.compiler.planner.mcore_memory import plan_megatron_generation
 from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
                                         _missing, _stage_figures, grads_note, nvls_items)
 from rlc.compiler.planner.host import host_plan
+from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
+                                         train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib
@@ -64,20 +65,6 @@ def _g(x: float) -> int:
 
 REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pinned host memory for the reference "
                           "logprob pass, freed after it")
-LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
-FP32_BYTES = 4
-
-
-def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
-    """The fp32 logits of ``tokens`` tokens over the vocabulary (split over TP), with the copy the logprob (or the
-    loss's log-softmax) takes: the largest activation of the logprob and loss passes (bytes, one GPU)."""
-    return LOGITS_COPIES * tokens * vocab * FP32_BYTES // tp
-
-
-def logits_note(how: str, vocab: int, tp: int) -> str:
-    return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
-
-
 def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
     """Megatron's allocations at refit on one stage, by item."""
     items = _megatron_bytes(fig, where, cal)
@@ -587,36 +574,6 @@ def _refit_phases(plan: MemoryPlan, s: _PlanInputs) -> None:
         f"{gib(math.free_at_stack):.2f} GiB vs. {gib(largest):.2f} GiB for torch.stack")
 
 
-def train_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
-    """Tokens of one train micro batch on one GPU, and how: a padded micro batch holds ``micro_batch_size``
-    sequences of up to ``max_sequence_length`` tokens; a packed one (``training.sequence_packing``) at most
-    ``train_mb_tokens`` tokens padded to the row multiple, of which each context-parallel rank holds 1/CP."""
-    return _microbatch_tokens(recipe, tl, recipe.training.micro_batch_size, recipe.train_mb_tokens)
-
-
-def logprob_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
-    """Tokens of one logprob micro batch on one GPU, and how: ``training.logprob_batch_size`` sequences of up to
-    ``max_sequence_length`` tokens, or, packed, at most ``logprob_mb_tokens`` (as :func:`train_microbatch_tokens`)."""
-    return _microbatch_tokens(recipe, tl, recipe.logprob_batch_size, recipe.logprob_mb_tokens,
-                              "training.logprob_batch_size")
-
-
-def _pad(recipe: Recipe, tl: TrainLayout) -> Any:
-    t = recipe.training
-    return pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
-                         fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
-
-
-def _microbatch_tokens(recipe: Recipe, tl: TrainLayout, sequences: int, budget: int,
-                       key: str = "") -> tuple[int, str]:
-    if not recipe.training.sequence_packing.enabled:
-        seq = recipe.max_sequence_length
-        return sequences * seq, f"{sequences}{f' ({key})' if key else ''} × {seq} tokens"
-    row = round_up(budget, _pad(recipe, tl).row)
-    per_rank = row // tl.cp
-    return per_rank, (f"{row} packed tokens / CP{tl.cp}" if tl.cp > 1 else f"{row} packed tokens")
-
-
 def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics,
                 tl: TrainLayout) -> None:
     """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
@@ -697,7 +654,7 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Se
     growth = sleep.residue_growth
     if growth is None or not _growth_applies(recipe, facts, sleep):
         if used > limit and worst["stage"] == last:
-            plan.logprob_fix = _logprob_fix(used, limit, logits, recipe, tl)
+            plan.logprob_fix = logprob_fix(used, limit, logits, recipe, tl)
         return
     late = Phase("logprob_late", f"{title} once the vLLM residue has grown (step 2 on)",
                  phase.items + (_growth_item(growth),), limit, stage=worst["stage"],
@@ -710,36 +667,7 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Se
         f"{title} from step 2: {used:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth ({growth.series()}) "
         f"= {late_used:.2f} GiB of {limit:.2f} GiB, {of_which}")
     if late_used > limit and worst["stage"] == last:  # a batch that fits from step 2 on fits at step 1 too
-        plan.logprob_fix = _logprob_fix(late_used, limit, logits, recipe, tl)
-
-
-def _logprob_fix(used: float, limit: float, logits: int, recipe: Recipe, tl: TrainLayout) -> Fix:
-    """The largest logprob micro batch whose logits fit beside the rest of the logprob phase (``used`` GiB with
-    ``logits`` bytes of them): ``training.logprob_batch_size`` sequences, or with sequence packing
-    ``training.sequence_packing.logprob_mb_tokens`` tokens (at least the longest sequence); where not even one
-    sequence's logits fit, a wider trainer TP (it splits the vocabulary)."""
-    room = limit - (used - logits / GIB)
-    seq = recipe.max_sequence_length
-    per_token = logits / GIB / logprob_microbatch_tokens(recipe, tl)[0]  # per token on this GPU
-    if recipe.training.sequence_packing.enabled:
-        pad = _pad(recipe, tl)
-        one_sequence = per_token * round_up(seq, pad.sequence) / tl.cp  # a row of B tokens puts B / CP here
-        budget = int(room // per_token) * tl.cp // pad.row * pad.row
-        if budget >= round_up(seq, pad.sequence):
-            key = "training.sequence_packing.logprob_mb_tokens"
-            return Fix(key, budget, f"{key}: {budget} ({per_token * GIB:.0f} bytes of logits per token, "
-                       f"{room:.2f} GiB left for them)", logits / GIB - budget / tl.cp * per_token, True, 0)
-    else:
-        one_sequence = per_token * seq
-        fits = int(room // one_sequence)
-        if fits >= 1:
-            return Fix("training.logprob_batch_size", fits,
-                       f"training.logprob_batch_size: {fits} ({one_sequence:.2f} GiB of logits per sequence, "
-                       f"{room:.2f} GiB left for them)", logits / GIB - fits * one_sequence, True, 0)
-    return Fix("parallelism.train.tp", tl.tp * 2,
-               f"one sequence's fp32 logits ({one_sequence:.2f} GiB) do not fit beside the rest of the phase "
-               f"({room:.2f} GiB left): raise parallelism.train.tp (it splits the vocabulary) or pipeline / expert "
-               "parallelism", None, False, 2)
+        plan.logprob_fix = logprob_fix(late_used, limit, logits, recipe, tl)
 
 
 # --------------------------------------------------------------------------- fixes

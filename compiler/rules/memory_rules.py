@@ -152,18 +152,31 @@ def generation_fits(ctx: Context) -> None:
 
 
 @rule("RLC215", "the train step must fit (parameters, grads, optimizer state, vLLM asleep)",
-      severities=("error",), needs=("plan",),
+      severities=("error", "warning"), needs=("plan",),
       rationale="Megatron holds bf16 params and grads and, with the distributed optimizer, 12 bytes per "
                 "parameter of fp32 master + Adam moments sharded over DP (experts over expert-DP) while vLLM "
-                "sleeps on the same GPU. If that alone exceeds the GPU, no activation memory is left.",
+                "sleeps on the same GPU. If that alone exceeds the GPU, no activation memory is left. With "
+                "generation.backend: megatron the plan also counts the step's saved activations of one micro batch "
+                "(an estimate after Korthikanti et al. 2022, Table 2, an upper bound) and the loss's fp32 logits: "
+                "the step without the estimate must fit (error); with it, a step that does not fit is a warning.",
       seed="First principles; residues from the calibration table.",
       fixes="More pipeline / expert parallelism, or more data parallelism for the optimizer shards (vLLM's sleep "
-            "level does not change the train step: both levels take the weight shard off the GPU).")
+            "level does not change the train step: both levels take the weight shard off the GPU); for the "
+            "activations, training.activation_checkpointing: full, a smaller micro batch, or more TP with "
+            "sequence_parallel.")
 def train_fits(ctx: Context) -> None:
     check = ctx.plan.checks.get("train_fit")
+    megatron = ctx.plan.backend == "megatron"
     if check is not None and check.ok is False:
-        ctx.error(check.text + " (activations not yet counted)", "parallelism.train",
+        ctx.error(check.text + ("" if megatron else " (activations not yet counted)"), "parallelism.train",
                   hint="raise PP / EP or DP")
+        return
+    estimated = ctx.plan.checks.get("train_activations_fit")
+    if estimated is not None and estimated.ok is False:
+        ctx.warning(estimated.text, "training.activation_checkpointing",
+                    hint="training.activation_checkpointing: full, a smaller training.micro_batch_size (or "
+                         "training.sequence_packing.train_mb_tokens), or more parallelism.train.tp with "
+                         "sequence_parallel: true")
 
 
 #: The HF config.json key that states each architecture fact (for the "set this key" hint).

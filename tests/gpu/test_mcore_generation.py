@@ -118,8 +118,17 @@ def verdict_swaps(run: dict, min_swaps: int, min_fp32: int) -> dict:
     return res
 
 
+#: Plan phase -> the measured phases it must cover: the plan's phase is the peak of what those moments hold
+#: (``refit``: the swap's peak, after ``refit_offload``; ``logprob``: the engine suspended and the trainer as the
+#: refit left it, so ``after_sleep`` and ``refit_offload`` too (shared mode plans no refit phase); ``generate``: the
+#: engine awake, ``after_wake`` too).
+COVERS = {"generate": ("generate", "after_wake"), "train": ("train",), "refit": ("refit_offload",),
+          "logprob": ("logprobs", "after_sleep", "refit_offload")}
+
+
 def memory_vs_plan(metrics: list[dict], plan: dict) -> dict:
-    """GPU 0's measured used memory per phase (mean and max over steps) next to the plan's phase totals."""
+    """GPU 0's measured used memory per phase (mean and max over steps) next to the plan's phase totals, and the
+    plan phases a measured maximum exceeds (``under_planned``: the plan must never be below a measurement)."""
     measured = {}
     for phase in PHASES:
         values = [float(r[f"memory/{phase}/used_gib"]) for r in metrics if f"memory/{phase}/used_gib" in r]
@@ -127,12 +136,17 @@ def memory_vs_plan(metrics: list[dict], plan: dict) -> dict:
             measured[phase] = {"mean": _mean(values), "max": round(max(values), 4)}
     planned = {name: round(p["used_gib"], 4) for name, p in plan.get("phases", {}).items()
                if p.get("used_gib") is not None}
-    pairs = {"generate": "generate", "train": "train", "refit": "refit_offload"}
-    side = {plan_phase: {"planned_gib": planned[plan_phase], "measured_max_gib": measured[m]["max"],
-                         "measured_minus_planned_gib": round(measured[m]["max"] - planned[plan_phase], 4)}
-            for plan_phase, m in pairs.items() if plan_phase in planned and m in measured}
-    return {"measured": measured, "planned": planned, "side_by_side": side, "kv_pool": plan.get("megatron", {}).get(
-        "kv_pool")}
+    side = {}
+    for plan_phase, moments in COVERS.items():
+        seen = [m for m in moments if m in measured]
+        if plan_phase in planned and seen:
+            worst = max(seen, key=lambda m: measured[m]["max"])
+            side[plan_phase] = {"planned_gib": planned[plan_phase], "measured_max_gib": measured[worst]["max"],
+                                "measured_as": worst,
+                                "measured_minus_planned_gib": round(measured[worst]["max"] - planned[plan_phase], 4)}
+    under = sorted(p for p, v in side.items() if v["measured_minus_planned_gib"] > 0)
+    return {"measured": measured, "planned": planned, "side_by_side": side, "under_planned": under,
+            "kv_pool": plan.get("megatron", {}).get("kv_pool")}
 
 
 def timings(metrics: list[dict], skip_first: int = 1) -> dict:

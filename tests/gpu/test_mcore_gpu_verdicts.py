@@ -82,11 +82,26 @@ def test_memory_and_timing_summaries_read_the_metrics_and_the_plan():
     plan = {"phases": {"generate": {"used_gib": 4.5}, "train": {"used_gib": 3.5}},
             "megatron": {"kv_pool": {"bytes": 1 << 27}}}
     m = g.memory_vs_plan(run["metrics"], plan)
-    assert m["side_by_side"]["generate"] == {"planned_gib": 4.5, "measured_max_gib": 5.0,
+    assert m["side_by_side"]["generate"] == {"planned_gib": 4.5, "measured_max_gib": 5.0, "measured_as": "generate",
                                              "measured_minus_planned_gib": 0.5}
     assert m["kv_pool"] == {"bytes": 1 << 27}
+    assert m["under_planned"] == ["generate", "train"]  # 5.0 > 4.5 and 4.0 > 3.5
     t = g.timings(run["metrics"])
     assert t["step_s"] == 2.0 and t["megatron_generate_s"] == 0.5 and t["steps_averaged"] == 49
+
+
+def test_each_plan_phase_is_held_to_the_largest_moment_it_covers():
+    # after_wake (engine resumed) above the last generate sample, after_sleep above the logprob pass: each plan phase
+    # is compared with the fullest moment of the GPU it stands for
+    metrics = [{"step": 1, "memory/generate/used_gib": 5.0, "memory/after_wake/used_gib": 5.2,
+                "memory/logprobs/used_gib": 4.0, "memory/after_sleep/used_gib": 4.1,
+                "memory/refit_offload/used_gib": 4.05, "memory/train/used_gib": 4.3}]
+    plan = {"phases": {"generate": {"used_gib": 5.1}, "logprob": {"used_gib": 4.2}, "refit": {"used_gib": 4.06},
+                       "train": {"used_gib": 4.3}}}
+    m = g.memory_vs_plan(metrics, plan)
+    assert m["side_by_side"]["generate"]["measured_as"] == "after_wake"
+    assert m["side_by_side"]["logprob"]["measured_as"] == "after_sleep"
+    assert m["under_planned"] == ["generate"]  # 5.2 > 5.1; train equal to its plan is covered
 
 
 def test_the_stage_recipes_are_the_shipped_ones():

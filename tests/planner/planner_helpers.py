@@ -64,6 +64,10 @@ TOLERANCES = {
         "1 % of the ~30 GiB these figures stack up, the precision of a report that mixes GB and GiB"),
     "whole_gb_estimate": Tolerance(
         1.0, "GB", "the report's '~N GB' figures are estimates to the whole GB"),
+    "plan_over_record": Tolerance(
+        0.5, "GiB", "how far above a GPU run's largest measurement a phase of that run's own plan may be (never "
+        "below it): the estimates in it (activations, logits, one layer's working set) are upper bounds, and this "
+        "bounds how loose they may be on the run they are checked against"),
 }
 
 

@@ -1,0 +1,207 @@
+"""The trainer's passes on one GPU: the tokens of a micro batch, the fp32 logits of the logprob and loss passes, the
+saved activations of a train step, and the logprob micro batch that fits.
+
+Shared by both memory plans (``memory.py`` for the vLLM backend, ``mcore_memory.py`` for megatron-core's engine),
+so a micro batch is counted one way everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlc.compiler.model import ModelFacts
+from rlc.compiler.planner.layout import TrainLayout
+from rlc.compiler.planner.plan import GIB, Fix
+from rlc.compiler.recipe_types import Recipe
+from rlc.contract.sequence_packing import pad_multiples, round_up
+
+LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
+FP32_BYTES = 4
+
+
+def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
+    """The fp32 logits of ``tokens`` tokens over the vocabulary (split over TP), with the copy the logprob (or the
+    loss's log-softmax) takes: the largest activation of the logprob and loss passes (bytes, one GPU)."""
+    return LOGITS_COPIES * tokens * vocab * FP32_BYTES // tp
+
+
+def logits_note(how: str, vocab: int, tp: int) -> str:
+    return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
+
+
+# --------------------------------------------------------------------------- micro batches
+
+
+def train_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
+    """Tokens of one train micro batch on one GPU, and how: a padded micro batch holds ``micro_batch_size``
+    sequences of up to ``max_sequence_length`` tokens; a packed one (``training.sequence_packing``) at most
+    ``train_mb_tokens`` tokens padded to the row multiple, of which each context-parallel rank holds 1/CP."""
+    return _microbatch_tokens(recipe, tl, recipe.training.micro_batch_size, recipe.train_mb_tokens)
+
+
+def logprob_microbatch_tokens(recipe: Recipe, tl: TrainLayout) -> tuple[int, str]:
+    """Tokens of one logprob micro batch on one GPU, and how: ``training.logprob_batch_size`` sequences of up to
+    ``max_sequence_length`` tokens, or, packed, at most ``logprob_mb_tokens`` (as :func:`train_microbatch_tokens`)."""
+    return _microbatch_tokens(recipe, tl, recipe.logprob_batch_size, recipe.logprob_mb_tokens,
+                              "training.logprob_batch_size")
+
+
+def pad(recipe: Recipe, tl: TrainLayout) -> Any:
+    """The packed micro batch's padding multiples for the trainer's layout (``rlc.contract.sequence_packing``)."""
+    t = recipe.training
+    return pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
+                         fp8_recipe=t.fp8.recipe if t.fp8.enabled else None)
+
+
+def _microbatch_tokens(recipe: Recipe, tl: TrainLayout, sequences: int, budget: int,
+                       key: str = "") -> tuple[int, str]:
+    if not recipe.training.sequence_packing.enabled:
+        seq = recipe.max_sequence_length
+        return sequences * seq, f"{sequences}{f' ({key})' if key else ''} × {seq} tokens"
+    row = round_up(budget, pad(recipe, tl).row)
+    per_rank = row // tl.cp
+    return per_rank, (f"{row} packed tokens / CP{tl.cp}" if tl.cp > 1 else f"{row} packed tokens")
+
+
+def logprob_fix(used: float, limit: float, logits: int, recipe: Recipe, tl: TrainLayout) -> Fix:
+    """The largest logprob micro batch whose logits fit beside the rest of the logprob phase (``used`` GiB with
+    ``logits`` bytes of them): ``training.logprob_batch_size`` sequences, or with sequence packing
+    ``training.sequence_packing.logprob_mb_tokens`` tokens (at least the longest sequence); where not even one
+    sequence's logits fit, a wider trainer TP (it splits the vocabulary)."""
+    room = limit - (used - logits / GIB)
+    seq = recipe.max_sequence_length
+    per_token = logits / GIB / logprob_microbatch_tokens(recipe, tl)[0]  # per token on this GPU
+    if recipe.training.sequence_packing.enabled:
+        multiples = pad(recipe, tl)
+        one_sequence = per_token * round_up(seq, multiples.sequence) / tl.cp  # a row of B tokens puts B / CP here
+        budget = int(room // per_token) * tl.cp // multiples.row * multiples.row
+        if budget >= round_up(seq, multiples.sequence):
+            key = "training.sequence_packing.logprob_mb_tokens"
+            return Fix(key, budget, f"{key}: {budget} ({per_token * GIB:.0f} bytes of logits per token, "
+                       f"{room:.2f} GiB left for them)", logits / GIB - budget / tl.cp * per_token, True, 0)
+    else:
+        one_sequence = per_token * seq
+        fits = int(room // one_sequence)
+        if fits >= 1:
+            return Fix("training.logprob_batch_size", fits,
+                       f"training.logprob_batch_size: {fits} ({one_sequence:.2f} GiB of logits per sequence, "
+                       f"{room:.2f} GiB left for them)", logits / GIB - fits * one_sequence, True, 0)
+    return Fix("parallelism.train.tp", tl.tp * 2,
+               f"one sequence's fp32 logits ({one_sequence:.2f} GiB) do not fit beside the rest of the phase "
+               f"({room:.2f} GiB left): raise parallelism.train.tp (it splits the vocabulary) or pipeline / expert "
+               "parallelism", None, False, 2)
+
+
+# --------------------------------------------------------------------------- the train step's saved activations
+
+# What one transformer layer keeps for its backward pass, per token, in bytes of 16-bit activations: Korthikanti et
+# al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2) with FlashAttention (no
+# attention-score term), as Megatron-Bridge's theoretical memory estimate counts it (``18 + 4 × MLP width /
+# hidden``), and with the MLP's width counted from the model rather than assumed 4 × hidden:
+#: hidden-sized bytes tensor parallelism leaves whole unless sequence parallelism splits them: the two layer norms'
+#: inputs, the attention block's and the MLP's input, their dropout masks
+UNSPLIT_HIDDEN_BYTES = 10
+#: hidden-sized bytes tensor parallelism splits: the attention's Q, K, V and the output projection's input
+SPLIT_HIDDEN_BYTES = 8
+#: bytes per unit of MLP width: the up projection's output and the activation's output (2 bytes each); a gated MLP
+#: (SwiGLU) keeps the gate and the up projection's outputs (2 × width) before the activation
+MLP_WIDTH_BYTES = {True: 6, False: 4}
+#: full recomputation keeps each layer's input (2 bytes per hidden unit) and recomputes one layer at a time
+RECOMPUTED_INPUT_BYTES = 2
+
+
+@dataclass(frozen=True)
+class TrainActivations:
+    """One train micro batch's saved activations on one GPU of a pipeline stage (bytes), and how they were
+    counted."""
+
+    bytes: int
+    note: str
+
+
+def _mlp_width_bytes(facts: ModelFacts, moe: bool) -> tuple[int, int]:
+    """Per token, bytes of one layer's MLP activations: (the part every TP rank holds a share of, the routed
+    experts' part, split by expert TP)."""
+    gated = MLP_WIDTH_BYTES[facts.gated_mlp]
+    hidden = facts.hidden or 0
+    if not moe:
+        return gated * (facts.dense_intermediate or 0), 0
+    topk = facts.experts_per_tok or 1
+    width = facts.latent_size or hidden  # LatentMoE experts work in the latent width
+    # the dispatched copies of the input (topk × width × 2 B), the experts' MLP activations, the router's fp32 scores
+    routed = topk * (2 * width + gated * (facts.moe_intermediate or 0)) + FP32_BYTES * (facts.num_experts or 0)
+    return gated * (facts.shared_expert_intermediate or 0), routed
+
+
+def _layer_bytes(facts: ModelFacts, tl: TrainLayout, moe: bool) -> float:
+    """Per token, bytes one transformer layer keeps for its backward on one GPU (16-bit activations)."""
+    hidden = facts.hidden or 0
+    shared, routed = _mlp_width_bytes(facts, moe)
+    split = SPLIT_HIDDEN_BYTES * hidden + shared
+    unsplit = UNSPLIT_HIDDEN_BYTES * hidden
+    sp = tl.sequence_parallel and tl.tp > 1
+    return (unsplit / tl.tp if sp else unsplit) + split / tl.tp + routed / max(1, tl.etp)
+
+
+def _stage_moe_layers(facts: ModelFacts, tl: TrainLayout, stage: int) -> tuple[int, int]:
+    """(dense, MoE) decoder layers on ``stage``."""
+    layers = tl.stage_layers(facts.num_layers or 0)[stage]
+    if facts.layer_kinds is not None:
+        moe = sum(1 for i in layers if facts.layer_kinds[i][1] == "moe")
+    elif facts.num_experts:
+        moe = sum(1 for i in layers if i >= facts.first_k_dense)
+    else:
+        moe = 0
+    return len(layers) - moe, moe
+
+
+def train_activations(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, stage: int, mtp_blocks: int,
+                      tokens: Optional[tuple[int, str]] = None) -> Optional[TrainActivations]:
+    """The saved activations of the train step on one GPU of ``stage`` (an estimate: an upper bound in the spirit
+    of Korthikanti et al. Table 2, see the constants above): per decoder layer (and per MTP block, counted as a
+    layer of the model's last kind) ``(10 × hidden + 8 × hidden + MLP bytes) / TP`` per token of one micro batch
+    (``train_microbatch_tokens``, or ``tokens``: how many and how counted), ``training.activation_checkpointing: full``
+    keeping only each layer's input plus
+    one layer's full set, times the micro batches 1F1B keeps in flight on the stage (``PP − stage``; with virtual
+    stages Megatron's interleaving penalty ``1 + (PP − 1) / (PP × VPP)``). The loss's logits are counted apart
+    (:func:`logits_bytes`). ``None`` when the model's hidden size or layer count is unknown."""
+    if facts.hidden is None or facts.num_layers is None:
+        return None
+    count, how = tokens if tokens is not None else train_microbatch_tokens(recipe, tl)
+    dense, moe = _stage_moe_layers(facts, tl, stage)
+    last_moe = bool(facts.num_experts) and (facts.layer_kinds is None or facts.layer_kinds[-1][1] == "moe")
+    if mtp_blocks:
+        dense, moe = (dense, moe + mtp_blocks) if last_moe else (dense + mtp_blocks, moe)
+    per_layer = {False: _layer_bytes(facts, tl, False), True: _layer_bytes(facts, tl, True)}
+    full = recipe.training.activation_checkpointing == "full"
+    if full:
+        sp = tl.sequence_parallel and tl.tp > 1
+        kept = RECOMPUTED_INPUT_BYTES * facts.hidden / (tl.tp if sp else 1) * (dense + moe)
+        per_token = kept + max(per_layer[k] for k, n in ((False, dense), (True, moe)) if n) if dense + moe else 0.0
+    else:
+        per_token = dense * per_layer[False] + moe * per_layer[True]
+    in_flight = tl.pp - stage
+    penalty = 1 + (tl.pp - 1) / (tl.pp * tl.vpp) if tl.vpp > 1 else 1.0
+    scale = (2 if recipe.model.dtype == "float32" else 1) * in_flight * penalty
+    total = int(per_token * count * scale)
+    layers = f"{dense} dense + {moe} MoE layers" if moe else f"{dense} layers"
+    kept_how = "full recomputation: each layer's input + one layer" if full else "no recomputation"
+    flight = f" × {in_flight * penalty:g} micro batches in flight" if in_flight * penalty != 1 else ""
+    return TrainActivations(total, f"{layers} × {how}{flight} ({kept_how}; estimate after Korthikanti et al. "
+                                   "Table 2)")
+
+
+def forward_working_set(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, stage: int, tokens: int) -> Optional[int]:
+    """What a forward-only pass (the logprob passes) holds at its peak besides its logits: one layer's activations of
+    ``tokens`` tokens at a time (the fullest layer kind on ``stage``, counted as :func:`train_activations` counts a
+    layer; nothing is kept for a backward). ``None`` when the hidden size or layer count is unknown."""
+    if facts.hidden is None or facts.num_layers is None:
+        return None
+    dense, moe = _stage_moe_layers(facts, tl, stage)
+    kinds = [k for k, n in ((False, dense), (True, moe)) if n] or [bool(facts.num_experts)]
+    scale = 2 if recipe.model.dtype == "float32" else 1
+    return int(max(_layer_bytes(facts, tl, k) for k in kinds) * tokens * scale)
+
+
+__all__ = ["FP32_BYTES", "LOGITS_COPIES", "TrainActivations", "forward_working_set", "logits_bytes", "logits_note",
+           "logprob_fix", "logprob_microbatch_tokens", "pad", "train_activations", "train_microbatch_tokens"]
