@@ -38,8 +38,8 @@ from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_layout
-from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
-                                        _missing, _stage_figures, grads_note, nvls_items)
+from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, _layout_dict, _megatron_bytes,
+                                        _missing, _stage_figures, nvls_items, train_state_items)
 from rlc.compiler.planner.passes import (forward_working_set, logits_bytes as loss_logits_bytes, logits_note,
                                          logprob_fix, logprob_microbatch_tokens, train_activations,
                                          train_microbatch_tokens)
@@ -326,17 +326,7 @@ def _train_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, tl: TrainL
 
     def stage_items(f: dict[str, Any]) -> list[Item]:
         held = _megatron_bytes(f, where, cal)
-        items = [
-            Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
-            Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, bpp)),
-            Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
-            Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
-        ]
-        if "reference" in held:
-            items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
-        if where.cpu_offload_staging:
-            items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
-                              "calibration:megatron_cpu_offload_extra_gib"))
+        items = train_state_items(held, recipe, bpp, where, cal)
         saved = train_activations(recipe, facts, tl, f["stage"], f["mtp_blocks"])
         items.append(Item(SAVED_ACTIVATIONS_LABEL, gib(None if saved is None else saved.bytes),
                           "megatron", "estimate", "" if saved is None else saved.note))

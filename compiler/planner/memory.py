@@ -39,7 +39,7 @@ from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.mcore_memory import plan_megatron_generation
 from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
-                                        _missing, _stage_figures, grads_note, nvls_items)
+                                        _missing, _stage_figures, nvls_items, train_state_items)
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
                                          train_microbatch_tokens)
@@ -428,17 +428,7 @@ def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
 
     worst = max(figs, key=train_total)
     held = _megatron_bytes(worst, where, cal)
-    items = [
-        Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
-        Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, s.bpp)),
-        Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
-        Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
-    ]
-    if "reference" in held:
-        items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
-    if where.cpu_offload_staging:
-        items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
-                          "calibration:megatron_cpu_offload_extra_gib"))
+    items = train_state_items(held, recipe, s.bpp, where, cal)
     replay = replay_memory(recipe, s.facts, worst["layers"], s.tl, train_microbatch_tokens(recipe, s.tl))
     if replay is not None:
         items.append(replay_gpu_item(replay, recipe))

@@ -82,6 +82,24 @@ def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibrati
 NVLS_SOURCE = "nccl:nvls"
 
 
+def train_state_items(held: dict[str, int], recipe: Recipe, bpp: int, where: MegatronResident,
+                      cal: Calibration) -> list[Item]:
+    """The train step's trainer state: params, grads, optimizer master and moments, the resident reference policy
+    and the CPU-offload staging (``held``: ``_megatron_bytes`` of one pipeline stage)."""
+    items = [
+        Item("Megatron params", gib(held.get("params", 0)), "megatron", "params"),
+        Item("Megatron grads", gib(held.get("grads", 0)), "megatron", "params", grads_note(recipe, bpp)),
+        Item("optimizer fp32 master", gib(held.get("master", 0)), "megatron", "params"),
+        Item("optimizer Adam moments", gib(held.get("moments", 0)), "megatron", "params"),
+    ]
+    if "reference" in held:
+        items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
+    if where.cpu_offload_staging:
+        items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
+                          "calibration:megatron_cpu_offload_extra_gib"))
+    return items
+
+
 def nvls_items(recipe: Recipe, facts: ModelFacts, gpu: Any) -> tuple[list[Item], list[Item]]:
     """NCCL NVLS buffers of the trainer and of vLLM on one GPU, as plan items (none where there are none
     to keep or to save)."""
