@@ -206,7 +206,8 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     rootp = Path(root)
     model_dir = R.write_model_dir(rootp, lay.model)
     hf = P.load_hf_config(lay.model)
-    a = argparse.Namespace(max_model_len=1024)
+    # the runtime's transfer (stacked experts off, its default) with the buffers kept as the refit benchmark keeps them
+    a = argparse.Namespace(max_model_len=1024, fused_transfer=False, keep_buffers_gb=lay.buffer_gb)
     cfgs = {"bf16": R.runtime_cfg_dict(lay, model_dir, a, rootp)}
     fp8 = copy.deepcopy(cfgs["bf16"])
     fp8["generation"]["precision"] = "fp8"
