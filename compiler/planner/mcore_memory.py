@@ -38,8 +38,9 @@ from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_layout
-from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, _layout_dict, _megatron_bytes,
-                                        _missing, _stage_figures, nvls_items, train_state_items)
+from rlc.compiler.planner.parts import (DTYPE_BYTES, FP8_WEIGHTS_LABEL, FP8_WEIGHTS_NOTE, REFERENCE_LABEL,
+                                        _layout_dict, _megatron_bytes, _missing, _stage_figures, nvls_items,
+                                        train_state_items)
 from rlc.compiler.planner.passes import (forward_working_set, logits_bytes as loss_logits_bytes, logits_note,
                                          logprob_fix, logprob_microbatch_tokens, train_activations,
                                          train_microbatch_tokens)
@@ -178,11 +179,11 @@ def _held_items(held: dict[str, int], generating: bool, dedicated: bool) -> list
     items = []
     for key, label in (("params", "Megatron params (bf16)"), ("master", "optimizer fp32 master"),
                        ("grads", "Megatron grads"), ("moments", "optimizer Adam moments"),
-                       ("reference", REFERENCE_LABEL)):
+                       ("reference", REFERENCE_LABEL), ("fp8_weights", FP8_WEIGHTS_LABEL)):
         if key in held and (held[key] or key == "params"):
             note = ("what the engine generates with (shared mode)" if generating and key == "params" and not dedicated
                     else "refit.offload_params_for_generation moved them to host memory" if key == "params"
-                    and not held[key] else "")
+                    and not held[key] else FP8_WEIGHTS_NOTE if key == "fp8_weights" else "")
             items.append(Item(label, gib(held[key]), "megatron", "params", note))
     return items
 

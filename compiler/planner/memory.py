@@ -38,8 +38,9 @@ from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.mcore_memory import plan_megatron_generation
-from rlc.compiler.planner.parts import (DTYPE_BYTES, REFERENCE_LABEL, REFERENCE_NOTE, _layout_dict, _megatron_bytes,
-                                        _missing, _stage_figures, nvls_items, train_state_items)
+from rlc.compiler.planner.parts import (DTYPE_BYTES, FP8_WEIGHTS_LABEL, FP8_WEIGHTS_NOTE, REFERENCE_LABEL,
+                                        REFERENCE_NOTE, _layout_dict, _megatron_bytes, _missing, _stage_figures,
+                                        nvls_items, train_state_items)
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
                                          train_microbatch_tokens)
@@ -78,7 +79,7 @@ _REFIT_LABELS = {"params": ("Megatron params (bf16)", "params"), "master": ("opt
                  "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
                  "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
                  "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib"),
-                 "reference": (REFERENCE_LABEL, "params")}
+                 "reference": (REFERENCE_LABEL, "params"), "fp8_weights": (FP8_WEIGHTS_LABEL, "params")}
 PARAMS_RESIDENT_NOTE = ("refit.offload_params_for_generation is off: the bundled runtime keeps them on the GPU "
                         "while vLLM generates")
 
@@ -94,8 +95,8 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
         if generating and key == "params" and not value:
             continue  # moved to host memory by refit.offload_params_for_generation
         label, source = _REFIT_LABELS[key]
-        note = reference_note if key == "reference" else (PARAMS_RESIDENT_NOTE if generating and key == "params"
-                                                          else "")
+        note = (reference_note if key == "reference" else FP8_WEIGHTS_NOTE if key == "fp8_weights"
+                else PARAMS_RESIDENT_NOTE if generating and key == "params" else "")
         items.append(Item(label, gib(value), "megatron", source, note))
     return items + list(ctx)
 
@@ -103,16 +104,14 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
 # --------------------------------------------------------------------------- vLLM
 
 
-def _vllm_shard_bytes(shard: StageShard, facts: ModelFacts, gl: GenerationLayout, precision: str,
-                      bpp: int) -> int:
+def _vllm_shard_bytes(shard: StageShard, precision: str, bpp: int) -> int:
     """vLLM's weight bytes on one GPU of a stage. FP8 generation stores the linear layers (attention,
     MLP, experts) in 1 byte; the embedding and ``lm_head`` stay in the model dtype (vLLM's Fp8Config
     quantizes LinearBase and FusedMoE layers; VocabParallelEmbedding / ParallelLMHead keep the
     unquantized method), as do the norms and the MoE router, which are not counted apart (small)."""
     if precision != "fp8":
         return shard.params * bpp
-    vocab = shard.vocab_copies * (facts.vocab or 0) * (facts.hidden or 0) // gl.tp
-    return (shard.params - vocab) * 1 + vocab * bpp
+    return shard.linear_params * 1 + shard.vocab_params * bpp
 
 
 DRAFTER_LABEL = "vLLM MTP drafter (speculative decoding)"
@@ -149,14 +148,14 @@ def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeight
     with_drafter = vllm_stage_shards(facts, gl, blocks) if blocks else plain
     if blocks is None or with_drafter is None:
         missing = "the checkpoint's MTP layer count" if blocks is None else "the MTP layer kinds"
-        shard = max(_vllm_shard_bytes(s, facts, gl, recipe.generation.precision, bpp) for s in plain)
+        shard = max(_vllm_shard_bytes(s, recipe.generation.precision, bpp) for s in plain)
         return VllmWeights(shard, 0, 0), f"{DRAFTER_LABEL}: needs {missing}"
     worst = max(
         range(len(with_drafter)),
-        key=lambda i: _vllm_shard_bytes(with_drafter[i], facts, gl, recipe.generation.precision, bpp),
+        key=lambda i: _vllm_shard_bytes(with_drafter[i], recipe.generation.precision, bpp),
     )
-    shard = _vllm_shard_bytes(plain[worst], facts, gl, recipe.generation.precision, bpp)
-    total = _vllm_shard_bytes(with_drafter[worst], facts, gl, recipe.generation.precision, bpp)
+    shard = _vllm_shard_bytes(plain[worst], recipe.generation.precision, bpp)
+    total = _vllm_shard_bytes(with_drafter[worst], recipe.generation.precision, bpp)
     return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None
 
 
@@ -180,7 +179,7 @@ def _host_copy(facts: ModelFacts, gl: GenerationLayout, blocks: Optional[int], p
     stages = gl.stage_layers(facts.num_layers)
     copies = []
     for shard, layers in zip(shards, stages):
-        total = _vllm_shard_bytes(shard, facts, gl, precision, bpp)
+        total = _vllm_shard_bytes(shard, precision, bpp)
         tensors = vllm_stage_tensors(facts, gl, layers, shard.vocab_copies, linear, bpp)
         copies.append(total if tensors is None else pinned_copy_bytes(tensors, total))
     return max(copies)

@@ -35,6 +35,13 @@ class StageShard:
     expert: int  # routed-expert parameters on one GPU (optimizer sharded over expert DP)
     vocab_copies: int  # how many vocab × hidden matrices (each / TP) are among ``dense``
     mtp_blocks: int  # MTP blocks on this stage
+    vocab_params: int = 0  # elements of those matrices on this GPU (``vocab_copies`` × vocab × hidden / TP)
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters outside the embedding and output matrices: the linear layers (attention, MLP, experts) and
+        the norms and routers among them, which are small and counted with them."""
+        return self.params - self.vocab_params
 
     @property
     def params(self) -> int:
@@ -98,7 +105,7 @@ def megatron_stage_shards(facts: ModelFacts, layout: TrainLayout) -> Optional[tu
         expert = split.expert // expert_shards
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense, expert=expert, vocab_copies=copies,
-                              mtp_blocks=mtp if last else 0))
+                              mtp_blocks=mtp if last else 0, vocab_params=copies * vocab))
     return tuple(out)
 
 
@@ -132,5 +139,5 @@ def vllm_stage_shards(facts: ModelFacts, layout: GenerationLayout,
         dense = split.tp // layout.tp + split.replicated + copies * vocab
         out.append(StageShard(stage=s, layers=len(indices), dense=dense,
                               expert=split.expert // layout.expert_shards, vocab_copies=copies,
-                              mtp_blocks=drafter_blocks if last else 0))
+                              mtp_blocks=drafter_blocks if last else 0, vocab_params=copies * vocab))
     return tuple(out)

@@ -33,13 +33,14 @@ from typing import Any
 
 import pytest
 
+from rlc.compiler.planner.parts import FP8_WEIGHTS_LABEL
 from tests.gpu.common import Timer, dump, gpu_available
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 RECIPE = REPO / "rlc" / "recipes" / "tiny-qwen3-1gpu.yaml"
-PLAN_ITEMS = ("Megatron params", "Megatron grads", "optimizer fp32 master", "optimizer Adam moments")
+PLAN_ITEMS = ("Megatron params", "Megatron grads", "optimizer fp32 master", "optimizer Adam moments", FP8_WEIGHTS_LABEL)
 SEQ, MICRO, GLOBAL = 1024, 4, 8
 
 

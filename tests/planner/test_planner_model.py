@@ -318,6 +318,36 @@ def test_fp8_generation_keeps_the_embedding_and_lm_head_in_bf16(tmp_path):
     assert 8.4 < fp8.vllm_weights_gib < 8.5 < bf16.vllm_weights_gib / 1.7  # 7.48 GiB if all were 1 byte
 
 
+# ------------------------------------------------------------------ FP8 training
+
+
+def _fp8_training(tmp_path: Path, *sets: str) -> dict[str, dict[str, float]]:
+    recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes" / "tiny-qwen3-1gpu.yaml").read_text(encoding="utf-8"))
+    recipe["model"] = {"id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}
+    plan = check(tmp_path, recipe, *sets).plan
+    return {name: {i.label: i.gib for i in phase.items} for name, phase in plan.phases.items()}
+
+
+def test_fp8_training_counts_the_weight_copies_transformer_engine_keeps(tmp_path):
+    """Measured on an H200 (Qwen3-0.6B, blockwise): an FP8 train step holds 0.86 GiB more than the bf16 one. The
+    plan counts 2 bytes per linear-layer parameter (its FP8 copy and that of its transpose; 0.44 B parameters
+    outside the tied 151,936 x 1,024 embedding), in every phase the trainer is on the GPU, and nothing with
+    param_gather (the FP8 weights are the parameters)."""
+    from rlc.compiler.planner.parts import FP8_WEIGHTS_LABEL
+
+    bf16 = _fp8_training(tmp_path)
+    fp8 = _fp8_training(tmp_path, "training.fp8.enabled=true", "training.fp8.recipe=blockwise")
+    gathered = _fp8_training(tmp_path, "training.fp8.enabled=true", "training.fp8.param_gather=true")
+    params = bf16["train"]["Megatron params"] * (1 << 30) / 2
+    linear = params - 151936 * 1024
+    assert fp8["train"][FP8_WEIGHTS_LABEL] * (1 << 30) == pytest.approx(2 * linear, rel=1e-9)
+    assert 0.80 < fp8["train"][FP8_WEIGHTS_LABEL] < 0.86
+    for phase in ("train", "refit", "generate"):
+        assert fp8[phase][FP8_WEIGHTS_LABEL] == fp8["train"][FP8_WEIGHTS_LABEL], phase
+        assert FP8_WEIGHTS_LABEL not in bf16[phase] and FP8_WEIGHTS_LABEL not in gathered[phase]
+    assert sum(fp8["train"].values()) == pytest.approx(sum(bf16["train"].values()) + fp8["train"][FP8_WEIGHTS_LABEL])
+
+
 def test_a_tight_refit_is_not_told_that_sleep_level_2_frees_the_shard(tmp_path):
     """The refit wakes the weights at either sleep level, so with little margin (eager on, ratio 0.22)
     the plan offers other levers and RLC213 stays silent (it used to promise the 40.9 GiB TP32 shard)."""
