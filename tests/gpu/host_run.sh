@@ -130,9 +130,11 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     mcore_shared)  # generation.backend megatron, shared mode: the dense toy task learns (docs/generation-backends.md)
       run_stage mcore_shared 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case shared --root /tmp/rlc-mcore-shared \
         --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
-    mcore_moe)  # the same on the tiny MoE (fp32 router bias, MTP layer), shared mode
-      run_stage mcore_moe 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case moe --root /tmp/rlc-mcore-moe \
-        --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout 430 ;;
+    mcore_moe)  # the same on the tiny MoE (fp32 router bias, MTP layer), shared mode; the dense recipe's micro batch
+      # (2048 rollouts in one pass instead of 8 of 256: the recipe's 3.5 s steps do not fit 150 steps in one call)
+      run_stage mcore_moe 585 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case moe --root /tmp/rlc-mcore-moe \
+        --out "$OUT" --steps "${MCORE_STEPS:-150}" --timeout "${MCORE_MOE_TIMEOUT:-520}" \
+        --set "training.micro_batch_size=${MCORE_MOE_MICRO_BATCH:-2048}" ;;
     mcore_dedicated)  # dedicated mode: swap_model_weights every step, each swap checked bit for bit (>= 20 refits)
       run_stage mcore_dedicated 540 python3 "$REPO"/tests/gpu/test_mcore_generation.py --case dedicated \
         --root /tmp/rlc-mcore-dedicated --out "$OUT" --steps "${MCORE_DEDICATED_STEPS:-25}" --timeout 400 ;;

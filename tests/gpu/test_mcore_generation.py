@@ -265,10 +265,10 @@ def _router_biases() -> int:
     )  # the decoder's MoE layers (the MTP layer's too, if any)
 
 
-def case_learn(ws: Workspace, recipe: str, steps: int, timeout_s: int) -> dict:
-    bundle = ws.compile(recipe, f"learn_{recipe}", (f"grpo.max_steps={steps}",))
+def case_learn(ws: Workspace, recipe: str, steps: int, timeout_s: int, sets: tuple[str, ...] = ()) -> dict:
+    bundle = ws.compile(recipe, f"learn_{recipe}", (f"grpo.max_steps={steps}", *sets))
     got = ws.run(bundle, [f"grpo.max_gen_kl={GEN_KL_STOP}"], timeout_s, stop_at_goal_after=1)
-    res = {"recipe": recipe, "learning": verdict_learning(got, steps),
+    res = {"recipe": recipe, "sets": list(sets), "learning": verdict_learning(got, steps),
            "memory": memory_vs_plan(got["metrics"], got["plan"]), "timing_mean_s": timings(got["metrics"]),
            "calibration": got["calibration"][:6], "seconds": got["seconds"]}
     res["passed"] = res["learning"]["passed"]
@@ -315,7 +315,8 @@ def case_compare(ws: Workspace, steps: int, timeout_s: int) -> dict:
 CASES = ("shared", "moe", "dedicated", "compare")
 
 
-def run(case: str, root: str, out: str | None, steps: int, timeout_s: int, compare_steps: int) -> dict:
+def run(case: str, root: str, out: str | None, steps: int, timeout_s: int, compare_steps: int,
+        sets: tuple[str, ...] = ()) -> dict:
     from tests.gpu.test_four_gpu_grpo import _env  # noqa: PLC0415
 
     clock = Timer()
@@ -331,9 +332,9 @@ def run(case: str, root: str, out: str | None, steps: int, timeout_s: int, compa
         ws = Workspace(root)
         res["workspace"] = ws.build(dense=case in ("shared", "compare"), moe=case in ("moe", "dedicated"))
         if case == "shared":
-            res.update(case_learn(ws, DENSE_MG, steps, timeout_s))
+            res.update(case_learn(ws, DENSE_MG, steps, timeout_s, sets))
         elif case == "moe":
-            res.update(case_learn(ws, MOE_MG, steps, timeout_s))
+            res.update(case_learn(ws, MOE_MG, steps, timeout_s, sets))
         elif case == "dedicated":
             res.update(case_dedicated(ws, steps, timeout_s))
         elif case == "compare":
@@ -368,7 +369,9 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--timeout", type=int, default=470, help="seconds for each driver run")
     ap.add_argument("--compare-steps", type=int, default=20)
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                    help="extra `rlc compile --set` for the shared and moe cases (recorded in the result)")
     a = ap.parse_args()
-    r = run(a.case, a.root, a.out, a.steps, a.timeout, a.compare_steps)
+    r = run(a.case, a.root, a.out, a.steps, a.timeout, a.compare_steps, tuple(a.sets))
     print(f"mcore_{a.case}:", "passed" if r.get("passed") else f"FAILED ({str(r.get('error', ''))[:300]})", flush=True)
     sys.exit(0 if r.get("passed") else 1)
