@@ -10,9 +10,10 @@ from tests.skip_guard import pytest_runtest_logreport, pytest_sessionfinish  # n
 
 
 def pytest_configure(config):
-    """Before collection (some modules compile recipes at import): no Hub, an empty cache. A run of the GPU tests
-    keeps the host's own Hugging Face settings."""
-    if any("tests/gpu" in str(arg) for arg in config.args):
+    """Before collection (some modules compile recipes at import): no Hub, an empty cache. A run of only the GPU
+    tests keeps the host's own Hugging Face settings; a run that mixes them with other folders does not (the CPU
+    tests among them expect no Hub and an empty cache whatever else runs)."""
+    if config.args and all("tests/gpu" in str(arg) for arg in config.args):
         return
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="rlc-test-hf-cache-")
