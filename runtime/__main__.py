@@ -5,7 +5,8 @@ bundle's pre-flight probe (``rlc.runtime.probe.main``). Heavy imports happen ins
 
 Exit codes, as rlc's own commands: 0 ok, 1 ``runtime.yaml`` (or an override) refused, or a probe check
 failed, 2 usage or I/O errors (the file cannot be read), 3 a bug in rlc; and when a run stops: 4 a
-worker failed, 5 gen-KL above ``grpo.max_gen_kl``, 6 another failure (named in the run's last lines).
+worker failed, 5 gen-KL above ``grpo.max_gen_kl``, 6 another failure (named in the run's last lines), 143 a
+SIGTERM (``scancel``, the job's time limit), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from rlc.runtime.probe import main as probe_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlc.runtime", description=__doc__.split("\n")[0],
                                      epilog="exit codes: 0 ok, 1 runtime.yaml refused, 2 usage or I/O errors, "
-                                            "3 a bug in rlc, 4 a worker failed, 5 gen-KL too high, 6 the run failed")
+                                            "3 a bug in rlc, 4 a worker failed, 5 gen-KL too high, 6 the run failed, "
+                                            "143 stopped by SIGTERM, 130 Ctrl-C")
     parser.add_argument("runtime_yaml", help="the bundle's resolved runtime.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides of runtime.yaml for this start only, e.g. grpo.max_steps=10")

@@ -35,6 +35,7 @@ from rlc.runtime.metrics import MetricsLogger, PhaseTimer
 from rlc.runtime.overrides import load_with_overrides
 from rlc.runtime.recorder import (Group, Packed, ParamsOffloaded, ParamsOnloaded, Recorder, Refitted, Released,
                                   Rollout, Scored, Trained)
+from rlc.runtime.termination import EXIT_TERMINATED, TerminationWatch
 from rlc.runtime.weight_sync import WeightSync, make_weight_sync
 from rlc.runtime.worker_api import RankCoords, ReplayCheck, TrainBatch
 from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
@@ -63,6 +64,7 @@ class GrpoRun:
         self._metrics: MetricsLogger | None = None
         self.timer = PhaseTimer()  # every phase's wall time, drained into the step's metrics
         self.record = Recorder(cfg)  # the phases' results -> metrics, calibration and refit records
+        self.termination = TerminationWatch()  # SIGTERM stops the run cleanly (rlc.runtime.termination)
         self.refits_done = 0
         self.checkpoint_failures = 0  # in a row; three stop the run
         self.coords: list[RankCoords] = []  # each trainer rank's place in the layout (start_workers)
@@ -312,6 +314,7 @@ class GrpoRun:
         placement = W.plan_placement(cfg)
         env = W.worker_env(cfg)
         log.info("%s", W.connect(cfg.cluster.ray, env))
+        self.termination.install()  # after Ray's own SIGTERM handler, which would exit with status 1
         pg, order = W.reserve_gpus(placement)
         self.pg = pg
         if cfg.generation.backend == "megatron":
@@ -467,5 +470,10 @@ def main(cfg_path: str, overrides: list[str] | None = None) -> int:
         log.exception("run failed")
         print(stop_report(exc), file=sys.stderr)
         return exit_code_for(exc)
+    except KeyboardInterrupt:
+        if run.termination.received is None:
+            raise  # Ctrl-C: the entry point's 130
+        print(run.termination.report(), file=sys.stderr)
+        return EXIT_TERMINATED
     finally:
         run.shutdown()
