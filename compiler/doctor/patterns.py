@@ -252,6 +252,13 @@ PATTERNS: tuple[Pattern, ...] = (
                     "(OpenClaw-RL #69 saw 0.2-0.4)",
                     ("rollout_probs_diff_mean", "train_rollout_logprob_abs_diff", "logprob_abs_diff_mean")),
     Pattern(
+        "stopped-by-signal", None, "the run was stopped by a signal: scancel, the job's time limit or a container stop",
+        _rx(r"run stopped by (?P<signal>SIG[A-Z]+)"), x.nothing,
+        "nothing failed: if slurm-<jobid>.out says 'DUE TO TIME LIMIT', raise cluster.slurm.time; a resubmitted "
+        "bundle resumes from the last checkpoint (checkpointing.save_every bounds the steps a stop loses)",
+        ("rlc's driver (exit code 143)",),
+        hints=("run stopped by sig",)),
+    Pattern(
         "dynamic-sampling-exhausted", None, "dynamic sampling ran out of generation batches",
         _rx(r"dynamic sampling exhausted at step (?P<step>[0-9]+): (?P<batches>[0-9]+) generation batches "
             r"\(grpo\.dynamic_sampling\.max_gen_batches=(?P<max_gen_batches>[0-9]+)\) of (?P<per_batch>[0-9]+) "

@@ -179,3 +179,16 @@ def megatron_request_failed() -> tuple[BaseException, str]:
 
 
 ALL["RLC406"] = megatron_request_failed
+
+
+def stopped_by_sigterm() -> tuple[BaseException, str]:
+    """The driver's closing lines after a SIGTERM (``rlc.runtime.termination``)."""
+    from rlc.runtime.termination import TerminationWatch
+
+    watch = TerminationWatch()
+    watch.received = "SIGTERM"
+    text = "2026-11-30 22:10:01 rlc.runtime.driver INFO [dynamic-sampling] step 94: off\n" + watch.report()
+    return KeyboardInterrupt(watch.received), text
+
+
+ALL["stopped-by-signal"] = stopped_by_sigterm

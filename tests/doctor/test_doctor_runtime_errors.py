@@ -67,6 +67,12 @@ def test_dynamic_sampling_exhausted_reads_the_hit_rate():
     assert f.values["hit_rate"] == pytest.approx(3 / 16, abs=1e-3)
 
 
+def test_a_stop_by_sigterm_is_named_as_a_stop_not_a_failure():
+    f = _only(R.stopped_by_sigterm()[1])
+    assert f.pattern == "stopped-by-signal" and f.rule is None
+    assert "cluster.slurm.time" in f.fix and "resumes from the last checkpoint" in f.fix
+
+
 def test_worker_failure_report_names_worker_node_and_phase():
     f = _only(R.worker_died()[1])
     assert f.pattern == "worker-lost" and f.rule is None
