@@ -16,8 +16,8 @@
 #   goals: 30B-A3B median <= 0.5 s and max <= 1.0 s, 8B median <= 0.05 s, engine >= 0.4 of the copy; JSON in
 #   $OUT/refit_fast (FAST_TIMEOUT, default 590 s).
 # fp8_refit / fp8_refit_moe: a verified refit into FP8 vLLM parameters at Qwen3-8B / Qwen3-30B-A3B shapes with refit
-#   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor); fp8_grpo: the tiny GRPO run with FP8
-#   rollouts, 150 steps (FP8_GRPO_SCALES: tensor (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with
+#   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor; FP8_CUDA_GRAPHS=1: both engines with
+#   CUDA graphs, fp8_refit only); fp8_grpo: the tiny GRPO run with FP8 rollouts, 150 steps (FP8_GRPO_SCALES: tensor (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with
 #   block scales on the head_dim 64 tiny model; fp8_train: FP8 training (FP8_TRAIN_RECIPE, default blockwise): the
 #   tiny GRPO smoke run and a real-shape train step with memory next to the plan.
 # STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
@@ -150,7 +150,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --timeout "${MCORE_RESHARD_TIMEOUT:-400}" ;;
     moe2) run_stage moe2 590 python3 "$REPO"/tests/gpu/test_moe_two_gpu.py --out "$OUT" --only "${ONLY:-mtp_off,per_rank_off,fp32_off}" ;;
     fp8_refit) run_stage fp8_refit 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case dense-8b \
-      --scales "${FP8_SCALES:-block}" --out "$OUT" ;;
+      --scales "${FP8_SCALES:-block}" --out "$OUT" ${FP8_CUDA_GRAPHS:+--cuda-graphs} ;;
     fp8_refit_moe) run_stage fp8_refit_moe 540 python3 "$REPO"/tests/gpu/test_fp8_refit.py --case moe-1gpu \
       --scales "${FP8_SCALES:-block}" --fp8-util 0.40 --refits 2 --out "$OUT" ;;
     fp8_grpo) run_stage fp8_grpo 540 python3 "$REPO"/tests/gpu/test_fp8_grpo.py --scales "${FP8_GRPO_SCALES:-tensor}" \

@@ -182,7 +182,7 @@ def _mirror_check(gen: Any, tensors: dict) -> dict:
 
 
 def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_tokens: int,
-        fp8_util: float | None, root: str, deep_gemm_warmup: str = "skip") -> dict:
+        fp8_util: float | None, root: str, deep_gemm_warmup: str = "skip", cuda_graphs: bool = False) -> dict:
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
@@ -200,7 +200,7 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
         "command": " ".join(["python", "tests/gpu/test_fp8_refit.py", *sys.argv[1:]]),
         "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": R.machine_info(), "case": case, "scales": scales, "refits": refits, "warmup": warmup,
-        "vllm_deep_gemm_warmup": deep_gemm_warmup, "modes": {},
+        "vllm_deep_gemm_warmup": deep_gemm_warmup, "cuda_graphs": cuda_graphs, "modes": {},
     }
     lay = P.default_layouts()[case]
     rootp = Path(root)
@@ -209,6 +209,9 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     # the runtime's transfer (stacked experts off, its default) with the buffers kept as the refit benchmark keeps them
     a = argparse.Namespace(max_model_len=1024, fused_transfer=False, keep_buffers_gb=lay.buffer_gb)
     cfgs = {"bf16": R.runtime_cfg_dict(lay, model_dir, a, rootp)}
+    # eager by default (the refit benchmark's engines); with CUDA graphs the per-layer Python of vLLM's FP8 linear
+    # path (activation quantization, scale layout) is captured once instead of run every decode step
+    cfgs["bf16"]["generation"]["enforce_eager"] = not cuda_graphs
     fp8 = copy.deepcopy(cfgs["bf16"])
     fp8["generation"]["precision"] = "fp8"
     fp8["generation"]["fp8"] = {"scales": scales, "pow2_scales": False}
@@ -422,11 +425,14 @@ if __name__ == "__main__":
                     help="vLLM gpu_memory_utilization of the FP8 engine (default: the bf16 engine's)")
     ap.add_argument("--root", default="/tmp/rlc-fp8-refit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="both engines with CUDA graphs (generation.enforce_eager: false) for the tokens/s comparison")
     ap.add_argument("--deep-gemm-warmup", choices=("skip", "relax", "full"), default="skip",
                     help="vLLM's VLLM_DEEP_GEMM_WARMUP for the engines: block scales run on DeepGEMM, whose start-up "
                          "warm-up compiles some 1,100 kernels (minutes on a fresh host); skipped, the kernels this "
                          "check uses compile in the untimed warm-up generation")
     a = ap.parse_args()
-    r = run(a.case, a.out, a.scales, a.refits, a.warmup, a.max_tokens, a.fp8_util, a.root, a.deep_gemm_warmup)
+    r = run(a.case, a.out, a.scales, a.refits, a.warmup, a.max_tokens, a.fp8_util, a.root, a.deep_gemm_warmup,
+            a.cuda_graphs)
     print("fp8_refit:", "passed" if r["passed"] else "FAILED: " + "; ".join(r["summary"]["reasons"]), flush=True)
     sys.exit(0 if r["passed"] else 1)
