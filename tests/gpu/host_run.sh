@@ -18,8 +18,9 @@
 # fp8_refit / fp8_refit_moe: a verified refit into FP8 vLLM parameters at Qwen3-8B / Qwen3-30B-A3B shapes with refit
 #   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor; FP8_CUDA_GRAPHS=1: both engines with
 #   CUDA graphs, fp8_refit only); fp8_grpo: the tiny GRPO run with FP8 rollouts, 150 steps (FP8_GRPO_SCALES: tensor
-#   (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with block scales on the head_dim 64 tiny model; fp8_train: FP8 training (FP8_TRAIN_RECIPE, default blockwise): the
-#   tiny GRPO smoke run and a real-shape train step with memory next to the plan.
+#   (default) or block, FP8_GRPO_STEPS); fp8_grpo_block: the same with block scales on the head_dim 64 tiny model;
+#   fp8_train: FP8 training (FP8_TRAIN_RECIPE, default blockwise): the tiny GRPO smoke run and a real-shape train
+#   step with memory next to the plan.
 # STAGE_DIR holds every packNN of the staged stack (.gpu-host/partNN copied there by earlier calls);
 # the last part (carried with this call) has unpack.sh. Unpacks into /tmp/site once per machine,
 # puts the checkout (its rlc/ package) on PYTHONPATH, then runs the named stages, each under a
