@@ -309,6 +309,7 @@ def test_compile_path_does_not_import_network_modules(tmp_path):
     through xml.sax.saxutils -> urllib.request."""
     script = f"""
 import sys
+before = set(sys.modules)
 from rlc.compiler.cli import main
 code = main(["compile", "valid/full.yaml", "-o", {str(tmp_path / "bundle")!r}, "--set", "cluster.log_dir={tmp_path}"])
 print("CODE", code)
@@ -428,10 +429,11 @@ def test_validate_loads_only_what_it_uses():
               "rlc.compiler.bundle.build", "rlc.compiler.bundle.render", "rlc.compiler.bundle.pkgcopy")
     script = f"""
 import sys
+before = set(sys.modules)  # (what the interpreter's start loaded, an install's .pth hooks included, is not rlc's)
 from rlc.compiler.cli import main
 code = main(["validate", {str(recipe)!r}])
 print("CODE", code)
-print("LOADED", sorted(m for m in {unused!r} if m in sys.modules))
+print("LOADED", sorted(m for m in {unused!r} if m in sys.modules and m not in before))
 print("PIPELINE", all(m in sys.modules for m in ("rlc.compiler.planner.memory", "rlc.compiler.rules", "yaml")))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -459,10 +461,11 @@ def test_a_first_compile_loads_neither_ctypes_nor_importlib_resources(tmp_path):
     """The templates are read as package files; ctypes is only for swapping an existing bundle."""
     script = f"""
 import sys
+before = set(sys.modules)
 from rlc.compiler.cli import main
 code = main(["compile", "valid/full.yaml", "-o", {str(tmp_path / "bundle")!r}, "--set", "cluster.log_dir={tmp_path}"])
 print("CODE", code)
-print("LOADED", sorted(m for m in ("ctypes", "importlib.resources") if m in sys.modules))
+print("LOADED", sorted(m for m in ("ctypes", "importlib.resources") if m in sys.modules and m not in before))
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True, timeout=120)
     assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
