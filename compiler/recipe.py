@@ -160,6 +160,8 @@ def _merge(dst: dict, dst_origins: dict[Key, Origin], src: dict, src_origins: di
 
 @dataclass
 class _Link:
+    """One parsed recipe file of an ``extends`` chain: its data and where each key was set."""
+
     path: Path
     display: str
     data: dict[str, Any]

@@ -1,7 +1,6 @@
 """Did-you-mean suggestions for misspelt keys and values (``difflib`` does the matching)."""
 from __future__ import annotations
 
-import difflib
 from typing import Any, Iterable
 
 
@@ -27,6 +26,8 @@ def closest(word: Any, candidates: Iterable[Any], cutoff: float = 0.6) -> Any | 
     key = _norm(str(word))
     if key in by_norm and by_norm[key] != word:
         return by_norm[key]
+    import difflib  # noqa: PLC0415 - only for a did-you-mean (a recipe without typos never loads it)
+
     # difflib.get_close_matches breaks ties by the larger string; keep the candidates' order
     # instead (schemas list the usual value first).
     matcher = difflib.SequenceMatcher(b=key)

@@ -280,14 +280,15 @@ def _read_text(file: str, raw: bytes) -> str:
                    hint="save the file as UTF-8") from None
 
 
-_QUOTED = re.compile(r"'(?![<\s\\])[^']{2,}(?<!\s)'|\"(?![<\s\\])[^\"]{2,}(?<!\s)\"")
+#: compiled on first use (``re`` caches it): only a file that fails to parse needs it
+_QUOTED = r"'(?![<\s\\])[^']{2,}(?<!\s)'|\"(?![<\s\\])[^\"]{2,}(?<!\s)\""
 
 
 def _redact(message: str) -> str:
     """A YAML parser message without the file's text: PyYAML quotes what it found (an alias name,
     an escape, a directive), and a file that did not parse may be a secret named by mistake.
     Single characters (``','``, ``'\\t'``) and token names (``'<block end>'``) stay."""
-    return _QUOTED.sub("(text not shown)", message)
+    return re.sub(_QUOTED, "(text not shown)", message)
 
 
 def parse_text(text: str, file: str, require_mapping: bool = True,

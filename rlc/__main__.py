@@ -1,4 +1,8 @@
 """``python -m rlc`` is the ``rlc`` command."""
-from rlc.compiler.cli import run
+import gc
+
+gc.set_threshold(50_000)  # before the imports: see rlc.compiler.cli.run
+
+from rlc.compiler.cli import run  # noqa: E402
 
 run()

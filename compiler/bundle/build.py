@@ -15,8 +15,10 @@ from rlc.compiler.bundle.context import build_context, log_dir_warnings
 from rlc.compiler.bundle.errors import BundleError
 from rlc.compiler.bundle.lock import (
     FILE_MODE,
+    MANIFEST_NAME,
     SCRIPT_MODE,
     SECRET_MODE,
+    TREE_NAME,
     make_lock,
     set_modes,
     write_lock,
@@ -146,14 +148,16 @@ def build_bundle(result: CheckResult, out_dir: Path, force: bool = False,
         for name, text in contents.items():
             _write(staged / name, text, _mode(name))
         copied = {f"rlc_pkg/{rel}": sha for rel, sha in copy_rlc(staged / "rlc_pkg").items()}
-        set_modes(staged, secrets=SECRET_FILES, scripts=_EXECUTABLE)
-        hashes = write_manifests(staged, copied)
+        entries = set_modes(staged, secrets=SECRET_FILES, scripts=_EXECUTABLE)  # the one walk of the folder
+        hashes = write_manifests(staged, copied, entries=entries)
         _write(staged / "launch.sbatch",
                render_script("launch.sbatch.j2", {**ctx.values, **{k: Quoted(v) for k, v in hashes.items()}}),
                SCRIPT_MODE)
+        added = ("launch.sbatch", TREE_NAME, MANIFEST_NAME)  # written since the walk
+        entries = [e for e in entries if e[0] not in added] + [(name, os.lstat(staged / name)) for name in added]
         lock = make_lock(staged, recipe_files=list(loaded.files) if loaded is not None else [],
                          overrides=list(loaded.overrides) if loaded is not None else [], container=container,
-                         recipe_name=recipe.name, log_dir=ctx.log_dir, known=copied)
+                         recipe_name=recipe.name, log_dir=ctx.log_dir, known=copied, entries=entries)
         write_lock(staged, lock)
         files = sorted([*lock["files"], "bundle.lock.json"])
         commit(staged, out_dir, force)

@@ -26,7 +26,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rlc.compiler.files import CONFIG_BYTES, read_capped, sha256_regular
 from rlc.compiler.recipe_types import ContainerSection
@@ -53,6 +53,9 @@ _TYPES = ((stat.S_ISREG, "f"), (stat.S_ISDIR, "d"), (stat.S_ISLNK, "l"), (stat.S
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a regular file's bytes (a link is followed; a FIFO or device is refused)."""
     return sha256_regular(path, follow_links=True)
+
+
+Entries = Sequence[tuple[str, os.stat_result]]
 
 
 def _entries(folder: Path, skip: tuple[str, ...]) -> list[tuple[str, os.stat_result]]:
@@ -95,10 +98,13 @@ def tree_lines(folder: Path, skip: tuple[str, ...] = UNCHECKED) -> list[str]:
     return _c_sorted([tree_line(rel, st) for rel, st in _entries(folder, skip)])
 
 
-def set_modes(folder: Path, secrets: tuple[str, ...], scripts: tuple[str, ...]) -> None:
+def set_modes(folder: Path, secrets: tuple[str, ...], scripts: tuple[str, ...]) -> list[tuple[str, os.stat_result]]:
     """Give every entry the compiler's permissions (see :data:`DIR_MODE`): the same on every machine
-    whatever the umask or the source checkout's modes, none writable by others."""
-    for rel, st in _entries(folder, ()):
+    whatever the umask or the source checkout's modes, none writable by others. Returns every entry
+    with its ``lstat`` after the change, for :func:`write_manifests` and :func:`make_lock` (``entries``), so
+    the folder is walked once."""
+    entries = _entries(folder, ())
+    for i, (rel, st) in enumerate(entries):
         if stat.S_ISDIR(st.st_mode):
             mode = DIR_MODE
         elif stat.S_ISREG(st.st_mode):
@@ -107,6 +113,8 @@ def set_modes(folder: Path, secrets: tuple[str, ...], scripts: tuple[str, ...]) 
             continue
         if stat.S_IMODE(st.st_mode) != mode:  # (what was created with its mode is left alone)
             (folder / rel).chmod(mode)
+            entries[i] = (rel, os.lstat(folder / rel))
+    return entries
 
 
 def _sha256(folder: Path, rel: str, known: Mapping[str, str] | None) -> str:
@@ -114,11 +122,13 @@ def _sha256(folder: Path, rel: str, known: Mapping[str, str] | None) -> str:
     return found if found is not None else sha256_regular(folder / rel)
 
 
-def write_manifests(folder: Path, known: Mapping[str, str] | None = None) -> dict[str, str]:
+def write_manifests(folder: Path, known: Mapping[str, str] | None = None,
+                    entries: Entries | None = None) -> dict[str, str]:
     """Write :data:`TREE_NAME` and :data:`MANIFEST_NAME` for ``folder`` (all but :data:`UNCHECKED`);
     returns their sha256 as the job script's values ``tree_sha256`` and ``manifest_sha256``.
-    ``known``: the sha256 of files (by relative path) hashed as they were written, not read again."""
-    entries = _entries(folder, UNCHECKED)
+    ``known``: the sha256 of files (by relative path) hashed as they were written, not read again;
+    ``entries``: the folder's entries as :func:`set_modes` returned them (else it is walked)."""
+    entries = _entries(folder, UNCHECKED) if entries is None else [(r, st) for r, st in entries if r not in UNCHECKED]
     tree = "".join(line + "\n" for line in _c_sorted([tree_line(rel, st) for rel, st in entries]))
     files = sorted(rel for rel, st in entries if stat.S_ISREG(st.st_mode))
     manifest = "".join(f"{_sha256(folder, rel, known)}  {rel}\n" for rel in files)
@@ -147,10 +157,13 @@ def recorded_override(text: str) -> str:
 
 
 def make_lock(folder: Path, *, recipe_files: list[Path], overrides: list[str], container: ContainerSection,
-              recipe_name: str, log_dir: str, known: Mapping[str, str] | None = None) -> dict[str, Any]:
+              recipe_name: str, log_dir: str, known: Mapping[str, str] | None = None,
+              entries: Entries | None = None) -> dict[str, Any]:
     """The lock mapping for the entries now in ``folder`` (the lock file itself excluded); ``known``
-    as for :func:`write_manifests`."""
-    entries = _entries(folder, (LOCK_NAME,))
+    as for :func:`write_manifests`; ``entries``: every entry now in ``folder`` with its ``lstat`` (else it
+    is walked)."""
+    entries = _entries(folder, (LOCK_NAME,)) if entries is None else [(r, st) for r, st in entries
+                                                                        if r != LOCK_NAME]
     return {
         "rlc_bundle": LOCK_FORMAT,
         "rlc_version": __version__,

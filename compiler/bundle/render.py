@@ -6,19 +6,18 @@ recipe value. Plain text files (README.txt) use a permissive environment.
 """
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 import jinja2
 
 from rlc.compiler.shell import Quoted
-
-TEMPLATE_PACKAGE = "rlc.templates"
-TEMPLATE_FOLDER = "bundle"
+from rlc.templates import BUNDLE_TEMPLATES
 
 
 def _load(name: str) -> str:
-    return resources.files(TEMPLATE_PACKAGE).joinpath(TEMPLATE_FOLDER, name).read_text(encoding="utf-8")
+    # a file of the package, read as the recipe schema is (``importlib.resources`` would load ``tempfile`` and
+    # more for the same path)
+    return (BUNDLE_TEMPLATES / name).read_text(encoding="utf-8")
 
 
 def _only_quoted(value: Any) -> Any:

@@ -10,7 +10,6 @@ puts back an old bundle that a killed compile had moved aside (:func:`recover`).
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
@@ -86,6 +85,8 @@ def staging_dir(out_dir: Path) -> Path:
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False where the
     system or filesystem cannot."""
+    import ctypes  # noqa: PLC0415 - only to replace an existing bundle (a first compile never swaps)
+
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if renameat2 is None:
         return False

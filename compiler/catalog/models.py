@@ -11,7 +11,6 @@ states what that config does not.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +72,8 @@ def resolve_id(model_id: str) -> tuple[str | None, bool]:
 
 def close_ids(model_id: str, n: int = 3) -> list[str]:
     """Catalog ids that look like ``model_id`` (compared on the whole id and on the name part)."""
+    import difflib  # noqa: PLC0415 - only for a did-you-mean (a recipe without typos never loads it)
+
     by_short = {i.split("/", 1)[-1].lower(): i for i in model_ids()}
     found = difflib.get_close_matches(model_id.lower(), [i.lower() for i in model_ids()], n=n, cutoff=0.4)
     found = [next(i for i in model_ids() if i.lower() == f) for f in found]

@@ -36,6 +36,8 @@ _SLURM_UNITS = {"K": 1 / (1 << 20), "M": 1 / 1024, "G": 1.0, "T": 1024.0, "": 1 
 
 @dataclass(frozen=True)
 class HostTable:
+    """``host_memory.yaml``: Ray's kill threshold, the per-process baseline and each GPU type's typical node."""
+
     threshold: float
     threshold_source: str
     baseline_gib_per_gpu: float

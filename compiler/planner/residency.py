@@ -61,6 +61,8 @@ class MegatronResident:
 
 @dataclass(frozen=True)
 class VllmResident:
+    """Whether vLLM's weight shard is on the GPU in a phase, and why."""
+
     weights: bool
     why: str  # which sleep-level fact decided ``weights``
 
@@ -82,6 +84,8 @@ class HostResident:
 
 @dataclass(frozen=True)
 class PhaseResidency:
+    """What is resident where in one phase: Megatron's and vLLM's blocks on the GPU, the rest in host memory."""
+
     phase: str
     megatron: MegatronResident
     vllm: VllmResident

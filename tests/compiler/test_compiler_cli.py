@@ -309,6 +309,7 @@ def test_compile_path_does_not_import_network_modules(tmp_path):
     through xml.sax.saxutils -> urllib.request."""
     script = f"""
 import sys
+before = set(sys.modules)
 from rlc.compiler.cli import main
 code = main(["compile", "valid/full.yaml", "-o", {str(tmp_path / "bundle")!r}, "--set", "cluster.log_dir={tmp_path}"])
 print("CODE", code)
@@ -418,3 +419,55 @@ print("JINJA", "jinja2" in sys.modules, "rlc.compiler.bundle.build" in sys.modul
     proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True, timeout=120)
     assert "CODES 0 0" in proc.stdout, proc.stdout + proc.stderr
     assert "JINJA False False" in proc.stdout, proc.stdout
+
+
+def test_validate_loads_only_what_it_uses():
+    """``rlc validate`` of the production recipe as a process: no module that only another command, an error
+    message or a bundle needs (each costs start-up time on every run); the pipeline it does run is loaded."""
+    recipe = REPO / "rlc" / "recipes" / "qwen35-397b-grpo-32xh100.yaml"
+    unused = ("shutil", "difflib", "ctypes", "tempfile", "importlib.resources", "jinja2", "jsonschema",
+              "rlc.compiler.bundle.build", "rlc.compiler.bundle.render", "rlc.compiler.bundle.pkgcopy")
+    script = f"""
+import sys
+before = set(sys.modules)  # (what the interpreter's start loaded, an install's .pth hooks included, is not rlc's)
+from rlc.compiler.cli import main
+code = main(["validate", {str(recipe)!r}])
+print("CODE", code)
+print("LOADED", sorted(m for m in {unused!r} if m in sys.modules and m not in before))
+print("PIPELINE", all(m in sys.modules for m in ("rlc.compiler.planner.memory", "rlc.compiler.rules", "yaml")))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "LOADED []" in proc.stdout, proc.stdout
+    assert "PIPELINE True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("columns", [None, "100", "37", "0", "-3", "wide"])
+def test_help_width_is_the_terminal_width_shutil_reports(monkeypatch, columns):
+    """The parser reads the terminal width itself (``shutil`` stays unloaded): the same as
+    ``shutil.get_terminal_size`` for every ``COLUMNS`` setting, so the help text wraps as before."""
+    import shutil  # noqa: PLC0415 - the reference, only here
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert cli._terminal_columns() == shutil.get_terminal_size().columns
+    parser = cli.build_parser(only="validate")
+    assert parser._get_formatter()._width == shutil.get_terminal_size().columns - 2
+
+
+def test_a_first_compile_loads_neither_ctypes_nor_importlib_resources(tmp_path):
+    """The templates are read as package files; ctypes is only for swapping an existing bundle."""
+    script = f"""
+import sys
+before = set(sys.modules)
+from rlc.compiler.cli import main
+code = main(["compile", "valid/full.yaml", "-o", {str(tmp_path / "bundle")!r}, "--set", "cluster.log_dir={tmp_path}"])
+print("CODE", code)
+print("LOADED", sorted(m for m in ("ctypes", "importlib.resources") if m in sys.modules and m not in before))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=FIXTURES, capture_output=True, text=True, timeout=120)
+    assert "CODE 0" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "bundle" / "launch.sbatch").exists()
+    assert "LOADED []" in proc.stdout, proc.stdout

@@ -322,7 +322,8 @@ def test_fp8_generation_keeps_the_embedding_and_lm_head_in_bf16(tmp_path):
 
 
 def _fp8_training(tmp_path: Path, *sets: str) -> dict[str, dict[str, float]]:
-    recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes" / "tiny-qwen3-1gpu.yaml").read_text(encoding="utf-8"))
+    recipe = yaml.safe_load(
+        (Path(__file__).parents[2] / "recipes" / "tiny-qwen3-1gpu.yaml").read_text(encoding="utf-8"))
     recipe["model"] = {"id": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}
     plan = check(tmp_path, recipe, *sets).plan
     return {name: {i.label: i.gib for i in phase.items} for name, phase in plan.phases.items()}
