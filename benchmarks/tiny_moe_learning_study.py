@@ -823,6 +823,15 @@ def report(runs: list[dict[str, Any]]) -> str:
     return summary(runs) + "\n\n" + table(runs)
 
 
+def provenance(out: dict[str, Any]) -> str:
+    """Markdown lines under the tables: every command that made a run of the file (results added by later calls keep
+    their own), and the machine of the last call."""
+    commands = list(dict.fromkeys(r["command"] for r in out["runs"] if r.get("command")))
+    m = out.get("machine") or {}
+    return ("\n".join(f"    {c}" for c in commands) + "\n\nmachine: "
+            + ", ".join(f"{k} {v}" for k, v in m.items()))
+
+
 def machine(device: str = "cpu") -> dict[str, Any]:
     import transformers  # noqa: PLC0415
 
@@ -992,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         if a.out:
-            (Path(a.out) / f"{a.name}.md").write_text(report(out["runs"]) + "\n", encoding="utf-8")
+            (Path(a.out) / f"{a.name}.md").write_text(report(out["runs"]) + "\n\nMade by\n\n" + provenance(out) + "\n",
+                                                      encoding="utf-8")
     print(f"done in {time.time() - started:.0f} s", flush=True)
     if a.out or a.json:
         print(report(out["runs"]), flush=True)

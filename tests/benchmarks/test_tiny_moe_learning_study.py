@@ -286,3 +286,9 @@ def test_glm_checkpoint_is_the_megatron_checks(tmp_path):
     assert torch.equal(attn[qb], ours[qb]) and torch.equal(attn[up], ours[up])
     assert [n for n, _ in study.run_order(study.parse_variants("glm_init"), [7])] == [
         "dense", "glm", "glm_attn0.07", "glm_body0.07", "glm_bias_update", "glm_body0.07_bias_update"]
+
+
+def test_markdown_names_every_command_that_made_a_run():
+    out = {"runs": [{"command": "python a"}, {"command": "python b"}, {"command": "python a"}, {}],
+           "machine": {"cpus": 2, "device": "cpu"}}
+    assert study.provenance(out) == "    python a\n    python b\n\nmachine: cpus 2, device cpu"
