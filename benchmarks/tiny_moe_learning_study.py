@@ -31,6 +31,12 @@ and draws (``init_std``: named weight matrices drawn at another std, as the chec
 and ``--variants init`` are presets for one GPU call each. Every variant's checkpoint is drawn with its own
 ``init_std`` only: ``moe`` is the tiny MoE as first shipped (every matrix at ``initializer_range`` 0.02), and
 ``moe_attn0.07`` is the one its model folder now ships (``_init_std`` in its config.json).
+The tiny GLM-4.5-style MoE of ``tiny-glm-moe-1gpu-megatron`` (``glm*``: grouped-query attention with QKV bias
+and half-width rotary, the same 8 experts top-2 + shared behind one dense layer, sigmoid router with the fp32
+bias, one MTP layer) is built as its GPU checks build it (``build_toy_model`` from
+``rlc/recipes/models/tiny-glm-moe-mtp/config.json``, then ``add_mtp_layers``); ``glm`` is every matrix at
+``initializer_range``; the others change only the draws or add Megatron's router-bias update
+(``--variants glm_init``).
 Every run also records the attention of the last prompt position (where the answer is predicted) at init
 and after training: its entropy (1 = uniform) and the mass on the two operand positions (0.4 = uniform).
 
@@ -44,10 +50,13 @@ entropy over the 100 prompts, mean p(right digit)) and the first step's policy K
         --steps 150 --deadline-s 500 --out DIR       # one GPU, 12 worker processes
     python3 benchmarks/tiny_moe_learning_study.py --device cuda --jobs 16 --variants init --seeds 7,13,42,99 \\
         --steps 150 --deadline-s 270 --out DIR       # 47 runs
+    python benchmarks/tiny_moe_learning_study.py --threads 2 --variants glm_init --seeds 7,13 --steps 150 \\
+        --out DIR --name glm_init                    # DIR/glm_init.json, .md
 
 Writes the reward curve of every run, the 10-step mean reward at steps 25/50/100/150 and the first step where
 it reaches 0.8, with the command and the machine (``--out DIR``: ``DIR/tiny_moe_learning_study.json`` and a
-markdown table next to it). Not a test (hours on a small CPU; minutes on one GPU with ``--jobs``).
+markdown table next to it; ``--name`` renames them). Not a test (hours on a small CPU; minutes on one GPU with
+``--jobs``).
 """
 from __future__ import annotations
 
@@ -73,6 +82,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # ``rlc`` from this checkout, also in spawned workers
     sys.path.insert(0, str(REPO))
 MOE_CONFIG = REPO / "rlc" / "recipes" / "models" / "tiny-moe-mtp" / "config.json"
+GLM_CONFIG = REPO / "rlc" / "recipes" / "models" / "tiny-glm-moe-mtp" / "config.json"
 WINDOW, GOAL, MARKS = 10, 0.8, (25, 50, 100, 150)
 PAD_TO = 16  # rlc.runtime.driver: pack_rollouts(pad_to_multiple=16 * tp * cp)
 OPERANDS = (1, 3)  # positions of a and b in [BOS, a, +, b, =]
@@ -81,7 +91,7 @@ RESULT_NAME = "tiny_moe_learning_study"
 
 @dataclass(frozen=True)
 class Variant:
-    model: str  # "dense" (tiny Qwen3) | "moe" (tiny DeepSeek-V3) | "qwen3_moe"
+    model: str  # "dense" (tiny Qwen3) | "moe" (tiny DeepSeek-V3) | "qwen3_moe" | "glm" (tiny GLM-4.5 MoE)
     about: str
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields over the shipped config
     lr: float = 5e-4
@@ -235,6 +245,16 @@ VARIANTS: dict[str, Variant] = {
                                      overrides={"initializer_range": 0.07}, init_seed=None),
     "moe_attn0.07_initseed": Variant("moe", "MLA projections at 0.07, the checkpoint drawn with the run's seed",
                                      init_std={ATTN: 0.07}, init_seed=None),
+    # --- the tiny GLM-4.5-style MoE (tiny-glm-moe-1gpu-megatron): GQA attention, the same experts and router
+    "glm": Variant("glm", "tiny GLM-4.5 MoE as first shipped (tiny-glm-moe-mtp, every matrix at 0.02)"),
+    "glm_attn0.07": Variant("glm", "GLM, only the attention projections (q/k/v with bias, o) at std 0.07 (the rest "
+                            "0.02, the same draws)", init_std={ATTN: 0.07}),
+    "glm_body0.07": Variant("glm", "GLM, every decoder layer at std 0.07; embedding and lm_head 0.02",
+                            init_std={BODY: 0.07}),
+    "glm_bias_update": Variant("glm", "GLM + Megatron's expert-bias update (rate 1e-3, pad tokens counted)",
+                               bias_update_rate=1e-3),
+    "glm_body0.07_bias_update": Variant("glm", "GLM, every decoder layer at 0.07, + Megatron's expert-bias update "
+                                        "(rate 1e-3)", init_std={BODY: 0.07}, bias_update_rate=1e-3),
 }
 
 
@@ -255,6 +275,7 @@ PRESETS: dict[str, list[str]] = {
              "moe_init0.07_runtime@2", "moe_attn0.07_runtime@2", "moe_attn0.05@3", "moe_init0.05@3", "moe_init0.10@3",
              "moe_mlp0.07@2", "moe_router0.07@2", "moe_init0.07_initseed@2", "moe_attn0.07_initseed@2",
              "moe_initseed@2", "moe_init0.07_frozen_router@2", "moe_init0.07_lr2.5e-4@2"],
+    "glm_init": ["dense", "glm", "glm_attn0.07", "glm_body0.07", "glm_bias_update", "glm_body0.07_bias_update"],
 }
 
 # ------------------------------------------------------------------ what vLLM 0.22 serves on Hopper
@@ -262,8 +283,9 @@ PRESETS: dict[str, list[str]] = {
 
 def model_config(v: Variant) -> dict[str, Any]:
     """The config fields the variant's checkpoint is built from (over ``build_toy_model``'s defaults)."""
-    if v.model == "moe":
-        return {**json.loads(MOE_CONFIG.read_text(encoding="utf-8")), **v.overrides}
+    if v.model in ("moe", "glm"):
+        path = MOE_CONFIG if v.model == "moe" else GLM_CONFIG
+        return {**json.loads(path.read_text(encoding="utf-8")), **v.overrides}
     return dict(v.overrides)
 
 
@@ -334,7 +356,7 @@ def build_model(v: Variant, workdir: Path, device: str = "cpu", attn: str | None
                                   init_std=v.init_std)
     finally:
         toy.vocab_size = real_vocab_size  # type: ignore[assignment]
-    if v.model == "moe":
+    if v.model in ("moe", "glm"):  # as the GPU checks build both (tests/gpu/test_mcore_generation.py: the GLM)
         from tests.gpu.test_four_gpu_grpo import add_mtp_layers  # noqa: PLC0415
 
         add_mtp_layers(out, seed=init_seed, bias_base=v.bias_base)
@@ -801,6 +823,15 @@ def report(runs: list[dict[str, Any]]) -> str:
     return summary(runs) + "\n\n" + table(runs)
 
 
+def provenance(out: dict[str, Any]) -> str:
+    """Markdown lines under the tables: every command that made a run of the file (results added by later calls keep
+    their own), and the machine of the last call."""
+    commands = list(dict.fromkeys(r["command"] for r in out["runs"] if r.get("command")))
+    m = out.get("machine") or {}
+    return ("\n".join(f"    {c}" for c in commands) + "\n\nmachine: "
+            + ", ".join(f"{k} {v}" for k, v in m.items()))
+
+
 def machine(device: str = "cpu") -> dict[str, Any]:
     import transformers  # noqa: PLC0415
 
@@ -917,7 +948,8 @@ def main(argv: list[str] | None = None) -> int:
                     "stopped_early); runs not started by then are skipped")
     ap.add_argument("--json", default=None, help="write (or add to) this JSON result file")
     ap.add_argument("--out", default=None, metavar="DIR",
-                    help=f"write DIR/{RESULT_NAME}.json (added to if present) and DIR/{RESULT_NAME}.md")
+                    help="write DIR/NAME.json (added to if present) and DIR/NAME.md (NAME: --name)")
+    ap.add_argument("--name", default=RESULT_NAME, help=f"the result files' name under --out (default {RESULT_NAME})")
     ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a result file and exit")
     ap.add_argument("--list", action="store_true", help="print the variants, what vLLM 0.22 serves, and exit")
     a = ap.parse_args(argv)
@@ -949,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
             for n, sd in run_order(picks, seeds)]
     paths = [Path(a.json)] if a.json else []
     if a.out:
-        paths.append(Path(a.out) / f"{RESULT_NAME}.json")
+        paths.append(Path(a.out) / f"{a.name}.json")
     out: dict[str, Any] = {"study": "tiny MoE vs dense GRPO learning speed, pure PyTorch", "runs": []}
     if paths and paths[0].exists():
         out = json.loads(paths[0].read_text(encoding="utf-8"))
@@ -969,7 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         if a.out:
-            (Path(a.out) / f"{RESULT_NAME}.md").write_text(report(out["runs"]) + "\n", encoding="utf-8")
+            (Path(a.out) / f"{a.name}.md").write_text(report(out["runs"]) + "\n\nMade by\n\n" + provenance(out) + "\n",
+                                                      encoding="utf-8")
     print(f"done in {time.time() - started:.0f} s", flush=True)
     if a.out or a.json:
         print(report(out["runs"]), flush=True)

@@ -258,3 +258,37 @@ def test_variant_seed_counts_and_seed_major_order():
                      ("moe@x", "whole number >= 1"), (",", "names no variant")):
         with pytest.raises(ValueError, match=why):
             study.parse_variants(bad)
+
+
+def test_glm_checkpoint_is_the_megatron_checks(tmp_path):
+    """The study's ``glm`` is the tiny GLM-4.5-style MoE the Megatron generation checks train (``build_toy_model``
+    from its model folder, then ``add_mtp_layers``), every matrix at ``initializer_range``, bit for bit; its
+    ``glm_attn0.07`` redraws only the attention projections (QKV biases are vectors: kept)."""
+    from safetensors.torch import load_file
+
+    from rlc.runtime.toy_model import build_toy_model
+    from tests.gpu.test_four_gpu_grpo import add_mtp_layers
+
+    model = study.build_model(study.VARIANTS["glm"], tmp_path / "study")
+    assert type(model).__name__ == "Glm4MoeForCausalLM" and model.config.num_key_value_heads == 2
+    biases = [r.e_score_correction_bias for r in study._routers(model)]
+    assert len(biases) == 3 and all(b.dtype == torch.float32 and 29.8 < float(b.mean()) < 30.2 for b in biases)
+    build_toy_model(tmp_path / "gpu", config=study.GLM_CONFIG, init_std={})
+    add_mtp_layers(tmp_path / "gpu")
+    ours = load_file(str(tmp_path / "study" / "ckpt" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "gpu" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    study.build_model(study.VARIANTS["glm_attn0.07"], tmp_path / "attn")
+    attn = load_file(str(tmp_path / "attn" / "ckpt" / "model.safetensors"))
+    q, qb, up = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                 "model.layers.1.mlp.experts.0.up_proj.weight")
+    assert 0.06 < float(attn[q].float().std()) < 0.08 and 0.015 < float(ours[q].float().std()) < 0.025
+    assert torch.equal(attn[qb], ours[qb]) and torch.equal(attn[up], ours[up])
+    assert [n for n, _ in study.run_order(study.parse_variants("glm_init"), [7])] == [
+        "dense", "glm", "glm_attn0.07", "glm_body0.07", "glm_bias_update", "glm_body0.07_bias_update"]
+
+
+def test_markdown_names_every_command_that_made_a_run():
+    out = {"runs": [{"command": "python a"}, {"command": "python b"}, {"command": "python a"}, {}],
+           "machine": {"cpus": 2, "device": "cpu"}}
+    assert study.provenance(out) == "    python a\n    python b\n\nmachine: cpus 2, device cpu"
