@@ -288,6 +288,24 @@ def test_glm_checkpoint_is_the_megatron_checks(tmp_path):
         "dense", "glm", "glm_attn0.07", "glm_body0.07", "glm_bias_update", "glm_body0.07_bias_update"]
 
 
+def test_the_shipped_glm_checkpoint_is_the_studied_glm_body0_07(tmp_path):
+    """The Megatron checks build the GLM from its model folder, whose ``_init_std`` draws every decoder matrix at
+    0.07: bit for bit the study's ``glm_body0.07`` (the embedding and lm_head stay at 0.02)."""
+    from safetensors.torch import load_file
+
+    from rlc.runtime.toy_model import build_toy_model
+    from tests.gpu.test_four_gpu_grpo import add_mtp_layers
+
+    build_toy_model(tmp_path / "gpu", config=study.GLM_CONFIG)  # init_std None: the config's
+    add_mtp_layers(tmp_path / "gpu")
+    study.build_model(study.VARIANTS["glm_body0.07"], tmp_path / "study")
+    shipped = load_file(str(tmp_path / "gpu" / "model.safetensors"))
+    studied = load_file(str(tmp_path / "study" / "ckpt" / "model.safetensors"))
+    assert shipped.keys() == studied.keys() and all(torch.equal(shipped[k], studied[k]) for k in shipped)
+    assert 0.06 < float(shipped["model.layers.1.mlp.experts.0.up_proj.weight"].float().std()) < 0.08
+    assert 0.015 < float(shipped["model.embed_tokens.weight"].float().std()) < 0.025
+
+
 def test_markdown_names_every_command_that_made_a_run():
     out = {"runs": [{"command": "python a"}, {"command": "python b"}, {"command": "python a"}, {}],
            "machine": {"cpus": 2, "device": "cpu"}}
