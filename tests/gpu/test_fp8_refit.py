@@ -181,6 +181,29 @@ def _mirror_check(gen: Any, tensors: dict) -> dict:
 # ------------------------------------------------------------------ the driver
 
 
+def runtime_configs(case: str, root: Path, scales: str, fp8_util: float | None,
+                    cuda_graphs: bool) -> tuple[Path, dict[str, dict]]:
+    """The case's model folder under ``root`` and the two runtime configs (``bf16``, ``fp8``) the check runs, as
+    ``benchmarks/refit_at_scale.py`` builds them. No GPU needed (CPU-tested)."""
+    from benchmarks import refit_at_scale as R  # noqa: PLC0415
+    from benchmarks import refit_scale_plan as P  # noqa: PLC0415
+
+    lay = P.default_layouts()[case]
+    model_dir = R.write_model_dir(root, lay.model)
+    # the runtime's transfer (stacked experts off, its default) with the buffers kept as the refit benchmark keeps them
+    a = argparse.Namespace(max_model_len=1024, fused_transfer=False, keep_buffers_gb=lay.buffer_gb)
+    bf16 = R.runtime_cfg_dict(lay, model_dir, a, root)
+    # eager by default (the refit benchmark's engines); with CUDA graphs the per-layer Python of vLLM's FP8 linear
+    # path (activation quantization, scale layout) is captured once instead of run every decode step
+    bf16["generation"]["enforce_eager"] = not cuda_graphs
+    fp8 = copy.deepcopy(bf16)
+    fp8["generation"]["precision"] = "fp8"
+    fp8["generation"]["fp8"] = {"scales": scales, "pow2_scales": False}
+    if fp8_util is not None:
+        fp8["generation"]["gpu_memory_utilization"] = fp8_util
+    return model_dir, {"bf16": bf16, "fp8": fp8}
+
+
 def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_tokens: int,
         fp8_util: float | None, root: str, deep_gemm_warmup: str = "skip", cuda_graphs: bool = False) -> dict:
     import ray  # noqa: PLC0415
@@ -204,20 +227,8 @@ def run(case: str, out: str | None, scales: str, refits: int, warmup: int, max_t
     }
     lay = P.default_layouts()[case]
     rootp = Path(root)
-    model_dir = R.write_model_dir(rootp, lay.model)
+    model_dir, cfgs = runtime_configs(case, rootp, scales, fp8_util, cuda_graphs)
     hf = P.load_hf_config(lay.model)
-    # the runtime's transfer (stacked experts off, its default) with the buffers kept as the refit benchmark keeps them
-    a = argparse.Namespace(max_model_len=1024, fused_transfer=False, keep_buffers_gb=lay.buffer_gb)
-    cfgs = {"bf16": R.runtime_cfg_dict(lay, model_dir, a, rootp)}
-    # eager by default (the refit benchmark's engines); with CUDA graphs the per-layer Python of vLLM's FP8 linear
-    # path (activation quantization, scale layout) is captured once instead of run every decode step
-    cfgs["bf16"]["generation"]["enforce_eager"] = not cuda_graphs
-    fp8 = copy.deepcopy(cfgs["bf16"])
-    fp8["generation"]["precision"] = "fp8"
-    fp8["generation"]["fp8"] = {"scales": scales, "pow2_scales": False}
-    if fp8_util is not None:
-        fp8["generation"]["gpu_memory_utilization"] = fp8_util
-    cfgs["fp8"] = fp8
     res["vllm_util"] = {m: c["generation"]["gpu_memory_utilization"] for m, c in cfgs.items()}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
