@@ -119,28 +119,36 @@ class TrainActivations:
     note: str
 
 
-def _mlp_width_bytes(facts: ModelFacts, moe: bool) -> tuple[int, int]:
-    """Per token, bytes of one layer's MLP activations: (the part every TP rank holds a share of, the routed
-    experts' part, split by expert TP)."""
+def _mlp_width_bytes(facts: ModelFacts, moe: bool, etp: int) -> tuple[int, int]:
+    """Bytes of one layer's MLP activations: (per token of the micro batch, the part every TP rank holds a share
+    of; per token this GPU routes, the routed experts' part).
+
+    The routed part follows megatron-core's all-to-all dispatcher (``MoEAlltoAllTokenDispatcher``): each GPU routes
+    its own tokens (its sequence-parallel shard), sends ``topk`` copies of each over the expert-parallel group and,
+    with balanced routing, receives as many; expert tensor parallelism then all-gathers them over its ETP ranks,
+    each of which computes ``1 / ETP`` of the expert's width."""
     gated = MLP_WIDTH_BYTES[facts.gated_mlp]
     hidden = facts.hidden or 0
     if not moe:
         return gated * (facts.dense_intermediate or 0), 0
     topk = facts.experts_per_tok or 1
     width = facts.latent_size or hidden  # LatentMoE experts work in the latent width
-    # the dispatched copies of the input (topk × width × 2 B), the experts' MLP activations, the router's fp32 scores
-    routed = topk * (2 * width + gated * (facts.moe_intermediate or 0)) + FP32_BYTES * (facts.num_experts or 0)
+    # the dispatched copies of the input (topk × ETP × width × 2 B), the experts' MLP activations (topk × ETP tokens
+    # at 1/ETP of the width), the router's fp32 scores
+    routed = topk * (2 * width * etp + gated * (facts.moe_intermediate or 0)) + FP32_BYTES * (facts.num_experts or 0)
     return gated * (facts.shared_expert_intermediate or 0), routed
 
 
 def _layer_bytes(facts: ModelFacts, tl: TrainLayout, moe: bool) -> float:
-    """Per token, bytes one transformer layer keeps for its backward on one GPU (16-bit activations)."""
+    """Per token of the micro batch, bytes one transformer layer keeps for its backward on one GPU (16-bit
+    activations). With sequence parallelism a GPU routes 1/TP of the tokens (megatron-core refuses MoE with tensor
+    parallelism but without sequence parallelism in training)."""
     hidden = facts.hidden or 0
-    shared, routed = _mlp_width_bytes(facts, moe)
+    sp = tl.sequence_parallel and tl.tp > 1
+    shared, routed = _mlp_width_bytes(facts, moe, max(1, tl.etp))
     split = SPLIT_HIDDEN_BYTES * hidden + shared
     unsplit = UNSPLIT_HIDDEN_BYTES * hidden
-    sp = tl.sequence_parallel and tl.tp > 1
-    return (unsplit / tl.tp if sp else unsplit) + split / tl.tp + routed / max(1, tl.etp)
+    return (unsplit / tl.tp if sp else unsplit) + split / tl.tp + (routed / tl.tp if sp else routed)
 
 
 def _stage_moe_layers(facts: ModelFacts, tl: TrainLayout, stage: int) -> tuple[int, int]:
@@ -159,7 +167,8 @@ def train_activations(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, stage:
                       tokens: Optional[tuple[int, str]] = None) -> Optional[TrainActivations]:
     """The saved activations of the train step on one GPU of ``stage`` (an estimate: an upper bound in the spirit
     of Korthikanti et al. Table 2, see the constants above): per decoder layer (and per MTP block, counted as a
-    layer of the model's last kind) ``(10 × hidden + 8 × hidden + MLP bytes) / TP`` per token of one micro batch
+    layer of the model's last kind) ``(10 × hidden + 8 × hidden + MLP bytes) / TP`` per token of one micro batch (the
+    routed experts' part per token the GPU routes, :func:`_mlp_width_bytes`)
     (``train_microbatch_tokens``, or ``tokens``: how many and how counted), ``training.activation_checkpointing: full``
     keeping only each layer's input plus
     one layer's full set, times the micro batches 1F1B keeps in flight on the stage (``PP − stage``; with virtual

@@ -189,6 +189,14 @@ def test_saved_activations_scale_with_the_micro_batch_and_shrink_with_recomputat
     sp2 = dataclasses.replace(tl, tp=2, sequence_parallel=True)
     assert (train_activations(recipe, facts, sp2, 0, 1, (1000, "")).bytes
             < train_activations(recipe, facts, tp2, 0, 1, (1000, "")).bytes < one)
+    # megatron-core's all-to-all dispatcher: with sequence parallelism a GPU routes its 1/TP of the tokens (the
+    # experts' part halves with the rest at SP 2), and expert TP all-gathers the routed inputs over its ranks, each
+    # computing 1/ETP of the expert's width (the dispatched inputs double at ETP 2, the experts' MLP does not)
+    dense_sp2, moe_sp2 = (18 * 128 + 6 * 256) / 2, (18 * 128 + 6 * 64 + 2 * (2 * 128 + 6 * 64) + 4 * 8) / 2
+    assert train_activations(recipe, facts, sp2, 0, 1, (1000, "")).bytes == int(1000 * (dense_sp2 + 4 * moe_sp2))
+    etp2 = dataclasses.replace(tl, etp=2)
+    moe_etp2 = 18 * 128 + 6 * 64 + 2 * (2 * 128 * 2 + 6 * 64) + 4 * 8
+    assert train_activations(recipe, facts, etp2, 0, 1, (1000, "")).bytes == 1000 * (dense + 4 * moe_etp2)
     # the logprob pass holds one layer at a time
     assert forward_working_set(recipe, facts, tl, 0, 1000) == 1000 * moe
 
