@@ -38,9 +38,8 @@ from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_layout
-from rlc.compiler.planner.parts import (DTYPE_BYTES, FP8_WEIGHTS_LABEL, FP8_WEIGHTS_NOTE, REFERENCE_LABEL,
-                                        _layout_dict, _megatron_bytes, _missing, _stage_figures, nvls_items,
-                                        train_state_items)
+from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, REFERENCE_LABEL, _layout_dict,
+                                        _megatron_bytes, _missing, _stage_figures, nvls_items, train_state_items)
 from rlc.compiler.planner.passes import (forward_working_set, logits_bytes as loss_logits_bytes, logits_note,
                                          logprob_fix, logprob_microbatch_tokens, train_activations,
                                          train_microbatch_tokens)
@@ -177,13 +176,11 @@ def process_items(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration)
 def _held_items(held: dict[str, int], generating: bool, dedicated: bool) -> list[Item]:
     """The trainer's tensors on the GPU, by item (``parts._megatron_bytes``)."""
     items = []
-    for key, label in (("params", "Megatron params (bf16)"), ("master", "optimizer fp32 master"),
-                       ("grads", "Megatron grads"), ("moments", "optimizer Adam moments"),
-                       ("reference", REFERENCE_LABEL), ("fp8_weights", FP8_WEIGHTS_LABEL)):
+    for key, label in HELD_LABELS.items():
         if key in held and (held[key] or key == "params"):
             note = ("what the engine generates with (shared mode)" if generating and key == "params" and not dedicated
                     else "refit.offload_params_for_generation moved them to host memory" if key == "params"
-                    and not held[key] else FP8_WEIGHTS_NOTE if key == "fp8_weights" else "")
+                    and not held[key] else HELD_NOTES.get(key, ""))
             items.append(Item(label, gib(held[key]), "megatron", "params", note))
     return items
 

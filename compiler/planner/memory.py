@@ -38,9 +38,9 @@ from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.mcore_memory import plan_megatron_generation
-from rlc.compiler.planner.parts import (DTYPE_BYTES, FP8_WEIGHTS_LABEL, FP8_WEIGHTS_NOTE, REFERENCE_LABEL,
-                                        REFERENCE_NOTE, _layout_dict, _megatron_bytes, _missing, _stage_figures,
-                                        nvls_items, train_state_items)
+from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, REFERENCE_NOTE,
+                                        _layout_dict, _megatron_bytes, _missing, _stage_figures, nvls_items,
+                                        train_state_items)
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
                                          train_microbatch_tokens)
@@ -75,11 +75,9 @@ def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Cal
     return items
 
 
-_REFIT_LABELS = {"params": ("Megatron params (bf16)", "params"), "master": ("optimizer fp32 master", "params"),
-                 "grads": ("Megatron grads", "params"), "moments": ("optimizer Adam moments", "params"),
+_REFIT_LABELS = {**{key: (label, "params") for key, label in HELD_LABELS.items()},
                  "residual": ("Megatron residual", "calibration:megatron_refit_residual_gib"),
-                 "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib"),
-                 "reference": (REFERENCE_LABEL, "params"), "fp8_weights": (FP8_WEIGHTS_LABEL, "params")}
+                 "cpu_offload_extra": ("CPU-offload staging", "calibration:megatron_cpu_offload_extra_gib")}
 PARAMS_RESIDENT_NOTE = ("refit.offload_params_for_generation is off: the bundled runtime keeps them on the GPU "
                         "while vLLM generates")
 
@@ -95,8 +93,8 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
         if generating and key == "params" and not value:
             continue  # moved to host memory by refit.offload_params_for_generation
         label, source = _REFIT_LABELS[key]
-        note = (reference_note if key == "reference" else FP8_WEIGHTS_NOTE if key == "fp8_weights"
-                else PARAMS_RESIDENT_NOTE if generating and key == "params" else "")
+        note = (reference_note if key == "reference" else PARAMS_RESIDENT_NOTE if generating and key == "params"
+                else HELD_NOTES.get(key, ""))
         items.append(Item(label, gib(value), "megatron", source, note))
     return items + list(ctx)
 

@@ -75,6 +75,11 @@ def fp8_weight_copy_bytes(recipe: Recipe) -> int:
 REFERENCE_LABEL = "reference policy params (bf16)"
 REFERENCE_NOTE = ("loss.kl_penalty > 0: the runtime keeps the frozen reference policy on the GPU "
                   "(training.offload_reference_policy moves it to host memory)")
+#: The plan's label of each tensor group :func:`_megatron_bytes` returns, in the order the plans list them, and the
+#: note a group always carries (the phases add their own to the parameters and the reference policy).
+HELD_LABELS = {"params": "Megatron params (bf16)", "master": "optimizer fp32 master", "grads": "Megatron grads",
+               "moments": "optimizer Adam moments", "reference": REFERENCE_LABEL, "fp8_weights": FP8_WEIGHTS_LABEL}
+HELD_NOTES = {"fp8_weights": FP8_WEIGHTS_NOTE}
 
 
 def _megatron_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
@@ -114,7 +119,8 @@ def train_state_items(held: dict[str, int], recipe: Recipe, bpp: int, where: Meg
     if "reference" in held:
         items.append(Item(REFERENCE_LABEL, gib(held["reference"]), "megatron", "params", REFERENCE_NOTE))
     if "fp8_weights" in held:
-        items.append(Item(FP8_WEIGHTS_LABEL, gib(held["fp8_weights"]), "megatron", "params", FP8_WEIGHTS_NOTE))
+        items.append(Item(HELD_LABELS["fp8_weights"], gib(held["fp8_weights"]), "megatron", "params",
+                          HELD_NOTES["fp8_weights"]))
     if where.cpu_offload_staging:
         items.append(Item("CPU-offload staging", cal.megatron_cpu_offload_extra_gib, "megatron",
                           "calibration:megatron_cpu_offload_extra_gib"))

@@ -35,7 +35,7 @@ class StageShard:
     expert: int  # routed-expert parameters on one GPU (optimizer sharded over expert DP)
     vocab_copies: int  # how many vocab × hidden matrices (each / TP) are among ``dense``
     mtp_blocks: int  # MTP blocks on this stage
-    vocab_params: int = 0  # elements of those matrices on this GPU (``vocab_copies`` × vocab × hidden / TP)
+    vocab_params: int  # elements of those matrices on this GPU (``vocab_copies`` × vocab × hidden / TP)
 
     @property
     def linear_params(self) -> int:
