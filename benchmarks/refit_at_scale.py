@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--buffer-gb", type=float, default=2.0, help="refit.buffer_gb: both ping-pong halves, GiB")
     ap.add_argument("--fused-transfer", action="store_true",
-                    help="refit.fused_transfer: true (stacked experts, direct copies into vLLM's fused parameters)")
+                    help="refit.fused_transfer: on (stacked experts, direct copies into vLLM's fused parameters)")
     ap.add_argument("--keep-buffers-gb", type=float, default=None,
                     help="refit.keep_buffers_gb (default: --buffer-gb, so the halves are kept across refits)")
     ap.add_argument("--moe-vllm-util", type=float, default=0.4, help="vLLM gpu_memory_utilization, 30B-A3B")

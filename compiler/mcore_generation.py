@@ -113,7 +113,7 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
     VllmOnly("refit.alignment_bytes", _IPC),
     VllmOnly("refit.transport", _IPC),
     VllmOnly("refit.fused_transfer", "moves stacked expert tensors into vLLM's fused expert parameters; the "
-             "Megatron engine and swap_model_weights address Megatron's own tensors", (False,)),
+             "Megatron engine and swap_model_weights address Megatron's own tensors", ("auto", "off")),
     VllmOnly("refit.keep_buffers_gb", _IPC),
     VllmOnly("refit.per_rank_ipc_metadata", "is the IPC slicing metadata of the vLLM refit (SkyRL #1816); nothing is "
              "sliced in process", ("auto",)),

@@ -412,14 +412,16 @@ class RefitSection(_Section):
     transport: Literal["cuda_ipc", "shm"] = key(
         "`cuda_ipc` (colocated GPUs) or `shm` (CPU shared memory; tests only).",
         default="cuda_ipc", runtime=_REFIT)
-    fused_transfer: bool = key(
+    fused_transfer: Switch = key(
         "Move each MoE layer's routed experts as two stacked tensors (gate/up and down, every expert at once) "
         "instead of one tensor per expert and projection, and copy them straight into vLLM's fused expert "
         "parameters (`w13_weight`, `w2_weight`) with one copy per destination (a 30B-A3B layer's 384 "
-        "expert tensors become 2). Off by default; vLLM's own `load_weights` still loads everything the "
-        "direct copies do not cover, and `refit.verify_every` checks the result against it bit for bit. Not for "
-        "FP8 rollouts (the per-expert path runs, and says so). vLLM backend only.",
-        default=False, runtime=_REFIT)
+        "expert tensors become 2). `auto` turns it on for bf16 rollouts of a MoE model whose experts are whole on "
+        "one GPU on both sides (trainer EP, ETP and PP 1; vLLM TP, EP and PP 1); `on` also uses it with tensor- or "
+        "expert-parallel layouts. vLLM's own `load_weights` still loads everything the direct copies do not "
+        "cover, and `refit.verify_every` checks the result against it bit for bit. Not for FP8 rollouts (the "
+        "per-expert path runs, and says so). vLLM backend only.",
+        default="auto", runtime=_REFIT, runtime_type="bool")
     keep_buffers_gb: float = key(
         "GiB of refit IPC buffers (both ping-pong halves together) kept allocated, with vLLM's mappings of them, "
         "from one refit to the next: no allocation and no IPC handle per refit while the halves fit. That "

@@ -53,11 +53,11 @@ def half_holds(half: int, tensor_bytes: int) -> bool:
 def fused_transfer_applies(requested: bool, precision: str) -> tuple[bool, str]:
     """Whether a refit moves stacked experts (``refit.fused_transfer``, ``generation.precision``) and why."""
     if not requested:
-        return False, "off (refit.fused_transfer: false)"
+        return False, "off (refit.fused_transfer: off)"
     if precision == "fp8":
         return False, ("off for FP8 rollouts: the experts travel per expert (block scales are computed per "
                        "exported tensor, and vLLM's layerwise reload quantizes what it loads)")
-    return True, "on (refit.fused_transfer: true)"
+    return True, "on (refit.fused_transfer: on)"
 
 
 def exported_experts(expert_export: str | None, *, fused: bool) -> str | None:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 from rlc.contract import fp8 as fp8_contract
 from rlc.contract import refit_buffer
 from rlc.compiler.planner.fp8_layout import fp8_scales
+from rlc.compiler.planner.fused_transfer import fused_transfer
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, RefitSection, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
@@ -264,7 +265,7 @@ def wire_tensor(recipe: Recipe, facts: ModelFacts, bpp: int) -> Optional[tuple[s
 def refit_facts(recipe: Recipe, facts: ModelFacts) -> ModelFacts:
     """The facts the refit math reads: with ``refit.fused_transfer`` the routed experts travel stacked
     (``rlc.contract.refit_buffer.exported_experts``), so the largest tensor on the wire is a stacked one."""
-    fused, _ = refit_buffer.fused_transfer_applies(bool(recipe.refit.fused_transfer), recipe.generation.precision)
+    fused, _ = fused_transfer(recipe, facts)
     layout = refit_buffer.exported_experts(facts.expert_export, fused=fused)
     return facts if layout == facts.expert_export else dataclasses.replace(facts, expert_export=layout)
 

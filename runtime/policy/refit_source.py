@@ -235,7 +235,7 @@ class RefitSource:
         if diffs:
             raise FusedExportError(
                 f"refit.fused_transfer: the stacked experts of layer {check} differ from Megatron-Bridge's per-expert "
-                f"export ({len(diffs)} tensors, e.g. {diffs[0]}); set refit.fused_transfer: false")
+                f"export ({len(diffs)} tensors, e.g. {diffs[0]}); set refit.fused_transfer: off")
         fused = plan_fused_export(self.model, self.tasks, bridge_specs, candidates, refused)
         self.fused = fused if fused.groups else None
         if self.fused is None:

@@ -109,7 +109,8 @@ def test_compiler_keys_never_reach_runtime_yaml():
 def test_the_refit_switches_the_rules_decide_are_the_declared_switches():
     from rlc.compiler.resolve import AUTO_SWITCHES
 
-    assert AUTO_SWITCHES == ("sync_params_before_refit", "dedupe_mtp_embedding", "per_rank_ipc_metadata")
+    assert AUTO_SWITCHES == ("sync_params_before_refit", "dedupe_mtp_embedding", "per_rank_ipc_metadata",
+                             "fused_transfer")
 
 
 def _key_paths(cls: type, prefix: str = "") -> set[str]:

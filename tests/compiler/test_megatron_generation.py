@@ -74,7 +74,7 @@ def test_virtual_pipeline_stages_are_refused():
                                         ("generation.gpu_memory_utilization", "0.2"),
                                         ("generation.vllm_version", "0.22.0"),
                                         ("generation.vllm_kwargs.max_num_seqs", "64"),
-                                        ("generation.precision", "fp8"), ("refit.fused_transfer", "true"),
+                                        ("generation.precision", "fp8"), ("refit.fused_transfer", "on"),
                                         ("refit.keep_buffers_gb", "4")])
 def test_each_vllm_only_key_is_an_error_that_says_why(key, value):
     errors = [(p, m) for p, r, m in found(check(DENSE, f"{key}={value}")) if r == "RLC402"]
@@ -86,7 +86,8 @@ def test_each_vllm_only_key_is_an_error_that_says_why(key, value):
 
 def test_neutral_values_of_vllm_only_switches_are_fine():
     assert check(DENSE, "refit.per_rank_ipc_metadata=auto", "refit.fp32_params=auto").ok
-    assert check(DENSE, "refit.fused_transfer=false").ok  # the default, said explicitly
+    assert check(DENSE, "refit.fused_transfer=off").ok  # nothing to move, said explicitly
+    assert check(DENSE, "refit.fused_transfer=auto").ok  # the default
 
 
 def test_megatron_settings_with_vllm_are_an_error():

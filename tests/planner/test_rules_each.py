@@ -25,7 +25,7 @@ def test_shipped_recipe_has_no_errors_or_warnings(base_recipe, qwen397):
     result = run(base_recipe, qwen397)
     assert [d for d in result.diagnostics if d.severity != "info"] == []
     assert set(result.decisions) == {"refit.sync_params_before_refit", "refit.dedupe_mtp_embedding",
-                                     "refit.per_rank_ipc_metadata", "refit.fp32_params"}
+                                     "refit.per_rank_ipc_metadata", "refit.fp32_params", "refit.fused_transfer"}
     for _value, reason in result.decisions.values():
         assert reason.startswith("RLC2")
 

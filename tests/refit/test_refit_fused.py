@@ -112,7 +112,7 @@ def test_fp8_rollouts_keep_the_per_expert_path_and_say_why():
     assert fused_transfer_applies(True, "bf16")[0] is True
     on, why = fused_transfer_applies(True, "fp8")
     assert on is False and "FP8 rollouts" in why
-    assert fused_transfer_applies(False, "bf16") == (False, "off (refit.fused_transfer: false)")
+    assert fused_transfer_applies(False, "bf16") == (False, "off (refit.fused_transfer: off)")
 
 
 # --------------------------------------------------------------------------- the direct-copy table
