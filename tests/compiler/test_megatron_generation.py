@@ -244,3 +244,18 @@ def test_inference_model_decision_is_one_function():
     result = check(DENSE, "cluster.gpus_per_node=2", "parallelism.generation.tp=2")
     model = inference_model(result.recipe)
     assert model.mode == "dedicated" and model.differs == ("TP 1 -> 2",)
+
+
+def test_the_documented_guard_errors_are_what_rlc_validate_prints():
+    """docs/generation-backends.md shows the VPP guard and two vLLM-only keys on the shipped dense recipe."""
+    from compiler_testing import run_rlc
+
+    doc = (ROOT / "docs" / "generation-backends.md").read_text()
+    block = doc.split("--set refit.fused_transfer=on`;", 1)[1].split("```", 2)[1].strip("\n")
+    sets = ["--set", "parallelism.train.vpp=2", "--set", "refit.sleep_level=2", "--set", "refit.fused_transfer=on"]
+    run = run_rlc("validate", "recipes/tiny-qwen3-1gpu-megatron.yaml", *sets, cwd=ROOT)
+    assert run.code == 1
+    lines = (run.out + run.err).splitlines()
+    shown = [ln for i, ln in enumerate(lines) if any(r in ln for r in ("[RLC401]", "[RLC402]"))
+             or (i and any(r in lines[i - 1] for r in ("[RLC401]", "[RLC402]")) and ln.startswith("    hint:"))]
+    assert "\n".join(shown) == block
