@@ -178,7 +178,17 @@ class RefitSource:
 
     def export(self):
         """Bridge's streaming HF export (full tensors on every rank, on the GPU)."""
-        return self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False, conversion_tasks=self.tasks)
+        return self._bridge_export(self.tasks)
+
+    def _bridge_export(self, tasks: list):
+        """Megatron-Bridge's export of ``tasks``, without its LoRA-adapter merge. With the merge on (Bridge's
+        default) every call walks every parameter of the model looking for adapters (and all-gathers what it
+        found over the pipeline group), and the walk's cache lives on a bridge object Bridge builds anew per call:
+        the cost grows with the model's parameter count (a MoE's per-expert grouped-GEMM weights), not with the
+        tensors asked for. The trainer has no adapters; without them the flag changes nothing in the export
+        (Megatron-Bridge 0.6: it only gates the adapter collection and a rename of adapter-wrapped names)."""
+        return self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False, conversion_tasks=tasks,
+                                             merge_adapter_weights=False)
 
     def dry_specs(self) -> list:
         """The export list (name, shape, dtype in export order), from one export pass; with FP8 block
@@ -248,8 +258,7 @@ class RefitSource:
         """What a refit sends: the export, block-quantized for FP8 rollouts with block scales; with fused
         transfer, Bridge's export without the stacked layers' experts, then those layers stacked."""
         if self.fused is not None:
-            return self.fused.stream(self.bridge.export_hf_weights(
-                self.model, cpu=False, show_progress=False, conversion_tasks=self.fused.bridge_tasks))
+            return self.fused.stream(self._bridge_export(self.fused.bridge_tasks))
         if not self.block_fp8:
             return self.export()
         from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
