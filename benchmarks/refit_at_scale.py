@@ -250,19 +250,51 @@ def _negate_weights(worker: Any) -> float:
     return time.perf_counter() - t0
 
 
+def _drain(stream: Any) -> tuple[int, int]:
+    """Consume an export stream: (tensors, bytes). Fused transfer yields stacked parts the producer would stack
+    into its buffer; they are counted, not stacked."""
+    n = nbytes = 0
+    for _name, tensor in stream:
+        n += 1
+        nbytes += tensor.shape.numel() * tensor.dtype.itemsize
+        del tensor
+    return n, nbytes
+
+
+def top_calls(profile: Any, limit: int = 20) -> list[dict]:
+    """The ``limit`` functions of a ``cProfile.Profile`` with the most cumulative time, as JSON rows."""
+    import pstats  # noqa: PLC0415
+
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][3], reverse=True)[:limit]
+    return [{"function": f"{os.path.basename(file)}:{line}({func})", "calls": calls, "own_s": round(own, 6),
+             "cumulative_s": round(cum, 6)} for (file, line, func), (_prim, calls, own, cum, _callers) in rows]
+
+
 def _export_alone(worker: Any) -> dict:
-    """One Bridge export pass with nothing else (every rank at once: the export gathers)."""
+    """One Bridge export pass with nothing else (every rank at once: the export gathers), then one pass of what a
+    refit sends (``RefitSource.stream``: with fused transfer, the non-expert tensors and the stacked experts),
+    timed and then profiled, so that one GPU run says where the exporter's time goes."""
+    import cProfile  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    n = nbytes = 0
-    for _name, tensor in worker.source.export():
-        n += 1
-        nbytes += tensor.numel() * tensor.element_size()
-        del tensor
+    n, nbytes = _drain(worker.source.export())
     torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - t0, "tensors": n, "bytes": nbytes}
+    out: dict[str, Any] = {"seconds": time.perf_counter() - t0, "tensors": n, "bytes": nbytes}
+    t0 = time.perf_counter()
+    n, nbytes = _drain(worker.source.stream())
+    torch.cuda.synchronize()
+    out["stream"] = {"seconds": time.perf_counter() - t0, "tensors": n, "bytes": nbytes}
+    profile = cProfile.Profile()
+    profile.enable()
+    _drain(worker.source.stream())
+    torch.cuda.synchronize()
+    profile.disable()
+    out["stream"]["profile_top"] = top_calls(profile)
+    return out
 
 
 def _vllm_uuids(gen: Any) -> list[str]:

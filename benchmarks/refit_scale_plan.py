@@ -590,6 +590,12 @@ def render_case(name: str, case: dict[str, Any]) -> str:
         slowest = max(alone, key=lambda r: r["seconds"])
         lines.append(f"Bridge export alone (no transfer): {slowest['seconds']:.3f} s, {slowest['tensors']} tensors, "
                      f"{slowest['bytes'] / 1e9:.2f} GB on the slowest rank")
+        stream = max((r["stream"] for r in alone if "stream" in r), key=lambda r: r["seconds"], default=None)
+        if stream is not None:
+            calls = [c for c in stream.get("profile_top", []) if not c["function"].startswith("refit_at_scale.py:")]
+            lines.append(f"what a refit sends, alone: {stream['seconds']:.3f} s, {stream['tensors']} tensors; "
+                         "slowest calls (cumulative s): "
+                         + ", ".join(f"{c['function']} {c['cumulative_s']:.3f}" for c in calls[:5]))
     checks = case.get("spot_checks")
     if checks:
         lines.append(f"bit-exact spot checks ({', '.join(checks['kinds'])}; {checks['tensors']} HF tensors into "

@@ -367,3 +367,42 @@ def test_docs_rows_from_a_run(tmp_path, capsys):
     assert out.count("| passed |") == 1 and "| `moe-tp2` | failed: RuntimeError: trainer setup failed |" in out
     assert "| engine ratio at 2 GiB (≥ 0.4) | 0.43 | met |" in out
     assert "| tiny-run (refit + sleep) / step (≤ 0.15) | not measured |  |" in out
+
+
+def test_top_calls_names_the_slow_function_of_a_profile():
+    import cProfile
+    import time
+
+    def slow_part():
+        time.sleep(0.05)
+
+    def fast_part():
+        return sum(range(10))
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(3):
+        slow_part()
+        fast_part()
+    profile.disable()
+    rows = S.top_calls(profile, limit=5)
+    assert len(rows) <= 5 and all(set(r) == {"function", "calls", "own_s", "cumulative_s"} for r in rows)
+    slow = next(r for r in rows if r["function"].endswith("(slow_part)"))
+    assert slow["calls"] == 3 and slow["cumulative_s"] >= 0.15
+    assert rows == sorted(rows, key=lambda r: r["cumulative_s"], reverse=True)
+
+
+def test_the_case_table_names_the_exporters_slowest_calls():
+    results = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "refit-fast-h200"
+                          / "refit_at_scale.json").read_text())
+    case = results["cases"]["moe-1gpu"]
+    assert "Bridge export alone" in P.render_case("moe-1gpu", case)
+    assert "what a refit sends" not in P.render_case("moe-1gpu", case)  # recorded before the stream pass existed
+    rows = [{"function": "refit_at_scale.py:257(_drain)", "calls": 1, "own_s": 0.01, "cumulative_s": 0.3},
+            {"function": "model_bridge.py:1242(stream_weights_megatron_to_hf)", "calls": 1, "own_s": 0.0,
+             "cumulative_s": 0.25}]
+    case["export_alone"][0]["stream"] = {"seconds": 0.31, "tensors": 531, "bytes": 1, "profile_top": rows}
+    text = P.render_case("moe-1gpu", case)
+    assert ("what a refit sends, alone: 0.310 s, 531 tensors; slowest calls (cumulative s): "
+            "model_bridge.py:1242(stream_weights_megatron_to_hf) 0.250") in text
+    assert "_drain" not in text
