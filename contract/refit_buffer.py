@@ -50,6 +50,20 @@ def half_holds(half: int, tensor_bytes: int) -> bool:
     return tensor_bytes <= half
 
 
+def keep_buffers_bytes(keep_buffers_gb: float) -> int:
+    """``refit.keep_buffers_gb`` in bytes."""
+    return int(float(keep_buffers_gb) * GIB)
+
+
+def halves_kept(half: int, keep_bytes: int) -> bool:
+    """Whether both ping-pong halves of ``half`` bytes stay allocated from one refit to the next
+    (``refit.keep_buffers_gb``): they are then resident in every phase, vLLM's generation included.
+
+    The one boundary shared by the runtime's producer (which keeps them) and the planner (which counts them).
+    """
+    return 2 * half <= keep_bytes
+
+
 def fused_transfer_applies(requested: bool, precision: str) -> tuple[bool, str]:
     """Whether a refit moves stacked experts (``refit.fused_transfer``, ``generation.precision``) and why."""
     if not requested:

@@ -356,6 +356,7 @@ class _PlanInputs:
     vllm_nvls: list[Item]
     ctx: list[Item]  # Megatron's context and its NVLS buffers, in every phase
     residual: Item
+    kept: tuple[Item, ...] = ()  # the IPC halves refit.keep_buffers_gb keeps, outside the refit
 
     @property
     def v_weights(self) -> Optional[int]:
@@ -366,14 +367,16 @@ class _PlanInputs:
 def _core_plan(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) -> MemoryPlan:
     """The plan of the vLLM backend, phase by phase (what :func:`plan_memory` returns before its fixes)."""
     plan, s = _plan_inputs(recipe, facts, gpu, cal)
+    base = _refit_base(s)
+    s = dataclasses.replace(s, kept=tuple(kept_buffer_items(recipe, base.math if base is not None else None)))
     _train_phase(plan, s)
     _generate_phase(plan, s)
     _train_checks(plan, s)
     if s.figs:
-        _logprob_phase(plan, recipe, facts, s.figs, s.table["logprob"], cal, s.ctx, s.weights, s.vllm_nvls, s.sleep,
-                       s.tl)
+        _logprob_phase(plan, recipe, facts, s.figs, s.table["logprob"], cal, [*s.ctx, *s.kept], s.weights,
+                       s.vllm_nvls, s.sleep, s.tl)
     _host_memory(plan, s)
-    _refit_phases(plan, s)
+    _refit_phases(plan, s, base)
     return plan
 
 
@@ -432,12 +435,13 @@ def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
         items.append(replay_gpu_item(replay, recipe))
     residue = _vllm_residue(recipe, s.weights, s.table["train"].vllm, cal, s.vllm_nvls)
     plan.phases["train"] = Phase("train", "train step (before activations)",
-                                 tuple(items + [s.residual] + s.ctx + residue),
+                                 tuple(items + [s.residual] + s.ctx + list(s.kept) + residue),
                                  s.limit, stage=worst["stage"], note="activations not modelled")
     if where.cpu_offload_staging:
         on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
         megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
-        plan.train_gib_without_cpu_offload = megatron / GIB + sum(i.gib or 0.0 for i in [s.residual] + s.ctx + residue)
+        plan.train_gib_without_cpu_offload = megatron / GIB + sum(
+            i.gib or 0.0 for i in [s.residual, *s.ctx, *s.kept, *residue])
 
 
 def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
@@ -469,6 +473,7 @@ def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
         g_items += _megatron_items(g_held, s.ctx, generating=True)
     else:
         g_items += s.ctx + [dataclasses.replace(s.residual, label="Megatron residual (offloaded)")]
+    g_items += s.kept
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
     if v_weights is not None and kv_bytes is None:
         kv = util * limit - v_weights / GIB
@@ -504,30 +509,70 @@ def _host_memory(plan: MemoryPlan, s: _PlanInputs) -> None:
                           extra=replay_host_items(replay, recipe, s.table) if replay is not None else None)
 
 
-def _refit_phases(plan: MemoryPlan, s: _PlanInputs) -> None:
-    """``refit`` (the free memory that sizes the IPC buffer, and the buffer check) and ``stack`` (the export
-    staging site: ``torch.stack`` of the largest tensor after both halves exist)."""
+#: The plan item of the IPC halves ``refit.keep_buffers_gb`` keeps (the rules' hints look for it).
+KEPT_BUFFERS_LABEL = "IPC buffer kept between refits (2 halves)"
+
+
+@dataclass(frozen=True)
+class _RefitBase:
+    """The refit phase before the IPC buffer and the buffer math at its free memory (None where unknown, with
+    why in ``unknown``): computed before the other phases, which hold the halves ``refit.keep_buffers_gb`` keeps."""
+
+    phase: Phase
+    items: tuple[Item, ...]
+    stage: int
+    math: Optional[RefitMath] = None
+    unknown: Optional[str] = None
+
+
+def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
+    """The free memory that sizes the IPC buffer, and the buffer math there."""
     recipe, facts, cal, limit, bpp = s.recipe, s.facts, s.cal, s.limit, s.bpp
     if not s.figs:
-        return
+        return None
     where = s.table["refit"].megatron
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in s.figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
-    r_items = _megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm, cal,
-                                                                  s.vllm_nvls)
-    refit_phase = Phase("refit", "refit (before the IPC buffer)", tuple(r_items), limit, stage=worst_f["stage"])
-    plan.phases["refit"] = refit_phase
-    if refit_phase.free_gib is None:
-        plan.unknown.append("free memory at refit: needs the vLLM weight shard")
-        return
+    r_items = tuple(_megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm,
+                                                                        cal, s.vllm_nvls))
+    phase = Phase("refit", "refit (before the IPC buffer)", r_items, limit, stage=worst_f["stage"])
+    base = _RefitBase(phase, r_items, worst_f["stage"])
+    if phase.free_gib is None:
+        return dataclasses.replace(base, unknown="free memory at refit: needs the vLLM weight shard")
     name, largest = refit_facts(recipe, facts).largest_export_tensor(bpp)
     if largest is None:
-        plan.unknown.append(f"largest exported tensor: {name}")
+        return dataclasses.replace(base, unknown=f"largest exported tensor: {name}")
+    math = _refit_math(int(phase.free_gib * GIB), recipe, name, largest, s.tl, cal, wire_tensor(recipe, facts, bpp))
+    return dataclasses.replace(base, math=math)
+
+
+def kept_buffer_items(recipe: Recipe, math: Optional[RefitMath]) -> list[Item]:
+    """The IPC buffer's two halves where ``refit.keep_buffers_gb`` keeps them from one refit to the next
+    (:func:`rlc.contract.refit_buffer.halves_kept`): on the trainer's side in every phase, vLLM's generation
+    included. The runtime caps a half at the export's size, so a model whose whole export is smaller than the
+    planned half keeps less than this (never more)."""
+    if math is None or not refit_buffer.halves_kept(math.per_side, refit_buffer.keep_buffers_bytes(
+            recipe.refit.keep_buffers_gb)):
+        return []
+    return [Item(KEPT_BUFFERS_LABEL, gib(2 * math.per_side), "refit",
+                 "recipe:refit.keep_buffers_gb", f"both halves within refit.keep_buffers_gb "
+                 f"{float(recipe.refit.keep_buffers_gb):g} GiB stay allocated")]
+
+
+def _refit_phases(plan: MemoryPlan, s: _PlanInputs, base: Optional[_RefitBase]) -> None:
+    """``refit`` (the free memory that sizes the IPC buffer, and the buffer check) and ``stack`` (the export
+    staging site: ``torch.stack`` of the largest tensor after both halves exist)."""
+    recipe, cal, limit = s.recipe, s.cal, s.limit
+    if base is None:
         return
-    free = int(refit_phase.free_gib * GIB)
-    math = _refit_math(free, recipe, name, largest, s.tl, cal, wire_tensor(recipe, facts, bpp))
+    plan.phases["refit"] = base.phase
+    if base.math is None:
+        plan.unknown.append(base.unknown or "refit math")
+        return
+    math, r_items, stage = base.math, base.items, base.stage
+    free, name, largest = math.free_at_refit, math.largest_name, math.largest
     plan.refit = math
-    plan.phases["refit"] = Phase("refit", refit_phase.title, refit_phase.items, limit, stage=worst_f["stage"],
+    plan.phases["refit"] = Phase("refit", base.phase.title, r_items, limit, stage=stage,
                                  request=Item("IPC buffer (2 halves)", gib(2 * math.per_side), "refit",
                                               "recipe:refit", math.buffer_source))
     s_items = list(r_items) + [
@@ -542,7 +587,7 @@ def _refit_phases(plan: MemoryPlan, s: _PlanInputs) -> None:
         s_items.append(Item("vLLM FP8 reload: bucket copies", gib(math.reload_copies), "refit", "recipe:refit",
                             f"{FP8_RELOAD_COPY_HALVES} × per side: a layer spanning two buckets keeps both copies"))
     plan.phases["stack"] = Phase("stack", "export staging site (torch.stack of the largest tensor)",
-                                 tuple(s_items), limit, stage=worst_f["stage"],
+                                 tuple(s_items), limit, stage=stage,
                                  request=Item("torch.stack of the largest tensor", gib(largest), "refit", "params",
                                               name))
     wire_name, on_wire = math.wire

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rlc.compiler.planner.memory import KEPT_BUFFERS_LABEL
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
 
@@ -19,6 +20,13 @@ def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
     if not sufficient:
         return plan.fixes[0].text if plan.fixes else None
     return "; or ".join(sufficient[:limit])
+
+
+def kept_buffers_hint(plan: Any, phase: str) -> str:
+    """``; refit.keep_buffers_gb: 0 frees ...`` where the phase holds the IPC halves kept between refits."""
+    held = plan.phases.get(phase)
+    kept = sum(i.gib or 0.0 for i in held.items if i.label == KEPT_BUFFERS_LABEL) if held is not None else 0.0
+    return f"; refit.keep_buffers_gb: 0 frees the {kept:.2f} GiB of IPC halves kept between refits" if kept else ""
 
 
 @rule("RLC210", "each IPC ping-pong half must hold the largest exported tensor", severities=("error",),
@@ -148,6 +156,8 @@ def generation_fits(ctx: Context) -> None:
                 "lower gpu_memory_utilization"
             if key == "generate_total" and plan.generate_fix is not None:
                 hint += f"; {plan.generate_fix.text}"
+            if key == "generate_total":
+                hint += kept_buffers_hint(plan, "generate")
             ctx.error(check.text, "generation.gpu_memory_utilization", hint=hint)
 
 
@@ -169,7 +179,7 @@ def train_fits(ctx: Context) -> None:
     megatron = ctx.plan.backend == "megatron"
     if check is not None and check.ok is False:
         ctx.error(check.text + ("" if megatron else " (activations not yet counted)"), "parallelism.train",
-                  hint="raise PP / EP or DP")
+                  hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train"))
         return
     estimated = ctx.plan.checks.get("train_activations_fit")
     if estimated is not None and estimated.ok is False:
@@ -375,4 +385,5 @@ def logprob_fits(ctx: Context) -> None:
     fix = ctx.plan.logprob_fix
     path = fix.key if fix is not None else "training.logprob_batch_size"
     ctx.error(check.text + " (other activations not yet counted)", path,
-              hint=fix.text if fix is not None else "lower training.logprob_batch_size or raise parallelism.train.tp")
+              hint=(fix.text if fix is not None else "lower training.logprob_batch_size or raise parallelism.train.tp")
+              + kept_buffers_hint(ctx.plan, "logprob"))

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import zmq
 
+from rlc.contract import refit_buffer
 from rlc.runtime.refit.bucket_planner import (
     SLOT_ONEOFF,
     Bucket,
@@ -63,11 +64,11 @@ from rlc.runtime.refit.specs import TensorSpec, specs_to_json, wire_specs
 
 EventHook = Callable[[str, int], None]
 
-#: ``refit.keep_buffers_gb`` as bytes: both ping-pong halves together up to this size stay allocated (and
-#: mapped by the consumer) between refits; larger halves are allocated per refit. Resident while the
-#: generation engine is awake.
 def keep_buffers_bytes(refit_cfg: Any) -> int:
-    return int(float(refit_cfg.keep_buffers_gb) * (1 << 30))
+    """``refit.keep_buffers_gb`` as bytes: both ping-pong halves together up to this size stay allocated (and
+    mapped by the consumer) between refits (:func:`rlc.contract.refit_buffer.halves_kept`); larger halves are
+    allocated per refit. Resident while the generation engine is awake."""
+    return refit_buffer.keep_buffers_bytes(refit_cfg.keep_buffers_gb)
 
 
 class RefitProducer:
@@ -513,7 +514,7 @@ class _ProducerRun:
                 "the current export list"
             )
         self._wait_ack(self.sent)
-        keep = sorted(self.halves) if 2 * plan.sizing.half_bytes <= p.keep_buffers_max_bytes else []
+        keep = sorted(self.halves) if refit_buffer.halves_kept(plan.sizing.half_bytes, p.keep_buffers_max_bytes) else []
         self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
                            total_bytes=m.bytes, kept_slots=keep))
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
