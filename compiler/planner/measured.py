@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from rlc.compiler.planner.calibration import Calibration, calibration_for
 from rlc.compiler.planner.layout import train_layout
-from rlc.compiler.planner.memory import _refit_math
+from rlc.compiler.planner.refit_math import buffer_math
 from rlc.compiler.planner.plan import RefitMath
 from rlc.compiler.recipe_types import Recipe
 
@@ -25,7 +25,7 @@ def refit_at_free(recipe: Recipe, gpu_name: str, free_bytes: int, largest_name: 
     table when None, as in :func:`~rlc.compiler.planner.memory.plan_memory`.
     """
     cal = calibration_for(gpu_name, table=calibration)
-    return _refit_math(int(free_bytes), recipe, largest_name, int(largest_bytes), train_layout(recipe), cal)
+    return buffer_math(int(free_bytes), recipe, largest_name, int(largest_bytes), train_layout(recipe), cal)
 
 
 def free_at_refit_for_stack(recipe: Recipe, gpu_name: str, free_at_stack: int, largest_name: str,

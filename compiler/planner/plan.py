@@ -18,6 +18,11 @@ def gib(nbytes: Optional[int]) -> Optional[float]:
     return None if nbytes is None else nbytes / GIB
 
 
+def gib_bytes(x: float) -> int:
+    """GiB to bytes, rounded (the inverse of :func:`gib`)."""
+    return int(round(x * GIB))
+
+
 @dataclass(frozen=True)
 class Item:
     """One block of memory on a GPU in a phase."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlc.compiler.planner.memory import KEPT_BUFFERS_LABEL
+from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlc.compiler import api
-from rlc.compiler.planner.memory import refit_facts
+from rlc.compiler.planner.refit_math import refit_facts
 from rlc.compiler.resolve import resolve_runtime_config
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

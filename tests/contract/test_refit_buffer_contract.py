@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import dataclasses
 
-from rlc.compiler.planner.memory import _per_side
+from rlc.compiler.planner.refit_math import _per_side
 from rlc.compiler.recipe_types import RefitSection, section_from_data
 from rlc.compiler.schema import with_defaults
 from rlc.contract.refit_buffer import GIB, align_down, align_up, half_bytes

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from rlc.compiler import api
 from rlc.compiler.planner.calibration import calibration_for
-from rlc.compiler.planner import memory
-from rlc.compiler.planner.memory import ratio_window
+from rlc.compiler.planner import refit_math
+from rlc.compiler.planner.refit_math import ratio_window
 
 from planner_helpers import GIB, with_changes
 
@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def stepped_window(free, recipe, largest, gathered, cal):
     """Every grid ratio evaluated; the widest contiguous passing range (the first of equals)."""
     best, start, prev = None, None, None
-    for k in range(1, int(memory.RATIO_MAX / memory.RATIO_STEP) + 1):
-        r = round(k * memory.RATIO_STEP, 3)
-        per_side = memory._per_side(free, recipe.refit, r)[0]
-        stack = memory._stack_free(free, per_side, largest, gathered, cal)[0]
+    for k in range(1, int(refit_math.RATIO_MAX / refit_math.RATIO_STEP) + 1):
+        r = round(k * refit_math.RATIO_STEP, 3)
+        per_side = refit_math._per_side(free, recipe.refit, r)[0]
+        stack = refit_math._stack_free(free, per_side, largest, gathered, cal)[0]
         ok = per_side >= largest and stack >= largest
         if ok and start is None:
             start = r

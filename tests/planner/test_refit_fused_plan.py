@@ -5,7 +5,7 @@ import dataclasses
 
 from rlc.compiler import catalog
 from rlc.compiler.planner import plan_memory
-from rlc.compiler.planner.memory import refit_facts
+from rlc.compiler.planner.refit_math import refit_facts
 from rlc.contract.refit_buffer import exported_experts, fused_transfer_applies
 
 from planner_helpers import with_changes
