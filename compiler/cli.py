@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
-import gc
 import io
 import json
 import os
@@ -25,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
+from rlc.compiler import collect_rarely
 from rlc.compiler.diagnostics import (
     DEFAULT_ORIGIN,
     INTERNAL_RULE,
@@ -646,10 +646,7 @@ def run() -> None:
     operating system frees the process anyway. Exit handlers still run and the output is flushed
     first, so nothing but that teardown is skipped. Under a profiler or tracer (``python -m cProfile -m
     rlc``, a debugger), which reports after the command returns, it exits as usual."""
-    # The collector's young generation every 50,000 allocations instead of 700: the process is short-lived and
-    # what it allocates (modules, classes, the recipe and its plan) stays alive, so frequent collections only
-    # traverse it. ``python -m rlc`` sets this before importing this module.
-    gc.set_threshold(50_000)
+    collect_rarely()  # (``python -m rlc`` does it before importing this module)
     code = main()
     if sys.getprofile() is not None or sys.gettrace() is not None:
         raise SystemExit(code)

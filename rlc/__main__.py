@@ -1,7 +1,7 @@
 """``python -m rlc`` is the ``rlc`` command."""
-import gc
+from rlc.compiler import collect_rarely
 
-gc.set_threshold(50_000)  # before the imports: see rlc.compiler.cli.run
+collect_rarely()  # before the command's imports, which allocate most of what the process keeps
 
 from rlc.compiler.cli import run  # noqa: E402
 
