@@ -183,7 +183,9 @@ def _main(argv: list[str] | None) -> dict:
     refit_gbps, copy_gbps = total / refit_s / 1e9, total / copy_s / 1e9
     ratio = refit_gbps / copy_gbps
     m0 = measured[0]
-    consumer_load = statistics.median(c["load_seconds"] for c in result["metrics"][a.warmup :])
+    consumer_load = statistics.median(
+        c["load_seconds"] + c.get("sync_seconds", 0.0) for c in result["metrics"][a.warmup :]
+    )
     device = torch.cuda.get_device_name(0) if a.backend == "cuda_ipc" else "CPU"
     copy_label = "device-to-device copy, same bytes" if a.backend == "cuda_ipc" else "memcpy (torch copy_), same bytes"
     print(
@@ -197,10 +199,10 @@ def _main(argv: list[str] | None) -> dict:
         (copy_label, copy_s, copy_gbps),
         ("two-copy bound (copy time x 2: pack + load)", 2 * copy_s, copy_gbps / 2),
         (f"refit {a.backend} (pack + ZMQ + load + manifest)", refit_s, refit_gbps),
-        ("  producer: pack (copy into buffer + sync)", med(m.pack_seconds for m in measured), None),
+        ("  producer: pack (queue the copies, mark each bucket)", med(m.pack_seconds for m in measured), None),
         ("  producer: allocate / free buffers", med(m.alloc_seconds for m in measured), None),
         ("  producer: blocked on acks", med(m.wait_ack_seconds for m in measured), None),
-        ("  consumer: load_weights (+ sync)", consumer_load, None),
+        ("  consumer: load_weights + the device wait before done", consumer_load, None),
         ("  consumer: open / close buffers (IPC map)", med(c["open_seconds"] for c in cons), None),
         ("  consumer: waiting for buckets", med(c["wait_seconds"] for c in cons), None),
     ]

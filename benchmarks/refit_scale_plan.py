@@ -383,7 +383,7 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
         "alloc_s": p["alloc_seconds"],
         "wait_consumer_s": p["wait_ack_seconds"],
         "other_s": p["seconds"] - sum(p[k] for k in PRODUCER_PARTS),
-        "load_weights_s": c["load_seconds"],
+        "load_weights_s": c["load_seconds"] + c.get("sync_seconds", 0.0),
         "consumer_open_s": c["open_seconds"],
         "consumer_wait_s": c["wait_seconds"],
         "bytes_per_gpu": float(p["bytes"]),

@@ -32,6 +32,15 @@ from rlc.runtime.refit.specs import TensorSpec, format_bytes
 
 #: ``Bucket.slot`` of a bucket that lives in its own one-off buffer.
 SLOT_ONEOFF = -1
+#: ``Bucket.slot`` of the two ping-pong halves.
+HALVES = (0, 1)
+#: Every slot, in the order of the producer's "packed" events (one per slot).
+EVENT_SLOTS = (*HALVES, SLOT_ONEOFF)
+
+
+def event_slot(slot: int) -> int:
+    """Index of a buffer slot's event in ``EVENT_SLOTS``."""
+    return EVENT_SLOTS.index(slot)
 
 
 def effective_alignment(alignment_bytes: int, specs: Sequence[TensorSpec] = ()) -> int:

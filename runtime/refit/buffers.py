@@ -177,6 +177,24 @@ class BufferBackend(ABC):
     def synchronize(self) -> None:
         """Wait until this process's queued copies on the device are complete."""
 
+    def export_events(self, count: int) -> tuple[list[Any], list[str]]:
+        """``count`` events this process records and its peer waits on, with their handles (hex strings).
+
+        Backends whose copies are device-ordered return events, so neither end waits for the device
+        at every bucket; backends whose copies are synchronous (shared memory) return none, and the
+        protocol falls back to a device wait per bucket."""
+        return [], []
+
+    def open_events(self, handles: Sequence[str]) -> list[Any]:
+        """The peer's events from their handles (none on backends without device-ordered copies)."""
+        return []
+
+    def record_event(self, event: Any) -> None:
+        """Mark the copies queued so far on this process's stream (the peer waits on the mark)."""
+
+    def wait_event(self, event: Any) -> None:
+        """Make copies queued from now on wait, on the device, for the peer's last mark of ``event``."""
+
     def collect(self) -> None:
         """Release memory freed by closed buffers (producer side, end of refit)."""
 
@@ -323,6 +341,24 @@ class CudaIpcBackend(BufferBackend):
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+    def export_events(self, count: int) -> tuple[list[Any], list[str]]:
+        events = [torch.cuda.Event(interprocess=True) for _ in range(count)]
+        with torch.cuda.device(self.index):
+            handles = [e.ipc_handle().hex() for e in events]
+        return events, handles
+
+    def open_events(self, handles: Sequence[str]) -> list[Any]:
+        try:
+            return [torch.cuda.Event.from_ipc_handle(self.device, bytes.fromhex(h)) for h in handles]
+        except (ValueError, RuntimeError) as exc:
+            raise RefitProtocolError(f"cannot open the peer's CUDA IPC events on GPU {self.device_key}: {exc}") from exc
+
+    def record_event(self, event: Any) -> None:
+        event.record(torch.cuda.current_stream(self.device))
+
+    def wait_event(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def collect(self) -> None:
         torch.cuda.ipc_collect()

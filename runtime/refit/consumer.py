@@ -8,8 +8,11 @@ Usage (inside the vLLM worker extension)::
 
 ``receive`` handles one refit: for each bucket it opens new buffers, checks the bucket's metadata
 against the manifest its own producer announced at ``prepare`` (provenance, names, shapes, bytes,
-bounds), calls ``load_weights`` with zero-copy views, waits for the device, verifies that no view
-outlived ``load_weights`` (the half is overwritten two buckets later), and acks. With
+bounds), calls ``load_weights`` with zero-copy views, verifies that no view outlived ``load_weights``
+(the half is overwritten two buckets later), and acks. On CUDA the loads wait on the device for the
+producer's "packed" event and mark a "loaded" event that the producer's next pack into the half waits
+on, so the ack does not wait for the device; the consumer waits for the device once, before ``Done``
+(and before acking a one-off buffer, which the producer frees on the ack). With
 ``copy_buckets=True`` each bucket is first copied out of the shared buffer in one device copy and
 ``load_weights`` gets views of that copy, which it may keep: vLLM's layerwise reload (FP8 rollouts)
 holds a layer's tensors until the layer is complete, possibly several buckets later. At the end it
@@ -27,7 +30,7 @@ import torch
 import zmq
 
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
-from rlc.runtime.refit.bucket_planner import SLOT_ONEOFF
+from rlc.runtime.refit.bucket_planner import EVENT_SLOTS, HALVES, SLOT_ONEOFF, event_slot
 from rlc.runtime.refit.channel import Channel, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
 from rlc.runtime.refit.manifest import ManifestTracker
@@ -87,6 +90,11 @@ class RefitConsumer:
         self._last_refit_id = 0
         self._broken: str | None = None
         self._kept: dict[int, Buffer] = {}  # mappings of the producer's kept halves (slot -> buffer)
+        # Device ordering (CUDA): the producer's "packed" events per slot, this side's "loaded" events per half.
+        self._pack_events: list[Any] = []
+        self._pack_handles: list[str] = []
+        self._load_events: list[Any] = []
+        self._load_handles: list[str] = []
 
     @property
     def expected(self) -> list[TensorSpec]:
@@ -137,13 +145,36 @@ class RefitConsumer:
             self.name = self._chan.name
             if msg.metadata_source_rank != msg.producer_rank:
                 self._subscribe(msg)
-            self._chan.send(HelloAck(device_key=self.device_key, consumer_pid=os.getpid()))
+            self._pair_events(msg.pack_events)
+            self._chan.send(HelloAck(device_key=self.device_key, consumer_pid=os.getpid(),
+                                     load_events=list(self._load_handles)))
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
             raise
         self._hello = msg
         self._expected = specs_from_json(msg.specs)
         return self.expected
+
+    def _pair_events(self, pack_handles: list[str]) -> None:
+        """Open the producer's "packed" events and make this side's "loaded" ones (once per producer); none
+        when the producer has none or this backend's copies are synchronous."""
+        if pack_handles == self._pack_handles:
+            return
+        if pack_handles and len(pack_handles) != len(EVENT_SLOTS):
+            raise RefitProtocolError(
+                f"{self.name}: the producer announced {len(pack_handles)} packed events, expected {len(EVENT_SLOTS)}"
+            )
+        self._pack_events = self.backend.open_events(pack_handles) if pack_handles else []
+        self._pack_handles = list(pack_handles)
+        if self._pack_events and not self._load_events:
+            self._load_events, self._load_handles = self.backend.export_events(len(HALVES))
+        if not self._pack_events:
+            self._load_events, self._load_handles = [], []
+
+    @property
+    def device_ordered(self) -> bool:
+        """Buckets are ordered by device events (no wait for the device per bucket)."""
+        return bool(self._pack_events and self._load_events)
 
     def _subscribe(self, hello: Hello) -> None:
         """Slice with another rank's metadata (legacy rank-0 mode / fault injection)."""
@@ -259,6 +290,9 @@ class _ConsumerRun:
             tracker.check_bucket(meta, buf.nbytes)
             c._emit("load_start", own.index)
             t1 = time.perf_counter()
+            ordered = c.device_ordered
+            if ordered:  # the bucket's bytes are packed (on the device) before the loads read them
+                c.backend.wait_event(c._pack_events[event_slot(own.slot)])
             source: Buffer = _BucketCopy.of(buf, meta.entries) if self.copy_buckets else buf
             weights = [(e.name, source.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
             loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
@@ -266,7 +300,10 @@ class _ConsumerRun:
                 raise RefitProtocolError(f"{c.name}: bucket {own.index} sliced {loaded} bytes, metadata says {meta.nbytes}")
             self.load_weights(weights)
             del weights, source
-            c.backend.synchronize()  # loads have read the buffer before the producer may overwrite it
+            if ordered and own.slot != SLOT_ONEOFF:  # the producer's next pack into the half waits for this
+                c.backend.record_event(c._load_events[own.slot])
+            else:  # loads have read the buffer before the producer may overwrite (or free) it
+                c.backend.synchronize()
             m.load_seconds += time.perf_counter() - t1
             buf.check_no_live_views(c.name)
             c._emit("load_end", own.index)
@@ -284,6 +321,9 @@ class _ConsumerRun:
         unknown = [s for s in msg.kept_slots if s not in (0, 1) or s not in self.buffers]
         if unknown:
             raise RefitProtocolError(f"{c.name}: the producer keeps slot(s) {unknown}, which this consumer has not opened")
+        t0 = time.perf_counter()
+        c.backend.synchronize()  # every load is complete: the weights are whole, and the buffers free
+        m.sync_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         kept = {s: self.buffers.pop(s) for s in msg.kept_slots}
         self.release_all(check=True)

@@ -35,7 +35,8 @@ class ConsumerMetrics:
     num_tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    load_seconds: float = 0.0  # inside load_weights (+ device sync)
+    load_seconds: float = 0.0  # inside load_weights (+ a device wait per bucket where buckets are not device-ordered)
+    sync_seconds: float = 0.0  # the device wait before Done (the loads still queued on the device)
     wait_seconds: float = 0.0  # waiting for the next bucket
     open_seconds: float = 0.0  # opening / closing the producer's buffers (CUDA IPC map/unmap)
     buffers_opened: int = 0  # buffer handles opened in this refit (CUDA IPC: cudaIpcOpenMemHandle)
@@ -65,7 +66,7 @@ class RefitMetrics:
     half_bytes: int = 0
     peak_buffer_bytes: int = 0  # refit buffers alive at once (halves in use + largest one-off)
     buffer_source: str = ""
-    pack_seconds: float = 0.0  # copying exported tensors into the buffers (+ device sync per bucket)
+    pack_seconds: float = 0.0  # copying exported tensors into the buffers (+ a device wait per bucket where not device-ordered)
     alloc_seconds: float = 0.0  # allocating / exporting / freeing the buffers
     wait_ack_seconds: float = 0.0  # blocked on the consumer (ping-pong stall)
     export_seconds: float = 0.0  # waiting on the exporter's iterator

@@ -14,6 +14,12 @@ buffer) in the wire dtype; a full bucket is sent with its metadata while the nex
 into the other half; a half is reused only after the consumer acked the bucket that used it.
 At the end the consumer verifies its manifest and answers ``Done`` (or an error, raised here).
 
+On CUDA the two ends order their copies on the device, not on the host: the producer marks each
+packed bucket with an interprocess event that the consumer's stream waits on, and the consumer marks
+each loaded half with one that the producer's stream waits on before packing into it again. Neither
+process waits for the GPU per bucket, so the acks travel while the device copies; the consumer waits
+for the device once, before ``Done``. (Buffers of synchronous backends are ordered by the acks alone.)
+
 The two halves (and the consumer's mappings of them) are created once and kept for the next refit
 while both together are at most ``keep_buffers_max_bytes`` (default ``refit.keep_buffers_gb``): no
 allocation, no IPC handle export or open per refit. They are replaced when the plan needs bigger halves than the kept
@@ -32,11 +38,14 @@ import zmq
 
 from rlc.contract import refit_buffer
 from rlc.runtime.refit.bucket_planner import (
+    EVENT_SLOTS,
+    HALVES,
     SLOT_ONEOFF,
     Bucket,
     BucketPacker,
     RefitPlan,
     effective_alignment,
+    event_slot,
     plan_refit,
 )
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
@@ -158,6 +167,10 @@ class RefitProducer:
         self._expected: dict[str, TensorSpec] = {}
         self._refit_id = 0
         self._broken: str | None = None
+        # Device ordering (CUDA): this side's "packed" events per slot, the consumer's "loaded" events per half.
+        self._pack_events: list[Any] = []
+        self._pack_handles: list[str] = []
+        self._load_events: list[Any] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -186,6 +199,8 @@ class RefitProducer:
             bind(sock, self.endpoint)
             self._chan = Channel(sock, self.name, self.timeout_s)
             self._chan.peer_name = "its consumer"
+        if not self._pack_handles:
+            self._pack_events, self._pack_handles = self.backend.export_events(len(EVENT_SLOTS))
         if self.metadata_subscribers and self._relay is None:
             self._relay = new_socket(zmq.ROUTER)
             bind(self._relay, self._relay_endpoint(self.rank))
@@ -203,6 +218,7 @@ class RefitProducer:
             else self._relay_endpoint(self.metadata_source_rank),
             export_dtype=self.export_dtype,
             fp32_params=list(self.fp32_patterns),
+            pack_events=list(self._pack_handles),
         )
         try:
             self._chan.send(hello, timeout_s=self.timeout_s)
@@ -215,6 +231,11 @@ class RefitProducer:
                     "and consumer must be colocated"
                 )
             self._chan.peer_pid = ack.consumer_pid
+            self._load_events = self.backend.open_events(ack.load_events) if self._pack_events else []
+            if self._load_events and len(self._load_events) != len(HALVES):
+                raise RefitProtocolError(
+                    f"{self.name}: the consumer announced {len(self._load_events)} load events, expected {len(HALVES)}"
+                )
             self._accept_subscribers()
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
@@ -364,6 +385,11 @@ class _ProducerRun:
             free = self.p.backend.free_memory()
             self.metrics.min_free_bytes = min(self.metrics.min_free_bytes, free)
 
+    @property
+    def device_ordered(self) -> bool:
+        """Buckets are ordered by device events (no host wait for the device per bucket)."""
+        return bool(self.p._load_events)
+
     def _wait_ack(self, index: int) -> None:
         t0 = time.perf_counter()
         while self.acked < index:
@@ -384,7 +410,10 @@ class _ProducerRun:
             if self.oneoff is not None:
                 self._wait_ack(self.oneoff[0])  # frees the previous one-off
             return self._allocate(SLOT_ONEOFF, nbytes, f"oneoff#{bucket_index}", bucket_index)
-        self._wait_ack(self.last_bucket_of[slot])
+        previous = self.last_bucket_of[slot]
+        self._wait_ack(previous)
+        if previous >= 0 and self.device_ordered:
+            self.p.backend.wait_event(self.p._load_events[slot])  # the consumer's loads out of it come first
         self.last_bucket_of[slot] = bucket_index
         if slot not in self.halves:
             return self._allocate(slot, nbytes, f"half{slot}", bucket_index)
@@ -420,7 +449,10 @@ class _ProducerRun:
 
     def _send_bucket(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
-        self.p.backend.synchronize()  # packed bytes are on the device before the consumer reads them
+        if self.device_ordered:  # the consumer's stream waits for this mark before reading the bucket
+            self.p.backend.record_event(self.p._pack_events[event_slot(bucket.slot)])
+        else:  # packed bytes are on the device before the consumer reads them
+            self.p.backend.synchronize()
         self.metrics.pack_seconds += time.perf_counter() - t0
         self.p._emit("pack_end", bucket.index)
         meta = BucketMeta(

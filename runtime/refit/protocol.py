@@ -8,7 +8,8 @@ as frame 1 (a shared-memory name, or the pickled CUDA IPC handle tuple that
 
 Conversation, per producer/consumer pair::
 
-    prepare:  P -> C  Hello(specs, producer rank, GPU key, metadata source)   C -> P  HelloAck
+    prepare:  P -> C  Hello(specs, producer rank, GPU key, metadata source,   C -> P  HelloAck(its "loaded"
+                      its "packed" event handles)                                     event handles)
     refit:    P -> C  Begin
               P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
               C -> P  Ack(k)                                                    ...
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class EntryMeta(NamedTuple):
@@ -126,6 +127,9 @@ class Hello(Message):
     metadata_endpoint: str | None  # ZMQ endpoint of that rank's metadata relay (None: own producer)
     export_dtype: str
     fp32_params: list[str]
+    #: Handles of the producer's "bucket packed" events, one per slot (half 0, half 1, one-off); empty
+    #: when its backend's copies are synchronous. The consumer waits on them on the device.
+    pack_events: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,9 @@ class HelloAck(Message):
     kind: ClassVar[str] = "hello_ack"
     device_key: str
     consumer_pid: int
+    #: Handles of the consumer's "bucket loaded" events, one per ping-pong half; empty when the buckets
+    #: are ordered by a device wait per bucket instead (no producer events, or a backend without them).
+    load_events: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

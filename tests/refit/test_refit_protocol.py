@@ -287,3 +287,26 @@ def test_a_failed_refit_after_reused_buffers_releases_them_on_both_sides(pool, s
     assert len(p["metrics"]) == 1 and p["metrics"][0]["buffers_kept"] == 2  # refit 1 kept its halves
     assert not c["ok"] and c["error_type"] == "RefitRemoteError" and c["mismatches"] == []
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"rlc-refit-{p['pid']}-")] == []
+
+
+def test_hello_and_its_ack_carry_the_device_event_handles():
+    from rlc.runtime.refit.protocol import Hello, HelloAck, decode, encode
+
+    hello = Hello(3, "s", 0, "GPU-x", "cuda_ipc", 1, [], 0, None, "bfloat16", [], pack_events=["ab" * 32] * 3)
+    ack = HelloAck("GPU-x", 2, load_events=["cd" * 32] * 2)
+    for msg in (hello, ack):
+        assert decode(encode(msg))[0] == msg
+    # a peer without device events (shared memory) announces none: buckets are ordered by the acks
+    assert decode(encode(Hello(3, "s", 0, "k", "shm", 1, [], 0, None, "bfloat16", [])))[0].pack_events == []
+
+
+def test_a_consumer_refuses_a_producer_announcing_the_wrong_number_of_events():
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.consumer import RefitConsumer
+    from rlc.runtime.refit.errors import RefitProtocolError
+
+    consumer = RefitConsumer(session=_session(), backend=ShmBackend("k"))
+    with pytest.raises(RefitProtocolError, match="announced 2 packed events, expected 3"):
+        consumer._pair_events(["ab" * 32] * 2)
+    consumer._pair_events([])  # no events: ordered by the acks alone
+    assert not consumer.device_ordered
