@@ -353,7 +353,7 @@ def spot_check_verdict(checks: Sequence[SpotCheck], reports: Sequence[dict[str, 
 # --------------------------------------------------------------------------- timing breakdown
 
 #: Producer fields that add up to the producer's wall time (the rest is "other": ZMQ, planning, manifest).
-PRODUCER_PARTS = ("export_seconds", "pack_seconds", "alloc_seconds", "wait_ack_seconds")
+PRODUCER_PARTS = ("export_seconds", "pack_seconds", "alloc_seconds", "wait_ack_seconds", "done_wait_seconds")
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -382,7 +382,8 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
         "pack_s": p["pack_seconds"],
         "alloc_s": p["alloc_seconds"],
         "wait_consumer_s": p["wait_ack_seconds"],
-        "other_s": p["seconds"] - sum(p[k] for k in PRODUCER_PARTS),
+        "wait_done_s": p.get("done_wait_seconds", 0.0),
+        "other_s": p["seconds"] - sum(p.get(k, 0.0) for k in PRODUCER_PARTS),
         "load_weights_s": c["load_seconds"] + c.get("sync_seconds", 0.0),
         "consumer_open_s": c["open_seconds"],
         "consumer_wait_s": c["wait_seconds"],
@@ -400,8 +401,9 @@ BREAKDOWN_ROWS = (
     ("total_refit_s", "total refit = wake weights + transfer + wake KV"),
     ("transfer_s", "  transfer (trainer export -> vLLM load, both sides)"),
     ("export_s", "    Bridge export (gathers + HF conversion), slowest rank"),
-    ("pack_s", "    packing into the IPC buffers (+ device sync)"),
+    ("pack_s", "    packing into the IPC buffers"),
     ("wait_consumer_s", "    waiting for vLLM (load not hidden behind export)"),
+    ("wait_done_s", "    waiting for vLLM's last loads and manifest check"),
     ("alloc_s", "    buffer allocation / IPC handles"),
     ("other_s", "    handshake, planning, manifest"),
     ("load_weights_s", "  vLLM load_weights (+ sync), overlaps the export"),
@@ -579,7 +581,8 @@ def render_case(name: str, case: dict[str, Any]) -> str:
         lines.append(f"| {'part':<58} | {'median':>9} | {'min':>9} | {'max':>9} |")
         lines.append(f"|{'-' * 60}|{'-' * 11}|{'-' * 11}|{'-' * 11}|")
         for key, label in BREAKDOWN_ROWS:
-            lines.append(f"| {label:<58} | {_fmt(summary[key])} |")
+            if key in summary:  # results recorded before a row existed lack it
+                lines.append(f"| {label:<58} | {_fmt(summary[key])} |")
         gb = summary["bytes_per_gpu"]["median"] / 1e9
         lines.append(f"bytes per GPU {gb:.2f} GB in {summary['buckets']['median']:.0f} buckets; "
                      f"transfer rate {gb / summary['transfer_s']['median']:.1f} GB/s per GPU; buffers allocated per "

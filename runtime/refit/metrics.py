@@ -69,6 +69,7 @@ class RefitMetrics:
     pack_seconds: float = 0.0  # copying exported tensors into the buffers (+ a device wait per bucket where not device-ordered)
     alloc_seconds: float = 0.0  # allocating / exporting / freeing the buffers
     wait_ack_seconds: float = 0.0  # blocked on the consumer (ping-pong stall)
+    done_wait_seconds: float = 0.0  # waiting for the consumer's verdict: its last loads on the device, its manifest check
     export_seconds: float = 0.0  # waiting on the exporter's iterator
     buffers_allocated: int = 0  # buffers allocated (and handles exported) in this refit, one-offs included
     buffers_kept: int = 0  # ping-pong halves kept allocated for the next refit

@@ -549,7 +549,9 @@ class _ProducerRun:
         keep = sorted(self.halves) if refit_buffer.halves_kept(plan.sizing.half_bytes, p.keep_buffers_max_bytes) else []
         self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
                            total_bytes=m.bytes, kept_slots=keep))
+        t0 = time.perf_counter()
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
+        m.done_wait_seconds = time.perf_counter() - t0
         if not isinstance(msg, Done) or msg.refit_id != self.refit_id:
             raise RefitProtocolError(f"{p.name}: expected done for refit {self.refit_id}, got {msg}")
         m.consumer = dict(msg.consumer_metrics)

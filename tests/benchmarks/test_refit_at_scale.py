@@ -204,6 +204,7 @@ def _record(i: int, export: float, load: float) -> dict:
         "pack_seconds": 0.05,
         "alloc_seconds": 0.01,
         "wait_ack_seconds": 0.04,
+        "done_wait_seconds": 0.03,
         "bytes": 61_000_000_000,
         "num_buckets": 58,
         "buffers_allocated": 2 if i == 0 else 0,
@@ -221,7 +222,9 @@ def test_breakdown_uses_the_slowest_rank_and_skips_the_warmup():
     assert s["refits"] == 3
     assert s["export_s"]["median"] == pytest.approx(1.2 + 0.1)  # the slower producer rank
     assert s["total_refit_s"]["max"] == pytest.approx(0.02 + 1.3 + 0.35 + 0.1)
-    assert s["other_s"]["median"] == pytest.approx((1.2 + 0.3) - (1.3 + 0.05 + 0.01 + 0.04))
+    # the wait for the consumer's verdict (its last device loads) is its own row, not "other"
+    assert s["wait_done_s"]["median"] == pytest.approx(0.03)
+    assert s["other_s"]["median"] == pytest.approx((1.2 + 0.3) - (1.3 + 0.05 + 0.01 + 0.04 + 0.03))
     assert s["buffers_allocated"]["max"] == 0  # the warm-up refit's allocations are not measured
     assert s["refit_plus_sleep_s"]["min"] == pytest.approx(s["total_refit_s"]["min"] + 0.05)
     with pytest.raises(P.BenchmarkInputError, match="none to measure"):
