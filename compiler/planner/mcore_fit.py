@@ -36,7 +36,8 @@ from rlc.compiler.planner.fit import Fitted, PhaseComparison
 from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.planner.mcore_memory import plan_megatron_generation, suspended_items
 from rlc.compiler.planner.parts import DTYPE_BYTES, _stage_figures
-from rlc.compiler.planner.passes import logits_bytes, train_activations, train_microbatch_tokens
+from rlc.compiler.planner.passes import (LOSS_LOGITS_LABEL, loss_logits_bytes, train_activations,
+                                         train_microbatch_tokens)
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.planner.residency import residency
 from rlc.compiler.planner.runs import RunMeasurements
@@ -139,9 +140,9 @@ def train_at_run_tokens(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibr
     at_plan = train_activations(recipe, facts, tl, fig["stage"], fig["mtp_blocks"])
     at_run = train_activations(recipe, facts, tl, fig["stage"], fig["mtp_blocks"], (run, how))
     delta = (at_run.bytes - at_plan.bytes) if at_plan is not None and at_run is not None else 0
-    if facts.vocab and any(i.label.startswith("fp32 logits") for i in phase.items):
-        delta += (logits_bytes(run, facts.vocab, tl.tp) - logits_bytes(planned, facts.vocab, tl.tp)) * (
-            1 + fig["mtp_blocks"])
+    if any(i.label == LOSS_LOGITS_LABEL for i in phase.items):
+        at_plan_logits = loss_logits_bytes(recipe, facts, tl, fig["mtp_blocks"], planned) or 0
+        delta += (loss_logits_bytes(recipe, facts, tl, fig["mtp_blocks"], run) or 0) - at_plan_logits
     return phase.used_gib + delta / GIB, how
 
 

@@ -40,9 +40,9 @@ from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, REFERENCE_LABEL, _layout_dict,
                                         _megatron_bytes, _missing, _stage_figures, nvls_items, train_state_items)
-from rlc.compiler.planner.passes import (forward_working_set, logits_bytes as loss_logits_bytes, logits_note,
-                                         logprob_fix, logprob_microbatch_tokens, train_activations,
-                                         train_microbatch_tokens)
+from rlc.compiler.planner.passes import (LOSS_LOGITS_LABEL, forward_working_set, logits_bytes as token_logits_bytes,
+                                         logits_note, logprob_fix, logprob_microbatch_tokens, loss_logits_item,
+                                         train_activations)
 from rlc.compiler.planner.plan import Check, Item, MemoryPlan, Phase, gib
 from rlc.compiler.planner.residency import PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import megatron_stage_shards
@@ -319,8 +319,7 @@ def _train_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, tl: TrainL
     holds the most, the allocator's workspaces, the KV pool only when it persists."""
     where = table["train"].megatron
     last = max(f["stage"] for f in figs)
-    tokens, how = train_microbatch_tokens(recipe, tl)
-    loss = loss_logits_bytes(tokens, facts.vocab, tl.tp) * (1 + figs[-1]["mtp_blocks"]) if facts.vocab else None
+    loss = loss_logits_item(recipe, facts, tl, figs[-1]["mtp_blocks"])
 
     def stage_items(f: dict[str, Any]) -> list[Item]:
         held = _megatron_bytes(f, where, cal)
@@ -328,10 +327,8 @@ def _train_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, tl: TrainL
         saved = train_activations(recipe, facts, tl, f["stage"], f["mtp_blocks"])
         items.append(Item(SAVED_ACTIVATIONS_LABEL, gib(None if saved is None else saved.bytes),
                           "megatron", "estimate", "" if saved is None else saved.note))
-        if f["stage"] == last:
-            mtp = f" (+ {f['mtp_blocks']} MTP block(s)' own)" if f["mtp_blocks"] else ""
-            items.append(Item("fp32 logits + log-softmax of the loss", gib(loss), "megatron", "params",
-                              logits_note(how, facts.vocab or 0, tl.tp) + mtp))
+        if f["stage"] == last:  # an unknown vocabulary leaves the step's total unknown
+            items.append(loss or Item(LOSS_LOGITS_LABEL, None, "megatron", "params"))
         return items
 
     def total(f: dict[str, Any]) -> float:
@@ -372,7 +369,7 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, gpu: Any
     if facts.vocab is None:
         return
     tokens, how = logprob_microbatch_tokens(recipe, tl)
-    logits = loss_logits_bytes(tokens, facts.vocab, tl.tp)
+    logits = token_logits_bytes(tokens, facts.vocab, tl.tp)
     last = max(f["stage"] for f in figs)
 
     def stage_items(f: dict[str, Any]) -> list[Item]:

@@ -41,7 +41,7 @@ from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, RE
                                         train_state_items)
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
-                                         train_microbatch_tokens)
+                                         loss_logits_item, train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib, gib_bytes
@@ -286,25 +286,28 @@ def _plan_inputs(recipe: Recipe, facts: ModelFacts, gpu: Any, cal: Calibration) 
 
 
 def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
-    """``train``: the train step before activations, on the pipeline stage that holds the most."""
+    """``train``: the train step with the loss's fp32 logits on the last pipeline stage, before its other activations,
+    on the stage that holds the most."""
     recipe, cal, figs = s.recipe, s.cal, s.figs
     if not figs:
         return
     where = s.table["train"].megatron
+    last = max(f["stage"] for f in figs)
+    loss = loss_logits_item(recipe, s.facts, s.tl, max(f["mtp_blocks"] for f in figs if f["stage"] == last))
 
-    def train_total(f: dict[str, Any]) -> int:
-        return sum(_megatron_bytes(f, where, cal).values())
+    def stage_items(f: dict[str, Any]) -> list[Item]:
+        items = train_state_items(_megatron_bytes(f, where, cal), recipe, s.bpp, where, cal)
+        return items + [loss] if loss is not None and f["stage"] == last else items
 
-    worst = max(figs, key=train_total)
-    held = _megatron_bytes(worst, where, cal)
-    items = train_state_items(held, recipe, s.bpp, where, cal)
+    worst = max(figs, key=lambda f: sum(i.gib or 0.0 for i in stage_items(f)))
+    items = stage_items(worst)
     replay = replay_memory(recipe, s.facts, worst["layers"], s.tl, train_microbatch_tokens(recipe, s.tl))
     if replay is not None:
         items.append(replay_gpu_item(replay, recipe))
     residue = _vllm_residue(recipe, s.weights, s.table["train"].vllm, cal, s.vllm_nvls)
-    plan.phases["train"] = Phase("train", "train step (before activations)",
+    plan.phases["train"] = Phase("train", "train step (with the loss's logits, before other activations)",
                                  tuple(items + [s.residual] + s.ctx + list(s.kept) + residue),
-                                 s.limit, stage=worst["stage"], note="activations not modelled")
+                                 s.limit, stage=worst["stage"], note="other activations not modelled")
     if where.cpu_offload_staging:
         on_gpu = dataclasses.replace(where, master=1.0, moments=1.0, cpu_offload_staging=False)
         megatron = max(sum(_megatron_bytes(f, on_gpu, cal).values()) for f in figs)
@@ -364,7 +367,8 @@ def _train_checks(plan: MemoryPlan, s: _PlanInputs) -> None:
     t_used = plan.phases["train"].used_gib
     if t_used is not None:
         plan.checks["train_fit"] = Check("train_fit", t_used <= limit, limit, t_used,
-                                         f"train step before activations: {t_used:.2f} GiB of {limit:.2f} GiB")
+                                         f"train step with the loss's logits, before other activations: "
+                                         f"{t_used:.2f} GiB of {limit:.2f} GiB")
     _late_train(plan, s.recipe, s.facts, s.sleep, s.tl)
 
 
@@ -460,20 +464,12 @@ def _refit_phases(plan: MemoryPlan, s: _PlanInputs, base: Optional[_RefitBase]) 
 
 def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: SleepSemantics,
                 tl: TrainLayout) -> None:
-    """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version,
-    with the loss's fp32 logits (micro batch × sequence × vocabulary / TP) on top."""
+    """The train phase once vLLM's after-sleep residue has grown as reported for this vLLM version."""
     growth = sleep.residue_growth
     train = plan.phases["train"]
     if growth is None or not _growth_applies(recipe, facts, sleep) or facts.vocab is None or train.used_gib is None:
         return
-    tokens, how = train_microbatch_tokens(recipe, tl)
-    # the loss keeps the fp32 logits and their log-softmax for the backward (vocab-parallel over TP)
-    logits = logits_bytes(tokens, facts.vocab, tl.tp)
-    items = train.items + (
-        _growth_item(growth),
-        Item("fp32 logits + log-softmax of the loss", gib(logits), "megatron", "params",
-             logits_note(how, facts.vocab, tl.tp)),
-    )
+    items = train.items + (_growth_item(growth),)
     late = Phase("train_late", "train step once the vLLM residue has grown (step 2 on)", items, train.limit_gib,
                  stage=train.stage, note="other activations not modelled")
     plan.phases["train_late"] = late
@@ -483,8 +479,8 @@ def _late_train(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, sleep: Slee
         return
     plan.checks["train_late_fit"] = Check(
         "train_late_fit", used <= late.limit_gib, late.limit_gib, used,
-        f"train step from step 2: {train.used_gib:.2f} GiB + {growth.growth_gib:.2f} GiB vLLM residue growth "
-        f"({growth.series()}) + {gib(logits):.2f} GiB fp32 logits and log-softmax = {used:.2f} GiB "
+        f"train step from step 2: {train.used_gib:.2f} GiB (with the loss's fp32 logits and log-softmax) + "
+        f"{growth.growth_gib:.2f} GiB vLLM residue growth ({growth.series()}) = {used:.2f} GiB "
         f"of {late.limit_gib:.2f} GiB")
 
 

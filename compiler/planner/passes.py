@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.layout import TrainLayout
-from rlc.compiler.planner.plan import GIB, Fix
+from rlc.compiler.planner.plan import GIB, Fix, Item, gib
 from rlc.compiler.recipe_types import Recipe
 from rlc.contract.sequence_packing import pad_multiples, round_up
 
@@ -27,6 +27,37 @@ def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
 
 def logits_note(how: str, vocab: int, tp: int) -> str:
     return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
+
+
+#: The label of the loss's logits in a train phase (both generation backends' plans).
+LOSS_LOGITS_LABEL = "fp32 logits + log-softmax of the loss"
+
+
+def loss_logits_bytes(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blocks: int = 0,
+                      tokens: Optional[int] = None) -> Optional[int]:
+    """The fp32 logits and log-softmax the loss keeps for the backward of one train micro batch (``tokens``, default
+    the planned micro batch) on the last pipeline stage: each of its ``mtp_blocks`` MTP blocks computes its own
+    where the MTP loss trains (``training.mtp_loss_scale`` > 0). None when the vocabulary is unknown."""
+    if facts.vocab is None:
+        return None
+    if tokens is None:
+        tokens, _ = train_microbatch_tokens(recipe, tl)
+    return logits_bytes(tokens, facts.vocab, tl.tp) * (1 + _trained_mtp_blocks(recipe, mtp_blocks))
+
+
+def loss_logits_item(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blocks: int = 0) -> Optional[Item]:
+    """:func:`loss_logits_bytes` as the train phase's item (None when the vocabulary is unknown)."""
+    loss = loss_logits_bytes(recipe, facts, tl, mtp_blocks)
+    if loss is None or facts.vocab is None:
+        return None
+    _, how = train_microbatch_tokens(recipe, tl)
+    mtp = _trained_mtp_blocks(recipe, mtp_blocks)
+    return Item(LOSS_LOGITS_LABEL, gib(loss), "megatron", "params",
+                logits_note(how, facts.vocab, tl.tp) + (f" (+ {mtp} MTP block(s)' own)" if mtp else ""))
+
+
+def _trained_mtp_blocks(recipe: Recipe, mtp_blocks: int) -> int:
+    return mtp_blocks if recipe.training.mtp_loss_scale > 0 else 0
 
 
 # --------------------------------------------------------------------------- micro batches

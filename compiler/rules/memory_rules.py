@@ -165,10 +165,12 @@ def generation_fits(ctx: Context) -> None:
       severities=("error", "warning"), needs=("plan",),
       rationale="Megatron holds bf16 params and grads and, with the distributed optimizer, 12 bytes per "
                 "parameter of fp32 master + Adam moments sharded over DP (experts over expert-DP) while vLLM "
-                "sleeps on the same GPU. If that alone exceeds the GPU, no activation memory is left. With "
-                "generation.backend: megatron the plan also counts the step's saved activations of one micro batch "
-                "(an estimate after Korthikanti et al. 2022, Table 2, an upper bound) and the loss's fp32 logits: "
-                "the step without the estimate must fit (error); with it, a step that does not fit is a warning.",
+                "sleeps on the same GPU, and the last pipeline stage the loss's fp32 logits and log-softmax of one "
+                "micro batch (2 × tokens × vocabulary / TP × 4 bytes). If that alone exceeds the GPU, no "
+                "activation memory is left. With generation.backend: megatron the plan also counts the step's "
+                "saved activations of one micro batch (an estimate after Korthikanti et al. 2022, Table 2, an "
+                "upper bound): the step without the estimate must fit (error); with it, a step that does not fit "
+                "is a warning.",
       seed="First principles; residues from the calibration table.",
       fixes="More pipeline / expert parallelism, or more data parallelism for the optimizer shards (vLLM's sleep "
             "level does not change the train step: both levels take the weight shard off the GPU); for the "
@@ -178,7 +180,7 @@ def train_fits(ctx: Context) -> None:
     check = ctx.plan.checks.get("train_fit")
     megatron = ctx.plan.backend == "megatron"
     if check is not None and check.ok is False:
-        ctx.error(check.text + ("" if megatron else " (activations not yet counted)"), "parallelism.train",
+        ctx.error(check.text + ("" if megatron else " (other activations not yet counted)"), "parallelism.train",
                   hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train"))
         return
     estimated = ctx.plan.checks.get("train_activations_fit")
