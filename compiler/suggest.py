@@ -42,6 +42,18 @@ def closest(word: Any, candidates: Iterable[Any], cutoff: float = 0.6) -> Any | 
     return None if best is None or best == word else best
 
 
+def close_matches(word: Any, candidates: Iterable[Any], n: int = 3, cutoff: float = 0.6) -> list[Any]:
+    """Up to ``n`` candidates close to ``word``, best first, compared on the normalised spelling as in
+    :func:`closest` (an exact match after normalising comes first); none when nothing is close enough."""
+    by_norm: dict[str, Any] = {}
+    for cand in candidates:
+        by_norm.setdefault(_norm(str(cand)), cand)
+    import difflib  # noqa: PLC0415 - only for a did-you-mean (a recipe without typos never loads it)
+
+    found = difflib.get_close_matches(_norm(str(word)), list(by_norm), n=n, cutoff=cutoff)
+    return [by_norm[f] for f in found]
+
+
 def did_you_mean(word: Any, candidates: Iterable[Any], render=repr) -> str:
     """``"; did you mean 'tp'?"`` or ``""`` — ready to append to a message."""
     found = closest(word, candidates)

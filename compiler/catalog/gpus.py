@@ -5,6 +5,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from rlc.compiler.catalog.errors import CatalogError
+from rlc.compiler.suggest import close_matches
 from rlc.compiler.tables import parse_table
 from dataclasses import dataclass
 
@@ -55,8 +56,6 @@ def gpu_spec(name: str) -> GpuSpec:
     table = _table()
     if name in table:
         return table[name]
-    import difflib  # noqa: PLC0415 - only for an unknown GPU's did-you-mean
-
-    close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.4)
+    close = close_matches(name, table, n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise CatalogError(f"unknown GPU {name!r}{hint} (known: {', '.join(sorted(table))})")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rlc.compiler.diagnostics import Diagnostic, Severity
+from rlc.compiler.suggest import close_matches, closest
 
 if TYPE_CHECKING:
     from rlc.compiler.recipe_types import Recipe
@@ -124,9 +125,7 @@ def explain(rule_id: str) -> str:
     key = str(rule_id).strip().upper()
     r = _REGISTRY.get(key)
     if r is None:
-        import difflib  # noqa: PLC0415 - only for a did-you-mean
-
-        close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.5)
+        close = close_matches(key, _REGISTRY, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UnknownRuleError(f"unknown rule {rule_id!r}{hint} (`rlc explain --list` shows all)")
     silence = (
@@ -169,11 +168,9 @@ def run_rules(recipe: Recipe, facts: Any, plan: Any, raw: Optional[dict[str, Any
         rule_id, reason, path = item.rule, item.reason, f"lint.ignore[{i}].rule"
         known = _REGISTRY.get(rule_id)
         if known is None:
-            import difflib  # noqa: PLC0415 - only for a did-you-mean
-
-            close = difflib.get_close_matches(rule_id, list(_REGISTRY), n=1, cutoff=0.5)
+            close = closest(rule_id, _REGISTRY, cutoff=0.5)
             extra.append(Diagnostic("warning", f"lint.ignore names {rule_id}, which is not a rule"
-                                    + (f"; did you mean {close[0]}?" if close else ""), path=path, rule="RLC003"))
+                                    + (f"; did you mean {close}?" if close else ""), path=path, rule="RLC003"))
             continue
         fired_errors = [d for d in diags if d.rule == rule_id and d.severity == "error"]
         if not known.silenceable or fired_errors:

@@ -16,7 +16,7 @@ from rlc.compiler.diagnostics import (
     parse_path,
     summary,
 )
-from rlc.compiler.suggest import closest, did_you_mean
+from rlc.compiler.suggest import close_matches, closest, did_you_mean
 
 ERR = Diagnostic("error", "unknown key 'tpp'; did you mean 'tp'?", "parallelism.train.tpp", "r.yaml", 3, 5)
 WARN = Diagnostic("warning", "buffer is small", "refit.buffer_gb", "r.yaml", 9, 3, rule="RLC301",
@@ -106,3 +106,7 @@ def test_suggestions():
     assert closest("2", [1, 2]) == 2
     assert did_you_mean("dtpye", ["dtype", "id"]) == "; did you mean 'dtype'?"
     assert did_you_mean("qqq", ["dtype"]) == ""
+    # several suggestions, best first, on the same normalised spelling; the candidates' own spelling comes back
+    assert close_matches("h100-80GB", ["h100-94gb", "h100-80gb", "b200"], n=2, cutoff=0.4) == ["h100-80gb",
+                                                                                              "h100-94gb"]
+    assert close_matches("zzz", ["tp", "pp"]) == []

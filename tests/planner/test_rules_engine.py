@@ -60,6 +60,13 @@ def test_ignoring_an_unknown_rule_warns(base_recipe, qwen397):
     recipe = with_changes(base_recipe, lint__ignore=[{"rule": "RLC299", "reason": "typo"}])
     hits = [d for d in run_rules(recipe, qwen397, None).diagnostics if d.rule == "RLC003"]
     assert hits and hits[0].severity == "warning"
+    assert "did you mean RLC" in hits[0].message
+
+
+def test_an_ignored_rule_in_lower_case_is_suggested_in_the_registry_spelling(base_recipe, qwen397):
+    recipe = with_changes(base_recipe, lint__ignore=[{"rule": "rlc212", "reason": "lower case"}])
+    hits = [d for d in run_rules(recipe, qwen397, None).diagnostics if d.rule == "RLC003"]
+    assert hits and hits[0].message.endswith("did you mean RLC212?"), hits
 
 
 def test_docs_rules_md_is_generated_from_the_registry():

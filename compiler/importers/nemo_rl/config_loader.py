@@ -24,7 +24,6 @@ Besides the values, the loader records where each leaf came from (``file:line`` 
 """
 from __future__ import annotations
 
-import difflib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence, cast
 import yaml
 
 from rlc.compiler.files import read_text_capped
+from rlc.compiler.suggest import closest
 from rlc.compiler.yaml_loader import _redact
 from rlc.contract.bounds import (
     MAX_DEPTH,
@@ -360,8 +360,8 @@ def _apply_overrides(config: Any, overrides: Sequence[str]) -> list[str]:
         exists = _has_key(config, key)
         if mode == "set" and not exists:
             known = list(flatten(OmegaConf.to_container(config, resolve=False)))
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f"; to add it, write +{key}=..."
+            close = closest(key, known)
+            hint = f"; did you mean {close}?" if close else f"; to add it, write +{key}=..."
             raise NemoRlConfigError(f"override {text!r}: {key} is not in the NeMo-RL config{hint}")
         if mode == "add" and exists:
             raise NemoRlConfigError(f"override {text!r}: {key} already exists; write {key}=... (or ++{key}=...)")
