@@ -168,8 +168,8 @@ class RefitConsumer:
         self._pack_handles = list(pack_handles)
         if self._pack_events and not self._load_events:
             self._load_events, self._load_handles = self.backend.export_events(len(HALVES))
-        if not self._pack_events:
-            self._load_events, self._load_handles = [], []
+        if not (self._pack_events and self._load_events):  # no load events answered: the producer waits per bucket
+            self._pack_events, self._load_events, self._load_handles = [], [], []
 
     @property
     def device_ordered(self) -> bool:
@@ -257,7 +257,13 @@ class _ConsumerRun:
         refit_id = msg.refit_id
         c._last_refit_id = refit_id
         t_start = time.perf_counter()
-        m = ConsumerMetrics(refit_id=refit_id, producer_rank=hello.producer_rank, device_key=c.device_key)
+        # both ends order the buckets on the device only when the producer says it does (it opened our events)
+        ordered = msg.device_ordered and c.device_ordered
+        if msg.device_ordered and not ordered:
+            raise RefitProtocolError(f"{c.name}: the producer orders the buckets with device events this consumer "
+                                     "has not paired")
+        m = ConsumerMetrics(refit_id=refit_id, producer_rank=hello.producer_rank, device_key=c.device_key,
+                            device_ordered=ordered)
         tracker = ManifestTracker(c._expected, hello.producer_rank, hello.device_key, refit_id)
         foreign = hello.metadata_source_rank != hello.producer_rank
         while True:
@@ -290,7 +296,6 @@ class _ConsumerRun:
             tracker.check_bucket(meta, buf.nbytes)
             c._emit("load_start", own.index)
             t1 = time.perf_counter()
-            ordered = c.device_ordered
             if ordered:  # the bucket's bytes are packed (on the device) before the loads read them
                 c.backend.wait_event(c._pack_events[event_slot(own.slot)])
             source: Buffer = _BucketCopy.of(buf, meta.entries) if self.copy_buckets else buf

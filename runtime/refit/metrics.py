@@ -31,6 +31,7 @@ class ConsumerMetrics:
     refit_id: int
     producer_rank: int
     device_key: str
+    device_ordered: bool = False  # buckets ordered by interprocess events, not a device wait per bucket
     num_buckets: int = 0
     num_tensors: int = 0
     bytes: int = 0
@@ -64,6 +65,7 @@ class RefitMetrics:
     free_after_bytes: int = 0
     min_free_bytes: int = 0  # tightest free memory observed during the refit
     half_bytes: int = 0
+    device_ordered: bool = False  # buckets ordered by interprocess events, not a device wait per bucket
     peak_buffer_bytes: int = 0  # refit buffers alive at once (halves in use + largest one-off)
     buffer_source: str = ""
     pack_seconds: float = 0.0  # copying exported tensors into the buffers (+ a device wait per bucket where not device-ordered)

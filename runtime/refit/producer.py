@@ -231,11 +231,11 @@ class RefitProducer:
                     "and consumer must be colocated"
                 )
             self._chan.peer_pid = ack.consumer_pid
-            self._load_events = self.backend.open_events(ack.load_events) if self._pack_events else []
-            if self._load_events and len(self._load_events) != len(HALVES):
+            if ack.load_events and len(ack.load_events) != len(HALVES):
                 raise RefitProtocolError(
-                    f"{self.name}: the consumer announced {len(self._load_events)} load events, expected {len(HALVES)}"
+                    f"{self.name}: the consumer announced {len(ack.load_events)} load events, expected {len(HALVES)}"
                 )
+            self._load_events = self.backend.open_events(ack.load_events) if self._pack_events else []
             self._accept_subscribers()
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
@@ -495,8 +495,9 @@ class _ProducerRun:
         self._drop_mismatched_halves(plan.sizing.half_bytes)
         m.half_bytes = plan.sizing.half_bytes
         m.buffer_source = plan.sizing.source
+        m.device_ordered = self.device_ordered
         m.warnings.extend(plan.warnings)
-        self.chan.send(Begin(refit_id=self.refit_id, plan=plan.summary()))
+        self.chan.send(Begin(refit_id=self.refit_id, plan=plan.summary(), device_ordered=self.device_ordered))
         packer = BucketPacker(plan.sizing.half_bytes, plan.sizing.alignment)
         done: set[str] = set()
         iterator = iter(named_tensors)

@@ -156,6 +156,9 @@ class Begin(Message):
     kind: ClassVar[str] = "begin"
     refit_id: int
     plan: dict[str, Any]
+    #: The producer orders this refit's buckets with the events of hello / hello_ack (it opened the consumer's
+    #: "loaded" events); otherwise both ends wait for the device per bucket.
+    device_ordered: bool = False
 
 
 @dataclass(frozen=True)

@@ -310,3 +310,47 @@ def test_a_consumer_refuses_a_producer_announcing_the_wrong_number_of_events():
         consumer._pair_events(["ab" * 32] * 2)
     consumer._pair_events([])  # no events: ordered by the acks alone
     assert not consumer.device_ordered
+
+
+def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
+    """A producer that says it orders the buckets with device events the consumer never answered (a consumer on a
+    synchronous backend answers none) would overwrite halves the consumer still reads: the consumer refuses it."""
+    import os
+    import threading
+
+    import zmq
+
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.channel import Channel, bind, endpoint, new_socket
+    from rlc.runtime.refit.consumer import RefitConsumer
+    from rlc.runtime.refit.errors import RefitProtocolError, RefitRemoteError
+    from rlc.runtime.refit.protocol import PROTOCOL_VERSION, Begin, Hello, HelloAck
+
+    session, key = _session(), "dev-" + _session()
+    sock = new_socket(zmq.PAIR)
+    bind(sock, endpoint(session, key, socket_dir=str(tmp_path)))
+    producer = Channel(sock, "test producer", 10.0)
+    consumer = RefitConsumer(session=session, backend=ShmBackend(key), socket_dir=str(tmp_path), timeout_s=10.0)
+    failure: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            consumer.prepare()
+            consumer.receive(lambda weights: None)
+        except BaseException as exc:  # reported below
+            failure.append(exc)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), [], 0, None, "bfloat16", []))
+        ack, _ = producer.recv("hello_ack")
+        assert isinstance(ack, HelloAck) and ack.load_events == []
+        producer.send(Begin(refit_id=1, plan={}, device_ordered=True))
+        with pytest.raises(RefitRemoteError, match="has not paired"):  # the consumer's error, on the wire
+            producer.recv("the consumer's error")
+    finally:
+        thread.join(10)
+        producer.close()
+        consumer.close()
+    assert failure and isinstance(failure[0], RefitProtocolError)
