@@ -391,6 +391,7 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
         "buckets": float(p["num_buckets"]),
         "buffers_allocated": float(sum(m.get("buffers_allocated", 0) for m in prods)),
         "buffers_opened": float(sum(m.get("consumer", {}).get("buffers_opened", 0) for m in prods)),
+        "device_ordered": float(all(m.get("device_ordered", False) for m in prods)),
     }
     row["refit_plus_sleep_s"] = row["total_refit_s"] + row["sleep_s"]
     return row
@@ -570,6 +571,16 @@ def _fmt(stats: dict[str, float], scale: float = 1.0) -> str:
     return f"{stats['median'] * scale:>9.4f} | {stats['min'] * scale:>9.4f} | {stats['max'] * scale:>9.4f}"
 
 
+def _ordering(summary: dict[str, Any]) -> str:
+    """How the measured refits ordered their buckets (results recorded before it was measured say nothing)."""
+    ordered = summary.get("device_ordered")
+    if ordered is None:
+        return ""
+    if ordered["min"] == ordered["max"]:
+        return "; buckets ordered by device events" if ordered["min"] else "; a device wait per bucket"
+    return "; buckets ordered by device events in some refits only"
+
+
 def render_case(name: str, case: dict[str, Any]) -> str:
     """One GPU case: the breakdown table (seconds), export alone, bytes, spot checks, or its error."""
     lines = [f"## {name}: {case.get('describe', '')}"]
@@ -587,7 +598,7 @@ def render_case(name: str, case: dict[str, Any]) -> str:
         lines.append(f"bytes per GPU {gb:.2f} GB in {summary['buckets']['median']:.0f} buckets; "
                      f"transfer rate {gb / summary['transfer_s']['median']:.1f} GB/s per GPU; buffers allocated per "
                      f"refit {summary['buffers_allocated']['median']:.0f}, IPC handles opened "
-                     f"{summary['buffers_opened']['median']:.0f}")
+                     f"{summary['buffers_opened']['median']:.0f}{_ordering(summary)}")
     alone = case.get("export_alone")
     if alone:
         slowest = max(alone, key=lambda r: r["seconds"])

@@ -409,3 +409,15 @@ def test_the_case_table_names_the_exporters_slowest_calls():
     assert ("what a refit sends, alone: 0.310 s, 531 tensors; slowest calls (cumulative s): "
             "model_bridge.py:1242(stream_weights_megatron_to_hf) 0.250") in text
     assert "_drain" not in text
+
+
+def test_the_case_table_says_how_the_refits_ordered_their_buckets():
+    records = [_record(i, 1.0, 0.5) for i in range(3)]
+    for r in records:
+        for p in r["producers"]:
+            p["device_ordered"] = True
+    ordered = P.render_case("moe-1gpu", {"describe": "", "summary": P.summarize_refits(records, warmup=1)})
+    assert "buckets ordered by device events" in ordered
+    records[2]["producers"][1]["device_ordered"] = False  # one rank fell back in one refit
+    mixed = P.render_case("moe-1gpu", {"describe": "", "summary": P.summarize_refits(records, warmup=1)})
+    assert "in some refits only" in mixed
