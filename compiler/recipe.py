@@ -18,6 +18,7 @@ Problems are collected as diagnostics and raised together as :class:`RecipeLoadE
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 from contextlib import contextmanager
@@ -401,12 +402,18 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
         raise RecipeLoadError(diags)
     return LoadedRecipe(
         data=data,
-        origins={format_path(k): v for k, v in origins.items()},
+        origins={_key_text(k): v for k, v in origins.items()},
         files=[link.path for link in chain],
         overrides=list(overrides),
         root=Origin(chain[0].display, 1, 1),
         named_after_file=named_after_file,
     )
+
+
+@functools.lru_cache(maxsize=16384)
+def _key_text(key: Key) -> str:
+    """``format_path`` of a key path (the same paths recur in every recipe a lint run loads)."""
+    return format_path(key)
 
 
 def name_from_file(path: Path) -> str:

@@ -194,7 +194,31 @@ def _copy(value: Any) -> Any:
     return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
 
 
+#: What ``_fill`` makes of an absent key, per schema node: the node (so that its id is not reused), the filled
+#: defaults and whether there are any.
+_ABSENT: dict[int, tuple[dict[str, Any], Any, bool]] = {}
+
+
+def _clone(value: Any) -> Any:
+    """A copy of defaults built by ``_fill`` (mappings, lists and scalars) that shares nothing mutable."""
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return _copy(value)
+
+
 def _fill(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
+    if present:
+        return _fill_present(node, value, present)
+    entry = _ABSENT.get(id(node))
+    if entry is None or entry[0] is not node:  # an absent key's defaults depend on its schema node alone
+        entry = (node, *_fill_present(node, None, False))
+        _ABSENT[id(node)] = entry
+    return _clone(entry[1]), entry[2]
+
+
+def _fill_present(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
     if not present:
         if "default" in node:
             value, present = _copy(node["default"]), True

@@ -23,15 +23,21 @@ RATIO_STEP = 0.001
 RATIO_MAX = 0.9
 
 
+def _half_at(free: int, refit: RefitSection, ratio: float) -> int:
+    """One ping-pong half at ``buffer_memory_ratio`` = ``ratio``."""
+    return refit_buffer.half_bytes(free, buffer_memory_ratio=ratio, buffer_gb=None,
+                                   alignment=max(1, int(refit.alignment_bytes)))
+
+
 def _per_side(free: int, refit: RefitSection, ratio: Optional[float] = None) -> tuple[int, Optional[float], str]:
-    align = max(1, int(refit.alignment_bytes))
+    """The half the recipe's refit allocates at ``free`` (or at ``ratio``), the ratio, and where its size comes from."""
     if ratio is None and refit.buffer_gb is not None:
         gb = float(refit.buffer_gb)
-        half = refit_buffer.half_bytes(free, buffer_memory_ratio=None, buffer_gb=gb, alignment=align)
+        half = refit_buffer.half_bytes(free, buffer_memory_ratio=None, buffer_gb=gb,
+                                       alignment=max(1, int(refit.alignment_bytes)))
         return half, None, f"buffer_gb {gb:g} GiB (both halves)"
     r = float(ratio if ratio is not None else refit.buffer_memory_ratio)
-    half = refit_buffer.half_bytes(free, buffer_memory_ratio=r, buffer_gb=None, alignment=align)
-    return half, r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
+    return _half_at(free, refit, r), r, f"buffer_memory_ratio {r:g} × {free / GIB:.2f} GiB free"
 
 
 def _headroom(per_side: int, largest: int) -> float:
@@ -96,9 +102,12 @@ def ratio_window(free: int, recipe: Recipe, largest: int, gathered: int,
     steps = int(RATIO_MAX / RATIO_STEP)
     on_wire = largest if wire is None else wire
     copies = reload_copy_halves(recipe)
+    halves: dict[int, int] = {}  # the searches below probe some grid points more than once
 
     def per_side(k: int) -> int:
-        return _per_side(free, recipe.refit, _ratio_at(k))[0]
+        if k not in halves:
+            halves[k] = _half_at(free, recipe.refit, _ratio_at(k))
+        return halves[k]
 
     def stack_ok(k: int) -> bool:
         return _stack_free(free, per_side(k), largest, gathered, cal, copies)[0] >= largest
