@@ -210,15 +210,15 @@ def _clone(value: Any) -> Any:
 
 def _fill(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
     if present:
-        return _fill_present(node, value, present)
+        return _fill_uncached(node, value, present)
     entry = _ABSENT.get(id(node))
     if entry is None or entry[0] is not node:  # an absent key's defaults depend on its schema node alone
-        entry = (node, *_fill_present(node, None, False))
+        entry = (node, *_fill_uncached(node, None, False))
         _ABSENT[id(node)] = entry
     return _clone(entry[1]), entry[2]
 
 
-def _fill_present(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
+def _fill_uncached(node: dict[str, Any], value: Any, present: bool) -> tuple[Any, bool]:
     if not present:
         if "default" in node:
             value, present = _copy(node["default"]), True

@@ -41,7 +41,7 @@ from rlc.compiler.planner.layout import TrainLayout, generation_layout, train_la
 from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, REFERENCE_LABEL, _layout_dict,
                                         _megatron_bytes, _missing, _stage_figures, nvls_items, train_state_items)
 from rlc.compiler.planner.passes import (LOSS_LOGITS_LABEL, forward_working_set, logits_bytes as token_logits_bytes,
-                                         logits_note, logprob_fix, logprob_microbatch_tokens, loss_logits_item,
+                                         logits_note, last_stage_loss, logprob_fix, logprob_microbatch_tokens,
                                          train_activations)
 from rlc.compiler.planner.plan import Check, Item, MemoryPlan, Phase, gib
 from rlc.compiler.planner.residency import PhaseResidency, VllmResident, residency
@@ -318,8 +318,7 @@ def _train_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, tl: TrainL
     """``train``: the trainer's full state, the step's saved activations and the loss's logits on the stage that
     holds the most, the allocator's workspaces, the KV pool only when it persists."""
     where = table["train"].megatron
-    last = max(f["stage"] for f in figs)
-    loss = loss_logits_item(recipe, facts, tl, figs[-1]["mtp_blocks"])
+    last, loss = last_stage_loss(recipe, facts, tl, figs)
 
     def stage_items(f: dict[str, Any]) -> list[Item]:
         held = _megatron_bytes(f, where, cal)

@@ -41,7 +41,7 @@ from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, RE
                                         train_state_items)
 from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
-                                         loss_logits_item, train_microbatch_tokens)
+                                         last_stage_loss, train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib, gib_bytes
@@ -292,8 +292,7 @@ def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
     if not figs:
         return
     where = s.table["train"].megatron
-    last = max(f["stage"] for f in figs)
-    loss = loss_logits_item(recipe, s.facts, s.tl, max(f["mtp_blocks"] for f in figs if f["stage"] == last))
+    last, loss = last_stage_loss(recipe, s.facts, s.tl, figs)
 
     def stage_items(f: dict[str, Any]) -> list[Item]:
         items = train_state_items(_megatron_bytes(f, where, cal), recipe, s.bpp, where, cal)

@@ -56,6 +56,14 @@ def loss_logits_item(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blo
                 logits_note(how, facts.vocab, tl.tp) + (f" (+ {mtp} MTP block(s)' own)" if mtp else ""))
 
 
+def last_stage_loss(recipe: Recipe, facts: ModelFacts, tl: TrainLayout,
+                    figs: list[dict[str, Any]]) -> tuple[int, Optional[Item]]:
+    """The last pipeline stage of ``figs`` (one figure per stage) and the loss's logits it holds
+    (:func:`loss_logits_item` with that stage's MTP blocks)."""
+    last = max(figs, key=lambda f: f["stage"])
+    return last["stage"], loss_logits_item(recipe, facts, tl, last["mtp_blocks"])
+
+
 def _trained_mtp_blocks(recipe: Recipe, mtp_blocks: int) -> int:
     return mtp_blocks if recipe.training.mtp_loss_scale > 0 else 0
 
