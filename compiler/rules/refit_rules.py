@@ -236,7 +236,7 @@ def overlap_needs_dist(ctx: Context) -> None:
                 "both sides (the layouts whose copies have been checked bit for bit on a GPU); tensor- or "
                 "expert-parallel layouts keep the per-expert path unless the recipe says on.",
       seed="Qwen3-30B-A3B on one H200 (benchmarks/refit_at_scale.py, docs/refit.md): 1.38 s median refit per "
-           "expert, 0.54 s fused.",
+           "expert, 0.33 s fused.",
       fixes="Nothing to fix; refit.fused_transfer: on opts a split layout in (check it with refit.verify_every).")
 def fused_expert_transfer(ctx: Context) -> None:
     on, why = fused_transfer(ctx.recipe, ctx.facts)
