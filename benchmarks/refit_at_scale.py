@@ -18,6 +18,9 @@ Cases:
             device-to-device copy (goal: ratio >= 0.4).
   dense-8b  Qwen3-8B, one GPU, trainer TP=1, vLLM TP=1.
   moe-1gpu  Qwen3-30B-A3B, one GPU, trainer TP=1, vLLM TP=1 (all 61 GB through one producer/consumer).
+  dense-8b-awake, moe-1gpu-awake
+            the same with ``refit.keep_weights_awake``: only vLLM's KV cache sleeps, the weights stay
+            mapped and the refit writes into them (no ``wake_up(["weights"])``).
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -30,7 +33,8 @@ per-expert export.
 
 Each measured cycle: negate the trainer's weights (so every refit moves new values) ->
 ``wake_up(["weights"])`` -> refit (all trainer ranks and the vLLM workers at once) ->
-``wake_up(["kv_cache"])`` -> ``sleep(level=2)``; one warm-up and ``--refits`` measured cycles.
+``wake_up(["kv_cache"])`` -> ``sleep(level=2)`` (``*-awake``: ``sleep_kv_cache()``, and no weight wake-up);
+one warm-up and ``--refits`` measured cycles.
 After the last refit, a few exported HF tensors (experts on both EP ranks, router, attention, norms,
 embedding, LM head) are reloaded through vLLM's own ``load_weights`` on each GPU and the parameters
 they land in are compared bit for bit with their values after the refit.
@@ -64,7 +68,7 @@ from benchmarks import refit_scale_plan as P  # noqa: E402
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
-GPU_CASES = ("dense-8b", "moe-1gpu", "moe-ep2", "moe-tp2")
+GPU_CASES = ("dense-8b", "dense-8b-awake", "moe-1gpu", "moe-1gpu-awake", "moe-ep2", "moe-tp2")
 ALL_CASES = ("engine", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -458,9 +462,14 @@ class GpuSession:
             records: list[dict] = []
             case["refits"] = records  # kept if a later refit fails
             total = a.warmup + a.refits
+            awake = lay.weights_awake
+            if awake:  # the engine sleeps at level 2 between cases: its weights wake once, then stay
+                _wait([gen.wake_up.remote(["weights"])], "wake_up(weights)")
             for i in range(total):
                 negate = _wait([t.call.remote(_negate_weights) for t in trainers], "negate weights")
-                woke = _wait([gen.wake_up.remote(["weights"])], "wake_up(weights)")[0]
+                woke_s = 0.0
+                if not awake:
+                    woke_s = _wait([gen.wake_up.remote(["weights"])], "wake_up(weights)")[0].seconds
                 t0 = time.perf_counter()
                 sent = _wait([t.refit_send.remote() for t in trainers] + [gen.refit_receive.remote()], "refit")
                 transfer = time.perf_counter() - t0
@@ -476,10 +485,13 @@ class GpuSession:
                         if not case["verify"].get("bit_exact"):
                             self.results["errors"].append(f"{lay.name}: full verify_every pass not bit-exact: "
                                                           f"{str(case['verify'])[:300]}")
-                slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
+                if awake:
+                    slept = _wait([gen.sleep_kv_cache.remote()], "sleep_kv_cache")[0]
+                else:
+                    slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
-                    "wake_weights_s": woke.seconds, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,
+                    "wake_weights_s": woke_s, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,
                     "free_after_wake_gib": kv.memory.free_gib, "producers": [s.raw for s in sent[:n]],
                     "consumers": sent[n],
                 })
@@ -495,6 +507,12 @@ class GpuSession:
                 pass
             for t in trainers:
                 ray.kill(t)
+            if lay.weights_awake:  # back to level 2 for the next case
+                try:
+                    _wait([gen.wake_up.remote(["kv_cache"])], "wake_up(kv_cache)")
+                    _wait([gen.sleep.remote(2)], "sleep(2)")
+                except Exception:
+                    pass
 
     def full_verify(self, lay: P.Layout, trainers: list, gen: Any, case: dict) -> dict:
         """``refit.verify_every``'s check after the last refit: every trainer rank writes its per-expert export,

@@ -151,6 +151,8 @@ class Layout:
     gen_tp: int = 1
     vllm_util: float = 0.4
     buffer_gb: float = 2.0
+    #: ``refit.keep_weights_awake``: only vLLM's KV cache sleeps; the refit writes into the resident weights
+    weights_awake: bool = False
 
     def __post_init__(self) -> None:
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
@@ -179,7 +181,8 @@ class Layout:
     def describe(self) -> str:
         par = f"TP={self.train_tp}" + (f" EP={self.train_ep}" if self.train_ep > 1 else "") + (
             f" ETP={self.train_etp}" if self.train_etp > 1 else "")
-        return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}"
+        awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
+        return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}"
 
 
 #: The cases ``--cases`` can name (besides ``engine`` and ``tiny``), with the defaults the goals refer to.
@@ -191,6 +194,11 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
         # cases, moved by one producer and one consumer; vLLM's share must hold its weights and a KV cache
         # yet leave the trainer's weights room (0.43 <= util <= 0.51 on an H200).
         "moe-1gpu": Layout("moe-1gpu", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util, buffer_gb=buffer_gb),
+        # the same two cases with refit.keep_weights_awake (the refit skips re-mapping vLLM's weights)
+        "dense-8b-awake": Layout("dense-8b-awake", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                 weights_awake=True),
+        "moe-1gpu-awake": Layout("moe-1gpu-awake", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
+                                 buffer_gb=buffer_gb, weights_awake=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),
@@ -509,9 +517,9 @@ def evaluate_goals(results: dict[str, Any]) -> list[Goal]:
                           True, summary["total_refit_s"]["median"] if summary else None))
         goals.append(Goal(f"{name} slowest refit (s)", f"{what}; max of the measured refits", MOE_MAX_REFIT_S,
                           True, summary["total_refit_s"]["max"] if summary else None))
-    if "dense-8b" in cases:
-        summary = cases["dense-8b"].get("summary")
-        goals.append(Goal("dense-8b total refit (s)", f"Qwen3-8B, {cases['dense-8b'].get('describe', 'dense-8b')}; "
+    for name in sorted(n for n in cases if n.startswith("dense-8b")):
+        summary = cases[name].get("summary")
+        goals.append(Goal(f"{name} total refit (s)", f"Qwen3-8B, {cases[name].get('describe', name)}; "
                           "median of the measured refits", DENSE_TOTAL_REFIT_S, True,
                           summary["total_refit_s"]["median"] if summary else None))
     engine = results.get("engine") or {}

@@ -86,13 +86,15 @@ class VllmIpcSync:
         return dict(res[0])
 
     def sync(self, step: int, verify: bool) -> Refitted:
-        """Trainer weights -> vLLM: offload/sync (trainer), wake weights, stream, wake KV, reset cache; then, when
-        ``verify``, every vLLM worker compares its parameters with vLLM's own load of the trainer's export."""
+        """Trainer weights -> vLLM: offload/sync (trainer), wake weights (unless kept awake), stream, wake KV, reset
+        cache; then, when ``verify``, every vLLM worker compares its parameters with vLLM's own load of the
+        trainer's export."""
         timer = self.timer
         with timer("refit"):
             offloaded = self.policy.refit_offload()[0]
-            with timer("wake_weights"):
-                self.generation.wake_up(["weights"])
+            if not self.cfg.refit.keep_weights_awake:  # else the weights never left the GPU
+                with timer("wake_weights"):
+                    self.generation.wake_up(["weights"])
             with timer("refit_transfer"):
                 pending: list[workers.Pending[Any]] = [*self.policy.submit_refit_send(),
                                                        *self.generation.submit_refit_receive()]

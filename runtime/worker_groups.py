@@ -139,6 +139,9 @@ class GenerationGroup:
     def sleep(self, level: int) -> list[Slept]:
         return self.group.call(GenerationWorkerApi.sleep, level)
 
+    def sleep_kv_cache(self) -> list[Slept]:
+        return self.group.call(GenerationWorkerApi.sleep_kv_cache)
+
     def wake_up(self, tags: list[str]) -> list[Woke]:
         return self.group.call(GenerationWorkerApi.wake_up, tags)
 

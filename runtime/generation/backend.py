@@ -9,7 +9,7 @@ A backend starts its engines, generates ``n`` samples per prompt with the sample
     # ... trainer passes, then the weight sync (rlc.runtime.weight_sync) readies the engines again
 
 * :class:`VllmBackend`: one vLLM engine per generation data-parallel rank (``GenerationGroup``), put to sleep at
-  ``refit.sleep_level`` (what the driver did before there were two backends).
+  ``refit.sleep_level`` (with ``refit.keep_weights_awake`` only its KV cache sleeps).
 * :class:`MegatronBackend`: megatron-core's engine inside every policy worker (``PolicyGroup``, the ``mg_*``
   methods of ``rlc.runtime.policy.megatron_generation``); each trainer rank generates its share of the prompts.
 """
@@ -39,14 +39,16 @@ class GenerationBackend(Protocol):
 
 
 class VllmBackend:
-    """vLLM engines (``GenerationGroup``): start then sleep; generate; sleep at ``refit.sleep_level``."""
+    """vLLM engines (``GenerationGroup``): start then sleep; generate; sleep (``refit.sleep_level``,
+    ``refit.keep_weights_awake``)."""
 
     name = "vllm"
     timer = "vllm_generate"
 
-    def __init__(self, group: GenerationGroup, sleep_level: int) -> None:
+    def __init__(self, group: GenerationGroup, sleep_level: int, keep_weights_awake: bool = False) -> None:
         self.group = group
         self.sleep_level = sleep_level
+        self.keep_weights_awake = keep_weights_awake
 
     @property
     def engines(self) -> int:
@@ -58,12 +60,15 @@ class VllmBackend:
         return self.group.start()[0]
 
     def sleep_after_start(self) -> None:
-        self.group.sleep(self.sleep_level)
+        self.release(0)
 
     def generate(self, chunks: list[tuple[int, list[list[int]]]], n: int) -> list[Generated]:
         return self.group.generate(chunks, n)
 
     def release(self, step: int) -> Slept:
+        """Every engine asleep at ``refit.sleep_level``, or with ``refit.keep_weights_awake`` only its KV cache."""
+        if self.keep_weights_awake:
+            return self.group.sleep_kv_cache()[0]
         return self.group.sleep(self.sleep_level)[0]
 
 

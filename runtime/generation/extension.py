@@ -211,6 +211,24 @@ class RlcWorkerExtension:
         report = verify_by_reload(self.model_runner.model, exported_by_device[key], param_names)
         return {"device_key": key, **report}
 
+    def rlc_sleep_kv_cache(self) -> int:
+        """``refit.keep_weights_awake``: unmap this worker's KV cache (vLLM's sleep-mode allocations tagged
+        ``kv_cache``) and keep the weights mapped; returns the bytes released. vLLM's own sleep has no such level:
+        it releases every tag. The worker's ``wake_up(tags=["kv_cache"])`` maps the cache back (empty)."""
+        import torch  # noqa: PLC0415
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release  # noqa: PLC0415
+
+        torch.cuda.synchronize()  # nothing in flight may still read or write the cache
+        released = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache":
+                unmap_and_release(data.handle)
+                released += int(data.handle[1])
+        if not released:
+            raise RefitError("refit.keep_weights_awake: this vLLM worker holds no KV cache in its sleep-mode "
+                             "memory pool (engine started without enable_sleep_mode?)")
+        return released
+
     def rlc_refit_close(self) -> None:
         consumer = getattr(self, "_rlc_consumer", None)
         if consumer is not None:

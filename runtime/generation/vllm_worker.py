@@ -7,9 +7,12 @@ that it can give its GPU memory to the colocated trainer between rollouts:
     wake_up(["weights"]) -> refit_receive() -> wake_up(["kv_cache"]) -> reset_prefix_cache()
 
 Level 1 backs the weights up to CPU and frees the KV cache; level 2 frees both (the refit rewrites
-every weight anyway; NeMo-RL #2471, failure 3). An engine of more than one GPU uses vLLM's Ray executor
-inside this actor's placement group (``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in
-each of vLLM's workers and pairs with the trainer rank on its GPU.
+every weight anyway; NeMo-RL #2471, failure 3). With ``refit.keep_weights_awake`` only the KV cache
+sleeps (``sleep_kv_cache``) and the refit writes into the resident weights (no ``wake_up(["weights"])``).
+
+An engine of more than one GPU uses vLLM's Ray executor inside this actor's placement group
+(``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in each of vLLM's workers and pairs with the
+trainer rank on its GPU.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ from rlc.runtime.workers import gpu_memory_snapshot, local_worker_info
 
 log = logging.getLogger(__name__)
 
+#: what is asleep: everything, by vLLM's own ``sleep(level)``; or only the KV cache (``sleep_kv_cache``)
+ASLEEP_ENGINE = "vLLM sleep"
+ASLEEP_KV_ONLY = "KV cache only"
+
 
 class VllmGenerationWorker:
     """One vLLM engine (see the module docstring)."""
@@ -37,7 +44,8 @@ class VllmGenerationWorker:
         self.engine_index = engine_index
         self.bundles = list(bundles)
         self._llm: Any = None  # vllm.LLM once started
-        self.sleeping = False
+        self.asleep: str | None = None  # ASLEEP_ENGINE, ASLEEP_KV_ONLY or None (awake)
+        self._woken: set[str] = set()  # tags woken since vLLM's own sleep (it wakes them one call each)
         self.moe_layers: list[int] | None = None  # routing replay: the decoder layers whose routes vLLM records
 
     @property
@@ -120,7 +128,7 @@ class VllmGenerationWorker:
         ``rlc.runtime.policy.routes``)."""
         from vllm import SamplingParams  # noqa: PLC0415
 
-        if self.sleeping:
+        if self.asleep is not None:
             raise RuntimeError(f"generation engine {self.engine_index}: generate() while asleep (driver order bug)")
         t0 = time.perf_counter()
         params = SamplingParams(**sampling_kwargs(self.cfg.generation.sampling, n, eos_token_id=self.eos_token_id))
@@ -139,20 +147,48 @@ class VllmGenerationWorker:
     # ------------------------------------------------------------------ sleep / wake
 
     def sleep(self, level: int) -> Slept:
+        """vLLM's own sleep at ``level``: the KV cache discarded, the weights offloaded (1) or discarded (2)."""
+        self._refuse_asleep("sleep")
         t0 = time.perf_counter()
         before = self.memory()
         self.llm.sleep(level=level)
-        self.sleeping = True
+        self.asleep = ASLEEP_ENGINE
+        after = self.memory()
+        return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
+                     seconds=time.perf_counter() - t0)
+
+    def sleep_kv_cache(self) -> Slept:
+        """``refit.keep_weights_awake``: only the KV cache leaves the GPU (every worker of the engine unmaps its
+        ``kv_cache`` allocations); the weights stay where the next refit writes them."""
+        self._refuse_asleep("sleep_kv_cache")
+        t0 = time.perf_counter()
+        before = self.memory()
+        self.llm.reset_prefix_cache()  # the cached blocks' contents are about to be discarded
+        self.llm.collective_rpc("rlc_sleep_kv_cache")
+        self.asleep = ASLEEP_KV_ONLY
         after = self.memory()
         return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
                      seconds=time.perf_counter() - t0)
 
     def wake_up(self, tags: list[str] | None = None) -> Woke:
+        """Back on the GPU: ``tags`` (``weights``, ``kv_cache``; None: both) of what is asleep. Weights kept
+        awake by :meth:`sleep_kv_cache` need no waking: asking for them is a no-op."""
         t0 = time.perf_counter()
-        self.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:
-            self.sleeping = False
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if self.asleep == ASLEEP_ENGINE:
+            self.llm.wake_up(tags=tags)
+            self._woken |= wanted
+            if {"weights", "kv_cache"} <= self._woken:
+                self.asleep, self._woken = None, set()
+        elif self.asleep == ASLEEP_KV_ONLY and "kv_cache" in wanted:
+            self.llm.collective_rpc("wake_up", kwargs={"tags": ["kv_cache"]})
+            self.asleep = None
         return Woke(memory=self.memory(), tags=tags, seconds=time.perf_counter() - t0)
+
+    def _refuse_asleep(self, what: str) -> None:
+        if self.asleep is not None:
+            raise RuntimeError(f"generation engine {self.engine_index}: {what}() while already asleep "
+                               f"({self.asleep}; driver order bug)")
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
