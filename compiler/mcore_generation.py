@@ -108,6 +108,8 @@ _IPC = "sizes or shapes the CUDA-IPC stream into vLLM; Megatron inference reads 
 VLLM_ONLY: tuple[VllmOnly, ...] = (
     VllmOnly("refit.sleep_level", "selects vLLM's sleep mode; the Megatron engine's KV pool follows "
              "generation.megatron.kv_cache"),
+    VllmOnly("refit.keep_weights_awake", "keeps vLLM's weights on the GPU while only its KV cache sleeps; the Megatron "
+             "engine generates from the trainer's own weights (or its dedicated model)"),
     VllmOnly("refit.buffer_memory_ratio", _IPC),
     VllmOnly("refit.buffer_gb", _IPC),
     VllmOnly("refit.alignment_bytes", _IPC),

@@ -130,6 +130,7 @@ class Refitted:
     synced: list[MegatronSynced] | None = None  # megatron-*: every policy worker's engine
     verify: list[dict[str, Any]] | None = None  # one report per vLLM worker / policy worker, when checked
     sleep_level: int = 0
+    weights_awake: bool = False  # refit.keep_weights_awake: only vLLM's KV cache slept
     offload_optimizer: bool = False
     number: int = 0  # this process's refits so far, this one included (the driver counts them)
 
@@ -319,6 +320,7 @@ class Recorder:
         m["refit/min_free_gib"] = min(s.min_free_bytes for s in sent) / GIB
         m["refit/half_gib"] = r0.half_bytes / GIB
         m["refit/sleep_level"] = r.sleep_level
+        m["refit/weights_awake"] = int(r.weights_awake)
 
     def _megatron_refit(self, r: Refitted, synced: list[MegatronSynced]) -> None:
         for rank, s in enumerate(synced):
@@ -347,7 +349,7 @@ class Recorder:
         rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=step, sleep_level=cfg.refit.sleep_level,
                                             enforce_eager=cfg.generation.enforce_eager,
                                             gpu_type=cfg.cluster.gpu_type, versions=self.versions, worker="rank0",
-                                            extra=extra)
+                                            weights_awake=cfg.refit.keep_weights_awake, extra=extra)
         self.calibration.write(rec.to_dict())
 
     def started(self, phase: str, memory: Memory) -> None:

@@ -108,6 +108,7 @@ class VllmIpcSync:
         refit = self.cfg.refit
         return Refitted(step=step, kind=self.kind, offloaded=offloaded, transfer_seconds=transfer, memory=woke.memory,
                         sent=sent, verify=reports, sleep_level=refit.sleep_level,
+                        weights_awake=refit.keep_weights_awake,
                         offload_optimizer=refit.offload_optimizer_for_refit)
 
     def _verify(self, step: int) -> list[dict[str, Any]]:

@@ -79,9 +79,10 @@ def _per_run(runs: Sequence[RunMeasurements], get: Callable[[RunMeasurements], O
 
 
 def check_runs(runs: Sequence[RunMeasurements], recipe: Recipe) -> None:
-    """The runs were made on the recipe's GPU, with its sleep level and eager setting, on one stack."""
+    """The runs were made on the recipe's GPU, with its sleep level, weights-awake and eager settings, on one
+    stack."""
     gpu = recipe.cluster.gpu
-    level, eager = recipe.refit.sleep_level, recipe.generation.enforce_eager
+    level, eager, awake = recipe.refit.sleep_level, recipe.generation.enforce_eager, recipe.refit.keep_weights_awake
     versions = runs[0].versions
     for run in runs:
         if run.gpu_type != gpu:
@@ -95,6 +96,10 @@ def check_runs(runs: Sequence[RunMeasurements], recipe: Recipe) -> None:
             if rec.sleep_level and rec.sleep_level != level:
                 raise CalibrationError(f"{run.path}: recorded with sleep_level {rec.sleep_level}, the recipe has "
                                        f"refit.sleep_level {level}; give the recipe the runs were compiled from")
+            if rec.weights_awake != awake:
+                raise CalibrationError(f"{run.path}: recorded with refit.keep_weights_awake {rec.weights_awake}, the "
+                                       f"recipe has {awake} (vLLM's weights in the after-sleep memory or not); give "
+                                       "the recipe the runs were compiled from")
             if rec.enforce_eager != eager:
                 raise CalibrationError(f"{run.path}: recorded with enforce_eager {rec.enforce_eager}, the recipe has "
                                        f"generation.enforce_eager {eager}; give the recipe the runs were compiled from")

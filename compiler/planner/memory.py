@@ -59,6 +59,11 @@ NO_OP_GIB = 0.01  # a lever that frees less memory at the refit than this change
 
 REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pinned host memory for the reference "
                           "logprob pass, freed after it")
+
+#: the plan item of vLLM's weight shard (on the GPU at the refit; in the train step when its level keeps it there
+#: or with refit.keep_weights_awake)
+VLLM_SHARD_LABEL = "vLLM weight shard"
+
 def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
     """Megatron's allocations at refit on one stage, by item."""
     items = _megatron_bytes(fig, where, cal)
@@ -188,7 +193,7 @@ def _vllm_residue(recipe: Recipe, weights: Optional[VllmWeights], where: VllmRes
                   cal: Calibration, nvls: Sequence[Item]) -> list[Item]:
     items = []
     if where.weights:
-        items.append(Item("vLLM weight shard", gib(None if weights is None else weights.shard), "vllm", "params",
+        items.append(Item(VLLM_SHARD_LABEL, gib(None if weights is None else weights.shard), "vllm", "params",
                           where.why))
         if weights is not None and weights.drafter:
             items.append(Item(DRAFTER_LABEL, gib(weights.drafter), "vllm", "params",

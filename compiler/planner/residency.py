@@ -8,7 +8,8 @@ host memory in each phase, from the recipe's switches, the vLLM version's sleep 
 phase      Megatron on the GPU                          vLLM on the GPU
 =========  ===========================================  ==========================================
 train      params, grads, fp32 master + Adam moments    weight shard only if the sleep level keeps
-           (less the ``optimizer_cpu_offload`` share)   it on the GPU in this vLLM version
+           (less the ``optimizer_cpu_offload`` share)   it on the GPU in this vLLM version, or with
+                                                        ``refit.keep_weights_awake`` (KV-only sleep)
 refit      params; fp32 master unless it moved with     weight shard if the level has it back at
            the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off)
            optimizer, or no offload); grads + moments
@@ -30,11 +31,11 @@ optimizer state only in the train step. ``refit.offload_params_for_generation`` 
 parameters to host memory after the refit (Megatron's parameter buffers, so the distributed optimizer)
 and back before the logprob pass, as NeMo-RL, verl, slime and SkyRL do before they generate.
 
-Host memory (per GPU): the weight copy of sleep level 1 (pinned; PyTorch's pinned-memory cache
-keeps the pages after wake-up, so it counts through the refit), and whatever Megatron state the
-offloads moved there: the optimizer state; the gradient buffers only with
-``training.offload_copies_gradients`` (Megatron's own offload frees them: storage resized to 0 and
-zeroed on reload); with ``training.optimizer_cpu_offload`` the CPU optimizer's fp32 copy of each
+Host memory (per GPU): the weight copy of sleep level 1 unless the weights are kept awake (pinned;
+PyTorch's pinned-memory cache keeps the pages after wake-up, so it counts through the refit), and
+whatever Megatron state the offloads moved there: the optimizer state; the gradient buffers only
+with ``training.offload_copies_gradients`` (Megatron's own offload frees them: storage resized to 0
+and zeroed on reload); with ``training.optimizer_cpu_offload`` the CPU optimizer's fp32 copy of each
 offloaded shard's gradient (Megatron's ``HybridDeviceOptimizer`` keeps it between steps).
 """
 from __future__ import annotations
@@ -101,7 +102,8 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     off = float(training.optimizer_offload_fraction) if cpu_offload else 0.0
     offload_for_refit = refit.offload_optimizer_for_refit
     precision_aware = training.use_precision_aware_optimizer
-    host_copy = 1.0 if level.host_copy else 0.0
+    awake = refit.keep_weights_awake  # only the KV cache sleeps: the shard is on the GPU in every phase
+    host_copy = 1.0 if level.host_copy and not awake else 0.0
     with_reference = recipe.loss.kl_penalty > 0
     reference = 1.0 if with_reference and not training.offload_reference_policy else 0.0
     reference_host = 1.0 if with_reference and training.offload_reference_policy else 0.0
@@ -110,6 +112,8 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         "train",
         MegatronResident(params=1.0, grads=1.0, master=1.0 - off, moments=1.0 - off, cpu_offload_staging=cpu_offload,
                          reference=reference),
+        VllmResident(True, "refit.keep_weights_awake: only the KV cache sleeps, the weight shard stays on the GPU")
+        if awake else
         VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
         HostResident(vllm_weights=host_copy, grads=0.0, master=off, moments=off, reference=reference_host,
@@ -132,6 +136,7 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
                             cpu_optimizer_grads=off)
     refit_phase = PhaseResidency(
         "refit", mega,
+        VllmResident(True, "refit.keep_weights_awake: the weight shard never left the GPU") if awake else
         VllmResident(level.gpu_at_refit, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("on the GPU" if level.gpu_at_refit else "not on the GPU") + " at the refit"),
         host,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rlc.compiler.planner.memory import DRAFTER_LABEL, VLLM_SHARD_LABEL
 from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
@@ -27,6 +28,16 @@ def kept_buffers_hint(plan: Any, phase: str) -> str:
     held = plan.phases.get(phase)
     kept = sum(i.gib or 0.0 for i in held.items if i.label == KEPT_BUFFERS_LABEL) if held is not None else 0.0
     return f"; refit.keep_buffers_gb: 0 frees the {kept:.2f} GiB of IPC halves kept between refits" if kept else ""
+
+
+def awake_weights_hint(ctx: Context, phase: str) -> str:
+    """``; refit.keep_weights_awake: false frees ...`` where the phase holds vLLM's weights only because they are
+    kept awake (vLLM's own sleep takes them off the GPU)."""
+    if not ctx.recipe.refit.keep_weights_awake:
+        return ""
+    held = ctx.plan.phases.get(phase)
+    kept = sum(i.gib or 0.0 for i in held.items if i.label in (VLLM_SHARD_LABEL, DRAFTER_LABEL)) if held else 0.0
+    return f"; refit.keep_weights_awake: false frees the {kept:.2f} GiB of vLLM weights kept on the GPU" if kept else ""
 
 
 @rule("RLC210", "each IPC ping-pong half must hold the largest exported tensor", severities=("error",),
@@ -173,7 +184,8 @@ def generation_fits(ctx: Context) -> None:
                 "is a warning.",
       seed="First principles; residues from the calibration table.",
       fixes="More pipeline / expert parallelism, or more data parallelism for the optimizer shards (vLLM's sleep "
-            "level does not change the train step: both levels take the weight shard off the GPU); for the "
+            "level does not change the train step: both levels take the weight shard off the GPU, unless "
+            "refit.keep_weights_awake keeps it there); for the "
             "activations, training.activation_checkpointing: full, a smaller micro batch, or more TP with "
             "sequence_parallel.")
 def train_fits(ctx: Context) -> None:
@@ -181,7 +193,7 @@ def train_fits(ctx: Context) -> None:
     megatron = ctx.plan.backend == "megatron"
     if check is not None and check.ok is False:
         ctx.error(check.text + ("" if megatron else " (other activations not yet counted)"), "parallelism.train",
-                  hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train"))
+                  hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train") + awake_weights_hint(ctx, "train"))
         return
     estimated = ctx.plan.checks.get("train_activations_fit")
     if estimated is not None and estimated.ok is False:
@@ -362,6 +374,7 @@ def residue_growth(ctx: Context) -> None:
             continue  # RLC222 already reports the pass at step 1
         hint = fix.text if fix is not None else \
             "raise parallelism.train.tp with sequence_parallel: true, or PP / EP to shrink the per-GPU state"
+        hint += awake_weights_hint(ctx, "train" if key == "train_late_fit" else "logprob")
         message = (f"{check.text}: it fits at step 1 but not once the residue has grown (vLLM "
                    f"{plan.vllm_version}){where}")
         path = "parallelism.train.tp" if key == "train_late_fit" or fix is None else fix.key
@@ -388,4 +401,4 @@ def logprob_fits(ctx: Context) -> None:
     path = fix.key if fix is not None else "training.logprob_batch_size"
     ctx.error(check.text + " (other activations not yet counted)", path,
               hint=(fix.text if fix is not None else "lower training.logprob_batch_size or raise parallelism.train.tp")
-              + kept_buffers_hint(ctx.plan, "logprob"))
+              + kept_buffers_hint(ctx.plan, "logprob") + awake_weights_hint(ctx, "logprob"))

@@ -260,3 +260,20 @@ def params_offload_needs_distributed_optimizer(ctx: Context) -> None:
         ctx.error("offload_params_for_generation needs the distributed optimizer (Megatron keeps the parameters in "
                   "its contiguous buffers only then)", f"{R}.offload_params_for_generation",
                   hint="set training.use_distributed_optimizer: true, or refit.offload_params_for_generation: false")
+
+
+@rule("RLC223", "vLLM's weights kept awake cannot also sleep at level 2", severities=("error",),
+      rationale="refit.keep_weights_awake puts only vLLM's KV cache to sleep: the weight shard stays on the GPU "
+                "through the train step and the refit writes into it. refit.sleep_level says what vLLM's own sleep "
+                "does with the weights (1 backs them up to host memory, 2 discards them); level 2 asks for the "
+                "opposite of keeping them, so the two settings contradict each other and the plan could count "
+                "only one of them.",
+      seed="vLLM Worker.sleep (level 1 offloads the 'weights' tag, level 2 discards every tag); rlc's KV-only sleep "
+           "(rlc/runtime/generation/extension.py).",
+      fixes="Keep refit.keep_weights_awake: true and leave refit.sleep_level at 1, or turn keep_weights_awake off.")
+def weights_awake_vs_sleep_level(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if refit.keep_weights_awake and refit.sleep_level == 2:
+        ctx.error("refit.keep_weights_awake keeps vLLM's weights on the GPU, and refit.sleep_level 2 discards them "
+                  "at every sleep", f"{R}.keep_weights_awake",
+                  hint="drop refit.sleep_level (or set it to 1), or set refit.keep_weights_awake: false")

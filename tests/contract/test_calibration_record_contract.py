@@ -61,8 +61,9 @@ def test_records_of_the_recorded_h200_run_parse():
 def test_json_round_trip_is_lossless():
     rec = CalibrationRecord.from_memory("refit_free", MEMORY, step=3, sleep_level=2, enforce_eager=False,
                                         gpu_type="h100-80gb", versions={"vllm": "0.17.1"}, worker="rank0",
-                                        extra={"half_gib": 1.5})
+                                        weights_awake=True, extra={"half_gib": 1.5})
     line = rec.to_json()
+    assert json.loads(line)["weights_awake"] is True
     assert json.loads(line)["kind"] == "calibration" and json.loads(line)["half_gib"] == 1.5
     assert parse_record(line) == rec
     assert parse_record(rec.to_dict()) == rec
@@ -97,6 +98,7 @@ def test_every_phase_the_driver_names_is_in_the_contract():
     ({"free_gib": "35"}, "free_gib"),
     ({"used_gib": -1}, "used_gib"),
     ({"enforce_eager": 1}, "enforce_eager"),
+    ({"weights_awake": "yes"}, "weights_awake"),
     ({"versions": {"vllm": 17}}, "versions"),
     ({"step": True}, "step"),
 ])

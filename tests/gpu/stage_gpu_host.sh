@@ -5,7 +5,7 @@
 #    (generation.precision: fp8 stops at "No module named 'humming'" without it; stage.sh skips it by default);
 #  - the FlashAttention that megatron-core's dynamic inference engine needs on Hopper (generation.backend: megatron).
 #
-#   bash tests/gpu/stage_gpu_host.sh OUT       # OUT/part00 ... as stage.sh makes them
+#   bash tests/gpu/stage_gpu_host.sh OUT       # OUT/part00 ... (parts of PART_MB megabytes, default 48)
 #
 # The FlashAttention is FlashAttention-3 as the `tokenspeed-fa3` wheel builds it: forward kernels for sm_90a
 # (paged KV, varlen, split-KV), CUDA 13.0, linked against torch's stable C ABI only (no libtorch C++ symbols), so
@@ -30,4 +30,20 @@ if [[ -z ${SKIP:-} ]]; then
   [[ -n $SKIP ]] || { echo "could not read the default SKIP list from $STAGE_SH" >&2; exit 2; }
   export SKIP
 fi
-exec bash "$STAGE_SH" "${1:?usage: stage_gpu_host.sh OUT}"
+OUT=${1:?usage: stage_gpu_host.sh OUT}
+bash "$STAGE_SH" "$OUT"
+# A call carries the checkout and one part under 64 MiB together: parts of PART_MB (default 48 MB) leave the
+# checkout room that stage.sh's 55 MiB parts no longer do. Same stream, cut finer: packNN in partNN, the last
+# part keeping unpack.sh and zstd (host_run.sh unpacks from the last part it was carried).
+PART_MB=${PART_MB:-48}
+tools=$(ls -d "$OUT"/part* | tail -1)
+tmp=$(mktemp -d "$OUT/.rechunk.XXXX")
+cp "$tools/unpack.sh" "$tools/zstd" "$tmp/"
+cat "$OUT"/part*/pack* | split -b "${PART_MB}000000" -d - "$tmp/pack"
+rm -rf "$OUT"/part*
+n=0
+for f in "$tmp"/pack*; do
+  d=$(printf '%s/part%02d' "$OUT" "$n"); mkdir -p "$d"; mv "$f" "$d/$(printf 'pack%02d' "$n")"; n=$((n + 1))
+done
+mv "$tmp/unpack.sh" "$tmp/zstd" "$d/" && rmdir "$tmp"
+echo "re-cut into $n parts of at most ${PART_MB} MB: $OUT/part00 .. $(basename "$d")"

@@ -111,6 +111,17 @@ def test_records_from_another_gpu_are_refused(tmp_path):
     assert not (tmp_path / "c.yaml").exists()
 
 
+def test_records_of_a_run_with_the_weights_kept_awake_are_refused_for_a_recipe_without(tmp_path):
+    """Their after-sleep memory holds vLLM's weights: fitting a recipe that sleeps them would count them twice."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    lines = [json.loads(line) for line in (run / "calibration.jsonl").read_text().splitlines() if line.strip()]
+    (run / "calibration.jsonl").write_text("".join(json.dumps({**r, "weights_awake": True}) + "\n" for r in lines))
+    code, _, err = rlc("calibrate", run, "--recipe", TINY, "-o", tmp_path / "c.yaml")
+    assert code == 2 and "refit.keep_weights_awake True" in err and "Traceback" not in err
+    assert not (tmp_path / "c.yaml").exists()
+
+
 def test_a_malformed_record_names_file_and_line(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(RUN, run)

@@ -45,6 +45,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         buffer_gb=16384 / (1 << 30),  # 16 KiB for both halves -> 8 KiB per half
         alignment_bytes=256,
         sleep_level=2,
+        keep_weights_awake=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,

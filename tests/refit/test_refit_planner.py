@@ -197,6 +197,7 @@ def test_plan_from_runtime_config():
         buffer_gb=None,
         alignment_bytes=256,
         sleep_level=2,
+        keep_weights_awake=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,

@@ -5,7 +5,8 @@ record every remote call and answer as the real workers do; only Ray is replaced
 pins the order:
 
 * vLLM: what the driver did before the weight synchronizer existed (refit offload, wake the weights, IPC
-  send/receive, wake the KV cache, reset the prefix cache; generate, sleep at ``refit.sleep_level``);
+  send/receive, wake the KV cache, reset the prefix cache; generate, sleep at ``refit.sleep_level``); with
+  ``refit.keep_weights_awake`` no weight wake-up, and only the KV cache sleeps;
 * Megatron shared: refit offload then ``mg_sync`` (nothing moves), generate on the policy workers, release
   before the logprob pass;
 * Megatron dedicated: the same, with ``refit.offload_params_for_generation`` around the rollout and the
@@ -114,11 +115,16 @@ def _policy_answers(log_verify: list[bool]) -> dict[str, Any]:
     }
 
 
-def _generation_answers() -> dict[str, Any]:
+def _generation_answers(woken: list[list[str]]) -> dict[str, Any]:
+    def wake_up(rank: int, tags: list[str]) -> Woke:
+        woken.append(list(tags))
+        return Woke(memory=MEM, tags=tags)
+
     return {
         "generate": lambda rank, prompts, n: _samples(prompts, n),
         "sleep": Slept(freed_gib=1.0, memory=MEM),
-        "wake_up": Woke(memory=MEM),
+        "sleep_kv_cache": Slept(freed_gib=0.5, memory=MEM),
+        "wake_up": wake_up,
         "reset_prefix_cache": True,
         "refit_receive": [{}],
     }
@@ -143,6 +149,7 @@ class FakeRun(GrpoRun):
     def __init__(self, cfg: Any, log: list, verify_calls: list[bool]) -> None:
         super().__init__(cfg)
         self.call_log = log
+        self.woken: list[list[str]] = []  # the tags of every generation.wake_up, in order
         self.policy_answers = _policy_answers(verify_calls)
         policy = PolicyGroup(fake_group("policy", log, self.policy_answers))
         self._policy = policy
@@ -153,8 +160,8 @@ class FakeRun(GrpoRun):
         if cfg.generation.backend == "megatron":
             self.backend = MegatronBackend(policy)
         else:
-            self._generation = GenerationGroup(fake_group("generation", log, _generation_answers()))
-            self.backend = VllmBackend(self.generation, cfg.refit.sleep_level)
+            self._generation = GenerationGroup(fake_group("generation", log, _generation_answers(self.woken)))
+            self.backend = VllmBackend(self.generation, cfg.refit.sleep_level, cfg.refit.keep_weights_awake)
         self.weight_sync = make_weight_sync(cfg, policy, self._generation, self.session, self.timer)
         self.steps: list[list[str]] = []  # the remote calls of the initial refit, then of each step
         self.logged: list[dict[str, Any]] = []  # each step's metrics
@@ -226,9 +233,25 @@ def test_vllm_refit_and_step_order_are_unchanged(tmp_path):
     assert step1 == step2 == ["generation.generate", "generation.sleep", "policy.compute_logprobs",
                               "policy.train_step", *refit]
     assert run.refits_done == 3
+    assert run.woken == [["weights"], ["kv_cache"]] * 3
     last = run.logged[-1]
-    assert last["refit/sleep_level"] == 2 and last["refit/bytes"] == 96 and "timing/vllm_generate_s" in last
+    assert last["refit/sleep_level"] == 2 and last["refit/weights_awake"] == 0
+    assert last["refit/bytes"] == 96 and "timing/vllm_generate_s" in last
     assert last["reward/mean"] == 0.5 and last["loss/total"] == 0.1 and last["memory/after_wake/free_gib"] == 100.0
+
+
+def test_vllm_weights_kept_awake_sleep_only_the_kv_cache_and_are_not_woken(tmp_path):
+    log: list = []
+    run = FakeRun(_cfg(tmp_path, "vllm", refit={"keep_weights_awake": True, "sleep_level": 1}), log, [])
+    refit = ["policy.refit_offload", "policy.refit_send", "generation.refit_receive", "generation.wake_up",
+             "generation.reset_prefix_cache"]
+    initial, step1, step2 = _steps(run)
+    assert initial == refit
+    assert step1 == step2 == ["generation.generate", "generation.sleep_kv_cache", "policy.compute_logprobs",
+                              "policy.train_step", *refit]
+    assert run.woken == [["kv_cache"]] * 3  # the initial refit and two steps: the weights never slept
+    last = run.logged[-1]
+    assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last and "timing/wake_kv_s" in last
 
 
 def test_megatron_shared_moves_nothing_and_releases_before_the_logprob_pass(tmp_path):

@@ -139,3 +139,19 @@ def test_the_checks_catch_a_changed_signature_a_missing_method_and_a_call_that_d
     problems: list[Any] = bad_calls(calls)
     assert len(problems) == 2 and problems[0].startswith("x.py:1: _Worker.setup: too many positional arguments")
     assert problems[1] == "x.py:2: _Worker has no method memory"
+
+
+def test_every_method_the_vllm_worker_calls_in_its_engine_exists_there():
+    """``llm.collective_rpc("name")`` runs ``name`` on each of vLLM's workers: the ``rlc_*`` names on the extension
+    class the engine is started with, the others on vLLM's own worker (``wake_up`` with tags)."""
+    from rlc.runtime.generation.extension import RlcWorkerExtension  # noqa: PLC0415
+
+    source = (ROOT / "rlc" / "runtime" / "generation" / "vllm_worker.py").read_text(encoding="utf-8")
+    called = {node.args[0].value for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "collective_rpc" and node.args and isinstance(node.args[0], ast.Constant)}
+    assert {"rlc_sleep_kv_cache", "rlc_refit_receive", "wake_up"} <= called, called
+    missing = [name for name in called if name.startswith("rlc_") and not callable(getattr(RlcWorkerExtension, name,
+                                                                                           None))]
+    assert missing == []
+    assert called - {n for n in called if n.startswith("rlc_")} == {"wake_up"}  # vLLM's Worker.wake_up(tags)

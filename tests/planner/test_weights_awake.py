@@ -1,0 +1,57 @@
+"""``refit.keep_weights_awake``: vLLM's weight shard stays on the GPU through the train step and the logprob pass
+(only the KV cache sleeps), the plan counts it there and drops sleep level 1's host copy, the rules refuse it
+with level 2 and name it where the memory it holds is what overfills a phase."""
+from __future__ import annotations
+
+import pytest
+
+from rlc.compiler.planner.memory import VLLM_SHARD_LABEL
+from tests.planner.test_planner_model import DSV3, QWEN35_2619, check, labels, rules
+
+AWAKE = "refit.keep_weights_awake=true"
+HOST_COPY = "vLLM weight copy (sleep level 1)"
+
+
+def test_the_shard_is_counted_in_the_train_and_logprob_phases_and_leaves_host_memory(tmp_path):
+    asleep = check(tmp_path, DSV3).plan
+    awake = check(tmp_path, DSV3, AWAKE).plan
+    shard = awake.item_gib("refit", VLLM_SHARD_LABEL)
+    assert shard == pytest.approx(asleep.vllm_weights_gib) and shard > 1
+    for phase in ("train", "logprob"):
+        assert VLLM_SHARD_LABEL not in labels(asleep.phases[phase])
+        assert awake.item_gib(phase, VLLM_SHARD_LABEL) == shard
+        assert awake.phases[phase].used_gib == pytest.approx(asleep.phases[phase].used_gib + shard, abs=0.01)
+    # the refit and generation phases hold the same either way: the refit woke the shard before
+    assert awake.refit.free_at_refit == asleep.refit.free_at_refit
+    assert awake.phases["generate"].used_gib == asleep.phases["generate"].used_gib
+    # level 1's pinned copy is not taken: nothing of the weights goes to host memory
+    assert asleep.host.item_gib(HOST_COPY) > 0 and awake.host.item_gib(HOST_COPY) == 0
+    assert awake.host.used_gib < asleep.host.used_gib
+
+
+def test_kept_awake_with_sleep_level_2_is_an_error_naming_both_keys(tmp_path):
+    result = check(tmp_path, DSV3, AWAKE, "refit.sleep_level=2")
+    errors = [d for d in result.diagnostics if d.rule == "RLC223"]
+    assert [d.severity for d in errors] == ["error"]
+    assert errors[0].path == "refit.keep_weights_awake" and "sleep_level" in errors[0].hint
+    assert "RLC223" not in rules(check(tmp_path, DSV3, AWAKE))
+    assert "RLC223" not in rules(check(tmp_path, DSV3, "refit.sleep_level=2"))
+
+
+def test_a_step_the_kept_shard_overfills_names_the_switch_as_the_fix(tmp_path):
+    # NeMo-RL #2619's fixed layout (trainer TP 2 + sequence parallel) fits from step 2 on with vLLM asleep;
+    # the 35B shard kept awake on top of it does not
+    fixed = ("parallelism.train.tp=2", "parallelism.train.sequence_parallel=true")
+    asleep = check(tmp_path, QWEN35_2619, *fixed)
+    assert asleep.plan.checks["train_late_fit"].ok and "RLC220" not in rules(asleep)
+    awake = check(tmp_path, QWEN35_2619, *fixed, AWAKE)
+    shard = awake.plan.item_gib("train", VLLM_SHARD_LABEL)
+    assert not awake.plan.checks["train_late_fit"].ok
+    late = [d for d in awake.diagnostics if d.rule == "RLC220"]
+    assert late and f"refit.keep_weights_awake: false frees the {shard:.2f} GiB" in late[0].hint
+
+
+def test_the_megatron_backend_refuses_the_vllm_only_switch(tmp_path):
+    result = check(tmp_path, {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron",
+                                                     "kv_cache_memory_bytes": 1 << 30}}, AWAKE)
+    assert any("refit.keep_weights_awake" in (d.path or "") and d.severity == "error" for d in result.diagnostics)
