@@ -5,6 +5,7 @@
                                         [--fused-transfer] [--keep-buffers-gb GIB]
     python benchmarks/refit_at_scale.py --dry-run      # CPU: the plan (memory budget, spot checks)
     python benchmarks/refit_at_scale.py --docs-rows DIR/refit_at_scale.json   # rows for docs/refit.md
+    python benchmarks/refit_at_scale.py --report DIR/refit_at_scale.json      # the report again
 
 Nothing is downloaded. Each model is built from its HF ``config.json`` (``benchmarks/models/``):
 the trainer by Megatron-Bridge (``AutoBridge.from_hf_config`` + ``to_megatron_provider(load_weights
@@ -108,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the plan (budgets, spot checks) and stop")
     ap.add_argument("--docs-rows", metavar="JSON", default=None,
                     help="print docs/refit.md's result rows from a run's refit_at_scale.json and stop")
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="print the report of a run's refit_at_scale.json again (this version's rendering) and stop")
     a = ap.parse_args(argv)
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in ALL_CASES]
@@ -629,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"<!-- {results.get('command', '')}; {results.get('machine', {}).get('hostname', '?')}; "
               f"{results.get('started_utc', '')} -->")
         print(P.docs_rows(results, P.evaluate_goals(results)))
+        return 0
+    if a.report:
+        results = json.loads(Path(a.report).read_text(encoding="utf-8"))
+        print(P.render_report(results, P.evaluate_goals(results)))
         return 0
     try:
         plans = plan(a)

@@ -419,7 +419,7 @@ BREAKDOWN_ROWS = (
     ("consumer_open_s", "  vLLM opening IPC handles"),
     ("wake_weights_s", "  wake_up(weights)"),
     ("wake_kv_s", "  wake_up(kv_cache)"),
-    ("sleep_s", "sleep(level=2)"),
+    ("sleep_s", "sleep (level 2; the KV cache only with the weights awake)"),
     ("refit_plus_sleep_s", "refit + sleep"),
 )
 
@@ -589,8 +589,33 @@ def _ordering(summary: dict[str, Any]) -> str:
     return "; buckets ordered by device events in some refits only"
 
 
-def render_case(name: str, case: dict[str, Any]) -> str:
-    """One GPU case: the breakdown table (seconds), export alone, bytes, spot checks, or its error."""
+#: Parts of a refit set against the two-copy bound: (summary key, label).
+BOUND_PARTS = (
+    ("total_refit_s", "total refit"),
+    ("export_s", "Bridge export"),
+    ("pack_s", "packing"),
+    ("load_weights_s", "vLLM load_weights"),
+    ("wake_weights_s", "wake weights"),
+    ("wake_kv_s", "wake KV"),
+)
+
+
+def two_copy_bound_s(nbytes: float, copy_gbps: float) -> float:
+    """Seconds to copy ``nbytes`` twice (pack, load) at the device-to-device copy rate ``copy_gbps``."""
+    return 2 * nbytes / (copy_gbps * 1e9)
+
+
+def bound_lines(summary: dict[str, Any], copy_gbps: float) -> list[str]:
+    """Each part's median as a multiple of the case's two-copy bound at the same run's device copy rate."""
+    bound = two_copy_bound_s(summary["bytes_per_gpu"]["median"], copy_gbps)
+    parts = ", ".join(f"{label} {summary[key]['median']:.4f} s ({summary[key]['median'] / bound:.1f}x)"
+                      for key, label in BOUND_PARTS if key in summary)
+    return [f"two-copy bound (pack + load at this run's {copy_gbps:.0f} GB/s device copy): {bound:.4f} s; {parts}"]
+
+
+def render_case(name: str, case: dict[str, Any], copy_gbps: float | None = None) -> str:
+    """One GPU case: the breakdown table (seconds), the parts against the two-copy bound (when the run measured
+    the device copy), export alone, bytes, spot checks, or its error."""
     lines = [f"## {name}: {case.get('describe', '')}"]
     if "error" in case:
         lines.append(f"FAILED: {case['error'][:2000]}")
@@ -607,6 +632,8 @@ def render_case(name: str, case: dict[str, Any]) -> str:
                      f"transfer rate {gb / summary['transfer_s']['median']:.1f} GB/s per GPU; buffers allocated per "
                      f"refit {summary['buffers_allocated']['median']:.0f}, IPC handles opened "
                      f"{summary['buffers_opened']['median']:.0f}{_ordering(summary)}")
+        if copy_gbps:
+            lines += bound_lines(summary, copy_gbps)
     alone = case.get("export_alone")
     if alone:
         slowest = max(alone, key=lambda r: r["seconds"])
@@ -645,8 +672,9 @@ def render_report(results: dict[str, Any], goals: Sequence[Goal]) -> str:
         lines.append(f"median over {tiny['steps']} steps: step {tiny['step_s']:.3f} s, refit {tiny['refit_s']:.3f} s, "
                      f"sleep {tiny['sleep_s']:.3f} s -> (refit + sleep) / step {tiny['overhead_fraction']:.3f}")
         lines.append("")
+    copy_gbps = (engine or {}).get("copy_gbps")
     for name, case in results.get("cases", {}).items():
-        lines.append(render_case(name, case))
+        lines.append(render_case(name, case, copy_gbps))
         lines.append("")
     if results.get("errors"):
         lines.append("errors: " + "; ".join(results["errors"]))

@@ -336,7 +336,7 @@ class GrpoRun:
                     env=env, name=f"{self.session}-gen{e}", args=(self.cfg_dict, e, phys)))
             self._generation = GenerationGroup(W.WorkerGroup("generation", gen_actors))
             self.generation.describe()
-            vllm = VllmBackend(self.generation, cfg.refit.sleep_level, cfg.refit.keep_weights_awake)
+            vllm = VllmBackend(self.generation, cfg.refit)
             self.backend = vllm
             started = vllm.start()
             self.eos_token_id = started.eos_token_id

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rlc.contract.runtime_config import RefitConfig
 from rlc.runtime.worker_api import EngineStarted, Generated, Slept
 from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
 
@@ -45,10 +46,10 @@ class VllmBackend:
     name = "vllm"
     timer = "vllm_generate"
 
-    def __init__(self, group: GenerationGroup, sleep_level: int, keep_weights_awake: bool = False) -> None:
+    def __init__(self, group: GenerationGroup, refit: RefitConfig) -> None:
         self.group = group
-        self.sleep_level = sleep_level
-        self.keep_weights_awake = keep_weights_awake
+        self.sleep_level = refit.sleep_level
+        self.keep_weights_awake = refit.keep_weights_awake
 
     @property
     def engines(self) -> int:

@@ -372,6 +372,25 @@ def test_docs_rows_from_a_run(tmp_path, capsys):
     assert "| tiny-run (refit + sleep) / step (≤ 0.15) | not measured |  |" in out
 
 
+def test_the_report_sets_each_part_against_the_same_runs_two_copy_bound(tmp_path, capsys):
+    records = [_record(i, 1.0, 0.5) for i in range(3)]  # 61 GB per GPU
+    summary = P.summarize_refits(records, 1)
+    results = {"command": "python benchmarks/refit_at_scale.py", "machine": {"hostname": "h"},
+               "cases": {"moe-1gpu": {"describe": "", "summary": summary}},
+               "engine": {"command": "bench", "refit_gbps": 500.0, "copy_gbps": 2000.0, "ratio": 0.25,
+                          "bytes": 2 << 30, "buckets": 4}}
+    assert P.two_copy_bound_s(61e9, 2000.0) == pytest.approx(0.061)  # 61 GB copied twice at 2 TB/s
+    path = tmp_path / "refit_at_scale.json"
+    path.write_text(json.dumps(results))
+    assert S.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "two-copy bound (pack + load at this run's 2000 GB/s device copy): 0.0610 s;" in out
+    total = summary["total_refit_s"]["median"]
+    assert f"total refit {total:.4f} s ({total / 0.061:.1f}x)" in out
+    # without the engine case the run measured no copy rate, and no bound is claimed
+    assert "two-copy bound" not in P.render_case("moe-1gpu", results["cases"]["moe-1gpu"])
+
+
 def test_top_calls_names_the_slow_function_of_a_profile():
     import cProfile
     import time

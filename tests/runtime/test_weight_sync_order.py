@@ -161,7 +161,7 @@ class FakeRun(GrpoRun):
             self.backend = MegatronBackend(policy)
         else:
             self._generation = GenerationGroup(fake_group("generation", log, _generation_answers(self.woken)))
-            self.backend = VllmBackend(self.generation, cfg.refit.sleep_level, cfg.refit.keep_weights_awake)
+            self.backend = VllmBackend(self.generation, cfg.refit)
         self.weight_sync = make_weight_sync(cfg, policy, self._generation, self.session, self.timer)
         self.steps: list[list[str]] = []  # the remote calls of the initial refit, then of each step
         self.logged: list[dict[str, Any]] = []  # each step's metrics
