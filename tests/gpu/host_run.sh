@@ -14,7 +14,8 @@
 #   it on this machine), SCALE_TIMEOUT (default 580 s).
 # refit_fast: refit_at_scale.py with refit.fused_transfer on (FAST_CASES, default engine,dense-8b,moe-1gpu; one GPU),
 #   goals: 30B-A3B median <= 0.5 s and max <= 1.0 s, 8B median <= 0.05 s, engine >= 0.4 of the copy; JSON in
-#   $OUT/refit_fast (FAST_TIMEOUT, default 590 s).
+#   $OUT/refit_fast (FAST_TIMEOUT, default 590 s). The cases dense-8b-awake and moe-1gpu-awake run the same with
+#   refit.keep_weights_awake (at most about three cases fit one call's 600 s).
 # fp8_refit / fp8_refit_moe: a verified refit into FP8 vLLM parameters at Qwen3-8B / Qwen3-30B-A3B shapes with refit
 #   time and tokens/s next to bf16 (FP8_SCALES: block (default) or tensor; FP8_CUDA_GRAPHS=1: both engines with
 #   CUDA graphs, fp8_refit only); fp8_grpo: the tiny GRPO run with FP8 rollouts, 150 steps (FP8_GRPO_SCALES: tensor
