@@ -64,6 +64,7 @@ REFERENCE_SWAPPED_NOTE = ("training.offload_reference_policy: copied in from pin
 #: or with refit.keep_weights_awake)
 VLLM_SHARD_LABEL = "vLLM weight shard"
 
+
 def _megatron_refit_bytes(fig: dict[str, Any], where: MegatronResident, cal: Calibration) -> dict[str, int]:
     """Megatron's allocations at refit on one stage, by item."""
     items = _megatron_bytes(fig, where, cal)
