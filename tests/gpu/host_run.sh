@@ -89,7 +89,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     grpo_awake)  # the tiny run with refit.keep_weights_awake (only vLLM's KV cache sleeps), checked bit-exact every 25 refits
       run_stage grpo_awake 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grpo-awake \
         --out "$OUT/grpo_awake" --steps "${GRPO_STEPS:-100}" --timeout "${GRPO_TIMEOUT:-380}" \
-        --set refit.keep_weights_awake=true --set refit.verify_every=25 ;;
+        --set refit.keep_weights_awake=true --set refit.sleep_level=1 --set refit.verify_every=25 ;;
     grpo_smoke) run_stage grpo_smoke 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-smoke --steps 4 --resume-steps 2 --timeout 200 --smoke ;;
     engine_options) run_stage engine_options 300 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-engine-options \
       --out "$OUT/engine_options" --steps 4 --resume-steps 0 --timeout 240 --smoke \
