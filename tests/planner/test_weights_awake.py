@@ -29,6 +29,16 @@ def test_the_shard_is_counted_in_the_train_and_logprob_phases_and_leaves_host_me
     assert awake.host.used_gib < asleep.host.used_gib
 
 
+def test_a_train_step_the_kept_shard_overfills_is_an_error_naming_the_switch(tmp_path):
+    # DeepSeek-V3 with vLLM TP 32: a 40.9 GiB shard on every GPU; the train step fits only while it sleeps
+    assert "RLC215" not in rules(check(tmp_path, DSV3))
+    result = check(tmp_path, DSV3, AWAKE)
+    shard = result.plan.item_gib("train", VLLM_SHARD_LABEL)
+    step = [d for d in result.diagnostics if d.rule == "RLC215"]
+    assert [d.severity for d in step] == ["error"]
+    assert f"refit.keep_weights_awake: false frees the {shard:.2f} GiB of vLLM weights" in step[0].hint
+
+
 def test_kept_awake_with_sleep_level_2_is_an_error_naming_both_keys(tmp_path):
     result = check(tmp_path, DSV3, AWAKE, "refit.sleep_level=2")
     errors = [d for d in result.diagnostics if d.rule == "RLC223"]
