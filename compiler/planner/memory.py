@@ -392,8 +392,6 @@ class _RefitBase:
     why in ``unknown``): computed before the other phases, which hold the halves ``refit.keep_buffers_gb`` keeps."""
 
     phase: Phase
-    items: tuple[Item, ...]
-    stage: int
     math: Optional[RefitMath] = None
     unknown: Optional[str] = None
 
@@ -409,7 +407,7 @@ def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
     r_items = tuple(_megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm,
                                                                         cal, s.vllm_nvls))
     phase = Phase("refit", "refit (before the IPC buffer)", r_items, limit, stage=worst_f["stage"])
-    base = _RefitBase(phase, r_items, worst_f["stage"])
+    base = _RefitBase(phase)
     if phase.free_gib is None:
         return dataclasses.replace(base, unknown="free memory at refit: needs the vLLM weight shard")
     name, largest = refit_facts(recipe, facts).largest_export_tensor(bpp)
@@ -429,7 +427,7 @@ def _refit_phases(plan: MemoryPlan, s: _PlanInputs, base: Optional[_RefitBase]) 
     if base.math is None:
         plan.unknown.append(base.unknown or "refit math")
         return
-    math, r_items, stage = base.math, base.items, base.stage
+    math, r_items, stage = base.math, base.phase.items, base.phase.stage
     free, name, largest = math.free_at_refit, math.largest_name, math.largest
     plan.refit = math
     plan.phases["refit"] = Phase("refit", base.phase.title, r_items, limit, stage=stage,

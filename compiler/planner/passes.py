@@ -47,10 +47,10 @@ def loss_logits_bytes(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_bl
 
 def loss_logits_item(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blocks: int = 0) -> Optional[Item]:
     """:func:`loss_logits_bytes` as the train phase's item (None when the vocabulary is unknown)."""
-    loss = loss_logits_bytes(recipe, facts, tl, mtp_blocks)
+    tokens, how = train_microbatch_tokens(recipe, tl)
+    loss = loss_logits_bytes(recipe, facts, tl, mtp_blocks, tokens)
     if loss is None or facts.vocab is None:
         return None
-    _, how = train_microbatch_tokens(recipe, tl)
     mtp = _trained_mtp_blocks(recipe, mtp_blocks)
     return Item(LOSS_LOGITS_LABEL, gib(loss), "megatron", "params",
                 logits_note(how, facts.vocab, tl.tp) + (f" (+ {mtp} MTP block(s)' own)" if mtp else ""))

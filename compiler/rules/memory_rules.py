@@ -23,10 +23,15 @@ def _fix_hint(plan: Any, limit: int = 3) -> Optional[str]:
     return "; or ".join(sufficient[:limit])
 
 
+def _held_gib(plan: Any, phase: str, labels: tuple[str, ...]) -> float:
+    """GiB of the items of ``phase`` with one of ``labels`` (0 when the plan has no such phase)."""
+    held = plan.phases.get(phase)
+    return sum(i.gib or 0.0 for i in held.items if i.label in labels) if held is not None else 0.0
+
+
 def kept_buffers_hint(plan: Any, phase: str) -> str:
     """``; refit.keep_buffers_gb: 0 frees ...`` where the phase holds the IPC halves kept between refits."""
-    held = plan.phases.get(phase)
-    kept = sum(i.gib or 0.0 for i in held.items if i.label == KEPT_BUFFERS_LABEL) if held is not None else 0.0
+    kept = _held_gib(plan, phase, (KEPT_BUFFERS_LABEL,))
     return f"; refit.keep_buffers_gb: 0 frees the {kept:.2f} GiB of IPC halves kept between refits" if kept else ""
 
 
@@ -35,8 +40,7 @@ def awake_weights_hint(ctx: Context, phase: str) -> str:
     kept awake (vLLM's own sleep takes them off the GPU)."""
     if not ctx.recipe.refit.keep_weights_awake:
         return ""
-    held = ctx.plan.phases.get(phase)
-    kept = sum(i.gib or 0.0 for i in held.items if i.label in (VLLM_SHARD_LABEL, DRAFTER_LABEL)) if held else 0.0
+    kept = _held_gib(ctx.plan, phase, (VLLM_SHARD_LABEL, DRAFTER_LABEL))
     return f"; refit.keep_weights_awake: false frees the {kept:.2f} GiB of vLLM weights kept on the GPU" if kept else ""
 
 

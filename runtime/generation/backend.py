@@ -48,8 +48,7 @@ class VllmBackend:
 
     def __init__(self, group: GenerationGroup, refit: RefitConfig) -> None:
         self.group = group
-        self.sleep_level = refit.sleep_level
-        self.keep_weights_awake = refit.keep_weights_awake
+        self.refit = refit
 
     @property
     def engines(self) -> int:
@@ -68,9 +67,9 @@ class VllmBackend:
 
     def release(self, step: int) -> Slept:
         """Every engine asleep at ``refit.sleep_level``, or with ``refit.keep_weights_awake`` only its KV cache."""
-        if self.keep_weights_awake:
+        if self.refit.keep_weights_awake:
             return self.group.sleep_kv_cache()[0]
-        return self.group.sleep(self.sleep_level)[0]
+        return self.group.sleep(self.refit.sleep_level)[0]
 
 
 class MegatronBackend:
