@@ -117,6 +117,9 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
     VllmOnly("refit.fused_transfer", "moves stacked expert tensors into vLLM's fused expert parameters; the "
              "Megatron engine and swap_model_weights address Megatron's own tensors", ("auto", "off")),
     VllmOnly("refit.keep_buffers_gb", _IPC),
+    VllmOnly("refit.direct_export", "exports HF tensors for vLLM's loader; the Megatron engine and swap_model_weights "
+             "address Megatron's own tensors", (False,)),
+    VllmOnly("refit.replay_load", "replays vLLM's own load_weights; the Megatron engine has no such loader", (False,)),
     VllmOnly("refit.per_rank_ipc_metadata", "is the IPC slicing metadata of the vLLM refit (SkyRL #1816); nothing is "
              "sliced in process", ("auto",)),
     VllmOnly("refit.dedupe_mtp_embedding", "drops the MTP replica of the word embedding from the HF export to vLLM "

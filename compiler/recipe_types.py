@@ -428,6 +428,21 @@ class RefitSection(_Section):
         "cover, and `refit.verify_every` checks the result against it bit for bit. Not for FP8 rollouts (the "
         "per-expert path runs, and says so). vLLM backend only.",
         default="auto", runtime=_REFIT, runtime_type="bool")
+    direct_export: bool = key(
+        "On the trainer, export every tensor that Megatron-Bridge's conversion only renames, slices or reorders by "
+        "rows as a view of the trainer's parameter (or one row gather, e.g. q, k and v out of Megatron's "
+        "interleaved QKV) instead of running Bridge's per-tensor conversion at every refit. Which tensors qualify "
+        "is found, and checked bit for bit against Bridge's own export, when the refit pairs; every other tensor "
+        "keeps Bridge's export. Trainer TP and PP 1 (other layouts keep Bridge's export, and say so). bf16 "
+        "rollouts, vLLM backend only.",
+        default=False, runtime=_REFIT)
+    replay_load: bool = key(
+        "Record vLLM's `load_weights` at the first refit (every copy it makes from an exported tensor into a "
+        "parameter) and replay those copies at every later refit, one batched copy call per bucket, instead of "
+        "running the loader's per-tensor Python; tensors the loader computes, converts or skips keep the loader. "
+        "The recorded table is checked every refit against the export list and vLLM's parameters, and "
+        "`refit.verify_every` checks the result bit for bit. bf16 rollouts, vLLM backend only.",
+        default=False, runtime=_REFIT)
     keep_buffers_gb: float = key(
         "GiB of refit IPC buffers (both ping-pong halves together) kept allocated, with vLLM's mappings of them, "
         "from one refit to the next: no allocation and no IPC handle per refit while the halves fit. That "

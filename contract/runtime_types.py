@@ -184,6 +184,14 @@ class RefitConfig(Declared):
     sides (trainer EP, ETP and PP 1; vLLM TP, EP and PP 1); `on` also uses it with tensor- or expert-parallel
     layouts. vLLM's own `load_weights` still loads everything the direct copies do not cover, and
     `refit.verify_every` checks the result against it bit for bit."""
+    direct_export: bool = runtime_key(_REFIT, recipe="refit.direct_export")
+    """On the trainer, export every tensor that Megatron-Bridge's conversion only renames, slices or reorders
+    by rows as a view of the trainer's parameter (or one row gather, e.g. q, k and v out of Megatron's
+    interleaved QKV) instead of running Bridge's per-tensor conversion at every refit."""
+    replay_load: bool = runtime_key(_REFIT, recipe="refit.replay_load")
+    """Record vLLM's `load_weights` at the first refit (every copy it makes from an exported tensor into a
+    parameter) and replay those copies at every later refit, one batched copy call per bucket, instead of
+    running the loader's per-tensor Python; tensors the loader computes, converts or skips keep the loader."""
     keep_buffers_gb: float = runtime_key(_REFIT, recipe="refit.keep_buffers_gb")
     """GiB of refit IPC buffers (both ping-pong halves together) kept allocated, with vLLM's mappings of them,
     from one refit to the next: no allocation and no IPC handle per refit while the halves fit."""

@@ -277,3 +277,23 @@ def weights_awake_vs_sleep_level(ctx: Context) -> None:
         ctx.error("refit.keep_weights_awake keeps vLLM's weights on the GPU, and refit.sleep_level 2 discards them "
                   "at every sleep", f"{R}.keep_weights_awake",
                   hint="drop refit.sleep_level (or set it to 1), or set refit.keep_weights_awake: false")
+
+
+@rule("RLC224", "Direct export and replayed load move bf16 tensors only", severities=("error",),
+      rationale="refit.direct_export hands vLLM views of the trainer's bf16 parameters and refit.replay_load replays "
+                "the plain copies vLLM's loader made of them. FP8 rollouts load every refit inside vLLM's layerwise "
+                "reload, which quantizes what it loads (and, with block scales, the trainer quantizes the stream "
+                "first): neither a view of a bf16 parameter nor a recorded copy is what lands in the engine, so the "
+                "run would be refused when the refit pairs.",
+      seed="vLLM initialize_layerwise_reload / finalize_layerwise_reload (the FP8 refit path); rlc's replayed load "
+           "(rlc/runtime/refit/replay.py).",
+      fixes="Turn refit.direct_export and refit.replay_load off for generation.precision: fp8.")
+def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if ctx.recipe.generation.precision != "fp8":
+        return
+    for key in ("direct_export", "replay_load"):
+        if getattr(refit, key):
+            ctx.error(f"refit.{key} moves bf16 tensors, and FP8 rollouts load through vLLM's layerwise reload, which "
+                      "quantizes what it loads", f"{R}.{key}",
+                      hint=f"set refit.{key}: false with generation.precision: fp8")

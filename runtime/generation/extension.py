@@ -16,6 +16,12 @@ direct-copy table from the producer's export list and the engine's fused MoE lay
 (:mod:`rlc.runtime.refit.fused`); every later refit checks it against both before any byte moves. Tensors
 the table does not cover go through ``load_weights`` as before. FP8 engines take no direct copies: their
 loads run through the layerwise reload, which quantizes and re-lays out what it loads.
+
+Replayed load (``refit.replay_load``): the first refit after pairing runs ``load_weights`` with every copy it makes
+recorded; every later refit checks the recorded table against the export list and the engine's parameters and
+replays the copies, bucket by bucket, leaving to ``load_weights`` only the tensors it computes, converts or skips
+(:mod:`rlc.runtime.refit.replay`). With fused expert transfer both apply: the fused tensors' direct copies first,
+the rest replayed.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class RlcWorkerExtension:
 
     _rlc_consumer: Any  # rlc.runtime.refit.consumer.RefitConsumer once paired (rlc_refit_prepare), else None
     _rlc_routes: Any  # rlc.runtime.refit.fused.RouteTable after the first fused refit of a pairing, else None
+    _rlc_replay_table: Any  # rlc.runtime.refit.replay.ReplayTable after the first replayed refit of a pairing
 
     model_runner: Any  # provided by the vLLM worker class this extends
 
@@ -41,12 +48,13 @@ class RlcWorkerExtension:
 
     def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0,
                           fp8_scales: str | None = None, fp8_pow2: bool = False,
-                          fused: bool = False) -> dict[str, Any]:
+                          fused: bool = False, replay: bool = False) -> dict[str, Any]:
         """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently).
 
         ``fp8_scales`` / ``fp8_pow2``: ``generation.fp8`` of an FP8 engine (None: bf16 rollouts). With ``block``
         the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer.
-        ``fused``: ``refit.fused_transfer`` (direct copies into the fused expert parameters; bf16 engines)."""
+        ``fused``: ``refit.fused_transfer`` (direct copies into the fused expert parameters; bf16 engines).
+        ``replay``: ``refit.replay_load`` (the first refit's copies recorded, replayed at every later one; bf16)."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.consumer import RefitConsumer  # noqa: PLC0415 - torch and zmq: vLLM's workers have them
@@ -61,11 +69,16 @@ class RlcWorkerExtension:
         self._rlc_fp8_pow2 = fp8_pow2
         self._rlc_fused = bool(fused) and fp8_scales is None
         self._rlc_routes = None  # built at the first refit after this pairing
+        self._rlc_replay = bool(replay) and fp8_scales is None
+        self._rlc_replay_table = None  # recorded at the first refit after this pairing
         info: dict[str, Any] = {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
                                 "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs),
                                 "fused_transfer": ("on" if self._rlc_fused else
                                                    "off: FP8 rollouts load through vLLM's layerwise reload"
-                                                   if fused else "off")}
+                                                   if fused else "off"),
+                                "replay_load": ("on" if self._rlc_replay else
+                                                "off: FP8 rollouts load through vLLM's layerwise reload"
+                                                if replay else "off")}
         if fp8_scales == "block":
             from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
 
@@ -86,31 +99,54 @@ class RlcWorkerExtension:
             model.load_weights(weights=weights)
 
         if getattr(self, "_rlc_fp8_scales", None) is None:
-            if not getattr(self, "_rlc_fused", False):
+            if not (getattr(self, "_rlc_fused", False) or getattr(self, "_rlc_replay", False)):
                 return consumer.receive(load).to_dict()
-            return self._rlc_receive_fused(load)
+            return self._rlc_receive_direct(load)
         with self._rlc_reload():
             metrics = consumer.receive(load, copy_buckets=True)
         return metrics.to_dict()
 
-    def _rlc_receive_fused(self, load: Any) -> dict[str, Any]:
-        """One refit with direct copies into the fused expert parameters (table built once, checked every refit)."""
+    def _rlc_receive_direct(self, load: Any) -> dict[str, Any]:
+        """One refit with direct copies: into the fused expert parameters (``refit.fused_transfer``) and/or the
+        replayed copies of vLLM's own loader (``refit.replay_load``); each table is built at the first refit of a
+        pairing and checked at every later one, before any byte moves."""
         import time  # noqa: PLC0415
 
         from rlc.runtime.refit.fused import FusedLoader, build_routes, vllm_expert_destinations  # noqa: PLC0415
+        from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader  # noqa: PLC0415
 
         consumer = self._rlc_consumer
+        model = self.model_runner.model
         t0 = time.perf_counter()
-        destinations = vllm_expert_destinations(self.model_runner.model)
-        table = self._rlc_routes
-        if table is None:
-            table = self._rlc_routes = build_routes(consumer.expected, destinations)
-        else:
-            table.check(consumer.expected, destinations)
+        rest: Any = load
+        if self._rlc_replay:
+            replay = self._rlc_replay_table
+            if replay is None:
+                rest = RecordingLoader(load, model)
+            else:
+                replay.check(consumer.expected, model)
+                rest = ReplayLoader(load, replay)
+        loader: Any = rest
+        if self._rlc_fused:
+            destinations = vllm_expert_destinations(model)
+            table = self._rlc_routes
+            if table is None:
+                table = self._rlc_routes = build_routes(consumer.expected, destinations)
+            else:
+                table.check(consumer.expected, destinations)
+            loader = FusedLoader(rest, table)
         table_s = time.perf_counter() - t0
-        loader = FusedLoader(load, table)
         metrics = consumer.receive(loader).to_dict()
-        return {**metrics, "fused": {**loader.stats.to_dict(), **table.summary(), "table_s": table_s}}
+        if isinstance(loader, FusedLoader):
+            metrics["fused"] = {**loader.stats.to_dict(), **loader.table.summary(), "table_s": table_s}
+        if isinstance(rest, RecordingLoader):
+            t1 = time.perf_counter()
+            self._rlc_replay_table = rest.table(consumer.expected, model)
+            metrics["replay"] = {"recorded": True, **self._rlc_replay_table.summary(),
+                                 "record_s": time.perf_counter() - t1}
+        elif isinstance(rest, ReplayLoader):
+            metrics["replay"] = {"recorded": False, **rest.stats.to_dict(), **rest.table.summary(), "check_s": table_s}
+        return metrics
 
     @contextlib.contextmanager
     def _rlc_reload(self) -> Iterator[None]:

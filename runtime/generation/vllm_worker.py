@@ -200,7 +200,8 @@ class VllmGenerationWorker:
         fp8 = gen.fp8.scales if gen.precision == "fp8" else None
         return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s,
                                                                   fp8, gen.fp8.pow2_scales,
-                                                                  self.cfg.refit.fused_transfer))
+                                                                  self.cfg.refit.fused_transfer,
+                                                                  self.cfg.refit.replay_load))
 
     def refit_receive(self) -> list[dict[str, Any]]:
         return self.llm.collective_rpc("rlc_refit_receive")

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from rlc.runtime.refit.fused import StackedParts, materialize
+from rlc.runtime.refit.sources import StackedParts, materialize
 from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups, layer_of, parse_per_expert
 from rlc.runtime.refit.specs import TensorSpec
 
@@ -147,6 +147,46 @@ def plan_fused_export(model: list, tasks: list, bridge_specs: list[TensorSpec], 
     return FusedExport({layer: candidates[layer] for layer in chosen}, chosen, keep, refused)
 
 
+class FusedDiscovery:
+    """The fused transfer's part of the pass that lists Bridge's export: which layers can travel stacked, and the
+    bit-for-bit comparison of the first one's stacked tensors with Bridge's per-expert tensors (``observe``)."""
+
+    def __init__(self, model: list, *, etp: int, pp: int) -> None:
+        self.model = model
+        self.candidates: dict[int, Any] = {}
+        self.refused: dict[str, str] = {}
+        for layer, experts in expert_modules(model).items():
+            why = why_not_fusable(experts, etp=etp, pp=pp)
+            if why is None:
+                self.candidates[layer] = experts
+            else:
+                self.refused[f"layer {layer}"] = why
+        self.check = min(self.candidates) if self.candidates else None
+        # collective with expert parallelism: every rank builds it
+        self.reference = reference_layer(self.candidates[self.check]) if self.check is not None else None
+        self.diffs: list[str] = []
+
+    def observe(self, name: str, tensor: torch.Tensor) -> None:
+        if self.reference is not None and self.check is not None:
+            diff = compare_with_bridge(self.reference, self.check, name, tensor)
+            if diff is not None:
+                self.diffs.append(diff)
+
+    def finish(self, tasks: list, bridge_specs: list[TensorSpec], reason: str) -> tuple["FusedExport | None", str]:
+        """The fused export (None when no layer can travel stacked) and the reason to report."""
+        self.reference = None
+        torch.cuda.empty_cache()
+        if self.diffs:
+            raise FusedExportError(
+                f"refit.fused_transfer: the stacked experts of layer {self.check} differ from Megatron-Bridge's "
+                f"per-expert export ({len(self.diffs)} tensors, e.g. {self.diffs[0]}); set refit.fused_transfer: off")
+        fused = plan_fused_export(self.model, tasks, bridge_specs, self.candidates, self.refused)
+        if fused.groups:
+            return fused, reason
+        return None, "off: no MoE layer can travel stacked (" + (
+            "; ".join(f"{k}: {v}" for k, v in sorted(fused.refused.items())[:3]) or "no MoE layers") + ")"
+
+
 def compare_with_bridge(reference: dict[str, torch.Tensor], layer: int, name: str, tensor: torch.Tensor) -> str | None:
     """Compare one of Bridge's per-expert tensors with the stacked ``reference`` (kind -> tensor) of decoder
     layer ``layer``: a description of the difference, or None when the bits agree (or it is another tensor)."""
@@ -170,5 +210,5 @@ def reference_layer(experts: Any) -> dict[str, torch.Tensor]:
     return {kind: materialize(t).clone() for kind, t in stacked(experts)}
 
 
-__all__ = ["FusedExport", "FusedExportError", "compare_with_bridge", "expert_modules", "plan_fused_export",
-           "reference_layer", "stacked", "why_not_fusable"]
+__all__ = ["FusedDiscovery", "FusedExport", "FusedExportError", "compare_with_bridge", "expert_modules",
+           "plan_fused_export", "reference_layer", "stacked", "why_not_fusable"]

@@ -18,6 +18,9 @@
 - ``refit.fused_transfer``: each MoE layer's routed experts travel as two stacked tensors
   (``rlc.runtime.policy.fused_export``) and the rest as Bridge exports it; ``export`` stays Bridge's per-expert
   stream, which ``refit.verify_every`` and the spot checks compare against. Off for FP8 rollouts.
+- ``refit.direct_export``: tensors Bridge's conversion only renames, slices or reorders by rows travel as views
+  (or one row gather) of the trainer's parameters (``rlc.runtime.policy.direct_export``), found and checked
+  against Bridge's export at ``prepare``; ``export`` stays Bridge's full stream. Off for FP8 rollouts.
 - FP8 training with ``training.fp8.param_gather`` (FP8 primary weights): Megatron-Bridge's export
   dequantizes every Transformer Engine FP8 parameter to its nominal dtype (``maybe_dequantize`` in each
   parameter mapping), so the exporter yields ``model.dtype`` weights either way and the refit quantizes
@@ -25,6 +28,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -159,6 +163,10 @@ class RefitSource:
             self.quantizer = block_quantizer(gen.fp8.pow2_scales)
         self.fused_wanted, self.fused_reason = fused_transfer_applies(bool(cfg.refit.fused_transfer), gen.precision)
         self.fused: Any = None  # rlc.runtime.policy.fused_export.FusedExport once prepared with stacked layers
+        self.direct_wanted = bool(cfg.refit.direct_export) and gen.precision != "fp8"
+        self.direct_reason = ("off: FP8 rollouts quantize the export stream" if cfg.refit.direct_export
+                              and not self.direct_wanted else "on" if self.direct_wanted else "off")
+        self.direct: Any = None  # rlc.runtime.policy.direct_export.DirectExport once prepared with direct tensors
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if cfg.refit.dedupe_mtp_embedding:
@@ -191,79 +199,81 @@ class RefitSource:
                                              merge_adapter_weights=False)
 
     def dry_specs(self) -> list:
-        """The export list (name, shape, dtype in export order), from one export pass; with FP8 block
+        """The export list (name, shape, dtype in stream order), from one pass over Bridge's export; with FP8 block
         scales, the list the quantized stream yields (``rlc.runtime.refit.fp8.quantized_specs``); with fused
-        transfer, the list of the fused stream (one layer's stacked experts checked against Bridge's export)."""
-        if self.fused_wanted:
-            return self._fused_specs()
-        specs = []
+        transfer, one layer's stacked experts checked against Bridge's per-expert tensors; with direct export,
+        every tensor's source found (and the rest of Bridge's export checked by a second pass)."""
+        fused = self._fused_discovery() if self.fused_wanted else None
+        finder = self._direct_finder() if self.direct_wanted else None
+        bridge_specs = []
         for name, tensor in self.export():
-            specs.append(TensorSpec.from_tensor(name, tensor))
+            bridge_specs.append(TensorSpec.from_tensor(name, tensor))
+            if fused is not None:
+                fused.observe(name, tensor)
+            if finder is not None:
+                finder.observe(name, tensor)
             del tensor
+        specs, tasks = bridge_specs, self.tasks
+        if fused is not None:
+            self.fused, self.fused_reason = fused.finish(self.tasks, bridge_specs, self.fused_reason)
+            if self.fused is not None:
+                specs, tasks = self.fused.wire_specs(bridge_specs), self.fused.bridge_tasks
+        if finder is not None:
+            direct = finder.plan(tasks, specs)
+            if direct.sources:
+                direct.check_rest(specs, (name for name, _ in self._rest_stream(direct.bridge_tasks)))
+                self.direct = direct
+                specs = direct.wire_specs(specs)
+            else:
+                self.direct_reason = "off: no tensor of Bridge's export is a view or rows of a parameter (" + (
+                    "; ".join(f"{k}: {v}" for k, v in sorted(direct.refused.items())[:3]) or "nothing exported") + ")"
         if self.block_fp8:
             from rlc.runtime.refit.fp8 import quantized_specs  # noqa: PLC0415
 
             specs = quantized_specs(specs)
         return specs
 
-    def _fused_specs(self) -> list:
-        """The Bridge pass of ``dry_specs`` with fused transfer: finds the layers whose experts travel stacked and
-        compares the first one's stacked tensors with Bridge's per-expert tensors, bit for bit."""
+    def _fused_discovery(self) -> Any:
+        """The fused transfer's part of the listing pass (``rlc.runtime.policy.fused_export.FusedDiscovery``)."""
         from megatron.core import parallel_state  # noqa: PLC0415
 
-        from rlc.runtime.policy.fused_export import (  # noqa: PLC0415
-            FusedExportError,
-            compare_with_bridge,
-            expert_modules,
-            plan_fused_export,
-            reference_layer,
-            why_not_fusable,
-        )
+        from rlc.runtime.policy.fused_export import FusedDiscovery  # noqa: PLC0415
 
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        candidates: dict[int, Any] = {}
-        refused: dict[str, str] = {}
-        for layer, experts in expert_modules(self.model).items():
-            why = why_not_fusable(experts, etp=etp, pp=pp)
-            if why is None:
-                candidates[layer] = experts
-            else:
-                refused[f"layer {layer}"] = why
-        check = min(candidates) if candidates else None
-        reference = reference_layer(candidates[check]) if check is not None else None  # collective with EP
-        bridge_specs, diffs = [], []
-        for name, tensor in self.export():
-            bridge_specs.append(TensorSpec.from_tensor(name, tensor))
-            if reference is not None and check is not None:
-                diff = compare_with_bridge(reference, check, name, tensor)
-                if diff is not None:
-                    diffs.append(diff)
-            del tensor
-        del reference
-        torch.cuda.empty_cache()
-        if diffs:
-            raise FusedExportError(
-                f"refit.fused_transfer: the stacked experts of layer {check} differ from Megatron-Bridge's per-expert "
-                f"export ({len(diffs)} tensors, e.g. {diffs[0]}); set refit.fused_transfer: off")
-        fused = plan_fused_export(self.model, self.tasks, bridge_specs, candidates, refused)
-        self.fused = fused if fused.groups else None
-        if self.fused is None:
-            self.fused_reason = "off: no MoE layer can travel stacked (" + (
-                "; ".join(f"{k}: {v}" for k, v in sorted(fused.refused.items())[:3]) or "no MoE layers") + ")"
-            return bridge_specs
-        return self.fused.wire_specs(bridge_specs)
+        return FusedDiscovery(self.model, etp=parallel_state.get_expert_tensor_parallel_world_size(),
+                              pp=parallel_state.get_pipeline_model_parallel_world_size())
+
+    def _direct_finder(self) -> Any:
+        """The direct export's part of the listing pass, or None (and the reason) where the layout rules it out."""
+        from megatron.core import parallel_state  # noqa: PLC0415
+
+        from rlc.runtime.policy.direct_export import DirectFinder, ParamsByStorage, why_not_direct  # noqa: PLC0415
+
+        why = why_not_direct(tp=parallel_state.get_tensor_model_parallel_world_size(),
+                             pp=parallel_state.get_pipeline_model_parallel_world_size())
+        if why is not None:
+            self.direct_reason = f"off: {why}"
+            return None
+        params = ParamsByStorage(p for chunk in self.model for p in chunk.parameters())
+        return DirectFinder(self.tasks, params, skip_experts=parallel_state.get_expert_model_parallel_world_size() > 1)
 
     def stream(self):
-        """What a refit sends: the export, block-quantized for FP8 rollouts with block scales; with fused
-        transfer, Bridge's export without the stacked layers' experts, then those layers stacked."""
-        if self.fused is not None:
-            return self.fused.stream(self._bridge_export(self.fused.bridge_tasks))
-        if not self.block_fp8:
-            return self.export()
-        from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
+        """What a refit sends: the export, block-quantized for FP8 rollouts with block scales; otherwise the direct
+        tensors (``refit.direct_export``), then Bridge's export of the remaining tasks, then the stacked layers'
+        experts (``refit.fused_transfer``)."""
+        if self.block_fp8:
+            from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
 
-        return quantize_export(self.export(), self.quantizer)
+            return quantize_export(self.export(), self.quantizer)
+        if self.fused is None and self.direct is None:
+            return self.export()
+        tasks = self.direct.bridge_tasks if self.direct is not None else self.fused.bridge_tasks
+        rest = self._rest_stream(tasks)
+        return itertools.chain(self.direct.stream(), rest) if self.direct is not None else rest
+
+    def _rest_stream(self, tasks: list):
+        """Bridge's export of ``tasks``, then the stacked layers' experts with fused transfer."""
+        bridge = self._bridge_export(tasks)
+        return self.fused.stream(bridge) if self.fused is not None else bridge
 
     def prepare(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Compute the specs and pair with the consumer (which must call prepare at the same time)."""
@@ -293,6 +303,8 @@ class RefitSource:
             "fp8_quantizer": self.quantizer.source if self.quantizer is not None else None,
             "fused_transfer": {"on": self.fused is not None, "reason": self.fused_reason,
                                **(self.fused.summary() if self.fused is not None else {})},
+            "direct_export": {"on": self.direct is not None, "reason": self.direct_reason,
+                              **(self.direct.summary() if self.direct is not None else {})},
         }
 
     def send(self) -> dict[str, Any]:

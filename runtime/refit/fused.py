@@ -17,8 +17,8 @@ quantized destination, a layout vLLM re-lays out after loading, a module name vL
 split back into the per-expert HF tensors vLLM's loader expects. ``refit.verify_every`` compares the result
 with vLLM's own load of the per-expert export, bit for bit.
 
-:class:`StackedParts` is what the trainer yields for a layer whose experts are separate parameters: the
-producer stacks them straight into the IPC buffer (one kernel, no intermediate tensor).
+:class:`rlc.runtime.refit.sources.StackedParts` is what the trainer yields for a layer whose experts are separate
+parameters: the producer stacks them straight into the IPC buffer (one kernel, no intermediate tensor).
 """
 from __future__ import annotations
 
@@ -37,47 +37,6 @@ LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 #: vLLM's unquantized MoE backends that compute on ``w13_weight`` / ``w2_weight`` exactly as loaded (others may
 #: re-lay the weights out in ``process_weights_after_loading``; they load through vLLM).
 DIRECT_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
-
-
-# --------------------------------------------------------------------------- producer side
-
-
-class StackedParts:
-    """Equally shaped tensors to be stacked along a new first dimension, by the producer, into its buffer."""
-
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
-        if not parts:
-            raise ValueError("StackedParts needs at least one tensor")
-        first = parts[0]
-        if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts):
-            raise ValueError("StackedParts: every part must have the first part's shape, dtype and device")
-        self.parts = list(parts)
-        self.shape = torch.Size((len(parts), *first.shape))
-        self.dtype = first.dtype
-        self.device = first.device
-
-    def copy_into(self, out: torch.Tensor) -> None:
-        """Write the stacked tensor into ``out`` (one kernel when the dtypes agree)."""
-        if out.dtype == self.dtype and out.is_contiguous():
-            torch.stack([p.detach() for p in self.parts], dim=0, out=out)
-        else:
-            out.copy_(self.materialize())
-
-    def materialize(self) -> torch.Tensor:
-        return torch.stack([p.detach() for p in self.parts], dim=0)
-
-
-def copy_export(out: torch.Tensor, tensor: Any) -> None:
-    """The producer's pack of one exported tensor (a tensor or :class:`StackedParts`) into its buffer view."""
-    if isinstance(tensor, StackedParts):
-        tensor.copy_into(out)
-    else:
-        out.copy_(tensor.detach())
-
-
-def materialize(tensor: Any) -> torch.Tensor:
-    """A plain tensor for whatever an exporter yielded (``StackedParts`` are stacked)."""
-    return tensor.materialize() if isinstance(tensor, StackedParts) else tensor
 
 
 # --------------------------------------------------------------------------- consumer side
@@ -365,5 +324,4 @@ def vllm_expert_destinations(model: Any) -> dict[str, ExpertDestination]:
 
 
 __all__ = ["CopyOp", "DIRECT_BACKENDS", "ExpertDestination", "FusedLoadStats", "FusedLoader", "Route", "RouteTable",
-           "StackedParts", "build_routes", "copy_export", "materialize",
-           "specs_fingerprint", "unfuse", "vllm_expert_destinations", "why_not_direct"]
+           "build_routes", "specs_fingerprint", "unfuse", "vllm_expert_destinations", "why_not_direct"]

@@ -51,7 +51,7 @@ from rlc.runtime.refit.bucket_planner import (
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
 from rlc.runtime.refit.channel import Channel, bind, close_socket, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
-from rlc.runtime.refit.fused import copy_export
+from rlc.runtime.refit.sources import copy_export
 from rlc.runtime.refit.metrics import RefitMetrics, fixes_active
 from rlc.runtime.refit.protocol import (
     PROTOCOL_VERSION,

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from rlc.contract.runtime_config import RefitConfig
-from rlc.runtime.refit.fused import ExpertDestination, FusedLoader, StackedParts, build_routes
+from rlc.runtime.refit.fused import ExpertDestination, FusedLoader, build_routes
+from rlc.runtime.refit.sources import StackedParts
 from rlc.runtime.refit.fused_layout import expert_groups, fuse_specs, parse_fused
 from rlc.runtime.refit.specs import TensorSpec
 
@@ -55,6 +56,8 @@ def refit_config(**overrides: Any) -> RefitConfig:
         verify_every=0,
         transport="shm",
         fused_transfer=False,
+        direct_export=False,
+        replay_load=False,
         keep_buffers_gb=2.0,
         decisions={},
     )
@@ -398,6 +401,174 @@ def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
                 consumer.receive(engine.load_weights)
         return {"ok": True, "params": {n: t.clone() for n, t in engine.params.items()}, "stats": stats,
                 "table": None if table is None else {**table.summary(), "uncovered": dict(table.uncovered)}}
+    except BaseException as e:
+        return _error(e)
+    finally:
+        if consumer is not None:
+            consumer.close()
+
+
+# --------------------------------------------------------------------------- a tiny dense model, replayed load
+
+DENSE_HIDDEN, DENSE_HEADS, DENSE_KV_HEADS, DENSE_HEAD_DIM, DENSE_INTER, DENSE_VOCAB = 32, 4, 2, 8, 48, 64
+#: The engine's tensor-parallel rank and size: each fused projection holds this rank's rows of every shard.
+DENSE_TP_RANK, DENSE_TP_SIZE = 1, 2
+_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def dense_specs(layers: int = 2) -> list[TensorSpec]:
+    """A tiny dense model's HF export list (Qwen3-like: separate q/k/v and gate/up; an fp32 router-style bias)."""
+    h, q, kv, i = DENSE_HIDDEN, DENSE_HEADS * DENSE_HEAD_DIM, DENSE_KV_HEADS * DENSE_HEAD_DIM, DENSE_INTER
+    specs = [TensorSpec("model.embed_tokens.weight", (DENSE_VOCAB, h), "bfloat16")]
+    for n in range(layers):
+        p = f"model.layers.{n}"
+        specs += [TensorSpec(f"{p}.input_layernorm.weight", (h,), "bfloat16"),
+                  TensorSpec(f"{p}.self_attn.q_proj.weight", (q, h), "bfloat16"),
+                  TensorSpec(f"{p}.self_attn.k_proj.weight", (kv, h), "bfloat16"),
+                  TensorSpec(f"{p}.self_attn.v_proj.weight", (kv, h), "bfloat16"),
+                  TensorSpec(f"{p}.self_attn.o_proj.weight", (h, q), "bfloat16"),
+                  TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.gate_proj.weight", (i, h), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.up_proj.weight", (i, h), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.down_proj.weight", (h, i), "bfloat16"),
+                  TensorSpec(f"{p}.mlp.router_bias", (8,), "float32")]
+    specs += [TensorSpec("model.norm.weight", (h,), "bfloat16"),
+              TensorSpec("lm_head.weight", (DENSE_VOCAB, h), "bfloat16"),
+              TensorSpec("model.rotary_emb.inv_freq", (DENSE_HEAD_DIM // 2,), "float32")]
+    return specs
+
+
+class TinyDenseEngine(torch.nn.Module):
+    """The generation side of the tiny dense model as vLLM holds it at tensor-parallel rank 1 of 2: fused
+    ``qkv_proj`` and ``gate_up_proj`` (this rank's rows of each shard), column-split ``o_proj`` / ``down_proj``,
+    a vocabulary-split embedding and LM head. ``load_weights`` does what vLLM's weight loaders do: map the HF
+    name to the parameter (and shard), narrow the parameter to the shard and the tensor to this rank's part,
+    copy. Three tensors load differently, as some of vLLM's loaders do: ``model.norm.weight`` is stored as
+    ``1 + w`` (a computed value), a layer's fp32 ``router_bias`` goes through an fp32 temporary, and the rotary
+    ``inv_freq`` is skipped (vLLM computes it)."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        h, t = DENSE_HIDDEN, DENSE_TP_SIZE
+        q, kv, i = DENSE_HEADS * DENSE_HEAD_DIM, DENSE_KV_HEADS * DENSE_HEAD_DIM, DENSE_INTER
+        self.sizes = {"q": q // t, "k": kv // t, "v": kv // t}
+        self.offsets = {"q": 0, "k": q // t, "v": (q + kv) // t}
+        self.params: dict[str, torch.nn.Parameter] = {}
+
+        def add(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> None:
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            self.register_parameter(name.replace(".", "__"), p)
+            self.params[name] = p
+
+        add("model.embed_tokens.weight", (DENSE_VOCAB // t, h))
+        for n in range(layers):
+            p = f"model.layers.{n}"
+            add(f"{p}.input_layernorm.weight", (h,))
+            add(f"{p}.self_attn.qkv_proj.weight", ((q + 2 * kv) // t, h))
+            add(f"{p}.self_attn.o_proj.weight", (h, q // t))
+            add(f"{p}.post_attention_layernorm.weight", (h,))
+            add(f"{p}.mlp.gate_up_proj.weight", (2 * i // t, h))
+            add(f"{p}.mlp.down_proj.weight", (h, i // t))
+            add(f"{p}.mlp.router_bias", (8,), torch.float32)
+        add("model.norm.weight", (h,))
+        add("lm_head.weight", (DENSE_VOCAB // t, h))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        r, t = DENSE_TP_RANK, DENSE_TP_SIZE
+        loaded = set()
+        for name, w in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            module, _, leaf = name.rpartition(".")
+            module, _, proj = module.rpartition(".")
+            if proj in _STACKED:
+                fused, shard = _STACKED[proj]
+                param = self.params[f"{module}.{fused}.{leaf}"]
+                if isinstance(shard, str):
+                    size, offset = self.sizes[shard], self.offsets[shard]
+                else:
+                    size = DENSE_INTER // t
+                    offset = shard * size
+                param.data.narrow(0, offset, size).copy_(w.narrow(0, r * size, size))
+            elif name == "model.norm.weight":
+                self.params[name].data.copy_(w + 1)
+            elif name.endswith("router_bias"):
+                self.params[name].data.copy_(w.to(torch.float64))
+            else:
+                param = self.params[name]
+                if proj in ("o_proj", "down_proj"):  # row-parallel: this rank's columns
+                    cols = param.shape[1]
+                    param.data.copy_(w.narrow(1, r * cols, cols))
+                elif name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary-parallel rows
+                    rows = param.shape[0]
+                    param.data.copy_(w.narrow(0, r * rows, rows))
+                else:
+                    param.data.copy_(w)
+            loaded.add(name)
+        return loaded
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+
+def dense_export(step: int, layers: int = 2):
+    specs = dense_specs(layers)
+    return specs, ((s.name, synthetic_tensor(s, step)) for s in specs)
+
+
+def dense_producer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """A producer streaming the tiny dense model for ``job['steps']`` refits."""
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.producer import RefitProducer
+
+    producer = None
+    try:
+        producer = RefitProducer(refit_config(), session=job["session"], rank=0, world_size=1,
+                                 export_dtype="bfloat16", backend=ShmBackend("shm-dense"),
+                                 free_bytes=1 << 20, timeout_s=job.get("timeout_s", 20.0))
+        specs, _ = dense_export(0)
+        producer.prepare(specs)
+        for step in range(job.get("steps", 1)):
+            producer.send(dense_export(step)[1])
+        return {"ok": True}
+    except BaseException as e:
+        return _error(e)
+    finally:
+        if producer is not None:
+            producer.close()
+
+
+def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """The consumer into :class:`TinyDenseEngine`: with ``job['replay']`` the first refit recorded and every later
+    one replayed (``rlc.runtime.refit.replay``), else the engine's ``load_weights`` every refit. Returns the
+    engine's parameters after each refit and the replay table's summary."""
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.consumer import RefitConsumer
+    from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader
+
+    consumer = None
+    try:
+        engine = TinyDenseEngine()
+        consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-dense"),
+                                 timeout_s=job.get("timeout_s", 20.0))
+        consumer.prepare()
+        table, stats, params = None, [], []
+        for _ in range(job.get("steps", 1)):
+            if not job["replay"]:
+                consumer.receive(engine.load_weights)
+            elif table is None:
+                recording = RecordingLoader(engine.load_weights, engine)
+                consumer.receive(recording)
+                table = recording.table(consumer.expected, engine)
+            else:
+                table.check(consumer.expected, engine)
+                loader = ReplayLoader(engine.load_weights, table)
+                consumer.receive(loader)
+                stats.append(loader.stats.to_dict())
+            params.append(engine.snapshot())
+        return {"ok": True, "params": params, "stats": stats,
+                "table": None if table is None else {**table.summary(), "not_replayed": dict(table.not_replayed)}}
     except BaseException as e:
         return _error(e)
     finally:

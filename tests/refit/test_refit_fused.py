@@ -21,11 +21,10 @@ from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.fused import (
     ExpertDestination,
     FusedLoader,
-    StackedParts,
     build_routes,
-    copy_export,
     unfuse,
 )
+from rlc.runtime.refit.sources import StackedParts, copy_export
 from rlc.runtime.refit.fused_layout import (
     expert_groups,
     fuse_specs,

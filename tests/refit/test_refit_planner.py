@@ -207,6 +207,8 @@ def test_plan_from_runtime_config():
         verify_every=0,
         transport="cuda_ipc",
         fused_transfer=False,
+        direct_export=False,
+        replay_load=False,
         keep_buffers_gb=2.0,
         decisions={},
     )

@@ -1,0 +1,417 @@
+"""Replayed load (``refit.replay_load``): vLLM's ``load_weights`` recorded once as copies, replayed every refit.
+
+For an unquantized model vLLM's loader does the same thing at every refit: for each exported tensor it finds the
+parameter (a fused ``qkv_proj`` / ``gate_up_proj`` for stacked names, the module's own one otherwise), narrows
+it to the shard this tensor fills, narrows the tensor to this rank's part, and copies. The Python around those
+copies (name mapping, module lookup, one ``weight_loader`` call per tensor) is what a refit of a dense model
+spends most of its load time on: Qwen3-8B's 399 tensors took 0.047 s in ``load_weights`` for ~0.005 s of
+copying on an H200.
+
+At the first refit after pairing, the :class:`RecordingLoader` runs vLLM's own loader (the first refit is loaded
+exactly as without the switch) under a :class:`torch.overrides.TorchFunctionMode` that sees every torch call the
+loader makes and records each write into the model's parameters or buffers:
+
+* a ``copy_`` whose destination is a view of one parameter and whose source is a view of one of the tensors
+  being loaded is a *plain copy* of that tensor: recorded as the two views (offset, sizes and strides relative to
+  the parameter and to the tensor);
+* any other write into the model (a computed value, a dtype-converted temporary, ``fill_``, ``__setitem__``, an
+  ``out=`` argument) is blamed on the tensor the loader was handed last, and marks the region it wrote.
+
+A tensor is replayed when the loader only ever copied it, at least once, into regions nothing else of the export
+writes; every other tensor keeps vLLM's loader, every refit (the reason is in :meth:`ReplayTable.summary`). From
+the second refit on, the :class:`ReplayLoader` issues a bucket's recorded copies in one batched call
+(``torch._foreach_copy_``) and hands the rest to ``load_weights``. Like the fused expert table, the replay table is
+checked every refit against the export list the producer announced and against the parameters as they are now
+(same tensors, same places); a difference stops the refit (``RefitManifestError``) instead of writing into
+memory the engine no longer reads. ``refit.verify_every`` compares the result with vLLM's own load, bit for bit.
+
+Not for FP8 rollouts: their loads run inside vLLM's layerwise reload, which quantizes what it loads.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rlc.runtime.refit.errors import RefitManifestError
+from rlc.runtime.refit.sources import View, byte_range
+from rlc.runtime.refit.specs import TensorSpec
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+#: The tensor the loader was handed last is not known: writes before the first or after the last tensor.
+_NO_TENSOR = -1
+
+
+class ReplayCopy(NamedTuple):
+    """One recorded copy: ``View`` of the parameter ``param`` <- ``View`` of the loaded tensor."""
+
+    param: str
+    dst: View
+    src: View
+
+
+# --------------------------------------------------------------------------- the model's tensors
+
+
+class _Region(NamedTuple):
+    start: int  # byte address
+    end: int
+    name: str
+    tensor: torch.Tensor
+
+
+class ModelTensors:
+    """Every parameter and buffer of a model by address, to find which one a written view belongs to."""
+
+    def __init__(self, model: Any) -> None:
+        regions = []
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        for name, t in named:
+            data = t.detach()
+            if data.device.type == "meta" or data.numel() == 0:
+                continue
+            start, end = byte_range(data)
+            regions.append(_Region(start, end, name, data))
+        regions.sort()
+        self.regions = regions
+        self._starts = [r.start for r in regions]
+        self.by_name = {r.name: r.tensor for r in regions}
+
+    def owner(self, view: torch.Tensor) -> _Region | None:
+        """The parameter or buffer (of ``view``'s dtype) whose bytes contain every byte ``view`` can touch."""
+        if view.numel() == 0:
+            return None
+        start, end = byte_range(view)
+        i = bisect.bisect_right(self._starts, start) - 1
+        for r in reversed(self.regions[max(0, i - 7):i + 1]):  # nested regions (a view of another) are rare
+            if r.start <= start and end <= r.end and r.tensor.dtype == view.dtype:
+                return r
+        return None
+
+    def touches(self, view: torch.Tensor) -> list[_Region]:
+        """Every parameter or buffer ``view``'s bytes overlap."""
+        if view.numel() == 0:
+            return []
+        start, end = byte_range(view)
+        return [r for r in self.regions if r.start < end and start < r.end]
+
+
+# --------------------------------------------------------------------------- recording
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors a torch call writes: in-place methods (``x.copy_``, ``x.mul_``, ``x[i] = y``, ``x += y``)
+    write their first argument, ``out=`` its tensors."""
+    name = getattr(func, "__name__", "")
+    out: list[torch.Tensor] = []
+    inplace = (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
+        name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__init__", "__iter__"))
+    if inplace and args and isinstance(args[0], torch.Tensor):
+        out.append(args[0])
+    target = kwargs.get("out")
+    if isinstance(target, torch.Tensor):
+        out.append(target)
+    elif isinstance(target, (tuple, list)):
+        out.extend(t for t in target if isinstance(t, torch.Tensor))
+    return out
+
+
+@dataclass
+class _TensorRecord:
+    name: str
+    copies: list[ReplayCopy] = field(default_factory=list)
+    blame: list[str] = field(default_factory=list)  # why this tensor cannot be replayed
+
+
+class _Recorder(TorchFunctionMode):
+    """Sees every torch call of one ``load_weights`` call over ``weights`` and records the writes into ``model``."""
+
+    def __init__(self, model: ModelTensors, weights: Sequence[tuple[str, torch.Tensor]],
+                 records: list[_TensorRecord], foreign: list[tuple[str, tuple[int, int], str]]) -> None:
+        super().__init__()
+        self.model = model
+        self.weights = weights
+        self.records = records  # one per tensor of ``weights``
+        self.foreign = foreign  # (parameter, element extent, why): writes no tensor's replay reproduces
+        self.current = _NO_TENSOR
+        self._sources = sorted((byte_range(t) + (i,) for i, (_, t) in enumerate(weights)))
+        self._source_starts = [s[0] for s in self._sources]
+
+    def _source_of(self, view: torch.Tensor) -> int | None:
+        """The index of the loaded tensor whose bytes contain every byte of ``view``, else None."""
+        if view.numel() == 0:
+            return None
+        start, end = byte_range(view)
+        i = bisect.bisect_right(self._source_starts, start) - 1
+        if i < 0:
+            return None
+        s_start, s_end, index = self._sources[i]
+        tensor = self.weights[index][1]
+        if s_start <= start and end <= s_end and view.dtype == tensor.dtype \
+                and view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            return index
+        return None
+
+    def _blame(self, why: str) -> None:
+        targets = [self.current] if self.current != _NO_TENSOR else range(len(self.records))
+        for i in targets:
+            self.records[i].blame.append(why)
+
+    def _note(self, func: Any, args: Sequence[Any], written: list[torch.Tensor]) -> None:
+        name = getattr(func, "__name__", repr(func))
+        for dst in written:
+            if any(_overlaps(byte_range(dst), s[:2]) for s in self._sources):
+                self._blame(f"vLLM's loader writes into the tensor it loads ({name})")
+                continue
+            owner = self.model.owner(dst)
+            touched = [owner] if owner is not None else self.model.touches(dst)
+            if not touched:
+                continue  # a temporary of the loader's
+            src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+            index = self._source_of(src) if src is not None else None
+            if owner is not None and index is not None and src is not None:
+                self.records[index].copies.append(ReplayCopy(owner.name, View.of(dst, owner.tensor),
+                                                             View.of(src, self.weights[index][1])))
+                if index != self.current:  # held past its turn: the loader pairs it with others
+                    self.records[index].blame.append("vLLM's loader copies it while loading another tensor")
+                continue
+            why = (f"vLLM's loader writes {', '.join(r.name for r in touched[:2])} with {name} "
+                   + ("from a computed or converted tensor" if name == "copy_" else "(not a plain copy)"))
+            self._blame(why)
+            for r in touched:
+                self.foreign.append((r.name, _element_extent(dst, r), why))
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        if written:
+            self._note(func, args, written)
+        return func(*args, **kwargs)
+
+    def feed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights, one at a time, noting which tensor the loader holds (writes are blamed on it)."""
+        for i, item in enumerate(self.weights):
+            self.current = i
+            yield item
+        self.current = _NO_TENSOR
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _element_extent(view: torch.Tensor, owner: _Region) -> tuple[int, int]:
+    """The elements of ``owner`` that ``view``'s bytes overlap, counted from ``owner``'s first element (as
+    :class:`View` offsets are)."""
+    start, end = byte_range(view)
+    size = owner.tensor.element_size()
+    base = owner.tensor.data_ptr()
+    return (max(start, owner.start) - base) // size, -(-(min(end, owner.end) - base) // size)
+
+
+class RecordingLoader:
+    """``load_weights`` for the first refit: vLLM's loader, bucket by bucket, with every write recorded."""
+
+    def __init__(self, load_weights: LoadWeights, model: Any) -> None:
+        self.load_weights = load_weights
+        self.model = ModelTensors(model)
+        self.records: dict[str, _TensorRecord] = {}
+        self.foreign: list[tuple[str, tuple[int, int], str]] = []
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        records = [_TensorRecord(n) for n, _ in weights]
+        recorder = _Recorder(self.model, weights, records, self.foreign)
+        with torch.no_grad(), recorder:
+            self.load_weights(recorder.feed())
+        for r in records:
+            if r.name in self.records:
+                r.blame.append("loaded twice in one refit")
+            self.records[r.name] = r
+
+    def table(self, specs: Sequence[TensorSpec], model: Any) -> "ReplayTable":
+        """The replay table of what was recorded (after the refit has completed)."""
+        return build_table(self.records, self.foreign, specs, ModelTensors(model))
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class _Op(NamedTuple):
+    dst: torch.Tensor  # the view of the parameter, built once
+    src: View
+
+
+@dataclass(frozen=True)
+class Route:
+    """The recorded copies of one exported tensor."""
+
+    name: str
+    copies: tuple[ReplayCopy, ...]
+    ops: tuple[_Op, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.dst.numel() * op.dst.element_size() for op in self.ops)
+
+
+def _fingerprint(items: Iterable[Any]) -> str:
+    h = hashlib.sha256()
+    for item in items:
+        h.update(repr(item).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+def specs_key(specs: Sequence[TensorSpec]) -> str:
+    return _fingerprint((s.name, s.shape, s.dtype) for s in specs)
+
+
+@dataclass
+class ReplayTable:
+    """Exported tensor -> the copies vLLM's loader made of it; built once, checked every refit."""
+
+    routes: dict[str, Route]
+    not_replayed: dict[str, str]  # tensor -> why it keeps vLLM's loader
+    specs_key: str
+    destination_signatures: dict[str, tuple[Any, ...]]  # parameter -> its signature when the table was built
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint([self.specs_key, *sorted(self.destination_signatures.items()),
+                             *((n, r.copies) for n, r in sorted(self.routes.items())),
+                             *sorted(self.not_replayed.items())])
+
+    def check(self, specs: Sequence[TensorSpec], model: Any) -> None:
+        """Raise ``RefitManifestError`` when the export list or a destination changed since the table was built."""
+        if specs_key(specs) != self.specs_key:
+            raise RefitManifestError(
+                "replayed load: the producer's export list is not the one the replay table was recorded for; "
+                "the table is recorded again only when the producer and consumer pair again (prepare)")
+        now = {n: t.detach() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+        changed = sorted(n for n, sig in self.destination_signatures.items()
+                         if n not in now or _signature(now[n]) != sig)
+        if changed:
+            raise RefitManifestError(
+                f"replayed load: vLLM's parameters {', '.join(changed[:4])} are not where the replay table points "
+                "(moved, resized or replaced since the first refit); copying would write memory the engine no "
+                "longer reads. Turn refit.replay_load off if the engine re-allocates its weights between refits")
+
+    def summary(self) -> dict[str, Any]:
+        return {"replayed": len(self.routes), "copies": sum(len(r.ops) for r in self.routes.values()),
+                "not_replayed": len(self.not_replayed),
+                "not_replayed_examples": dict(sorted(self.not_replayed.items())[:4]),
+                "fingerprint": self.fingerprint}
+
+
+def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[str, tuple[int, int], str]],
+                specs: Sequence[TensorSpec], model: ModelTensors) -> ReplayTable:
+    """The replay table of one recorded refit: every tensor the loader only copied, into regions nothing else
+    writes."""
+    not_replayed: dict[str, str] = {}
+    extents: dict[str, list[tuple[int, int, str]]] = {}  # parameter -> (first, end, tensor) of every write
+    for r in records.values():
+        for c in r.copies:
+            extents.setdefault(c.param, []).append((*c.dst.extent(), r.name))
+    for param, extent, _why in foreign:
+        extents.setdefault(param, []).append((*extent, ""))
+    shared: dict[str, str] = {}
+    for param, spans in extents.items():
+        spans.sort()
+        reach, last = -1, ""
+        for first, end, name in spans:
+            if first < reach:
+                for n in (name, last):
+                    if n:
+                        shared.setdefault(n, f"{param} is also written by another tensor or a loader computation")
+            if end > reach:
+                reach, last = end, name
+    expected = {s.name for s in specs}
+    routes: dict[str, Route] = {}
+    used: dict[str, tuple[Any, ...]] = {}
+    for name, r in sorted(records.items()):
+        why = r.blame[0] if r.blame else shared.get(name)
+        if why is None and not r.copies:
+            why = "vLLM's loader made no copy of it (skipped, or written by other means)"
+        if why is None and name not in expected:
+            why = "not in the producer's export list"
+        if why is None:
+            try:
+                ops = tuple(_Op(c.dst.on(model.by_name[c.param]), c.src) for c in r.copies)
+            except (KeyError, RuntimeError) as exc:
+                why = f"its recorded destination cannot be rebuilt ({exc})"
+            else:
+                routes[name] = Route(name, tuple(r.copies), ops)
+                for c in r.copies:
+                    used[c.param] = _signature(model.by_name[c.param])
+                continue
+        not_replayed[name] = why
+    return ReplayTable(routes, not_replayed, specs_key(specs), used)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@dataclass
+class ReplayStats:
+    replayed_tensors: int = 0
+    replayed_copies: int = 0
+    replayed_bytes: int = 0
+    loader_tensors: int = 0  # tensors handed to vLLM's load_weights
+    loader_calls: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class ReplayLoader:
+    """``load_weights`` for every later refit: a bucket's recorded copies in one call, vLLM's loader for the rest."""
+
+    def __init__(self, load_weights: LoadWeights, table: ReplayTable) -> None:
+        self.load_weights = load_weights
+        self.table = table
+        self.stats = ReplayStats()
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        mixed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        s = self.stats
+        for name, tensor in weights:
+            route = self.table.routes.get(name)
+            if route is None:
+                rest.append((name, tensor))
+                continue
+            for op in route.ops:
+                src = op.src.on(tensor)
+                if src.dtype == op.dst.dtype:
+                    dsts.append(op.dst)
+                    srcs.append(src)
+                else:
+                    mixed.append((op.dst, src))
+            s.replayed_tensors += 1
+            s.replayed_copies += len(route.ops)
+            s.replayed_bytes += route.nbytes
+        with torch.no_grad():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)  # the bucket's copies in one call
+            for dst, src in mixed:  # a converting copy, as the loader made it
+                dst.copy_(src)
+        del srcs, mixed
+        if rest:
+            s.loader_tensors += len(rest)
+            s.loader_calls += 1
+            self.load_weights(rest)
+
+
+__all__ = ["ModelTensors", "RecordingLoader", "ReplayCopy", "ReplayLoader", "ReplayStats", "ReplayTable", "Route",
+           "build_table", "specs_key"]
