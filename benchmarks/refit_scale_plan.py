@@ -153,6 +153,9 @@ class Layout:
     buffer_gb: float = 2.0
     #: ``refit.keep_weights_awake``: only vLLM's KV cache sleeps; the refit writes into the resident weights
     weights_awake: bool = False
+    #: ``refit.direct_export`` and ``refit.replay_load``: views of the trainer's parameters out, vLLM's recorded
+    #: copies in
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
@@ -182,7 +185,8 @@ class Layout:
         par = f"TP={self.train_tp}" + (f" EP={self.train_ep}" if self.train_ep > 1 else "") + (
             f" ETP={self.train_etp}" if self.train_etp > 1 else "")
         awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
-        return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}"
+        direct = "; direct export, replayed load" if self.direct else ""
+        return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}{direct}"
 
 
 #: The cases ``--cases`` can name (besides ``engine`` and ``tiny``), with the defaults the goals refer to.
@@ -199,6 +203,11 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
                                  weights_awake=True),
         "moe-1gpu-awake": Layout("moe-1gpu-awake", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
                                  buffer_gb=buffer_gb, weights_awake=True),
+        # and with refit.direct_export and refit.replay_load on top (no per-tensor conversion or loader Python)
+        "dense-8b-direct": Layout("dense-8b-direct", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                  weights_awake=True, direct=True),
+        "moe-1gpu-direct": Layout("moe-1gpu-direct", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
+                                  buffer_gb=buffer_gb, weights_awake=True, direct=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),
@@ -409,13 +418,13 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
 BREAKDOWN_ROWS = (
     ("total_refit_s", "total refit = wake weights + transfer + wake KV"),
     ("transfer_s", "  transfer (trainer export -> vLLM load, both sides)"),
-    ("export_s", "    Bridge export (gathers + HF conversion), slowest rank"),
+    ("export_s", "    export (Bridge's conversion, or views), slowest rank"),
     ("pack_s", "    packing into the IPC buffers"),
     ("wait_consumer_s", "    waiting for vLLM (load not hidden behind export)"),
     ("wait_done_s", "    waiting for vLLM's last loads and manifest check"),
     ("alloc_s", "    buffer allocation / IPC handles"),
     ("other_s", "    handshake, planning, manifest"),
-    ("load_weights_s", "  vLLM load_weights (+ sync), overlaps the export"),
+    ("load_weights_s", "  vLLM load (load_weights or replayed copies, + sync)"),
     ("consumer_open_s", "  vLLM opening IPC handles"),
     ("wake_weights_s", "  wake_up(weights)"),
     ("wake_kv_s", "  wake_up(kv_cache)"),
@@ -592,9 +601,9 @@ def _ordering(summary: dict[str, Any]) -> str:
 #: Parts of a refit set against the two-copy bound: (summary key, label).
 BOUND_PARTS = (
     ("total_refit_s", "total refit"),
-    ("export_s", "Bridge export"),
+    ("export_s", "export"),
     ("pack_s", "packing"),
-    ("load_weights_s", "vLLM load_weights"),
+    ("load_weights_s", "vLLM load"),
     ("wake_weights_s", "wake weights"),
     ("wake_kv_s", "wake KV"),
 )
@@ -611,6 +620,27 @@ def bound_lines(summary: dict[str, Any], copy_gbps: float) -> list[str]:
     parts = ", ".join(f"{label} {summary[key]['median']:.4f} s ({summary[key]['median'] / bound:.1f}x)"
                       for key, label in BOUND_PARTS if key in summary)
     return [f"two-copy bound (pack + load at this run's {copy_gbps:.0f} GB/s device copy): {bound:.4f} s; {parts}"]
+
+
+def direct_lines(case: dict[str, Any]) -> list[str]:
+    """What the direct export (prepare) and the replayed load (the last refit) did, where a case had them on."""
+    lines = []
+    producers = case.get("prepare", {}).get("producers") or []
+    d = producers[0].get("direct_export") if producers else None
+    if d and d.get("on"):
+        lines.append(f"direct export: {d['tensors']} tensors ({d['views']} views, {d['row_gathers']} row gathers), "
+                     f"{d['bridge_tasks']} conversion tasks left to Bridge")
+    elif d and d.get("reason", "off") != "off":
+        lines.append(f"direct export {d['reason']}")
+    refits = case.get("refits") or []
+    replay = (refits[-1].get("consumers") or [{}])[0].get("replay") if refits else None
+    if replay:
+        kept = "; ".join(f"{k}: {v}" for k, v in list(replay.get("not_replayed_examples", {}).items())[:2])
+        lines.append(f"replayed load (last refit): {replay.get('replayed_tensors', 0)} tensors as "
+                     f"{replay.get('replayed_copies', 0)} copies, {replay.get('loader_tensors', 0)} through "
+                     f"load_weights; table {replay['replayed']} replayed, {replay['not_replayed']} not"
+                     + (f" ({kept})" if kept else ""))
+    return lines
 
 
 def render_case(name: str, case: dict[str, Any], copy_gbps: float | None = None) -> str:
@@ -634,6 +664,7 @@ def render_case(name: str, case: dict[str, Any], copy_gbps: float | None = None)
                      f"{summary['buffers_opened']['median']:.0f}{_ordering(summary)}")
         if copy_gbps:
             lines += bound_lines(summary, copy_gbps)
+    lines += direct_lines(case)
     alone = case.get("export_alone")
     if alone:
         slowest = max(alone, key=lambda r: r["seconds"])

@@ -118,9 +118,9 @@ def row_hashes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rows_of(tensor: torch.Tensor, param: torch.Tensor) -> ParamRows | None:
+def rows_of(tensor: torch.Tensor, param: torch.Tensor) -> Source | None:
     """``tensor``'s rows as rows of ``param`` (each found exactly once; the gather equals ``tensor`` bit for bit),
-    else None."""
+    else None. All of ``param``'s rows in order (a clone of it) are a view of it."""
     if tensor.dim() != 2 or param.dim() != 2 or tensor.shape[1] != param.shape[1] or tensor.dtype != param.dtype \
             or tensor.dtype not in _INT_VIEW or tensor.device != param.device or tensor.shape[0] > param.shape[0]:
         return None
@@ -140,6 +140,9 @@ def rows_of(tensor: torch.Tensor, param: torch.Tensor) -> ParamRows | None:
             return None  # the same row twice in the tensor
         if not torch.equal(param.detach().index_select(0, index), tensor):
             return None
+    if index.numel() == param.shape[0] and param.is_contiguous() and bool(
+            torch.equal(index, torch.arange(index.numel(), device=index.device))):
+        return ParamView(param, View.of(param.detach(), param.detach()))  # every row in order: a copy of it
     return ParamRows(param, index)
 
 
@@ -158,41 +161,58 @@ def task_names(task: Any) -> list[str]:
 
 @dataclass
 class DirectFinder:
-    """Looks at Bridge's export, tensor by tensor, during the pass that lists it (``observe``)."""
+    """Looks at Bridge's export, tensor by tensor, during the pass that lists it (``observe``).
+
+    Bridge exports task after task; a tensor whose name is none of the tasks' own names (the LM head a tied
+    embedding's task also yields, a rename by an export hook) belongs to the task exported last."""
 
     tasks: list
     params: ParamsByStorage
     skip_experts: bool = False  # expert parallelism: Bridge gathers each expert task over the expert group
     sources: dict[str, Source] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # name -> why Bridge keeps it
-    _task_of: dict[str, int] = field(default_factory=dict)
+    _task_of: dict[str, int] = field(default_factory=dict)  # a task's own names (names two tasks share: none)
+    _outputs: dict[int, list[str]] = field(default_factory=dict)  # task -> every name it yielded
+    _current: int | None = None
+    _all_names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         counts: dict[str, int] = {}
         for i, t in enumerate(self.tasks):
-            if t is None or getattr(t, "param_weight", None) is None:
-                continue
-            if self.skip_experts and _EXPERT_TASK.search(getattr(t, "global_param_name", "") or ""):
-                continue
-            for n in task_names(t):
+            for n in task_names(t) if t is not None else []:
                 counts[n] = counts.get(n, 0) + 1
                 self._task_of[n] = i
         for n, c in counts.items():
             if c > 1:
                 del self._task_of[n]
+        self._all_names = set(counts)
+
+    def _why_not_eligible(self, index: int) -> str | None:
+        task = self.tasks[index]
+        if getattr(task, "param_weight", None) is None:
+            return "its conversion task has no parameter on this rank"
+        if self.skip_experts and _EXPERT_TASK.search(getattr(task, "global_param_name", "") or ""):
+            return "an expert task: Bridge gathers it over the expert-parallel group"
+        return None
 
     def observe(self, name: str, tensor: Any) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            return
         index = self._task_of.get(name)
+        if index is not None:
+            self._current = index
+        elif name in self._all_names:
+            self._current = None  # a name several tasks share: which task yields what is unknown from here on
+        index = self._current
         if index is None:
             self.refused[name] = "no single conversion task of this rank exports it"
             return
-        source: Source | None = self.params.view_of(tensor)
+        self._outputs.setdefault(index, []).append(name)
+        why = self._why_not_eligible(index)
+        source: Source | None = None
+        if why is None and isinstance(tensor, torch.Tensor):
+            source = self.params.view_of(tensor) or rows_of(tensor, self.tasks[index].param_weight)
+            why = None if source is not None else "Bridge computes it (not a view or a row selection of its parameter)"
         if source is None:
-            source = rows_of(tensor, self.tasks[index].param_weight)
-        if source is None:
-            self.refused[name] = "Bridge computes it (not a view or a row selection of its parameter)"
+            self.refused[name] = why or "not a tensor"
         else:
             self.sources[name] = source
 
@@ -201,18 +221,19 @@ class DirectFinder:
         direct; the others stay with Bridge. ``specs``: the export list the refit sends."""
         exported = {s.name for s in specs}
         allowed = {id(t) for t in tasks}
-        direct_tasks: set[int] = set()
-        for i, t in enumerate(self.tasks):
-            names = task_names(t) if t is not None and id(t) in allowed else []
-            if names and all(n in self.sources and self._task_of.get(n) == i and n in exported for n in names):
-                direct_tasks.add(id(t))
-        chosen = {n: s for n, s in self.sources.items() if id(self.tasks[self._task_of[n]]) in direct_tasks}
+        chosen: dict[str, Source] = {}
+        direct: set[int] = set()
+        for i, names in self._outputs.items():
+            task = self.tasks[i]
+            whole = set(task_names(task)) <= set(names)  # every name of its own was yielded, and by it
+            if id(task) in allowed and whole and all(n in self.sources and n in exported for n in names):
+                direct.add(id(task))
+                chosen.update((n, self.sources[n]) for n in names)
         for n in self.sources:
             if n not in chosen:
                 self.refused.setdefault(n, "another tensor of its conversion task is computed by Bridge")
         order = [s.name for s in specs if s.name in chosen]
-        rest = [t for t in tasks if id(t) not in direct_tasks]
-        return DirectExport({n: chosen[n] for n in order}, rest, self.refused)
+        return DirectExport({n: chosen[n] for n in order}, [t for t in tasks if id(t) not in direct], self.refused)
 
 
 @dataclass
@@ -239,8 +260,8 @@ class DirectExport:
             extra = sorted(set(got) - set(want))[:3]
             missing = sorted(set(want) - set(got))[:3]
             raise DirectExportError(
-                "refit.direct_export: Megatron-Bridge's export of the remaining conversion tasks does not yield "
-                f"exactly the other tensors (extra {extra}, missing {missing}); set refit.direct_export: false")
+                "Megatron-Bridge's export of the remaining conversion tasks does not yield exactly the other tensors "
+                f"(extra {extra}, missing {missing}), so it keeps every tensor")
 
     def summary(self) -> dict[str, Any]:
         views = sum(isinstance(s, ParamView) for s in self.sources.values())

@@ -219,19 +219,30 @@ class RefitSource:
             if self.fused is not None:
                 specs, tasks = self.fused.wire_specs(bridge_specs), self.fused.bridge_tasks
         if finder is not None:
-            direct = finder.plan(tasks, specs)
-            if direct.sources:
-                direct.check_rest(specs, (name for name, _ in self._rest_stream(direct.bridge_tasks)))
-                self.direct = direct
-                specs = direct.wire_specs(specs)
-            else:
-                self.direct_reason = "off: no tensor of Bridge's export is a view or rows of a parameter (" + (
-                    "; ".join(f"{k}: {v}" for k, v in sorted(direct.refused.items())[:3]) or "nothing exported") + ")"
+            specs = self._plan_direct(finder, tasks, specs)
         if self.block_fp8:
             from rlc.runtime.refit.fp8 import quantized_specs  # noqa: PLC0415
 
             specs = quantized_specs(specs)
         return specs
+
+    def _plan_direct(self, finder: Any, tasks: list, specs: list) -> list:
+        """Choose the direct tensors; a second pass checks that Bridge's export of the remaining tasks yields exactly
+        the other tensors (else Bridge keeps everything, and the reason says why). Returns the export list."""
+        from rlc.runtime.policy.direct_export import DirectExportError  # noqa: PLC0415
+
+        direct = finder.plan(tasks, specs)
+        if not direct.sources:
+            self.direct_reason = "off: no tensor of Bridge's export is a view or rows of a parameter (" + (
+                "; ".join(f"{k}: {v}" for k, v in sorted(direct.refused.items())[:3]) or "nothing exported") + ")"
+            return specs
+        try:
+            direct.check_rest(specs, (name for name, _ in self._rest_stream(direct.bridge_tasks)))
+        except DirectExportError as exc:
+            self.direct_reason = f"off: {exc}"
+            return specs
+        self.direct = direct
+        return direct.wire_specs(specs)
 
     def _fused_discovery(self) -> Any:
         """The fused transfer's part of the listing pass (``rlc.runtime.policy.fused_export.FusedDiscovery``)."""

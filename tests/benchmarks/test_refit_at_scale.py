@@ -440,3 +440,21 @@ def test_the_case_table_says_how_the_refits_ordered_their_buckets():
     records[2]["producers"][1]["device_ordered"] = False  # one rank fell back in one refit
     mixed = P.render_case("moe-1gpu", {"describe": "", "summary": P.summarize_refits(records, warmup=1)})
     assert "in some refits only" in mixed
+
+
+def test_the_case_table_says_what_direct_export_and_replayed_load_did():
+    results = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "refit-awake-h200"
+                          / "refit_at_scale.json").read_text())
+    case = results["cases"]["dense-8b-awake"]
+    assert "direct export" not in P.render_case("dense-8b-awake", case)  # recorded before either existed
+    case["prepare"]["producers"][0]["direct_export"] = {"on": True, "reason": "on", "tensors": 397, "views": 289,
+                                                        "row_gathers": 108, "bridge_tasks": 1}
+    case["refits"][-1]["consumers"][0]["replay"] = {
+        "recorded": False, "replayed_tensors": 397, "replayed_copies": 397, "loader_tensors": 2, "replayed": 397,
+        "not_replayed": 2, "not_replayed_examples": {"model.norm.weight": "computed"}}
+    text = P.render_case("dense-8b-direct", case)
+    assert "direct export: 397 tensors (289 views, 108 row gathers), 1 conversion tasks left to Bridge" in text
+    assert ("replayed load (last refit): 397 tensors as 397 copies, 2 through load_weights; table 397 replayed, "
+            "2 not (model.norm.weight: computed)") in text
+    case["prepare"]["producers"][0]["direct_export"] = {"on": False, "reason": "off: trainer tensor parallelism 2"}
+    assert "direct export off: trainer tensor parallelism 2" in P.render_case("x", case)

@@ -181,5 +181,35 @@ def test_a_task_only_partly_direct_stays_with_bridge_and_a_wrong_rest_is_an_erro
     direct = finder.plan(tasks, specs)
     assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in direct.sources)
     assert "another tensor of its conversion task" in direct.refused["model.layers.0.self_attn.q_proj.weight"]
-    with pytest.raises(DirectExportError, match="refit.direct_export: false"):
+    with pytest.raises(DirectExportError, match="does not yield exactly the other tensors"):
         direct.check_rest(specs, ["model.layers.0.self_attn.q_norm.weight"])
+
+
+def test_extra_tensors_belong_to_the_task_exported_last():
+    """A tied embedding's task also yields the LM head (Bridge clones the embedding for it): both go direct, the
+    clone as a view of the whole embedding; a task whose extra tensor is computed stays with Bridge whole."""
+    g = torch.Generator().manual_seed(3)
+    embed = torch.nn.Parameter(torch.randn(32, HIDDEN, generator=g).to(torch.bfloat16))
+    norm = torch.nn.Parameter(torch.randn(HIDDEN, generator=g).to(torch.bfloat16))
+    tasks = [Task("embedding.word_embeddings.weight", embed, SimpleNamespace(hf_param="model.embed_tokens.weight")),
+             Task("decoder.final_layernorm.weight", norm, SimpleNamespace(hf_param="model.norm.weight"))]
+
+    def export():
+        yield "model.embed_tokens.weight", embed.detach()
+        yield "lm_head.weight", embed.detach().clone()  # the tied output
+        yield "model.norm.weight", norm.detach()
+        yield "model.norm.bias_like", norm.detach() * 0  # a hook's computed extra
+
+    finder = DirectFinder(tasks, ParamsByStorage([embed, norm]))
+    specs = []
+    for name, tensor in export():
+        specs.append(TensorSpec.from_tensor(name, tensor))
+        finder.observe(name, tensor)
+    direct = finder.plan(tasks, specs)
+    assert list(direct.sources) == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert isinstance(direct.sources["lm_head.weight"], ParamView)  # every row in order: no gather
+    assert [t.global_param_name for t in direct.bridge_tasks] == ["decoder.final_layernorm.weight"]
+    assert "another tensor of its conversion task" in direct.refused["model.norm.weight"]
+    with torch.no_grad():
+        embed.add_(1)
+    assert all(torch.equal(t, embed.detach()) for _, t in direct.stream())
