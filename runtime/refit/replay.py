@@ -157,6 +157,11 @@ class _Recorder(TorchFunctionMode):
             return index
         return None
 
+    def _overlaps_a_source(self, rng: tuple[int, int]) -> bool:
+        """Whether the byte range overlaps a tensor being loaded (they do not overlap one another: one bisect)."""
+        i = bisect.bisect_left(self._source_starts, rng[1]) - 1
+        return i >= 0 and self._sources[i][1] > rng[0]
+
     def _blame(self, why: str) -> None:
         targets = [self.current] if self.current != _NO_TENSOR else range(len(self.records))
         for i in targets:
@@ -165,7 +170,7 @@ class _Recorder(TorchFunctionMode):
     def _note(self, func: Any, args: Sequence[Any], written: list[torch.Tensor]) -> None:
         name = getattr(func, "__name__", repr(func))
         for dst in written:
-            if any(_overlaps(byte_range(dst), s[:2]) for s in self._sources):
+            if self._overlaps_a_source(byte_range(dst)):
                 self._blame(f"vLLM's loader writes into the tensor it loads ({name})")
                 continue
             owner = self.model.owner(dst)
@@ -199,10 +204,6 @@ class _Recorder(TorchFunctionMode):
             self.current = i
             yield item
         self.current = _NO_TENSOR
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def _element_extent(view: torch.Tensor, owner: _Region) -> tuple[int, int]:

@@ -108,6 +108,30 @@ def test_tensors_written_twice_or_held_by_the_loader_keep_the_loader():
     assert "also written by another tensor" in table.not_replayed["model.embed_tokens.weight"]
 
 
+def test_a_loader_that_writes_into_its_input_or_fills_a_parameter_keeps_the_loader():
+    class Scribbling(H.TinyDenseEngine):
+        def load_weights(self, weights):
+            for name, w in weights:
+                if name == "model.layers.0.mlp.down_proj.weight":
+                    w.mul_(1)  # in place on the tensor it was handed
+                elif name == "model.layers.1.input_layernorm.weight":
+                    self.params[name].data.fill_(0)  # padding-style fill before the copy
+                super().load_weights([(name, w)])
+            return set()
+
+    class Hoarding(H.TinyDenseEngine):
+        def load_weights(self, weights):
+            return super().load_weights(list(weights))  # reads every tensor before it writes any
+
+    table = _record(Scribbling(), bucket=100)
+    assert "writes into the tensor it loads (mul_)" in table.not_replayed["model.layers.0.mlp.down_proj.weight"]
+    assert "with fill_ (not a plain copy)" in table.not_replayed["model.layers.1.input_layernorm.weight"]
+    assert "model.layers.0.input_layernorm.weight" in table.routes
+    # which tensor a computed write belongs to is unknown once the loader has read them all: nothing is replayed
+    hoarded = _record(Hoarding(), bucket=100)
+    assert hoarded.routes == {} and len(hoarded.not_replayed) == len(H.dense_specs())
+
+
 def test_view_extent_and_rebuild():
     base = torch.arange(60.0).reshape(6, 10)
     view = base[1:5, 2:8:2]
