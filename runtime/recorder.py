@@ -127,6 +127,7 @@ class Refitted:
     transfer_seconds: float
     memory: Memory  # GPU 0 ready to generate
     sent: list[RefitSent] | None = None  # vllm-ipc: every trainer rank's producer report
+    received: list[dict[str, Any]] | None = None  # vllm-ipc: every vLLM worker's load report
     synced: list[MegatronSynced] | None = None  # megatron-*: every policy worker's engine
     verify: list[dict[str, Any]] | None = None  # one report per vLLM worker / policy worker, when checked
     sleep_level: int = 0
@@ -321,6 +322,12 @@ class Recorder:
         m["refit/half_gib"] = r0.half_bytes / GIB
         m["refit/sleep_level"] = r.sleep_level
         m["refit/weights_awake"] = int(r.weights_awake)
+        for key, part, field in (("refit/fused_direct_tensors", "fused", "direct_tensors"),
+                                 ("refit/replayed_tensors", "replay", "replayed_tensors"),
+                                 ("refit/replay_loader_tensors", "replay", "loader_tensors")):
+            reports = [w[part] for w in r.received or [] if isinstance(w.get(part), dict)]
+            if reports:  # summed over vLLM workers; the refit that records the replay table replays nothing
+                m[key] = sum(int(x.get(field, 0)) for x in reports)
 
     def _megatron_refit(self, r: Refitted, synced: list[MegatronSynced]) -> None:
         for rank, s in enumerate(synced):

@@ -100,6 +100,7 @@ class VllmIpcSync:
                                                        *self.generation.submit_refit_receive()]
                 results = workers.wait_all(pending, "refit")
             sent = results[: len(self.policy)]
+            received = [w for engine in results[len(self.policy):] for w in engine]
             with timer("wake_kv"):
                 woke = self.generation.wake_up(["kv_cache"])[0]
                 self.generation.reset_prefix_cache()
@@ -107,7 +108,7 @@ class VllmIpcSync:
         reports = self._verify(step) if verify else None
         refit = self.cfg.refit
         return Refitted(step=step, kind=self.kind, offloaded=offloaded, transfer_seconds=transfer, memory=woke.memory,
-                        sent=sent, verify=reports, sleep_level=refit.sleep_level,
+                        sent=sent, received=received, verify=reports, sleep_level=refit.sleep_level,
                         weights_awake=refit.keep_weights_awake,
                         offload_optimizer=refit.offload_optimizer_for_refit)
 

@@ -254,6 +254,19 @@ def test_vllm_weights_kept_awake_sleep_only_the_kv_cache_and_are_not_woken(tmp_p
     assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last and "timing/wake_kv_s" in last
 
 
+def test_the_vllm_workers_direct_copies_reach_the_run_metrics(tmp_path):
+    run = FakeRun(_cfg(tmp_path, "vllm", refit={"replay_load": True, "fused_transfer": True}), [], [])
+    report = {"fused": {"direct_tensors": 96}, "replay": {"replayed_tensors": 531, "loader_tensors": 2}}
+    run._generation.group.actors[0].answers["refit_receive"] = [report, report]  # one engine, two workers
+    _steps(run)
+    last = run.logged[-1]
+    assert (last["refit/fused_direct_tensors"], last["refit/replayed_tensors"], last["refit/replay_loader_tensors"]) \
+        == (192, 1062, 4)
+    plain = FakeRun(_cfg(tmp_path / "plain", "vllm"), [], [])
+    _steps(plain)
+    assert "refit/replayed_tensors" not in plain.logged[-1]
+
+
 def test_megatron_shared_moves_nothing_and_releases_before_the_logprob_pass(tmp_path):
     log: list = []
     verify: list[bool] = []
