@@ -26,13 +26,14 @@ where it now lives), then Bridge's export of the remaining tasks.
 """
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from rlc.runtime.refit.sources import RowsOf, View
+from rlc.runtime.refit.sources import RowsOf, View, byte_range
 from rlc.runtime.refit.specs import TensorSpec
 
 _EXPERT_TASK = re.compile(r"(?:^|\.)mlp\.experts\.")
@@ -84,23 +85,29 @@ Source = ParamView | ParamRows
 
 
 class ParamsByStorage:
-    """The trainer's parameters by storage address, to find the one an exported view shares memory with."""
+    """The trainer's parameters by address, to find the one an exported view shares memory with (Megatron's DDP
+    holds every parameter of a bucket group as a view of one contiguous buffer)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.by_storage: dict[int, list[torch.Tensor]] = {}
+        spans = []
         for p in params:
-            self.by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+            if p.numel():
+                start, end = byte_range(p)
+                spans.append((start, end, id(p), p))
+        spans.sort(key=lambda s: s[:3])
+        self._spans = spans
+        self._starts = [s[0] for s in spans]
 
     def view_of(self, tensor: torch.Tensor) -> ParamView | None:
         """``tensor`` as a view of a parameter of its dtype that holds all of its elements, else None."""
-        for p in self.by_storage.get(tensor.untyped_storage().data_ptr(), ()):
-            if p.dtype != tensor.dtype:
-                continue
-            view = View.of(tensor, p)
-            first, end = view.extent()
-            p_first, p_end = View(0, tuple(p.shape), tuple(p.stride())).extent()
-            if p_first <= first and end <= p_end:
-                return ParamView(p, view)
+        if tensor.numel() == 0:
+            return None
+        start, end = byte_range(tensor)
+        i = bisect.bisect_right(self._starts, start) - 1
+        for p_start, p_end, _, p in reversed(self._spans[max(0, i - 7):i + 1]):  # nested parameters are rare
+            if p_start <= start and end <= p_end and p.dtype == tensor.dtype \
+                    and p.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                return ParamView(p, View.of(tensor, p))
         return None
 
 

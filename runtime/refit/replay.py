@@ -104,13 +104,18 @@ class ModelTensors:
 # --------------------------------------------------------------------------- recording
 
 
+#: Python operators that write their left operand in place.
+_INPLACE_OPERATORS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__",
+                                "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
+                                "__ilshift__", "__irshift__"})
+
+
 def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """The tensors a torch call writes: in-place methods (``x.copy_``, ``x.mul_``, ``x[i] = y``, ``x += y``)
     write their first argument, ``out=`` its tensors."""
     name = getattr(func, "__name__", "")
     out: list[torch.Tensor] = []
-    inplace = (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
-        name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__init__", "__iter__"))
+    inplace = (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_OPERATORS
     if inplace and args and isinstance(args[0], torch.Tensor):
         out.append(args[0])
     target = kwargs.get("out")
