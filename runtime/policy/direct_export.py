@@ -91,9 +91,10 @@ class ParamsByStorage:
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         spans = []
         for p in params:
-            if p.numel():
-                start, end = byte_range(p)
-                spans.append((start, end, id(p), p))
+            if not p.numel() or type(p) not in (torch.Tensor, torch.nn.Parameter):
+                continue  # a wrapper subclass (Transformer Engine's FP8 weights): Bridge dequantizes it, no view
+            start, end = byte_range(p)
+            spans.append((start, end, id(p), p))
         spans.sort(key=lambda s: s[:3])
         self._spans = spans
         self._starts = [s[0] for s in spans]
@@ -215,11 +216,11 @@ class DirectFinder:
         self._outputs.setdefault(index, []).append(name)
         why = self._why_not_eligible(index)
         source: Source | None = None
-        if why is None and isinstance(tensor, torch.Tensor):
+        if why is None and type(tensor) in (torch.Tensor, torch.nn.Parameter):
             source = self.params.view_of(tensor) or rows_of(tensor, self.tasks[index].param_weight)
             why = None if source is not None else "Bridge computes it (not a view or a row selection of its parameter)"
         if source is None:
-            self.refused[name] = why or "not a tensor"
+            self.refused[name] = why or "not a plain tensor"
         else:
             self.sources[name] = source
 
