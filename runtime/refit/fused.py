@@ -22,12 +22,12 @@ parameters: the producer stacks them straight into the IPC buffer (one kernel, n
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from rlc.runtime.refit.copy_tables import copy_all, digest, tensor_signature
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.fused_layout import W13, check_fused_spec, parse_fused, unfused_names
 from rlc.runtime.refit.specs import TensorSpec, normalize_dtype
@@ -58,12 +58,8 @@ class ExpertDestination:
 
     def signature(self) -> tuple[Any, ...]:
         """What must stay the same for a route table built against this layer to stay valid."""
-        return (self.prefix, *(_tensor_signature(t) for t in (self.w13, self.w2)), self.global_experts,
+        return (self.prefix, *(tensor_signature(t) for t in (self.w13, self.w2)), self.global_experts,
                 self.local_to_global, self.tp_rank, self.tp_size, self.why_not)
-
-
-def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
 
 
 class CopyOp(NamedTuple):
@@ -81,7 +77,7 @@ class CopyOp(NamedTuple):
         return src if self.dim < 0 else src.narrow(self.dim, self.start, self.length)
 
     def describe(self) -> tuple[int, int, int, int, int, tuple[Any, ...]]:
-        return (self.expert_start, self.experts, self.dim, self.start, self.length, _tensor_signature(self.dst))
+        return (self.expert_start, self.experts, self.dim, self.start, self.length, tensor_signature(self.dst))
 
 
 @dataclass(frozen=True)
@@ -98,17 +94,9 @@ class Route:
         return sum(op.dst.numel() * op.dst.element_size() for op in self.ops)
 
 
-def _fingerprint(items: Iterable[Any]) -> str:
-    h = hashlib.sha256()
-    for item in items:
-        h.update(repr(item).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
 def specs_fingerprint(specs: Sequence[TensorSpec]) -> str:
     """Fingerprint of the fused part of a wire export list (what a route table was built for)."""
-    return _fingerprint((s.name, s.shape, s.dtype) for s in specs if parse_fused(s.name) is not None)
+    return digest((s.name, s.shape, s.dtype) for s in specs if parse_fused(s.name) is not None)
 
 
 @dataclass
@@ -122,11 +110,11 @@ class RouteTable:
 
     @property
     def destinations_key(self) -> str:
-        return _fingerprint(sig for _, sig in sorted(self.destination_signatures.items()))
+        return digest(sig for _, sig in sorted(self.destination_signatures.items()))
 
     @property
     def fingerprint(self) -> str:
-        return _fingerprint([self.specs_key, self.destinations_key,
+        return digest([self.specs_key, self.destinations_key,
                              *((n, r.destination, [op.describe() for op in r.ops]) for n, r in sorted(self.routes.items())),
                              *sorted(self.uncovered.items())])
 
@@ -266,9 +254,7 @@ class FusedLoader:
                 s.unfused_tensors += 1
             else:
                 rest.append((name, tensor))
-        if dsts:
-            with torch.no_grad():
-                torch._foreach_copy_(dsts, srcs)  # the bucket's direct copies in one call
+        copy_all(dsts, srcs)  # the bucket's direct copies in one call
         del srcs
         if rest:
             s.loader_tensors += len(rest)

@@ -30,13 +30,13 @@ Not for FP8 rollouts: their loads run inside vLLM's layerwise reload, which quan
 from __future__ import annotations
 
 import bisect
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlc.runtime.refit.copy_tables import copy_all, digest, tensor_signature
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.sources import View, byte_range
 from rlc.runtime.refit.specs import TensorSpec
@@ -269,20 +269,8 @@ class Route:
         return sum(op.dst.numel() * op.dst.element_size() for op in self.ops)
 
 
-def _fingerprint(items: Iterable[Any]) -> str:
-    h = hashlib.sha256()
-    for item in items:
-        h.update(repr(item).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def _signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
-
-
 def specs_key(specs: Sequence[TensorSpec]) -> str:
-    return _fingerprint((s.name, s.shape, s.dtype) for s in specs)
+    return digest((s.name, s.shape, s.dtype) for s in specs)
 
 
 @dataclass
@@ -296,7 +284,7 @@ class ReplayTable:
 
     @property
     def fingerprint(self) -> str:
-        return _fingerprint([self.specs_key, *sorted(self.destination_signatures.items()),
+        return digest([self.specs_key, *sorted(self.destination_signatures.items()),
                              *((n, r.copies) for n, r in sorted(self.routes.items())),
                              *sorted(self.not_replayed.items())])
 
@@ -308,7 +296,7 @@ class ReplayTable:
                 "the table is recorded again only when the producer and consumer pair again (prepare)")
         now = {n: t.detach() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
         changed = sorted(n for n, sig in self.destination_signatures.items()
-                         if n not in now or _signature(now[n]) != sig)
+                         if n not in now or tensor_signature(now[n]) != sig)
         if changed:
             raise RefitManifestError(
                 f"replayed load: vLLM's parameters {', '.join(changed[:4])} are not where the replay table points "
@@ -361,7 +349,7 @@ def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[st
             else:
                 routes[name] = Route(name, tuple(r.copies), ops)
                 for c in r.copies:
-                    used[c.param] = _signature(model.by_name[c.param])
+                    used[c.param] = tensor_signature(model.by_name[c.param])
                 continue
         not_replayed[name] = why
     return ReplayTable(routes, not_replayed, specs_key(specs), used)
@@ -393,7 +381,6 @@ class ReplayLoader:
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        mixed: list[tuple[torch.Tensor, torch.Tensor]] = []
         rest: list[tuple[str, torch.Tensor]] = []
         s = self.stats
         for name, tensor in weights:
@@ -402,21 +389,13 @@ class ReplayLoader:
                 rest.append((name, tensor))
                 continue
             for op in route.ops:
-                src = op.src.on(tensor)
-                if src.dtype == op.dst.dtype:
-                    dsts.append(op.dst)
-                    srcs.append(src)
-                else:
-                    mixed.append((op.dst, src))
+                dsts.append(op.dst)
+                srcs.append(op.src.on(tensor))
             s.replayed_tensors += 1
             s.replayed_copies += len(route.ops)
             s.replayed_bytes += route.nbytes
-        with torch.no_grad():
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)  # the bucket's copies in one call
-            for dst, src in mixed:  # a converting copy, as the loader made it
-                dst.copy_(src)
-        del srcs, mixed
+        copy_all(dsts, srcs)  # the bucket's recorded copies in one call
+        del srcs
         if rest:
             s.loader_tensors += len(rest)
             s.loader_calls += 1

@@ -126,6 +126,12 @@ def _hook(side: str, rank: int):
     return hook
 
 
+def ok(result: dict[str, Any]) -> dict[str, Any]:
+    """A process entry point's result, or the assertion that shows its error and traceback."""
+    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{result.get('traceback', '')}"
+    return result
+
+
 def _error(e: BaseException) -> dict[str, Any]:
     return {"ok": False, "error_type": type(e).__name__, "error": str(e), "traceback": traceback.format_exc()}
 
@@ -349,22 +355,23 @@ class TinyMoeEngine:
                 self.params[f"{p}.w13_weight"][slot, half:half + part].copy_(t[rows])
 
 
-def moe_producer_main(job: dict[str, Any]) -> dict[str, Any]:
-    """A producer streaming the tiny MoE (``job['fused']``: fused or per expert) for ``job['steps']`` refits."""
+def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """A producer streaming a tiny model for ``job['steps']`` refits: ``job['model']`` ``moe`` (``job['fused']``:
+    fused or per expert) or ``dense``."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.producer import RefitProducer
+
+    def export(step: int):
+        return moe_export(job["fused"], step) if job["model"] == "moe" else dense_export(step)
 
     producer = None
     try:
         producer = RefitProducer(refit_config(), session=job["session"], rank=0, world_size=1,
-                                 export_dtype="bfloat16", backend=ShmBackend("shm-moe"),
+                                 export_dtype="bfloat16", backend=ShmBackend(f"shm-{job['model']}"),
                                  free_bytes=job.get("free_bytes", 1 << 20), timeout_s=job.get("timeout_s", 20.0))
-        wire, _ = moe_export(job["fused"], 0)
+        wire, _ = export(0)
         producer.prepare(wire)
-        metrics = []
-        for step in range(job.get("steps", 1)):
-            _, stream = moe_export(job["fused"], step)
-            metrics.append(producer.send(stream).to_dict())
+        metrics = [producer.send(export(step)[1]).to_dict() for step in range(job.get("steps", 1))]
         return {"ok": True, "metrics": metrics, "num_specs": len(wire)}
     except BaseException as e:
         return _error(e)
@@ -515,28 +522,6 @@ class TinyDenseEngine(torch.nn.Module):
 def dense_export(step: int, layers: int = 2):
     specs = dense_specs(layers)
     return specs, ((s.name, synthetic_tensor(s, step)) for s in specs)
-
-
-def dense_producer_main(job: dict[str, Any]) -> dict[str, Any]:
-    """A producer streaming the tiny dense model for ``job['steps']`` refits."""
-    from rlc.runtime.refit.buffers import ShmBackend
-    from rlc.runtime.refit.producer import RefitProducer
-
-    producer = None
-    try:
-        producer = RefitProducer(refit_config(), session=job["session"], rank=0, world_size=1,
-                                 export_dtype="bfloat16", backend=ShmBackend("shm-dense"),
-                                 free_bytes=1 << 20, timeout_s=job.get("timeout_s", 20.0))
-        specs, _ = dense_export(0)
-        producer.prepare(specs)
-        for step in range(job.get("steps", 1)):
-            producer.send(dense_export(step)[1])
-        return {"ok": True}
-    except BaseException as e:
-        return _error(e)
-    finally:
-        if producer is not None:
-            producer.close()
 
 
 def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:

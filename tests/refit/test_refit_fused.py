@@ -8,9 +8,7 @@ columns of ``w2``; experts not held are skipped): ``tests.refit.harness.TinyMoeE
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -239,28 +237,13 @@ def test_fused_tensors_pack_into_fewer_larger_buckets():
                                          and b.entries[0].spec.name.endswith("fused_w13"))
 
 
-CTX = mp.get_context("spawn")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ex = ProcessPoolExecutor(max_workers=2, mp_context=CTX, initializer=H.init_worker, initargs=(None, None, None))
-    yield ex
-    ex.shutdown(wait=False, cancel_futures=True)
-
-
-def _ok(result: dict) -> dict:
-    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{result.get('traceback', '')}"
-    return result
-
-
 @pytest.mark.parametrize("keep_gb,kept", [(16384 / (1 << 30), True), (16383 / (1 << 30), False), (0.0, False)])
 def test_buffers_are_kept_across_refits_within_refit_keep_buffers_gb(pool, keep_gb, kept):
     s = uuid.uuid4().hex[:10]
     fc = pool.submit(H.consumer_main, {"session": s, "device": 0, "steps": 3})
     fp = pool.submit(H.producer_main, {"session": s, "rank": 0, "world_size": 1, "steps": 3,
                                        "cfg": {"keep_buffers_gb": keep_gb}})
-    p, c = _ok(fp.result(60)), _ok(fc.result(60))
+    p, c = H.ok(fp.result(60)), H.ok(fc.result(60))
     assert c["mismatches"] == []
     assert [m["half_bytes"] for m in p["metrics"]] == [8192] * 3  # both halves together: 16 KiB
     assert [m["buffers_allocated"] for m in p["metrics"]] == ([2, 0, 0] if kept else [2, 2, 2])
@@ -271,8 +254,8 @@ def test_buffers_are_kept_across_refits_within_refit_keep_buffers_gb(pool, keep_
 def _run_moe(pool, fused: bool, steps: int = 2) -> tuple[dict, dict]:
     s = uuid.uuid4().hex[:10]
     fc = pool.submit(H.moe_consumer_main, {"session": s, "fused": fused, "steps": steps})
-    fp = pool.submit(H.moe_producer_main, {"session": s, "fused": fused, "steps": steps})
-    return _ok(fp.result(60)), _ok(fc.result(60))
+    fp = pool.submit(H.model_producer_main, {"model": "moe", "session": s, "fused": fused, "steps": steps})
+    return H.ok(fp.result(60)), H.ok(fc.result(60))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -48,11 +48,6 @@ def _run(pool, producers: list[dict], consumers: list[dict], timeout: float = 60
     return [f.result(timeout) for f in futs_p], [f.result(timeout) for f in futs_c]
 
 
-def _ok(result: dict) -> dict:
-    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{result.get('traceback', '')}"
-    return result
-
-
 def _drain(log, until: set | None = None, timeout: float = 10.0) -> list[tuple]:
     """Event-log entries ``(seq, side, rank, event, index)``; waits until the ``until`` keys are in."""
     out: list[tuple] = []
@@ -77,7 +72,7 @@ def test_two_producers_with_different_layouts_two_refits(pool, shared):
     )
     _drain(shared["log"])
     for rank, (p, c) in enumerate(zip(prods, cons)):
-        _ok(p), _ok(c)
+        H.ok(p), H.ok(c)
         specs = H.rank_specs(rank)
         assert c["mismatches"] == []  # every tensor bit-identical to what its own producer exported
         assert c["loaded"] == [sorted(x.name for x in specs)] * 2  # exactly its rank's tensors, both refits
@@ -125,7 +120,7 @@ def test_legacy_rank0_metadata_mode_is_caught(pool, shared):
         [{"session": s, "device": r} for r in (0, 1)],
     )
     _drain(shared["log"])
-    _ok(prods[0]), _ok(cons[0])  # rank 0 slices its own buffer with its own metadata: fine
+    H.ok(prods[0]), H.ok(cons[0])  # rank 0 slices its own buffer with its own metadata: fine
     assert prods[0]["metrics"][0]["fixes"]["per_rank_ipc_metadata"] is True
     assert not cons[1]["ok"] and cons[1]["error_type"] == "RefitManifestError"
     assert "from producer rank 0" in cons[1]["error"]
@@ -139,7 +134,7 @@ def test_ping_pong_packs_next_bucket_before_previous_ack(pool, shared):
     prods, cons = _run(
         pool, [{"session": s, "rank": 0, "world_size": 1}], [{"session": s, "device": 0, "gate_first_bucket": True}]
     )
-    _ok(prods[0]), _ok(cons[0])
+    H.ok(prods[0]), H.ok(cons[0])
     assert cons[0]["gate_opened"] is True  # load of bucket 0 was held until the producer packed bucket 1
     keys = {
         ("producer", "pack_start", 1),
@@ -219,7 +214,7 @@ def test_buffers_and_handles_are_created_once_and_reused_across_refits(pool, sha
     )
     _drain(shared["log"])
     for rank, (p, c) in enumerate(zip(prods, cons)):
-        _ok(p), _ok(c)
+        H.ok(p), H.ok(c)
         assert c["mismatches"] == [] and len(c["loaded"]) == steps  # new values every refit, all bit-exact
         oneoffs = [m["num_oneoff_buckets"] for m in p["metrics"]]
         assert oneoffs == [rank] * steps  # rank 1's fused expert tensor busts a half every time
@@ -243,7 +238,7 @@ def test_buffers_are_reallocated_when_the_plan_outgrows_them_and_reused_when_the
         [{"session": s, "device": 0, "steps": 3}],
     )
     _drain(shared["log"])
-    p, c = _ok(prods[0]), _ok(cons[0])
+    p, c = H.ok(prods[0]), H.ok(cons[0])
     assert c["mismatches"] == []
     assert [m["half_bytes"] for m in p["metrics"]] == [8192, 6144, 6144]
     assert [m["buffers_allocated"] for m in p["metrics"]] == [2, 2, 0]
@@ -258,7 +253,7 @@ def test_buffers_above_the_keep_limit_are_released_after_every_refit(pool, share
         [{"session": s, "device": 0, "steps": 3}],
     )
     _drain(shared["log"])
-    p, c = _ok(prods[0]), _ok(cons[0])
+    p, c = H.ok(prods[0]), H.ok(cons[0])
     assert c["mismatches"] == []
     assert [m["buffers_allocated"] for m in p["metrics"]] == [2, 2, 2]
     assert [m["buffers_opened"] for m in c["metrics"]] == [2, 2, 2]

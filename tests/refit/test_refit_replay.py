@@ -7,9 +7,7 @@ of tensor a replay must leave to the loader: a computed value, a converted tempo
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -141,27 +139,12 @@ def test_view_extent_and_rebuild():
     assert View(3, (0, 4), (4, 1)).extent() == (3, 3)
 
 
-CTX = mp.get_context("spawn")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ex = ProcessPoolExecutor(max_workers=2, mp_context=CTX, initializer=H.init_worker, initargs=(None, None, None))
-    yield ex
-    ex.shutdown(wait=False, cancel_futures=True)
-
-
-def _ok(result: dict) -> dict:
-    assert result["ok"], f"{result.get('error_type')}: {result.get('error')}\n{result.get('traceback', '')}"
-    return result
-
-
 def _run(pool, replay: bool, steps: int) -> dict:
     s = uuid.uuid4().hex[:10]
     fc = pool.submit(H.dense_consumer_main, {"session": s, "replay": replay, "steps": steps})
-    fp = pool.submit(H.dense_producer_main, {"session": s, "steps": steps})
-    _ok(fp.result(60))
-    return _ok(fc.result(60))
+    fp = pool.submit(H.model_producer_main, {"model": "dense", "session": s, "steps": steps})
+    H.ok(fp.result(60))
+    return H.ok(fc.result(60))
 
 
 def test_refits_over_shared_memory_replayed_equal_the_loader_bit_for_bit(pool):
