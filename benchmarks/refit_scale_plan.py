@@ -636,8 +636,8 @@ def direct_lines(case: dict[str, Any]) -> list[str]:
     replay = (refits[-1].get("consumers") or [{}])[0].get("replay") if refits else None
     if replay:
         kept = "; ".join(f"{k}: {v}" for k, v in list(replay.get("not_replayed_examples", {}).items())[:2])
-        lines.append(f"replayed load (last refit): {replay.get('replayed_tensors', 0)} tensors as "
-                     f"{replay.get('replayed_copies', 0)} copies, {replay.get('loader_tensors', 0)} through "
+        lines.append(f"replayed load (last refit): {replay.get('direct_tensors', 0)} tensors as "
+                     f"{replay.get('direct_copies', 0)} copies, {replay.get('loader_tensors', 0)} through "
                      f"load_weights; table {replay['replayed']} replayed, {replay['not_replayed']} not"
                      + (f" ({kept})" if kept else ""))
     return lines

@@ -323,7 +323,7 @@ class Recorder:
         m["refit/sleep_level"] = r.sleep_level
         m["refit/weights_awake"] = int(r.weights_awake)
         for key, part, field in (("refit/fused_direct_tensors", "fused", "direct_tensors"),
-                                 ("refit/replayed_tensors", "replay", "replayed_tensors"),
+                                 ("refit/replayed_tensors", "replay", "direct_tensors"),
                                  ("refit/replay_loader_tensors", "replay", "loader_tensors")):
             reports = [w[part] for w in r.received or [] if isinstance(w.get(part), dict)]
             if reports:  # summed over vLLM workers; the refit that records the replay table replays nothing

@@ -4,9 +4,12 @@ bucket's copies."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 
 def digest(items: Iterable[Any]) -> str:
@@ -36,4 +39,74 @@ def copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None
                     d.copy_(s)
 
 
-__all__ = ["copy_all", "digest", "tensor_signature"]
+class CopyOp(Protocol):
+    """One direct copy of a route: ``dst`` (a view of an engine parameter) <- ``source(tensor)``."""
+
+    @property
+    def dst(self) -> torch.Tensor: ...
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class Routed(Protocol):
+    """Where one wire tensor goes: its copies and their bytes."""
+
+    @property
+    def ops(self) -> Sequence[CopyOp]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass
+class CopyStats:
+    direct_tensors: int = 0  # wire tensors copied straight into the engine's parameters
+    direct_copies: int = 0
+    direct_bytes: int = 0
+    loader_tensors: int = 0  # tensors handed to the engine's load_weights
+    loader_calls: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class DirectCopyLoader:
+    """``load_weights`` for the consumer: the routed tensors of a bucket as direct copies in one call, the engine's
+    loader for the rest (``fallback`` says what the loader gets for a tensor without a route)."""
+
+    stats: CopyStats
+
+    def __init__(self, load_weights: LoadWeights, routes: Mapping[str, Routed]) -> None:
+        self.load_weights = load_weights
+        self.routes = routes
+        self.stats = CopyStats()
+
+    def fallback(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor)]
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        rest: list[tuple[str, torch.Tensor]] = []
+        s = self.stats
+        for name, tensor in weights:
+            route = self.routes.get(name)
+            if route is None:
+                rest.extend(self.fallback(name, tensor))
+                continue
+            for op in route.ops:
+                dsts.append(op.dst)
+                srcs.append(op.source(tensor))
+            s.direct_tensors += 1
+            s.direct_copies += len(route.ops)
+            s.direct_bytes += route.nbytes
+        copy_all(dsts, srcs)  # the bucket's direct copies in one call
+        del srcs
+        if rest:
+            s.loader_tensors += len(rest)
+            s.loader_calls += 1
+            self.load_weights(rest)
+
+
+__all__ = ["CopyOp", "CopyStats", "DirectCopyLoader", "LoadWeights", "Routed", "copy_all", "digest",
+           "tensor_signature"]

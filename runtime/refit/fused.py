@@ -23,16 +23,15 @@ parameters: the producer stacks them straight into the IPC buffer (one kernel, n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from rlc.runtime.refit.copy_tables import copy_all, digest, tensor_signature
+from rlc.runtime.refit.copy_tables import CopyStats, DirectCopyLoader, LoadWeights, digest, tensor_signature
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.fused_layout import W13, check_fused_spec, parse_fused, unfused_names
 from rlc.runtime.refit.specs import TensorSpec, normalize_dtype
 
-LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 #: vLLM's unquantized MoE backends that compute on ``w13_weight`` / ``w2_weight`` exactly as loaded (others may
 #: re-lay the weights out in ``process_weights_after_loading``; they load through vLLM).
@@ -215,51 +214,26 @@ def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 @dataclass
-class FusedLoadStats:
-    direct_tensors: int = 0  # fused wire tensors copied straight into vLLM's parameters
-    direct_copies: int = 0
-    direct_bytes: int = 0
+class FusedLoadStats(CopyStats):
     unfused_tensors: int = 0  # fused wire tensors split back and loaded by vLLM
-    loader_tensors: int = 0  # tensors handed to vLLM's load_weights (after splitting)
-    loader_calls: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
 
-class FusedLoader:
-    """``load_weights`` for the consumer: direct copies for routed fused tensors, vLLM's loader for the rest."""
+class FusedLoader(DirectCopyLoader):
+    """``load_weights`` for the consumer: direct copies for routed fused tensors, vLLM's loader for the rest (fused
+    tensors the table does not cover split back per expert)."""
+
+    stats: FusedLoadStats
 
     def __init__(self, load_weights: LoadWeights, table: RouteTable) -> None:
-        self.load_weights = load_weights
+        super().__init__(load_weights, table.routes)
         self.table = table
         self.stats = FusedLoadStats()
 
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        rest: list[tuple[str, torch.Tensor]] = []
-        s = self.stats
-        for name, tensor in weights:
-            route = self.table.routes.get(name)
-            if route is not None:
-                for op in route.ops:
-                    dsts.append(op.dst)
-                    srcs.append(op.source(tensor))
-                s.direct_tensors += 1
-                s.direct_copies += len(route.ops)
-                s.direct_bytes += route.nbytes
-            elif parse_fused(name) is not None:
-                rest.extend(unfuse(name, tensor))
-                s.unfused_tensors += 1
-            else:
-                rest.append((name, tensor))
-        copy_all(dsts, srcs)  # the bucket's direct copies in one call
-        del srcs
-        if rest:
-            s.loader_tensors += len(rest)
-            s.loader_calls += 1
-            self.load_weights(rest)
+    def fallback(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if parse_fused(name) is None:
+            return [(name, tensor)]
+        self.stats.unfused_tensors += 1
+        return unfuse(name, tensor)
 
 
 # --------------------------------------------------------------------------- vLLM's layers

@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rlc.runtime.refit.copy_tables import copy_all, digest, tensor_signature
+from rlc.runtime.refit.copy_tables import DirectCopyLoader, LoadWeights, digest, tensor_signature
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.sources import View, byte_range
 from rlc.runtime.refit.specs import TensorSpec
 
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 #: The tensor the loader was handed last is not known: writes before the first or after the last tensor.
 _NO_TENSOR = -1
@@ -255,6 +254,9 @@ class _Op(NamedTuple):
     dst: torch.Tensor  # the view of the parameter, built once
     src: View
 
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.src.on(tensor)
+
 
 @dataclass(frozen=True)
 class Route:
@@ -358,49 +360,13 @@ def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[st
 # --------------------------------------------------------------------------- replay
 
 
-@dataclass
-class ReplayStats:
-    replayed_tensors: int = 0
-    replayed_copies: int = 0
-    replayed_bytes: int = 0
-    loader_tensors: int = 0  # tensors handed to vLLM's load_weights
-    loader_calls: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-class ReplayLoader:
+class ReplayLoader(DirectCopyLoader):
     """``load_weights`` for every later refit: a bucket's recorded copies in one call, vLLM's loader for the rest."""
 
     def __init__(self, load_weights: LoadWeights, table: ReplayTable) -> None:
-        self.load_weights = load_weights
+        super().__init__(load_weights, table.routes)
         self.table = table
-        self.stats = ReplayStats()
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        rest: list[tuple[str, torch.Tensor]] = []
-        s = self.stats
-        for name, tensor in weights:
-            route = self.table.routes.get(name)
-            if route is None:
-                rest.append((name, tensor))
-                continue
-            for op in route.ops:
-                dsts.append(op.dst)
-                srcs.append(op.src.on(tensor))
-            s.replayed_tensors += 1
-            s.replayed_copies += len(route.ops)
-            s.replayed_bytes += route.nbytes
-        copy_all(dsts, srcs)  # the bucket's recorded copies in one call
-        del srcs
-        if rest:
-            s.loader_tensors += len(rest)
-            s.loader_calls += 1
-            self.load_weights(rest)
 
 
-__all__ = ["ModelTensors", "RecordingLoader", "ReplayCopy", "ReplayLoader", "ReplayStats", "ReplayTable", "Route",
+__all__ = ["ModelTensors", "RecordingLoader", "ReplayCopy", "ReplayLoader", "ReplayTable", "Route",
            "build_table", "specs_key"]

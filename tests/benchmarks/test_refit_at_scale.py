@@ -450,7 +450,7 @@ def test_the_case_table_says_what_direct_export_and_replayed_load_did():
     case["prepare"]["producers"][0]["direct_export"] = {"on": True, "reason": "on", "tensors": 397, "views": 289,
                                                         "row_gathers": 108, "bridge_tasks": 1}
     case["refits"][-1]["consumers"][0]["replay"] = {
-        "recorded": False, "replayed_tensors": 397, "replayed_copies": 397, "loader_tensors": 2, "replayed": 397,
+        "recorded": False, "direct_tensors": 397, "direct_copies": 397, "loader_tensors": 2, "replayed": 397,
         "not_replayed": 2, "not_replayed_examples": {"model.norm.weight": "computed"}}
     text = P.render_case("dense-8b-direct", case)
     assert "direct export: 397 tensors (289 views, 108 row gathers), 1 conversion tasks left to Bridge" in text

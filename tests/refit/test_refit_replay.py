@@ -53,7 +53,7 @@ def test_a_replayed_refit_equals_the_loader_and_leaves_computed_tensors_to_it():
             loader(b)
         reference.load_weights(_export(step))
         assert _equal(engine.snapshot(), reference.snapshot()) == [], step
-        assert loader.stats.replayed_tensors == len(table.routes)
+        assert loader.stats.direct_tensors == len(table.routes)
         assert loader.stats.loader_tensors == 4  # only the tensors the loader computes, converts or skips
 
 
@@ -157,6 +157,6 @@ def test_refits_over_shared_memory_replayed_equal_the_loader_bit_for_bit(pool):
     assert table["not_replayed"].keys() == {"model.norm.weight", "model.layers.0.mlp.router_bias",
                                             "model.layers.1.mlp.router_bias", "model.rotary_emb.inv_freq"}
     # refits 2 and 3 replayed every other tensor (no view of the buffers kept: the consumer checks it)
-    assert [s["replayed_tensors"] for s in replayed["stats"]] == [table["replayed"]] * 2
+    assert [s["direct_tensors"] for s in replayed["stats"]] == [table["replayed"]] * 2
     assert all(s["loader_tensors"] == 4 for s in replayed["stats"])
 

@@ -256,7 +256,7 @@ def test_vllm_weights_kept_awake_sleep_only_the_kv_cache_and_are_not_woken(tmp_p
 
 def test_the_vllm_workers_direct_copies_reach_the_run_metrics(tmp_path):
     run = FakeRun(_cfg(tmp_path, "vllm", refit={"replay_load": True, "fused_transfer": True}), [], [])
-    report = {"fused": {"direct_tensors": 96}, "replay": {"replayed_tensors": 531, "loader_tensors": 2}}
+    report = {"fused": {"direct_tensors": 96}, "replay": {"direct_tensors": 531, "loader_tensors": 2}}
     run._generation.group.actors[0].answers["refit_receive"] = [report, report]  # one engine, two workers
     _steps(run)
     last = run.logged[-1]
