@@ -334,15 +334,12 @@ def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[st
                         shared.setdefault(n, f"{param} is also written by another tensor or a loader computation")
             if end > reach:
                 reach, last = end, name
-    expected = {s.name for s in specs}
     routes: dict[str, Route] = {}
     used: dict[str, tuple[Any, ...]] = {}
     for name, r in sorted(records.items()):
         why = r.blame[0] if r.blame else shared.get(name)
         if why is None and not r.copies:
             why = "vLLM's loader made no copy of it (skipped, or written by other means)"
-        if why is None and name not in expected:
-            why = "not in the producer's export list"
         if why is None:
             try:
                 ops = tuple(_Op(c.dst.on(model.by_name[c.param]), c.src) for c in r.copies)

@@ -326,6 +326,12 @@ class TinyMoeEngine:
             self.params[f"{p}.w13_weight"] = torch.zeros((len(local), 2 * part, h), dtype=dtype)
             self.params[f"{p}.w2_weight"] = torch.zeros((len(local), h, part), dtype=dtype)
 
+    def named_parameters(self):  # what the replayed load reads of a model (as of a torch module)
+        return iter(self.params.items())
+
+    def named_buffers(self):
+        return iter(())
+
     def destinations(self) -> dict[str, ExpertDestination]:
         out = {}
         for layer, local in MOE_LOCAL_EXPERTS.items():
@@ -382,10 +388,12 @@ def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
 
 def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
     """The consumer into :class:`TinyMoeEngine`: with ``job['fused']`` through the direct-copy table (built at the
-    first refit, checked at every later one), else through the engine's ``load_weights`` alone. Returns the
-    engine's tensors after the last refit (CPU copies) and the loader's counts."""
+    first refit, checked at every later one), else through the engine's ``load_weights`` alone; with
+    ``job['replay']`` the loader's part recorded at the first refit and replayed after. Returns the engine's tensors
+    after the last refit (CPU copies) and the loaders' counts."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.consumer import RefitConsumer
+    from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader
 
     consumer = None
     try:
@@ -393,21 +401,34 @@ def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
         consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-moe"),
                                  timeout_s=job.get("timeout_s", 20.0))
         consumer.prepare()
-        table = None
-        stats = []
+        table = replay = None
+        stats, replay_stats = [], []
         for _ in range(job.get("steps", 1)):
+            rest: Any = engine.load_weights
+            if job.get("replay"):
+                if replay is None:
+                    rest = RecordingLoader(engine.load_weights, engine)
+                else:
+                    replay.check(consumer.expected, engine)
+                    rest = ReplayLoader(engine.load_weights, replay)
+            loader: Any = rest
             if job["fused"]:
                 if table is None:
                     table = build_routes(consumer.expected, engine.destinations())
                 else:
                     table.check(consumer.expected, engine.destinations())
-                loader = FusedLoader(engine.load_weights, table)
-                consumer.receive(loader)
+                loader = FusedLoader(rest, table)
+            consumer.receive(loader)
+            if isinstance(loader, FusedLoader):
                 stats.append(loader.stats.to_dict())
-            else:
-                consumer.receive(engine.load_weights)
+            if isinstance(rest, RecordingLoader):
+                replay = rest.table(consumer.expected, engine)
+            elif isinstance(rest, ReplayLoader):
+                replay_stats.append(rest.stats.to_dict())
         return {"ok": True, "params": {n: t.clone() for n, t in engine.params.items()}, "stats": stats,
-                "table": None if table is None else {**table.summary(), "uncovered": dict(table.uncovered)}}
+                "table": None if table is None else {**table.summary(), "uncovered": dict(table.uncovered)},
+                "replay_stats": replay_stats,
+                "replay": None if replay is None else {**replay.summary(), "not_replayed": dict(replay.not_replayed)}}
     except BaseException as e:
         return _error(e)
     finally:

@@ -251,9 +251,9 @@ def test_buffers_are_kept_across_refits_within_refit_keep_buffers_gb(pool, keep_
     assert [m["buffers_kept"] for m in p["metrics"]] == [2 if kept else 0] * 3
 
 
-def _run_moe(pool, fused: bool, steps: int = 2) -> tuple[dict, dict]:
+def _run_moe(pool, fused: bool, steps: int = 2, replay: bool = False) -> tuple[dict, dict]:
     s = uuid.uuid4().hex[:10]
-    fc = pool.submit(H.moe_consumer_main, {"session": s, "fused": fused, "steps": steps})
+    fc = pool.submit(H.moe_consumer_main, {"session": s, "fused": fused, "steps": steps, "replay": replay})
     fp = pool.submit(H.model_producer_main, {"model": "moe", "session": s, "fused": fused, "steps": steps})
     return H.ok(fp.result(60)), H.ok(fc.result(60))
 
@@ -287,3 +287,19 @@ def test_a_refit_with_fused_transfer_leaves_the_engine_bit_identical_to_the_per_
     assert [m["bytes"] for m in p_on["metrics"]] == [m["bytes"] for m in p_off["metrics"]]
     assert all(m_on["num_buckets"] < m_off["num_buckets"] for m_on, m_off in zip(p_on["metrics"], p_off["metrics"]))
     assert all(m["num_oneoff_buckets"] == 3 for m in p_on["metrics"])
+
+
+def test_fused_transfer_with_the_replayed_load_equals_the_per_expert_refit(pool):
+    """Both direct-copy paths at once, as the vLLM worker composes them: the fused tensors' routes first, the rest
+    (and the FP8 layer's experts split back per expert) recorded at the first refit and replayed after."""
+    _, c_off = _run_moe(pool, fused=False, steps=3)
+    _, c_on = _run_moe(pool, fused=True, steps=3, replay=True)
+    for name in c_off["params"]:
+        assert torch.equal(_bits(c_off["params"][name]), _bits(c_on["params"][name])), name
+    replay = c_on["replay"]
+    assert replay["not_replayed"] == {}  # every tensor the loader got was a plain copy (FP8: a converting one)
+    # the embedding, each layer's o_proj, router and fp32 router bias, the LM head, and the FP8 layer's 8 experts'
+    # gate, up and down (split back out of its two stacked tensors: the route table does not cover FP8)
+    assert replay["replayed"] == 1 + 3 * 3 + 1 + 8 * 3
+    assert [s["direct_tensors"] for s in c_on["replay_stats"]] == [replay["replayed"]] * 2
+    assert all(s["loader_tensors"] == 0 for s in c_on["replay_stats"])
