@@ -283,8 +283,8 @@ def weights_awake_vs_sleep_level(ctx: Context) -> None:
       rationale="refit.direct_export hands vLLM views of the trainer's bf16 parameters and refit.replay_load replays "
                 "the plain copies vLLM's loader made of them. FP8 rollouts load every refit inside vLLM's layerwise "
                 "reload, which quantizes what it loads (and, with block scales, the trainer quantizes the stream "
-                "first): neither a view of a bf16 parameter nor a recorded copy is what lands in the engine, so the "
-                "run would be refused when the refit pairs.",
+                "first): neither a view of a bf16 parameter nor a recorded copy is what lands in the engine. The "
+                "runtime would leave both off; the compiler says so instead of accepting a switch that does nothing.",
       seed="vLLM initialize_layerwise_reload / finalize_layerwise_reload (the FP8 refit path); rlc's replayed load "
            "(rlc/runtime/refit/replay.py).",
       fixes="Turn refit.direct_export and refit.replay_load off for generation.precision: fp8.")
