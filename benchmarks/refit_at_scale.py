@@ -26,7 +26,7 @@ Cases:
             the awake cases with ``refit.direct_export`` (the trainer's parameters exported as views or one row
             gather where Bridge's conversion only renames, slices or reorders rows) and ``refit.replay_load``
             (vLLM's first load recorded as copies, replayed at every later refit); a full ``verify_every``
-            comparison after the spot checks.
+            comparison after the spot checks. ``dense-8b-export`` / ``dense-8b-replay``: one of the two.
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -74,8 +74,8 @@ from benchmarks import refit_scale_plan as P  # noqa: E402
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
-GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "moe-1gpu", "moe-1gpu-awake", "moe-1gpu-direct",
-             "moe-ep2", "moe-tp2")
+GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay", "moe-1gpu",
+             "moe-1gpu-awake", "moe-1gpu-direct", "moe-ep2", "moe-tp2")
 ALL_CASES = ("engine", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -348,7 +348,7 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
     d["refit"].update(buffer_gb=lay.buffer_gb, buffer_memory_ratio=None, sleep_level=2,
                       offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False,
                       fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb),
-                      direct_export=lay.direct, replay_load=lay.direct)
+                      direct_export=lay.direct_export, replay_load=lay.replay_load)
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")
@@ -490,7 +490,7 @@ class GpuSession:
                     if not case["spot_checks"]["passed"]:
                         problems = "; ".join(case["spot_checks"]["problems"][:3])
                         self.results["errors"].append(f"{lay.name}: bit-exact spot checks failed: {problems}")
-                    if a.fused_transfer or lay.direct:
+                    if a.fused_transfer or lay.direct_export or lay.replay_load:
                         case["verify"] = self.full_verify(lay, trainers, gen, case)
                         if not case["verify"].get("bit_exact"):
                             self.results["errors"].append(f"{lay.name}: full verify_every pass not bit-exact: "

@@ -153,9 +153,10 @@ class Layout:
     buffer_gb: float = 2.0
     #: ``refit.keep_weights_awake``: only vLLM's KV cache sleeps; the refit writes into the resident weights
     weights_awake: bool = False
-    #: ``refit.direct_export`` and ``refit.replay_load``: views of the trainer's parameters out, vLLM's recorded
-    #: copies in
-    direct: bool = False
+    #: ``refit.direct_export``: views (or one row gather) of the trainer's parameters instead of Bridge's conversion
+    direct_export: bool = False
+    #: ``refit.replay_load``: vLLM's first load recorded as copies, replayed at every later refit
+    replay_load: bool = False
 
     def __post_init__(self) -> None:
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
@@ -185,7 +186,8 @@ class Layout:
         par = f"TP={self.train_tp}" + (f" EP={self.train_ep}" if self.train_ep > 1 else "") + (
             f" ETP={self.train_etp}" if self.train_etp > 1 else "")
         awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
-        direct = "; direct export, replayed load" if self.direct else ""
+        direct = "".join(part for on, part in ((self.direct_export, "; direct export"),
+                                               (self.replay_load, "; replayed load")) if on)
         return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}{direct}"
 
 
@@ -203,11 +205,16 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
                                  weights_awake=True),
         "moe-1gpu-awake": Layout("moe-1gpu-awake", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
                                  buffer_gb=buffer_gb, weights_awake=True),
-        # and with refit.direct_export and refit.replay_load on top (no per-tensor conversion or loader Python)
+        # and with refit.direct_export and refit.replay_load on top (no per-tensor conversion or loader Python),
+        # both or one of them (which part of a change, or of a failure, is whose)
         "dense-8b-direct": Layout("dense-8b-direct", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
-                                  weights_awake=True, direct=True),
+                                  weights_awake=True, direct_export=True, replay_load=True),
+        "dense-8b-export": Layout("dense-8b-export", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                  weights_awake=True, direct_export=True),
+        "dense-8b-replay": Layout("dense-8b-replay", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                  weights_awake=True, replay_load=True),
         "moe-1gpu-direct": Layout("moe-1gpu-direct", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
-                                  buffer_gb=buffer_gb, weights_awake=True, direct=True),
+                                  buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),
