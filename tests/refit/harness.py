@@ -386,6 +386,36 @@ def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
             producer.close()
 
 
+class ReplayedLoad:
+    """The replayed load across a consumer's refits, as the vLLM worker runs it: the first refit recorded, every
+    later one checked and replayed (``rlc.runtime.refit.replay``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.table: Any = None
+        self.stats: list[dict[str, int]] = []
+
+    def loader(self, consumer: Any) -> Any:
+        from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader
+
+        if self.table is None:
+            return RecordingLoader(self.engine.load_weights, self.engine)
+        self.table.check(consumer.expected, self.engine)
+        return ReplayLoader(self.engine.load_weights, self.table)
+
+    def done(self, loader: Any, consumer: Any) -> None:
+        """After the refit ``loader`` loaded: the table once recorded, the counts of a replayed refit."""
+        from rlc.runtime.refit.replay import RecordingLoader
+
+        if isinstance(loader, RecordingLoader):
+            self.table = loader.table(consumer.expected, self.engine)
+        else:
+            self.stats.append(loader.stats.to_dict())
+
+    def summary(self) -> dict[str, Any] | None:
+        return None if self.table is None else {**self.table.summary(), "not_replayed": dict(self.table.not_replayed)}
+
+
 def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
     """The consumer into :class:`TinyMoeEngine`: with ``job['fused']`` through the direct-copy table (built at the
     first refit, checked at every later one), else through the engine's ``load_weights`` alone; with
@@ -393,7 +423,6 @@ def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
     after the last refit (CPU copies) and the loaders' counts."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.consumer import RefitConsumer
-    from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader
 
     consumer = None
     try:
@@ -401,16 +430,11 @@ def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
         consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-moe"),
                                  timeout_s=job.get("timeout_s", 20.0))
         consumer.prepare()
-        table = replay = None
-        stats, replay_stats = [], []
+        table = None
+        replay = ReplayedLoad(engine) if job.get("replay") else None
+        stats = []
         for _ in range(job.get("steps", 1)):
-            rest: Any = engine.load_weights
-            if job.get("replay"):
-                if replay is None:
-                    rest = RecordingLoader(engine.load_weights, engine)
-                else:
-                    replay.check(consumer.expected, engine)
-                    rest = ReplayLoader(engine.load_weights, replay)
+            rest: Any = engine.load_weights if replay is None else replay.loader(consumer)
             loader: Any = rest
             if job["fused"]:
                 if table is None:
@@ -421,14 +445,12 @@ def moe_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
             consumer.receive(loader)
             if isinstance(loader, FusedLoader):
                 stats.append(loader.stats.to_dict())
-            if isinstance(rest, RecordingLoader):
-                replay = rest.table(consumer.expected, engine)
-            elif isinstance(rest, ReplayLoader):
-                replay_stats.append(rest.stats.to_dict())
+            if replay is not None:
+                replay.done(rest, consumer)
         return {"ok": True, "params": {n: t.clone() for n, t in engine.params.items()}, "stats": stats,
                 "table": None if table is None else {**table.summary(), "uncovered": dict(table.uncovered)},
-                "replay_stats": replay_stats,
-                "replay": None if replay is None else {**replay.summary(), "not_replayed": dict(replay.not_replayed)}}
+                "replay_stats": [] if replay is None else replay.stats,
+                "replay": None if replay is None else replay.summary()}
     except BaseException as e:
         return _error(e)
     finally:
@@ -551,7 +573,6 @@ def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
     engine's parameters after each refit and the replay table's summary."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.consumer import RefitConsumer
-    from rlc.runtime.refit.replay import RecordingLoader, ReplayLoader
 
     consumer = None
     try:
@@ -559,22 +580,16 @@ def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
         consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-dense"),
                                  timeout_s=job.get("timeout_s", 20.0))
         consumer.prepare()
-        table, stats, params = None, [], []
+        replay = ReplayedLoad(engine) if job["replay"] else None
+        params = []
         for _ in range(job.get("steps", 1)):
-            if not job["replay"]:
-                consumer.receive(engine.load_weights)
-            elif table is None:
-                recording = RecordingLoader(engine.load_weights, engine)
-                consumer.receive(recording)
-                table = recording.table(consumer.expected, engine)
-            else:
-                table.check(consumer.expected, engine)
-                loader = ReplayLoader(engine.load_weights, table)
-                consumer.receive(loader)
-                stats.append(loader.stats.to_dict())
+            loader = engine.load_weights if replay is None else replay.loader(consumer)
+            consumer.receive(loader)
+            if replay is not None:
+                replay.done(loader, consumer)
             params.append(engine.snapshot())
-        return {"ok": True, "params": params, "stats": stats,
-                "table": None if table is None else {**table.summary(), "not_replayed": dict(table.not_replayed)}}
+        return {"ok": True, "params": params, "stats": [] if replay is None else replay.stats,
+                "table": None if replay is None else replay.summary()}
     except BaseException as e:
         return _error(e)
     finally:
