@@ -141,7 +141,7 @@ class RlcWorkerExtension:
             metrics["fused"] = {**loader.stats.to_dict(), **loader.table.summary(), "table_s": table_s}
         if isinstance(rest, RecordingLoader):
             t1 = time.perf_counter()
-            self._rlc_replay_table = rest.table(consumer.expected, model)
+            self._rlc_replay_table = rest.table(consumer.expected)
             metrics["replay"] = {"recorded": True, **self._rlc_replay_table.summary(),
                                  "record_s": time.perf_counter() - t1}
         elif isinstance(rest, ReplayLoader):

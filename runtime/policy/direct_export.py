@@ -26,14 +26,13 @@ where it now lives), then Bridge's export of the remaining tasks.
 """
 from __future__ import annotations
 
-import bisect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from rlc.runtime.refit.sources import RowsOf, View, byte_range
+from rlc.runtime.refit.sources import RowsOf, TensorsByAddress, View
 from rlc.runtime.refit.specs import TensorSpec
 
 _EXPERT_TASK = re.compile(r"(?:^|\.)mlp\.experts\.")
@@ -89,27 +88,14 @@ class ParamsByStorage:
     holds every parameter of a bucket group as a view of one contiguous buffer)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        spans = []
-        for p in params:
-            if not p.numel() or type(p) not in (torch.Tensor, torch.nn.Parameter):
-                continue  # a wrapper subclass (Transformer Engine's FP8 weights): Bridge dequantizes it, no view
-            start, end = byte_range(p)
-            spans.append((start, end, id(p), p))
-        spans.sort(key=lambda s: s[:3])
-        self._spans = spans
-        self._starts = [s[0] for s in spans]
+        # a wrapper subclass (Transformer Engine's FP8 weights, a DTensor): Bridge dequantizes or gathers it, no view
+        self.index: TensorsByAddress[torch.Tensor] = TensorsByAddress(
+            (p, p) for p in params if type(p) in (torch.Tensor, torch.nn.Parameter))
 
     def view_of(self, tensor: torch.Tensor) -> ParamView | None:
         """``tensor`` as a view of a parameter of its dtype that holds all of its elements, else None."""
-        if tensor.numel() == 0:
-            return None
-        start, end = byte_range(tensor)
-        i = bisect.bisect_right(self._starts, start) - 1
-        for p_start, p_end, _, p in reversed(self._spans[max(0, i - 7):i + 1]):  # nested parameters are rare
-            if p_start <= start and end <= p_end and p.dtype == tensor.dtype \
-                    and p.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                return ParamView(p, View.of(tensor, p))
-        return None
+        region = self.index.containing(tensor)
+        return ParamView(region.key, View.of(tensor, region.key)) if region is not None else None
 
 
 def row_hashes(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from rlc.runtime.refit.copy_tables import DirectCopyLoader, LoadWeights, digest, tensor_signature
 from rlc.runtime.refit.errors import RefitManifestError
-from rlc.runtime.refit.sources import View, byte_range
+from rlc.runtime.refit.sources import Region, TensorsByAddress, View, byte_range
 from rlc.runtime.refit.specs import TensorSpec
 
 
@@ -57,47 +57,9 @@ class ReplayCopy(NamedTuple):
 # --------------------------------------------------------------------------- the model's tensors
 
 
-class _Region(NamedTuple):
-    start: int  # byte address
-    end: int
-    name: str
-    tensor: torch.Tensor
-
-
-class ModelTensors:
-    """Every parameter and buffer of a model by address, to find which one a written view belongs to."""
-
-    def __init__(self, model: Any) -> None:
-        regions = []
-        named = list(model.named_parameters()) + list(model.named_buffers())
-        for name, t in named:
-            data = t.detach()
-            if data.device.type == "meta" or data.numel() == 0:
-                continue
-            start, end = byte_range(data)
-            regions.append(_Region(start, end, name, data))
-        regions.sort()
-        self.regions = regions
-        self._starts = [r.start for r in regions]
-        self.by_name = {r.name: r.tensor for r in regions}
-
-    def owner(self, view: torch.Tensor) -> _Region | None:
-        """The parameter or buffer (of ``view``'s dtype) whose bytes contain every byte ``view`` can touch."""
-        if view.numel() == 0:
-            return None
-        start, end = byte_range(view)
-        i = bisect.bisect_right(self._starts, start) - 1
-        for r in reversed(self.regions[max(0, i - 7):i + 1]):  # nested regions (a view of another) are rare
-            if r.start <= start and end <= r.end and r.tensor.dtype == view.dtype and r.tensor.device == view.device:
-                return r
-        return None
-
-    def touches(self, view: torch.Tensor) -> list[_Region]:
-        """Every parameter or buffer ``view``'s bytes overlap."""
-        if view.numel() == 0:
-            return []
-        start, end = byte_range(view)
-        return [r for r in self.regions if r.start < end and start < r.end and r.tensor.device == view.device]
+def model_tensors(model: Any) -> TensorsByAddress[str]:
+    """Every parameter and buffer of a model by address (keyed by name), to find which one a written view is of."""
+    return TensorsByAddress((n, t.detach()) for n, t in [*model.named_parameters(), *model.named_buffers()])
 
 
 # --------------------------------------------------------------------------- recording
@@ -135,7 +97,7 @@ class _TensorRecord:
 class _Recorder(TorchFunctionMode):
     """Sees every torch call of one ``load_weights`` call over ``weights`` and records the writes into ``model``."""
 
-    def __init__(self, model: ModelTensors, weights: Sequence[tuple[str, torch.Tensor]],
+    def __init__(self, model: TensorsByAddress[str], weights: Sequence[tuple[str, torch.Tensor]],
                  records: list[_TensorRecord], foreign: list[tuple[str, tuple[int, int], str]]) -> None:
         super().__init__()
         self.model = model
@@ -181,23 +143,23 @@ class _Recorder(TorchFunctionMode):
             if self._overlaps_a_source(dst):
                 self._blame(f"vLLM's loader writes into the tensor it loads ({name})")
                 continue
-            owner = self.model.owner(dst)
-            touched = [owner] if owner is not None else self.model.touches(dst)
+            owner = self.model.containing(dst)
+            touched = [owner] if owner is not None else self.model.overlapping(dst)
             if not touched:
                 continue  # a temporary of the loader's
             src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else None
             index = self._source_of(src) if src is not None else None
             if owner is not None and index is not None and src is not None:
-                self.records[index].copies.append(ReplayCopy(owner.name, View.of(dst, owner.tensor),
+                self.records[index].copies.append(ReplayCopy(owner.key, View.of(dst, owner.tensor),
                                                              View.of(src, self.weights[index][1])))
                 if index != self.current:  # held past its turn: the loader pairs it with others
                     self.records[index].blame.append("vLLM's loader copies it while loading another tensor")
                 continue
-            why = (f"vLLM's loader writes {', '.join(r.name for r in touched[:2])} with {name} "
+            why = (f"vLLM's loader writes {', '.join(r.key for r in touched[:2])} with {name} "
                    + ("from a computed or converted tensor" if name == "copy_" else "(not a plain copy)"))
             self._blame(why)
             for r in touched:
-                self.foreign.append((r.name, _element_extent(dst, r), why))
+                self.foreign.append((r.key, _element_extent(dst, r), why))
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -214,7 +176,7 @@ class _Recorder(TorchFunctionMode):
         self.current = _NO_TENSOR
 
 
-def _element_extent(view: torch.Tensor, owner: _Region) -> tuple[int, int]:
+def _element_extent(view: torch.Tensor, owner: Region[str]) -> tuple[int, int]:
     """The elements of ``owner`` that ``view``'s bytes overlap, counted from ``owner``'s first element (as
     :class:`View` offsets are)."""
     start, end = byte_range(view)
@@ -228,7 +190,7 @@ class RecordingLoader:
 
     def __init__(self, load_weights: LoadWeights, model: Any) -> None:
         self.load_weights = load_weights
-        self.model = ModelTensors(model)
+        self.model = model_tensors(model)
         self.records: dict[str, _TensorRecord] = {}
         self.foreign: list[tuple[str, tuple[int, int], str]] = []
 
@@ -242,9 +204,9 @@ class RecordingLoader:
                 r.blame.append("loaded twice in one refit")
             self.records[r.name] = r
 
-    def table(self, specs: Sequence[TensorSpec], model: Any) -> "ReplayTable":
+    def table(self, specs: Sequence[TensorSpec]) -> "ReplayTable":
         """The replay table of what was recorded (after the refit has completed)."""
-        return build_table(self.records, self.foreign, specs, ModelTensors(model))
+        return build_table(self.records, self.foreign, specs, self.model)
 
 
 # --------------------------------------------------------------------------- the table
@@ -313,7 +275,7 @@ class ReplayTable:
 
 
 def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[str, tuple[int, int], str]],
-                specs: Sequence[TensorSpec], model: ModelTensors) -> ReplayTable:
+                specs: Sequence[TensorSpec], model: TensorsByAddress[str]) -> ReplayTable:
     """The replay table of one recorded refit: every tensor the loader only copied, into regions nothing else
     writes."""
     not_replayed: dict[str, str] = {}
@@ -334,6 +296,7 @@ def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[st
                         shared.setdefault(n, f"{param} is also written by another tensor or a loader computation")
             if end > reach:
                 reach, last = end, name
+    by_name = {r.key: r.tensor for r in model.regions}
     routes: dict[str, Route] = {}
     used: dict[str, tuple[Any, ...]] = {}
     for name, r in sorted(records.items()):
@@ -342,13 +305,13 @@ def build_table(records: Mapping[str, _TensorRecord], foreign: Sequence[tuple[st
             why = "vLLM's loader made no copy of it (skipped, or written by other means)"
         if why is None:
             try:
-                ops = tuple(_Op(c.dst.on(model.by_name[c.param]), c.src) for c in r.copies)
+                ops = tuple(_Op(c.dst.on(by_name[c.param]), c.src) for c in r.copies)
             except (KeyError, RuntimeError) as exc:
                 why = f"its recorded destination cannot be rebuilt ({exc})"
             else:
                 routes[name] = Route(name, tuple(r.copies), ops)
                 for c in r.copies:
-                    used[c.param] = tensor_signature(model.by_name[c.param])
+                    used[c.param] = tensor_signature(by_name[c.param])
                 continue
         not_replayed[name] = why
     return ReplayTable(routes, not_replayed, specs_key(specs), used)
@@ -365,5 +328,5 @@ class ReplayLoader(DirectCopyLoader):
         self.table = table
 
 
-__all__ = ["ModelTensors", "RecordingLoader", "ReplayCopy", "ReplayLoader", "ReplayTable", "Route",
-           "build_table", "specs_key"]
+__all__ = ["RecordingLoader", "ReplayCopy", "ReplayLoader", "ReplayTable", "Route",
+           "build_table", "model_tensors", "specs_key"]

@@ -14,7 +14,8 @@ copies this way, the direct export the views Megatron-Bridge's conversion return
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import bisect
+from typing import Any, Generic, Iterable, NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -48,6 +49,51 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
     base = t.untyped_storage().data_ptr()
     size = t.element_size()
     return base + low * size, base + high * size
+
+
+K = TypeVar("K")
+
+
+class Region(NamedTuple, Generic[K]):
+    """One tensor of a :class:`TensorsByAddress` and the device addresses it spans."""
+
+    start: int
+    end: int
+    key: K
+    tensor: torch.Tensor
+
+
+class TensorsByAddress(Generic[K]):
+    """Tensors (a model's parameters, the trainer's) by the addresses they span, to find the one a view is taken
+    from: one bisect, since tensors do not overlap (a tensor nested in another is looked up a few steps back)."""
+
+    def __init__(self, items: Iterable[tuple[K, torch.Tensor]]) -> None:
+        regions = []
+        for key, t in items:
+            if t.device.type != "meta" and t.numel():
+                regions.append(Region(*byte_range(t), key, t))
+        regions.sort(key=lambda r: (r.start, r.end))
+        self.regions: list[Region[K]] = regions
+        self._starts = [r.start for r in regions]
+
+    def containing(self, view: torch.Tensor) -> Region[K] | None:
+        """The tensor (of ``view``'s dtype, device and storage) whose bytes hold every byte ``view`` can touch."""
+        if view.numel() == 0:
+            return None
+        start, end = byte_range(view)
+        i = bisect.bisect_right(self._starts, start) - 1
+        for r in reversed(self.regions[max(0, i - 7):i + 1]):
+            if r.start <= start and end <= r.end and r.tensor.dtype == view.dtype and r.tensor.device == view.device \
+                    and r.tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                return r
+        return None
+
+    def overlapping(self, view: torch.Tensor) -> list[Region[K]]:
+        """Every tensor (on ``view``'s device) whose bytes ``view``'s bytes overlap."""
+        if view.numel() == 0:
+            return []
+        start, end = byte_range(view)
+        return [r for r in self.regions if r.start < end and start < r.end and r.tensor.device == view.device]
 
 
 class StackedParts:
@@ -113,4 +159,4 @@ def materialize(tensor: Any) -> torch.Tensor:
     return tensor.materialize() if isinstance(tensor, (StackedParts, RowsOf)) else tensor
 
 
-__all__ = ["RowsOf", "StackedParts", "View", "byte_range", "copy_export", "materialize"]
+__all__ = ["Region", "RowsOf", "StackedParts", "TensorsByAddress", "View", "byte_range", "copy_export", "materialize"]

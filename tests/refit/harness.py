@@ -408,7 +408,7 @@ class ReplayedLoad:
         from rlc.runtime.refit.replay import RecordingLoader
 
         if isinstance(loader, RecordingLoader):
-            self.table = loader.table(consumer.expected, self.engine)
+            self.table = loader.table(consumer.expected)
         else:
             self.stats.append(loader.stats.to_dict())
 

@@ -30,7 +30,7 @@ def _record(engine: H.TinyDenseEngine, step: int = 0, bucket: int = 5):
     recording = RecordingLoader(engine.load_weights, engine)
     for b in _buckets(_export(step), bucket):
         recording(b)
-    return recording.table(H.dense_specs(), engine)
+    return recording.table(H.dense_specs())
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
