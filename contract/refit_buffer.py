@@ -74,6 +74,21 @@ def fused_transfer_applies(requested: bool, precision: str) -> tuple[bool, str]:
     return True, "on (refit.fused_transfer: on)"
 
 
+#: Refit switches that move bf16 tensors as they are (views of the trainer's parameters, vLLM's recorded copies).
+BF16_REFIT_SWITCHES = ("direct_export", "replay_load")
+
+
+def bf16_switch_applies(key: str, requested: bool, precision: str) -> tuple[bool, str]:
+    """Whether ``refit.<key>`` (one of :data:`BF16_REFIT_SWITCHES`) applies at ``generation.precision`` and why: FP8
+    rollouts load through vLLM's layerwise reload, which quantizes what it loads, so neither a view of a bf16
+    parameter nor a recorded copy is what lands in the engine (the compiler refuses the pair, RLC224)."""
+    if not requested:
+        return False, "off"
+    if precision == "fp8":
+        return False, "off: FP8 rollouts load through vLLM's layerwise reload, which quantizes what it loads"
+    return True, "on"
+
+
 def exported_experts(expert_export: str | None, *, fused: bool) -> str | None:
     """How the refit moves routed experts: ``stacked`` when fused transfer applies, else as the model exports
     them (``per_expert`` / ``stacked`` / None when unknown)."""

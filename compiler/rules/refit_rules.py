@@ -13,6 +13,7 @@ from rlc.compiler.planner.layout import train_layout
 from rlc.compiler.recipe_types import Switch
 from rlc.compiler.schema import default_at
 from rlc.compiler.rules.engine import Context, rule
+from rlc.contract.refit_buffer import BF16_REFIT_SWITCHES, bf16_switch_applies
 
 R = "refit"
 
@@ -289,11 +290,9 @@ def weights_awake_vs_sleep_level(ctx: Context) -> None:
            "(rlc/runtime/refit/replay.py).",
       fixes="Turn refit.direct_export and refit.replay_load off for generation.precision: fp8.")
 def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
-    refit = ctx.recipe.refit
-    if ctx.recipe.generation.precision != "fp8":
-        return
-    for key in ("direct_export", "replay_load"):
-        if getattr(refit, key):
-            ctx.error(f"refit.{key} moves bf16 tensors, and FP8 rollouts load through vLLM's layerwise reload, which "
-                      "quantizes what it loads", f"{R}.{key}",
+    for key in BF16_REFIT_SWITCHES:
+        requested = bool(getattr(ctx.recipe.refit, key))
+        on, why = bf16_switch_applies(key, requested, ctx.recipe.generation.precision)
+        if requested and not on:
+            ctx.error(f"refit.{key} moves bf16 tensors; {why.removeprefix('off: ')}", f"{R}.{key}",
                       hint=f"set refit.{key}: false with generation.precision: fp8")

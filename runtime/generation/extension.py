@@ -29,6 +29,7 @@ import contextlib
 from typing import Any, Iterable, Iterator
 
 from rlc.contract.fp8 import block_quantized, scale_name
+from rlc.contract.refit_buffer import bf16_switch_applies
 from rlc.runtime.refit.errors import RefitError
 
 
@@ -69,16 +70,15 @@ class RlcWorkerExtension:
         self._rlc_fp8_pow2 = fp8_pow2
         self._rlc_fused = bool(fused) and fp8_scales is None
         self._rlc_routes = None  # built at the first refit after this pairing
-        self._rlc_replay = bool(replay) and fp8_scales is None
+        self._rlc_replay = bf16_switch_applies("replay_load", bool(replay), "fp8" if fp8_scales else "bf16")[0]
         self._rlc_replay_table = None  # recorded at the first refit after this pairing
         info: dict[str, Any] = {"device_key": consumer.device_key, "producer_rank": consumer.producer_rank,
                                 "num_tensors": len(specs), "bytes": sum(s.nbytes for s in specs),
                                 "fused_transfer": ("on" if self._rlc_fused else
                                                    "off: FP8 rollouts load through vLLM's layerwise reload"
                                                    if fused else "off"),
-                                "replay_load": ("on" if self._rlc_replay else
-                                                "off: FP8 rollouts load through vLLM's layerwise reload"
-                                                if replay else "off")}
+                                "replay_load": bf16_switch_applies("replay_load", bool(replay),
+                                                                   "fp8" if fp8_scales else "bf16")[1]}
         if fp8_scales == "block":
             from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
-from rlc.contract.refit_buffer import fused_transfer_applies
+from rlc.contract.refit_buffer import bf16_switch_applies, fused_transfer_applies
 from rlc.runtime.refit.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -163,9 +163,8 @@ class RefitSource:
             self.quantizer = block_quantizer(gen.fp8.pow2_scales)
         self.fused_wanted, self.fused_reason = fused_transfer_applies(bool(cfg.refit.fused_transfer), gen.precision)
         self.fused: Any = None  # rlc.runtime.policy.fused_export.FusedExport once prepared with stacked layers
-        self.direct_wanted = bool(cfg.refit.direct_export) and gen.precision != "fp8"
-        self.direct_reason = ("off: FP8 rollouts quantize the export stream" if cfg.refit.direct_export
-                              and not self.direct_wanted else "on" if self.direct_wanted else "off")
+        self.direct_wanted, self.direct_reason = bf16_switch_applies("direct_export", bool(cfg.refit.direct_export),
+                                                                     gen.precision)
         self.direct: Any = None  # rlc.runtime.policy.direct_export.DirectExport once prepared with direct tensors
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
