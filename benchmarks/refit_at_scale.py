@@ -27,6 +27,9 @@ Cases:
             gather where Bridge's conversion only renames, slices or reorders rows) and ``refit.replay_load``
             (vLLM's first load recorded as copies, replayed at every later refit); a full ``verify_every``
             comparison after the spot checks. ``dense-8b-export`` / ``dense-8b-replay``: one of the two.
+  dense-8b-zero-copy, moe-1gpu-zero-copy
+            the ``-direct`` cases with ``refit.zero_copy_views`` (vLLM reads the direct export's views where the
+            trainer holds them: one copy instead of two, no one-off buffers), then the same full comparison.
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -348,7 +351,8 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
     d["refit"].update(buffer_gb=lay.buffer_gb, buffer_memory_ratio=None, sleep_level=2,
                       offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False,
                       fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb),
-                      direct_export=lay.direct_export, replay_load=lay.replay_load)
+                      direct_export=lay.direct_export, replay_load=lay.replay_load,
+                      zero_copy_views=lay.zero_copy_views)
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")

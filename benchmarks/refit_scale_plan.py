@@ -157,6 +157,8 @@ class Layout:
     direct_export: bool = False
     #: ``refit.replay_load``: vLLM's first load recorded as copies, replayed at every later refit
     replay_load: bool = False
+    #: ``refit.zero_copy_views``: the direct export's views read by vLLM where the trainer holds them
+    zero_copy_views: bool = False
 
     def __post_init__(self) -> None:
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
@@ -187,6 +189,7 @@ class Layout:
             f" ETP={self.train_etp}" if self.train_etp > 1 else "")
         awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
         direct = "".join(part for on, part in ((self.direct_export, "; direct export"),
+                                               (self.zero_copy_views, "; zero-copy views"),
                                                (self.replay_load, "; replayed load")) if on)
         return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}{direct}"
 
@@ -215,6 +218,12 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
                                   weights_awake=True, replay_load=True),
         "moe-1gpu-direct": Layout("moe-1gpu-direct", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
                                   buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True),
+        # and with refit.zero_copy_views: the direct export's views cross in one copy (no pack, no one-off buffer)
+        "dense-8b-zero-copy": Layout("dense-8b-zero-copy", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                     weights_awake=True, direct_export=True, replay_load=True, zero_copy_views=True),
+        "moe-1gpu-zero-copy": Layout("moe-1gpu-zero-copy", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
+                                     buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True,
+                                     zero_copy_views=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),
@@ -377,7 +386,8 @@ def spot_check_verdict(checks: Sequence[SpotCheck], reports: Sequence[dict[str, 
 # --------------------------------------------------------------------------- timing breakdown
 
 #: Producer fields that add up to the producer's wall time (the rest is "other": ZMQ, planning, manifest).
-PRODUCER_PARTS = ("export_seconds", "pack_seconds", "alloc_seconds", "wait_ack_seconds", "done_wait_seconds")
+PRODUCER_PARTS = ("export_seconds", "pack_seconds", "zero_copy_seconds", "alloc_seconds", "wait_ack_seconds",
+                  "done_wait_seconds")
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -404,6 +414,7 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
         "producer_s": p["seconds"],
         "export_s": p["export_seconds"],
         "pack_s": p["pack_seconds"],
+        "zero_copy_s": p.get("zero_copy_seconds", 0.0),
         "alloc_s": p["alloc_seconds"],
         "wait_consumer_s": p["wait_ack_seconds"],
         "wait_done_s": p.get("done_wait_seconds", 0.0),
@@ -427,6 +438,7 @@ BREAKDOWN_ROWS = (
     ("transfer_s", "  transfer (trainer export -> vLLM load, both sides)"),
     ("export_s", "    export (Bridge's conversion, or views), slowest rank"),
     ("pack_s", "    packing into the IPC buffers"),
+    ("zero_copy_s", "    describing zero-copy views (read in place)"),
     ("wait_consumer_s", "    waiting for vLLM (load not hidden behind export)"),
     ("wait_done_s", "    waiting for vLLM's last loads and manifest check"),
     ("alloc_s", "    buffer allocation / IPC handles"),
@@ -640,6 +652,14 @@ def direct_lines(case: dict[str, Any]) -> list[str]:
     elif d and d.get("reason", "off") != "off":
         lines.append(f"direct export {d['reason']}")
     refits = case.get("refits") or []
+    z = producers[0].get("zero_copy_views") if producers else None
+    if z and z.get("on"):
+        last = (refits[-1].get("producers") or [{}])[0] if refits else {}
+        lines.append(f"zero-copy views: {z['tensors']} tensors read in place by vLLM; last refit "
+                     f"{last.get('zero_copy_tensors', 0)} tensors, {last.get('zero_copy_bytes', 0) / 1e9:.2f} GB, "
+                     f"{last.get('storages_shared', 0)} trainer storages shared anew")
+    elif z and z.get("reason", "off") != "off":
+        lines.append(f"zero-copy views {z['reason']}")
     replay = (refits[-1].get("consumers") or [{}])[0].get("replay") if refits else None
     if replay:
         kept = "; ".join(f"{k}: {v}" for k, v in list(replay.get("not_replayed_examples", {}).items())[:2])

@@ -119,6 +119,8 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
     VllmOnly("refit.keep_buffers_gb", _IPC),
     VllmOnly("refit.direct_export", "exports HF tensors for vLLM's loader; the Megatron engine and swap_model_weights "
              "address Megatron's own tensors", (False,)),
+    VllmOnly("refit.zero_copy_views", "lets vLLM read the trainer's parameters over CUDA IPC; the Megatron engine "
+             "reads them in its own process", (False,)),
     VllmOnly("refit.replay_load", "replays vLLM's own load_weights; the Megatron engine has no such loader", (False,)),
     VllmOnly("refit.per_rank_ipc_metadata", "is the IPC slicing metadata of the vLLM refit (SkyRL #1816); nothing is "
              "sliced in process", ("auto",)),

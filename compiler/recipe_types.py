@@ -436,6 +436,14 @@ class RefitSection(_Section):
         "keeps Bridge's export. Trainer TP and PP 1 (other layouts keep Bridge's export, and say so). bf16 "
         "rollouts, vLLM backend only.",
         default=False, runtime=_REFIT)
+    zero_copy_views: bool = key(
+        "With `refit.direct_export`, the tensors that are contiguous views of the trainer's parameters are not "
+        "packed into the refit buffers: vLLM maps the trainer's parameter memory (CUDA IPC, once, and again only "
+        "where the trainer moved a parameter) and copies each tensor from where the trainer holds it, one copy "
+        "instead of two and no one-off buffer for a tensor larger than a half (the embedding, the LM head). With "
+        "`refit.offload_params_for_generation` the mappings are closed after every refit, so the offload still "
+        "frees the memory. bf16 rollouts, vLLM backend only.",
+        default=False, runtime=_REFIT)
     replay_load: bool = key(
         "Record vLLM's `load_weights` at the first refit (every copy it makes from an exported tensor into a "
         "parameter) and replay those copies at every later refit, one batched copy call per bucket, instead of "

@@ -188,6 +188,11 @@ class RefitConfig(Declared):
     """On the trainer, export every tensor that Megatron-Bridge's conversion only renames, slices or reorders
     by rows as a view of the trainer's parameter (or one row gather, e.g. q, k and v out of Megatron's
     interleaved QKV) instead of running Bridge's per-tensor conversion at every refit."""
+    zero_copy_views: bool = runtime_key(_REFIT, recipe="refit.zero_copy_views")
+    """With `refit.direct_export`, the tensors that are contiguous views of the trainer's parameters are not
+    packed into the refit buffers: vLLM maps the trainer's parameter memory (CUDA IPC, once, and again only
+    where the trainer moved a parameter) and copies each tensor from where the trainer holds it, one copy
+    instead of two and no one-off buffer for a tensor larger than a half (the embedding, the LM head)."""
     replay_load: bool = runtime_key(_REFIT, recipe="refit.replay_load")
     """Record vLLM's `load_weights` at the first refit (every copy it makes from an exported tensor into a
     parameter) and replay those copies at every later refit, one batched copy call per bucket, instead of

@@ -322,6 +322,8 @@ class Recorder:
         m["refit/half_gib"] = r0.half_bytes / GIB
         m["refit/sleep_level"] = r.sleep_level
         m["refit/weights_awake"] = int(r.weights_awake)
+        if any(s.raw.get("zero_copy_tensors") for s in sent):  # refit.zero_copy_views: read in place, every rank
+            m["refit/zero_copy_tensors"] = sum(int(s.raw.get("zero_copy_tensors", 0)) for s in sent)
         for key, part, field in (("refit/fused_direct_tensors", "fused", "direct_tensors"),
                                  ("refit/replayed_tensors", "replay", "direct_tensors"),
                                  ("refit/replay_loader_tensors", "replay", "loader_tensors")):

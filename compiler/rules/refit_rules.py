@@ -280,15 +280,16 @@ def weights_awake_vs_sleep_level(ctx: Context) -> None:
                   hint="drop refit.sleep_level (or set it to 1), or set refit.keep_weights_awake: false")
 
 
-@rule("RLC224", "Direct export and replayed load move bf16 tensors only", severities=("error",),
-      rationale="refit.direct_export hands vLLM views of the trainer's bf16 parameters and refit.replay_load replays "
+@rule("RLC224", "Direct export, zero-copy views and replayed load move bf16 tensors only", severities=("error",),
+      rationale="refit.direct_export hands vLLM views of the trainer's bf16 parameters (refit.zero_copy_views lets "
+                "vLLM read them where the trainer holds them) and refit.replay_load replays "
                 "the plain copies vLLM's loader made of them. FP8 rollouts load every refit inside vLLM's layerwise "
                 "reload, which quantizes what it loads (and, with block scales, the trainer quantizes the stream "
                 "first): neither a view of a bf16 parameter nor a recorded copy is what lands in the engine. The "
                 "runtime would leave both off; the compiler says so instead of accepting a switch that does nothing.",
       seed="vLLM initialize_layerwise_reload / finalize_layerwise_reload (the FP8 refit path); rlc's replayed load "
            "(rlc/runtime/refit/replay.py).",
-      fixes="Turn refit.direct_export and refit.replay_load off for generation.precision: fp8.")
+      fixes="Turn refit.direct_export, refit.zero_copy_views and refit.replay_load off for generation.precision: fp8.")
 def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
     for key in BF16_REFIT_SWITCHES:
         requested = bool(getattr(ctx.recipe.refit, key))
@@ -296,3 +297,17 @@ def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
         if requested and not on:
             ctx.error(f"refit.{key} moves bf16 tensors; {why.removeprefix('off: ')}", f"{R}.{key}",
                       hint=f"set refit.{key}: false with generation.precision: fp8")
+
+
+@rule("RLC225", "Zero-copy views are the direct export's views", severities=("error",),
+      rationale="refit.zero_copy_views lets vLLM read in place the tensors refit.direct_export found to be views of "
+                "the trainer's parameters. Without the direct export every tensor comes out of Megatron-Bridge's "
+                "conversion, a new tensor per refit, and none is read in place: the switch would do nothing.",
+      seed="rlc's direct export (rlc/runtime/policy/direct_export.py) and zero-copy refit buckets "
+           "(rlc/runtime/refit/producer.py).",
+      fixes="Turn refit.direct_export on with refit.zero_copy_views, or turn refit.zero_copy_views off.")
+def zero_copy_views_need_direct_export(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if refit.zero_copy_views and not refit.direct_export:
+        ctx.error("refit.zero_copy_views reads the direct export's views in place, and refit.direct_export is off",
+                  f"{R}.zero_copy_views", hint="set refit.direct_export: true, or refit.zero_copy_views: false")

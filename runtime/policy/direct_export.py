@@ -246,6 +246,12 @@ class DirectExport:
         for name, source in self.sources.items():
             yield name, source.tensor()
 
+    def in_place_views(self) -> list[str]:
+        """The direct tensors a consumer can read where the trainer holds them (``refit.zero_copy_views``): views
+        that are contiguous, so one mapping of the parameter's storage and a byte offset describe them."""
+        return [name for name, source in self.sources.items()
+                if isinstance(source, ParamView) and source.tensor().is_contiguous()]
+
     def check_rest(self, specs: Sequence[TensorSpec], rest_names: Iterable[str]) -> None:
         """Bridge's export of the remaining tasks must yield exactly the tensors not exported directly."""
         want = [s.name for s in specs if s.name not in self.sources]

@@ -20,7 +20,10 @@
   stream, which ``refit.verify_every`` and the spot checks compare against. Off for FP8 rollouts.
 - ``refit.direct_export``: tensors Bridge's conversion only renames, slices or reorders by rows travel as views
   (or one row gather) of the trainer's parameters (``rlc.runtime.policy.direct_export``), found and checked
-  against Bridge's export at ``prepare``; ``export`` stays Bridge's full stream. Off for FP8 rollouts.
+  against Bridge's export at ``prepare``; ``export`` stays Bridge's full stream. Off for FP8 rollouts. With
+  ``refit.zero_copy_views`` the contiguous views are not packed: the vLLM worker maps their parameters' storage
+  and reads them in place (``RefitProducer.prepare(zero_copy=)``); with ``refit.offload_params_for_generation``
+  the mappings are closed at the end of every refit, so the offload frees the parameters' memory.
 - FP8 training with ``training.fp8.param_gather`` (FP8 primary weights): Megatron-Bridge's export
   dequantizes every Transformer Engine FP8 parameter to its nominal dtype (``maybe_dequantize`` in each
   parameter mapping), so the exporter yields ``model.dtype`` weights either way and the refit quantizes
@@ -166,6 +169,8 @@ class RefitSource:
         self.direct_wanted, self.direct_reason = bf16_switch_applies("direct_export", bool(cfg.refit.direct_export),
                                                                      gen.precision)
         self.direct: Any = None  # rlc.runtime.policy.direct_export.DirectExport once prepared with direct tensors
+        self.zero_copy_wanted, self.zero_copy_reason = bf16_switch_applies(
+            "zero_copy_views", bool(cfg.refit.zero_copy_views), gen.precision)
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if cfg.refit.dedupe_mtp_embedding:
@@ -301,9 +306,10 @@ class RefitSource:
                 device=torch.cuda.current_device(),
                 timeout_s=timeout_s,
                 extra_fp32_params=["*" + SCALE_SUFFIX] if self.block_fp8 else (),
+                keep_shared_storages=not self.cfg.refit.offload_params_for_generation,
             )
         producer = self.producer
-        producer.prepare(self.specs)
+        producer.prepare(self.specs, zero_copy=self._zero_copy_names())
         return {
             "num_tensors": len(self.specs),
             "bytes": sum(s.nbytes for s in self.specs),
@@ -315,7 +321,18 @@ class RefitSource:
                                **(self.fused.summary() if self.fused is not None else {})},
             "direct_export": {"on": self.direct is not None, "reason": self.direct_reason,
                               **(self.direct.summary() if self.direct is not None else {})},
+            "zero_copy_views": {"on": bool(producer.zero_copy_names), "reason": self.zero_copy_reason,
+                                "tensors": len(producer.zero_copy_names)},
         }
+
+    def _zero_copy_names(self) -> list[str]:
+        """The direct export's views the vLLM worker reads in place (``refit.zero_copy_views``)."""
+        if not self.zero_copy_wanted:
+            return []
+        if self.direct is None:
+            self.zero_copy_reason = "off: the direct export is off (" + self.direct_reason + ")"
+            return []
+        return self.direct.in_place_views()
 
     def send(self) -> dict[str, Any]:
         if self.producer is None:

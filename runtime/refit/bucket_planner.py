@@ -34,8 +34,11 @@ from rlc.runtime.refit.specs import TensorSpec, format_bytes
 SLOT_ONEOFF = -1
 #: ``Bucket.slot`` of the two ping-pong halves.
 HALVES = (0, 1)
+#: ``Bucket.slot`` of a bucket of zero-copy views (``refit.zero_copy_views``): its tensors stay in the trainer's
+#: storages, which the consumer maps; no buffer holds them. Its event marks them as written by the trainer.
+SLOT_ZERO_COPY = -2
 #: Every slot, in the order of the producer's "packed" events (one per slot).
-EVENT_SLOTS = (*HALVES, SLOT_ONEOFF)
+EVENT_SLOTS = (*HALVES, SLOT_ONEOFF, SLOT_ZERO_COPY)
 
 
 def event_slot(slot: int) -> int:
@@ -174,6 +177,19 @@ class BucketPacker:
 
     def is_oneoff(self, spec: TensorSpec) -> bool:
         return not half_holds(self.half_bytes, spec.nbytes)
+
+    def close_open(self) -> Bucket | None:
+        """Close the open bucket now (None when there is none): a bucket of another kind is sent next."""
+        return self._close_open()
+
+    def next_index(self) -> int:
+        """Take the next bucket index for a bucket this packer does not place (a zero-copy bucket); call
+        ``close_open`` first, so that buckets stay in index order."""
+        if self._open:
+            raise RefitPlanError("a bucket index was taken while a bucket is open")
+        index = self._next_index
+        self._next_index += 1
+        return index
 
     def _close_open(self) -> Bucket | None:
         if not self._open:

@@ -13,6 +13,11 @@ vLLM processes), patches that index into the rebuild arguments and calls torch's
 Shared memory: POSIX segments in /dev/shm (registered with the resource tracker so a crashed
 producer does not leak them), mmapped and wrapped with ``torch.frombuffer``.
 Closing a segment while a view is alive raises, which is how CI catches view leaks.
+
+Zero-copy views (``refit.zero_copy_views``): ``share`` exports the whole storage of one of the trainer's
+tensors (CUDA IPC: any storage on the backend's GPU; shared memory: a segment this process allocated with
+``allocate``, which is how CPU tests model the trainer's parameters) and ``open_shared`` maps it on the consumer
+side, where views are sliced out of it like out of a buffer.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from rlc.runtime.refit.errors import RefitLeakError, RefitProtocolError
-from rlc.runtime.refit.protocol import BufferRef
+from rlc.runtime.refit.protocol import BufferRef, StorageRef
 
 
 _SHM_DIR = "/dev/shm"  # POSIX shared memory on Linux
@@ -75,6 +80,17 @@ def cuda_index(device: int | str | torch.device | None = None) -> int:
 def cuda_device_uuid(device: int | str | torch.device | None = None) -> str:
     """The GPU UUID of ``device`` as a string (stable across processes and CUDA_VISIBLE_DEVICES)."""
     return str(torch.cuda.get_device_properties(cuda_index(device)).uuid)
+
+
+def whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage ``tensor`` lives in, as a 1-D uint8 tensor (byte ``i`` of it is byte ``i`` of the storage)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def byte_offset(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s first element sits in its storage, in bytes."""
+    return int(tensor.storage_offset()) * tensor.element_size()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -177,6 +193,14 @@ class BufferBackend(ABC):
     def synchronize(self) -> None:
         """Wait until this process's queued copies on the device are complete."""
 
+    def share(self, tensor: torch.Tensor) -> tuple[int, bytes]:
+        """Export the whole storage ``tensor`` lives in for the consumer to map: ``(bytes, handle payload)``."""
+        raise RefitProtocolError(f"the {self.name} refit backend cannot share a trainer storage")
+
+    def open_shared(self, ref: StorageRef, payload: bytes, label: str) -> Buffer:
+        """Map a storage the producer shared (on this same device); views are sliced out of it by byte offset."""
+        raise RefitProtocolError(f"the {self.name} refit backend cannot map a trainer storage")
+
     def export_events(self, count: int) -> tuple[list[Any], list[str]]:
         """``count`` events this process records and its peer waits on, with their handles (hex strings).
 
@@ -238,6 +262,10 @@ class _ShmBuffer(Buffer):
             )
 
 
+#: Segments this process allocated, by the address of their mapping: ``share`` finds a tensor's segment here.
+_OWN_SEGMENTS: "weakref.WeakValueDictionary[int, _ShmBuffer]" = weakref.WeakValueDictionary()
+
+
 class ShmBackend(BufferBackend):
     """CPU shared-memory buffers; ``device_key`` pairs a producer with its consumer (like a GPU UUID)."""
 
@@ -264,22 +292,43 @@ class ShmBackend(BufferBackend):
             os.close(fd)
         # The resource tracker unlinks the segment if this process dies before close().
         resource_tracker.register("/" + name, "shared_memory")
-        return _ShmBuffer(mm, nbytes, label, unlink_name=name), name.encode("utf-8")
+        buf = _ShmBuffer(mm, nbytes, label, unlink_name=name)
+        if buf.tensor is not None and nbytes:
+            _OWN_SEGMENTS[buf.tensor.untyped_storage().data_ptr()] = buf
+        return buf, name.encode("utf-8")
 
     def open(self, ref: BufferRef, payload: bytes, label: str) -> Buffer:
         if ref.device_key != self.device_key:
             raise RefitProtocolError(
                 f"buffer {label} belongs to device {ref.device_key!r}, this consumer is on {self.device_key!r}"
             )
+        return self._map(payload, ref.nbytes, label)
+
+    @staticmethod
+    def _map(payload: bytes, nbytes: int, label: str) -> Buffer:
         # Mapped directly, not through SharedMemory: attaching would register the segment with the
         # (shared) resource tracker a second time. The producer owns and unlinks it.
         name = payload.decode("utf-8")
         fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, max(ref.nbytes, 1))
+            mm = mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
-        return _ShmBuffer(mm, ref.nbytes, label, unlink_name=None)
+        return _ShmBuffer(mm, nbytes, label, unlink_name=None)
+
+    def share(self, tensor: torch.Tensor) -> tuple[int, bytes]:
+        segment = _OWN_SEGMENTS.get(tensor.untyped_storage().data_ptr())
+        if segment is None or segment.unlink_name is None:
+            raise RefitProtocolError(
+                "the shm refit backend shares only segments this process allocated with ShmBackend.allocate; the "
+                "tensor lives elsewhere")
+        return segment.nbytes, segment.unlink_name.encode("utf-8")
+
+    def open_shared(self, ref: StorageRef, payload: bytes, label: str) -> Buffer:
+        if ref.device_key != self.device_key:
+            raise RefitProtocolError(
+                f"storage {label} belongs to device {ref.device_key!r}, this consumer is on {self.device_key!r}")
+        return self._map(payload, ref.nbytes, label)
 
     def synchronize(self) -> None:
         """CPU copies are synchronous."""
@@ -323,9 +372,26 @@ class CudaIpcBackend(BufferBackend):
         return _CudaBuffer(t, nbytes, label), pickle.dumps((func, args))
 
     def open(self, ref: BufferRef, payload: bytes, label: str) -> Buffer:
-        if ref.device_key != self.device_key:
+        return self._rebuild(ref.device_key, ref.nbytes, payload, label)
+
+    def share(self, tensor: torch.Tensor) -> tuple[int, bytes]:
+        """The whole storage as one uint8 tensor through torch's own IPC export; the consumer's mapping keeps the
+        storage's memory from being reused until it is closed (torch's IPC reference counting)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if tensor.device != self.device:
+            raise RefitProtocolError(f"a tensor on {tensor.device} cannot be shared from the refit backend on {self.device}")
+        whole = whole_storage(tensor)
+        func, args = reduce_tensor(whole)
+        return int(whole.numel()), pickle.dumps((func, args))
+
+    def open_shared(self, ref: StorageRef, payload: bytes, label: str) -> Buffer:
+        return self._rebuild(ref.device_key, ref.nbytes, payload, label)
+
+    def _rebuild(self, device_key: str, nbytes: int, payload: bytes, label: str) -> Buffer:
+        if device_key != self.device_key:
             raise RefitProtocolError(
-                f"buffer {label} was allocated on GPU {ref.device_key}, this consumer is on GPU {self.device_key}; "
+                f"buffer {label} was allocated on GPU {device_key}, this consumer is on GPU {self.device_key}; "
                 "producer and consumer must be colocated on the same GPU"
             )
         func, args = pickle.loads(payload)  # same-job, same-node peer; torch's own IPC format
@@ -337,7 +403,7 @@ class CudaIpcBackend(BufferBackend):
             )
         args[_REBUILD_DEVICE_ARG] = self.index
         t = func(*args)
-        return _CudaBuffer(t, ref.nbytes, label)
+        return _CudaBuffer(t, nbytes, label)
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()

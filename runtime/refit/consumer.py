@@ -19,6 +19,11 @@ holds a layer's tensors until the layer is complete, possibly several buckets la
 checks that every expected tensor arrived exactly once and closes every buffer mapping except those
 of the halves the producer keeps for the next refit (``End.kept_slots``): their handles are opened
 once and reused. ``close`` releases them.
+
+Zero-copy views (``refit.zero_copy_views``): a ``Share`` message maps one of the trainer's storages, and a
+zero-copy bucket's tensors are views of those mappings (after a device wait for the producer's event, so the
+trainer's writes come first); ``load_weights`` copies from the trainer's memory directly. The mappings the
+producer names in ``End.kept_storages`` stay open for the next refit, the others are closed at its end.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import torch
 import zmq
 
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
-from rlc.runtime.refit.bucket_planner import EVENT_SLOTS, HALVES, SLOT_ONEOFF, event_slot
+from rlc.runtime.refit.bucket_planner import EVENT_SLOTS, HALVES, SLOT_ONEOFF, SLOT_ZERO_COPY, event_slot
 from rlc.runtime.refit.channel import Channel, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
 from rlc.runtime.refit.manifest import ManifestTracker
@@ -45,6 +50,7 @@ from rlc.runtime.refit.protocol import (
     End,
     Hello,
     HelloAck,
+    Share,
     Subscribe,
 )
 from rlc.runtime.refit.specs import TensorSpec, specs_from_json
@@ -90,6 +96,7 @@ class RefitConsumer:
         self._last_refit_id = 0
         self._broken: str | None = None
         self._kept: dict[int, Buffer] = {}  # mappings of the producer's kept halves (slot -> buffer)
+        self._storages: dict[int, Buffer] = {}  # mappings of trainer storages (zero-copy views), by the producer's id
         # Device ordering (CUDA): the producer's "packed" events per slot, this side's "loaded" events per half.
         self._pack_events: list[Any] = []
         self._pack_handles: list[str] = []
@@ -221,7 +228,8 @@ class RefitConsumer:
 
     def _release_kept(self) -> None:
         kept, self._kept = self._kept, {}
-        for buf in kept.values():
+        storages, self._storages = self._storages, {}
+        for buf in [*kept.values(), *storages.values()]:
             try:
                 buf.close()
             except RefitError:
@@ -272,10 +280,17 @@ class _ConsumerRun:
             m.wait_seconds += time.perf_counter() - t0
             if isinstance(msg, End):
                 break
+            if isinstance(msg, Share):
+                self._open_storage(msg, payload, m)
+                continue
             if not isinstance(msg, BucketMsg):
                 raise RefitProtocolError(f"{c.name}: expected a bucket, got {msg.kind!r}")
             own = msg.meta
             c._emit("recv", own.index)
+            if own.slot == SLOT_ZERO_COPY:
+                meta = c._foreign_meta(refit_id, own.index) if foreign else own
+                self._load_zero_copy(meta, own.index, tracker, ordered, m)
+                continue
             if msg.open is not None:
                 if payload is None:
                     raise RefitProtocolError(f"{c.name}: bucket {own.index} opens a buffer but carries no handle")
@@ -326,6 +341,10 @@ class _ConsumerRun:
         unknown = [s for s in msg.kept_slots if s not in (0, 1) or s not in self.buffers]
         if unknown:
             raise RefitProtocolError(f"{c.name}: the producer keeps slot(s) {unknown}, which this consumer has not opened")
+        unmapped = [s for s in msg.kept_storages if s not in c._storages]
+        if unmapped:
+            raise RefitProtocolError(f"{c.name}: the producer keeps storage(s) {unmapped}, which this consumer has not "
+                                     "mapped")
         t0 = time.perf_counter()
         c.backend.synchronize()  # every load is complete: the weights are whole, and the buffers free
         m.sync_seconds = time.perf_counter() - t0
@@ -336,11 +355,62 @@ class _ConsumerRun:
             buf.check_no_live_views(c.name)
         c._kept = kept
         m.buffers_kept = len(kept)
+        self._close_storages(keep=set(msg.kept_storages))
+        m.storages_kept = len(c._storages)
         m.open_seconds += time.perf_counter() - t0
         tracker.finish(msg.num_buckets, msg.num_tensors, msg.total_bytes)
         m.seconds = time.perf_counter() - t_start
         self.chan.send(Done(refit_id=refit_id, consumer_metrics=m.to_dict()))
         return m
+
+    def _open_storage(self, msg: Share, payload: bytes | None, m: ConsumerMetrics) -> None:
+        """Map a trainer storage the producer shared (zero-copy views are read from it)."""
+        c, ref = self.c, msg.ref
+        if payload is None:
+            raise RefitProtocolError(f"{c.name}: storage {ref.storage} was shared without a handle")
+        if ref.storage in c._storages:
+            raise RefitProtocolError(f"{c.name}: storage {ref.storage} was shared twice")
+        t0 = time.perf_counter()
+        c._storages[ref.storage] = c.backend.open_shared(ref, payload, f"trainer storage {ref.storage}")
+        m.open_seconds += time.perf_counter() - t0
+        m.storages_opened += 1
+
+    def _load_zero_copy(self, meta: BucketMeta, index: int, tracker: ManifestTracker, ordered: bool,
+                        m: ConsumerMetrics) -> None:
+        """Load a bucket of zero-copy views: each tensor is read where the trainer holds it."""
+        c = self.c
+        tracker.check_bucket(meta, 0, {sid: buf.nbytes for sid, buf in c._storages.items()})
+        c._emit("load_start", index)
+        t1 = time.perf_counter()
+        if ordered:  # the trainer's writes to these storages come before the loads read them
+            c.backend.wait_event(c._pack_events[event_slot(SLOT_ZERO_COPY)])
+        weights = [(e.name, c._storages[e.storage].view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name))
+                   for e in meta.entries]
+        if self.copy_buckets:  # load_weights may keep what it gets: a private copy of each
+            weights = [(name, t.clone()) for name, t in weights]
+        loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
+        self.load_weights(weights)
+        del weights
+        if not ordered:
+            c.backend.synchronize()
+        m.load_seconds += time.perf_counter() - t1
+        for sid in {e.storage for e in meta.entries}:
+            c._storages[sid].check_no_live_views(c.name)
+        c._emit("load_end", index)
+        c._emit("ack", index)
+        self.chan.send(Ack(refit_id=meta.refit_id, index=index, loaded_bytes=loaded))
+        m.num_buckets += 1
+        m.num_tensors += len(meta.entries)
+        m.zero_copy_tensors += len(meta.entries)
+        m.bytes += loaded
+
+    def _close_storages(self, keep: set[int]) -> None:
+        """Close the mappings of trainer storages the producer does not keep (a leaked view raises)."""
+        c = self.c
+        for sid in [s for s in c._storages if s not in keep]:
+            buf = c._storages.pop(sid)
+            buf.check_no_live_views(c.name)
+            buf.close()
 
     def _open(self, ref, payload: bytes, label: str) -> Buffer:
         """Map the producer's buffer; if it is already gone, the producer failed: report its error."""

@@ -9,7 +9,8 @@ single byte is loaded, and checks completeness at the end:
   slice every other rank's buffer -> correct bytes under wrong names, no crash);
 * every name is expected, not seen before in this refit (exactly once);
 * shape, dtype and byte count match the announced spec, and the slice lies inside the buffer
-  without overlapping its neighbours;
+  without overlapping its neighbours; a zero-copy view lies inside a trainer storage the producer shared
+  (views of one parameter may overlap: they are only read);
 * at the end: nothing missing, and the totals match what the producer says it sent.
 
 Anything else raises ``RefitManifestError`` naming the tensor, the ranks and the fix.
@@ -17,10 +18,10 @@ Anything else raises ``RefitManifestError`` naming the tensor, the ranks and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rlc.runtime.refit.errors import RefitManifestError
-from rlc.runtime.refit.protocol import BucketMeta
+from rlc.runtime.refit.protocol import IN_BUFFER, BucketMeta
 from rlc.runtime.refit.specs import TensorSpec
 
 _SEED_003_FIX = (
@@ -66,8 +67,11 @@ class ManifestTracker:
     def _where(self) -> str:
         return f"consumer of producer rank {self.producer_rank} (GPU {self.device_key}), refit {self.refit_id}"
 
-    def check_bucket(self, meta: BucketMeta, buffer_bytes: int) -> None:
-        """Validate a bucket's metadata before anything is sliced or loaded; records its names."""
+    def check_bucket(self, meta: BucketMeta, buffer_bytes: int, storages: Mapping[int, int] | None = None) -> None:
+        """Validate a bucket's metadata before anything is sliced or loaded; records its names.
+
+        ``storages``: for a bucket of zero-copy views, the trainer storages mapped so far (id -> bytes); every entry
+        of such a bucket must lie in one of them, every entry of any other bucket in its buffer."""
         where = self._where()
         if meta.producer_rank != self.producer_rank or meta.device_key != self.device_key:
             raise RefitManifestError(
@@ -106,6 +110,9 @@ class ManifestTracker:
                     f"{where}: tensor {e.name!r} in bucket {meta.index} is {e.dtype}{list(e.shape)} "
                     f"({e.nbytes} bytes) but was announced as {spec.dtype}{list(spec.shape)} ({spec.nbytes} bytes)"
                 )
+            if storages is not None or e.storage != IN_BUFFER:
+                self._check_in_storage(meta, e, storages)
+                continue
             if e.offset < end_prev or e.offset + e.nbytes > buffer_bytes or e.offset < 0:
                 raise RefitManifestError(
                     f"{where}: tensor {e.name!r} at offset {e.offset} (+{e.nbytes}) overlaps its neighbour or "
@@ -116,6 +123,21 @@ class ManifestTracker:
             self.seen[e.name] = meta.index
             self.bytes_seen += e.nbytes
         self.buckets_seen += 1
+
+    def _check_in_storage(self, meta: BucketMeta, e: Any, storages: Mapping[int, int] | None) -> None:
+        where = f"{self._where()}: tensor {e.name!r} in bucket {meta.index}"
+        if storages is None:
+            raise RefitManifestError(f"{where} names trainer storage {e.storage}, but the bucket is packed into a "
+                                     "buffer: only a zero-copy bucket reads from trainer storages")
+        if e.storage == IN_BUFFER:
+            raise RefitManifestError(f"{where} names no trainer storage, but a zero-copy bucket has no buffer")
+        if e.storage not in storages:
+            raise RefitManifestError(f"{where} is read from trainer storage {e.storage}, which the producer has not "
+                                     "shared")
+        size = storages[e.storage]
+        if e.offset < 0 or e.offset + e.nbytes > size:
+            raise RefitManifestError(f"{where} at offset {e.offset} (+{e.nbytes}) runs past trainer storage "
+                                     f"{e.storage} ({size} bytes)")
 
     def finish(self, num_buckets: int, num_tensors: int, total_bytes: int) -> ManifestReport:
         """Check completeness against the expected list and the producer's announced totals."""

@@ -42,6 +42,9 @@ class ConsumerMetrics:
     open_seconds: float = 0.0  # opening / closing the producer's buffers (CUDA IPC map/unmap)
     buffers_opened: int = 0  # buffer handles opened in this refit (CUDA IPC: cudaIpcOpenMemHandle)
     buffers_kept: int = 0  # mappings kept open for the next refit (the producer keeps those halves)
+    storages_opened: int = 0  # trainer storages mapped in this refit (refit.zero_copy_views)
+    storages_kept: int = 0  # trainer storage mappings kept open for the next refit
+    zero_copy_tensors: int = 0  # tensors read in place from the trainer's storages
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +78,10 @@ class RefitMetrics:
     export_seconds: float = 0.0  # waiting on the exporter's iterator
     buffers_allocated: int = 0  # buffers allocated (and handles exported) in this refit, one-offs included
     buffers_kept: int = 0  # ping-pong halves kept allocated for the next refit
+    zero_copy_tensors: int = 0  # tensors the consumer read in place from the trainer's storages (refit.zero_copy_views)
+    zero_copy_bytes: int = 0
+    zero_copy_seconds: float = 0.0  # describing them (and the event that orders the consumer's reads)
+    storages_shared: int = 0  # trainer storages shared with the consumer in this refit (a new IPC handle each)
     fp32_tensors: int = 0
     precision_lost: list[str] = field(default_factory=list)  # fp32 on the wire but exported in 16 bit
     fixes: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,13 @@ each loaded half with one that the producer's stream waits on before packing int
 process waits for the GPU per bucket, so the acks travel while the device copies; the consumer waits
 for the device once, before ``Done``. (Buffers of synchronous backends are ordered by the acks alone.)
 
+With ``prepare(specs, zero_copy=names)`` (``refit.zero_copy_views``) the named tensors, views of the trainer's
+parameters, are not packed: the consumer maps the storage each lives in (once; again only when the trainer moved
+it) and reads the tensor where it is, so it crosses in one copy instead of two and never needs a one-off buffer.
+They travel in buckets of their own (metadata only), marked by an event that orders the consumer's reads after
+the trainer's last writes; the trainer must not write its parameters until ``send`` has returned, which is after
+the consumer's final device wait.
+
 The two halves (and the consumer's mappings of them) are created once and kept for the next refit
 while both together are at most ``keep_buffers_max_bytes`` (default ``refit.keep_buffers_gb``): no
 allocation, no IPC handle export or open per refit. They are replaced when the plan needs bigger halves than the kept
@@ -41,6 +48,7 @@ from rlc.runtime.refit.bucket_planner import (
     EVENT_SLOTS,
     HALVES,
     SLOT_ONEOFF,
+    SLOT_ZERO_COPY,
     Bucket,
     BucketPacker,
     RefitPlan,
@@ -48,7 +56,7 @@ from rlc.runtime.refit.bucket_planner import (
     event_slot,
     plan_refit,
 )
-from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend, torch_dtype
+from rlc.runtime.refit.buffers import Buffer, BufferBackend, byte_offset, make_backend, torch_dtype
 from rlc.runtime.refit.channel import Channel, bind, close_socket, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
 from rlc.runtime.refit.sources import copy_export
@@ -65,6 +73,8 @@ from rlc.runtime.refit.protocol import (
     EntryMeta,
     Hello,
     HelloAck,
+    Share,
+    StorageRef,
     Subscribe,
     decode,
     encode,
@@ -82,6 +92,10 @@ def keep_buffers_bytes(refit_cfg: Any) -> int:
 
 class RefitProducer:
     """Streams one trainer rank's weights to the generation worker on the same GPU."""
+
+    #: A bucket of zero-copy views goes out once it reads this many bytes (or a half's worth, if more): few
+    #: messages per refit, and the consumer starts copying before the export ends.
+    zero_copy_bucket_bytes: int = 256 << 20
 
     def __init__(
         self,
@@ -104,6 +118,7 @@ class RefitProducer:
         empty_cache: bool = True,
         keep_buffers_max_bytes: int | None = None,
         extra_fp32_params: Sequence[str] = (),
+        keep_shared_storages: bool = True,
     ) -> None:
         """
         Args:
@@ -133,6 +148,10 @@ class RefitProducer:
                 after every refit. Default: ``refit_cfg.keep_buffers_gb``.
             extra_fp32_params: fnmatch patterns that also travel in fp32 besides ``refit_cfg.fp32_params``
                 (the block scales of FP8 rollouts).
+            keep_shared_storages: the consumer keeps its mappings of the trainer storages zero-copy views are read
+                from until the next refit (no new handle per refit). False closes them at the end of every refit:
+                a mapped storage cannot give its memory back, so a trainer that frees its parameters after the
+                refit (``refit.offload_params_for_generation``) must not have them kept.
         """
         self.cfg = refit_cfg
         self.session = session
@@ -157,14 +176,19 @@ class RefitProducer:
         self.keep_buffers_max_bytes = (keep_buffers_bytes(refit_cfg) if keep_buffers_max_bytes is None
                                        else keep_buffers_max_bytes)
         self.fp32_patterns = [*refit_cfg.fp32_params, *extra_fp32_params]
+        self.keep_shared_storages = keep_shared_storages
         self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
         self._last_plan: RefitPlan | None = None  # for the current export list (reset by prepare)
         self.name = f"refit producer rank {rank} (GPU {self.device_key})"
         self._chan: Channel | None = None
         self._relay: zmq.Socket | None = None
         self._subscriber_ids: list[bytes] = []
-        self._specs: list[TensorSpec] = []
+        self._specs: list[TensorSpec] = []  # the packed ones (zero-copy views take no buffer space)
         self._expected: dict[str, TensorSpec] = {}
+        self._zero_copy: frozenset[str] = frozenset()
+        # zero-copy views: trainer storages shared with the consumer, (address, bytes) -> the id it knows them by
+        self._storages: dict[tuple[int, int], int] = {}
+        self._next_storage = 0
         self._refit_id = 0
         self._broken: str | None = None
         # Device ordering (CUDA): this side's "packed" events per slot, the consumer's "loaded" events per half.
@@ -185,14 +209,19 @@ class RefitProducer:
         if self.event_hook is not None:
             self.event_hook(event, index)
 
-    def prepare(self, specs: Sequence[TensorSpec]) -> None:
+    def prepare(self, specs: Sequence[TensorSpec], zero_copy: Iterable[str] = ()) -> None:
         """Announce this rank's export list (exporter specs, in export order) to its consumer.
+
+        ``zero_copy``: names of tensors the exporter yields as plain, contiguous views of storages the consumer may
+        map (the trainer's parameters); those that travel in the dtype they are exported in are read in place.
 
         Blocks until the consumer on the same GPU key answered (``timeout_s``). Call again if the
         export list changes; the consumer must call ``prepare`` at the same time.
         """
         self._check_usable()
         wire = wire_specs(specs, self.export_dtype, self.fp32_patterns)
+        asked = set(zero_copy)
+        zero = frozenset(w.name for w, s in zip(wire, specs) if w.name in asked and w.dtype == s.dtype)
         effective_alignment(self.cfg.alignment_bytes, wire)  # fail fast on a bad alignment
         if self._chan is None:
             sock = new_socket(zmq.PAIR)
@@ -240,8 +269,9 @@ class RefitProducer:
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
             raise
-        self._specs = wire
+        self._specs = [w for w in wire if w.name not in zero]
         self._expected = {s.name: s for s in wire}
+        self._zero_copy = zero
         self._last_plan = None
 
     def _accept_subscribers(self) -> None:
@@ -310,6 +340,11 @@ class RefitProducer:
     def _free(self) -> int:
         return self.free_bytes if self.free_bytes is not None else self.backend.free_memory()
 
+    @property
+    def zero_copy_names(self) -> frozenset[str]:
+        """The tensors read in place by the consumer (``prepare``'s ``zero_copy`` that travel as exported)."""
+        return self._zero_copy
+
     def release_buffers(self) -> None:
         """Free the kept halves (their mappings on the consumer side close at its next refit or close)."""
         kept, self._kept = self._kept, {}
@@ -338,7 +373,8 @@ class RefitProducer:
             run.release_all()
 
     def close(self) -> None:
-        """Release the kept halves and close the sockets."""
+        """Release the kept halves, forget the shared storages and close the sockets."""
+        self._storages = {}
         try:
             self.release_buffers()
         except Exception:  # pragma: no cover - best effort at shutdown
@@ -367,6 +403,9 @@ class _ProducerRun:
         self.acked = -1
         self.sent = -1
         self.pending_open: dict[int, tuple[BufferRef, bytes]] = {}  # slot -> handle not yet sent
+        self.zero_copy: list[EntryMeta] = []  # zero-copy views of the bucket not yet sent
+        self.zero_copy_bytes = 0
+        self.storages_used: set[int] = set()
         self.allocated_bytes = sum(b.nbytes for b in self.halves.values())
         self.peak_bytes = self.allocated_bytes
         self.released = False
@@ -484,6 +523,72 @@ class _ProducerRun:
             except zmq.Again:
                 pass
 
+    def _add_zero_copy(self, spec: TensorSpec, tensor: Any, packer: BucketPacker) -> None:
+        """Describe a view of a trainer storage (shared with the consumer first if it is new) for the next zero-copy
+        bucket; the bucket goes out once it reads as many bytes as a half holds."""
+        t0 = time.perf_counter()
+        why = _why_not_zero_copy(tensor, spec, self.p.backend.device)
+        if why is not None:
+            raise RefitProtocolError(
+                f"{self.p.name}: tensor {spec.name!r} was announced as a zero-copy view but {why}; the exporter must "
+                "yield it as a contiguous view of a trainer parameter (refit.zero_copy_views)")
+        storage = self._storage_id(tensor)
+        self.zero_copy.append(EntryMeta(spec.name, byte_offset(tensor), list(spec.shape), spec.dtype, spec.nbytes,
+                                        storage))
+        self.zero_copy_bytes += spec.nbytes
+        self.metrics.zero_copy_tensors += 1
+        self.metrics.zero_copy_bytes += spec.nbytes
+        self.metrics.zero_copy_seconds += time.perf_counter() - t0
+        if self.zero_copy_bytes >= max(packer.half_bytes, self.p.zero_copy_bucket_bytes):
+            self._flush_zero_copy(packer)
+
+    def _storage_id(self, tensor: torch.Tensor) -> int:
+        """The id the consumer knows ``tensor``'s storage by; a storage it has not mapped is shared now."""
+        p = self.p
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        sid = p._storages.get(key)
+        if sid is None:
+            t0 = time.perf_counter()
+            nbytes, payload = p.backend.share(tensor)
+            sid, p._next_storage = p._next_storage, p._next_storage + 1
+            p._storages[key] = sid
+            self.chan.send(Share(StorageRef(sid, nbytes, p.backend.name, p.device_key)), payload)
+            self.metrics.storages_shared += 1
+            self.metrics.alloc_seconds += time.perf_counter() - t0
+        self.storages_used.add(sid)
+        return sid
+
+    def _flush_zero_copy(self, packer: BucketPacker) -> None:
+        """Send the zero-copy bucket (after the open packed bucket: buckets go out in index order)."""
+        if not self.zero_copy:
+            return
+        open_bucket = packer.close_open()
+        if open_bucket is not None:
+            self._send_bucket(open_bucket)
+        index = packer.next_index()
+        t0 = time.perf_counter()
+        if self.device_ordered:  # the consumer's reads wait for the trainer's writes queued so far
+            self.p.backend.record_event(self.p._pack_events[event_slot(SLOT_ZERO_COPY)])
+        else:
+            self.p.backend.synchronize()
+        self.metrics.zero_copy_seconds += time.perf_counter() - t0
+        meta = BucketMeta(refit_id=self.refit_id, index=index, slot=SLOT_ZERO_COPY, producer_rank=self.p.rank,
+                          device_key=self.p.device_key, buffer_bytes=0, entries=self.zero_copy)
+        self.zero_copy, self.zero_copy_bytes = [], 0
+        self.p._emit("send", index)
+        self.chan.send(BucketMsg(meta=meta, open=None))
+        self._relay(meta)
+        self.sent = index
+        self.metrics.num_buckets += 1
+
+    def _kept_storages(self) -> list[int]:
+        """Storages the consumer keeps mapped for the next refit: those this refit read, unless none are kept."""
+        p = self.p
+        keep = self.storages_used if p.keep_shared_storages else set()
+        p._storages = {key: sid for key, sid in p._storages.items() if sid in keep}
+        return sorted(keep)
+
     # ---------------------------------------------------------------- main
 
     def execute(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitMetrics:
@@ -510,6 +615,13 @@ class _ProducerRun:
                 break
             m.export_seconds += time.perf_counter() - t0
             spec = self._check_tensor(name, tensor, done)
+            done.add(name)
+            m.num_tensors += 1
+            m.bytes += spec.nbytes
+            if name in p._zero_copy:
+                self._add_zero_copy(spec, tensor, packer)
+                del tensor
+                continue
             step = packer.add(spec)
             if step.flushed is not None:
                 self._send_bucket(step.flushed)
@@ -525,9 +637,6 @@ class _ProducerRun:
             copy_export(view, tensor)  # a tensor, or experts stacked straight into the buffer
             del view
             m.pack_seconds += time.perf_counter() - t1
-            done.add(name)
-            m.num_tensors += 1
-            m.bytes += spec.nbytes
             if spec.dtype == "float32" and str(tensor.dtype) in ("torch.bfloat16", "torch.float16"):
                 m.precision_lost.append(name)
             m.fp32_tensors += spec.dtype == "float32"
@@ -536,6 +645,7 @@ class _ProducerRun:
             del tensor
             if step.closed is not None:
                 self._send_bucket(step.closed)
+        self._flush_zero_copy(packer)
         last = packer.finish()
         if last is not None:
             self._send_bucket(last)
@@ -549,7 +659,7 @@ class _ProducerRun:
         self._wait_ack(self.sent)
         keep = sorted(self.halves) if refit_buffer.halves_kept(plan.sizing.half_bytes, p.keep_buffers_max_bytes) else []
         self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
-                           total_bytes=m.bytes, kept_slots=keep))
+                           total_bytes=m.bytes, kept_slots=keep, kept_storages=self._kept_storages()))
         t0 = time.perf_counter()
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
         m.done_wait_seconds = time.perf_counter() - t0
@@ -624,3 +734,15 @@ class _ProducerRun:
             pass
         self.metrics.alloc_seconds += time.perf_counter() - t0
 
+
+def _why_not_zero_copy(tensor: Any, spec: TensorSpec, device: torch.device) -> str | None:
+    """Why ``tensor`` cannot be read in place as ``spec`` by the consumer on ``device`` (None: it can)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"it is a {type(tensor).__name__}, not a plain tensor"
+    if tensor.device != device:
+        return f"it is on {tensor.device}, not on {device}"
+    if not tensor.is_contiguous():
+        return "it is not contiguous"
+    if str(tensor.dtype).removeprefix("torch.") != spec.dtype:
+        return f"it is {tensor.dtype}, and travels as {spec.dtype}"
+    return None

@@ -11,11 +11,12 @@ Conversation, per producer/consumer pair::
     prepare:  P -> C  Hello(specs, producer rank, GPU key, metadata source,   C -> P  HelloAck(its "loaded"
                       its "packed" event handles)                                     event handles)
     refit:    P -> C  Begin
+              P -> C  Share(storage) + handle frame  (refit.zero_copy_views: a trainer storage not yet mapped)
               P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
               C -> P  Ack(k)                                                    ...
-              P -> C  End(totals, kept slots)      C -> P  Done(ok | error, consumer metrics)
-    next refit: buffers of the kept slots are reused on both sides (a bucket opens a buffer only
-              when its slot has none or its size changed)
+              P -> C  End(totals, kept slots and storages)      C -> P  Done(ok | error, consumer metrics)
+    next refit: buffers of the kept slots (and mappings of the kept storages) are reused on both sides
+              (a bucket opens a buffer only when its slot has none or its size changed)
     failure:  either side may send Error(message) instead; the other side raises it.
 
 Per-bucket metadata (``BucketMeta``) always names the producer rank and GPU key it was made by,
@@ -29,17 +30,22 @@ from typing import Any, ClassVar, NamedTuple
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+
+#: ``EntryMeta.storage`` of a tensor packed into its bucket's buffer.
+IN_BUFFER = -1
 
 
 class EntryMeta(NamedTuple):
-    """Where one tensor sits in its bucket's buffer (a named tuple: ~19,000 per refit at 30B MoE scale)."""
+    """Where one tensor sits: in its bucket's buffer, or (``storage`` >= 0) in a trainer storage the consumer
+    mapped (``refit.zero_copy_views``). A named tuple: ~19,000 per refit at 30B MoE scale."""
 
     name: str
-    offset: int
+    offset: int  # bytes, from the start of the buffer or storage
     shape: list[int]
     dtype: str
     nbytes: int
+    storage: int = IN_BUFFER
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class BucketMeta:
 
     refit_id: int
     index: int
-    slot: int  # 0 / 1 ping-pong half, -1 one-off
+    slot: int  # 0 / 1 ping-pong half, -1 one-off, -2 zero-copy (every entry in a mapped trainer storage)
     producer_rank: int
     device_key: str  # GPU UUID (cuda_ipc) or the shm device key of the producer
     buffer_bytes: int
@@ -79,6 +85,7 @@ class BucketMeta:
                 "shape": [list(x.shape) for x in e],
                 "dtype": [x.dtype for x in e],
                 "nbytes": [x.nbytes for x in e],
+                "storage": [x.storage for x in e],
             },
         }
 
@@ -107,6 +114,16 @@ class BufferRef:
 
 
 @dataclass(frozen=True)
+class StorageRef:
+    """A trainer storage the consumer maps and reads zero-copy views from; the opaque handle travels as frame 1."""
+
+    storage: int  # the producer's id for it, named by ``EntryMeta.storage``
+    nbytes: int
+    backend: str
+    device_key: str
+
+
+@dataclass(frozen=True)
 class Message:
     """Base of every message; ``kind`` is the JSON discriminator."""
 
@@ -127,7 +144,7 @@ class Hello(Message):
     metadata_endpoint: str | None  # ZMQ endpoint of that rank's metadata relay (None: own producer)
     export_dtype: str
     fp32_params: list[str]
-    #: Handles of the producer's "bucket packed" events, one per slot (half 0, half 1, one-off); empty
+    #: Handles of the producer's "bucket packed" events, one per slot (half 0, half 1, one-off, zero-copy); empty
     #: when its backend's copies are synchronous. The consumer waits on them on the device.
     pack_events: list[str] = field(default_factory=list)
 
@@ -169,6 +186,14 @@ class BucketMsg(Message):
 
 
 @dataclass(frozen=True)
+class Share(Message):
+    """``refit.zero_copy_views``: map this trainer storage (sent before the first bucket that reads from it)."""
+
+    kind: ClassVar[str] = "share"
+    ref: StorageRef
+
+
+@dataclass(frozen=True)
 class Ack(Message):
     kind: ClassVar[str] = "ack"
     refit_id: int
@@ -186,6 +211,8 @@ class End(Message):
     #: Ping-pong slots whose buffers the producer keeps for the next refit: the consumer keeps their
     #: mappings open (no new handle next time); every other mapping is closed at the end of the refit.
     kept_slots: list[int] = field(default_factory=list)
+    #: Trainer storages whose mappings the consumer keeps for the next refit; every other one is closed.
+    kept_storages: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -203,7 +230,7 @@ class Error(Message):
 
 
 _KINDS: dict[str, type[Message]] = {
-    c.kind: c for c in (Hello, HelloAck, Subscribe, Begin, BucketMsg, Ack, End, Done, Error)
+    c.kind: c for c in (Hello, HelloAck, Subscribe, Begin, BucketMsg, Share, Ack, End, Done, Error)
 }
 
 
@@ -242,6 +269,8 @@ def decode(frames: list[bytes]) -> tuple[Message, bytes | None]:
         body["meta"] = BucketMeta.from_dict(body["meta"])
         if body.get("open") is not None:
             body["open"] = BufferRef(**body["open"])
+    if cls is Share:
+        body["ref"] = StorageRef(**body["ref"])
     msg = cls(**body)
     payload = frames[1] if len(frames) > 1 else None
     return msg, payload

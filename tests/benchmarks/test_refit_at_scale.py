@@ -456,5 +456,15 @@ def test_the_case_table_says_what_direct_export_and_replayed_load_did():
     assert "direct export: 397 tensors (289 views, 108 row gathers), 1 conversion tasks left to Bridge" in text
     assert ("replayed load (last refit): 397 tensors as 397 copies, 2 through load_weights; table 397 replayed, "
             "2 not (model.norm.weight: computed)") in text
+    assert "zero-copy views" not in text
+    case["prepare"]["producers"][0]["zero_copy_views"] = {"on": True, "reason": "on", "tensors": 289}
+    case["refits"][-1]["producers"][0].update(zero_copy_tensors=289, zero_copy_bytes=14_500_000_000,
+                                              storages_shared=0, zero_copy_seconds=0.002)
+    text = P.render_case("dense-8b-zero-copy", case)
+    assert ("zero-copy views: 289 tensors read in place by vLLM; last refit 289 tensors, 14.50 GB, 0 trainer "
+            "storages shared anew") in text
     case["prepare"]["producers"][0]["direct_export"] = {"on": False, "reason": "off: trainer tensor parallelism 2"}
-    assert "direct export off: trainer tensor parallelism 2" in P.render_case("x", case)
+    case["prepare"]["producers"][0]["zero_copy_views"] = {"on": False, "reason": "off: the direct export is off"}
+    text = P.render_case("x", case)
+    assert "direct export off: trainer tensor parallelism 2" in text
+    assert "zero-copy views off: the direct export is off" in text

@@ -57,6 +57,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         transport="shm",
         fused_transfer=False,
         direct_export=False,
+        zero_copy_views=False,
         replay_load=False,
         keep_buffers_gb=2.0,
         decisions={},
@@ -361,9 +362,58 @@ class TinyMoeEngine:
                 self.params[f"{p}.w13_weight"][slot, half:half + part].copy_(t[rows])
 
 
+class ShmTrainerParams:
+    """A synthetic trainer's parameters held the way Megatron's DDP holds them: views of a few contiguous buffers,
+    here shared-memory segments (which the shm backend can share with a consumer, as CUDA IPC shares any storage
+    on the GPU). ``step`` writes a refit's values in place (an optimizer step); ``move`` puts parameters into a new
+    buffer (an offload and reload)."""
+
+    def __init__(self, specs: list[TensorSpec], buffers: int = 2) -> None:
+        self.specs = specs
+        self.params: dict[str, torch.Tensor] = {}
+        self.segments: list[Any] = []
+        for i in range(buffers):
+            self._place([s for n, s in enumerate(specs) if n % buffers == i])
+
+    def _place(self, specs: list[TensorSpec]) -> None:
+        from rlc.runtime.refit.buffers import ShmBackend
+
+        offsets, end = [], 0
+        for s in specs:
+            end = -(-end // 256) * 256
+            offsets.append(end)
+            end += s.nbytes
+        segment, _ = ShmBackend("trainer").allocate(end, f"trainer buffer {len(self.segments)}")
+        self.segments.append(segment)
+        for s, offset in zip(specs, offsets):
+            old = self.params.get(s.name)
+            self.params[s.name] = segment.tensor[offset:offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            if old is not None:
+                self.params[s.name].copy_(old)
+
+    def step(self, step: int) -> None:
+        for s in self.specs:
+            self.params[s.name].copy_(synthetic_tensor(s, step))
+
+    def move(self, names: set[str]) -> None:
+        self._place([s for s in self.specs if s.name in names])
+
+    def export(self):
+        for s in self.specs:
+            yield s.name, self.params[s.name]
+
+    def close(self) -> None:
+        self.params = {}
+        for segment in self.segments:
+            segment.close()
+
+
 def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
     """A producer streaming a tiny model for ``job['steps']`` refits: ``job['model']`` ``moe`` (``job['fused']``:
-    fused or per expert) or ``dense``."""
+    fused or per expert) or ``dense``. With ``job['zero_copy']`` the dense model's parameters live in the trainer's
+    shared buffers (:class:`ShmTrainerParams`) and every tensor exported as it is stored is read in place by the
+    consumer (``refit.zero_copy_views``); ``job['move_at']`` maps a step to parameters moved to a new buffer
+    before it, ``job['keep_storages']`` (default True) whether the consumer keeps its mappings between refits."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.producer import RefitProducer
 
@@ -372,13 +422,28 @@ def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
 
     producer = None
     try:
-        producer = RefitProducer(refit_config(), session=job["session"], rank=0, world_size=1,
+        producer = RefitProducer(refit_config(**job.get("cfg", {})), session=job["session"], rank=0, world_size=1,
                                  export_dtype="bfloat16", backend=ShmBackend(f"shm-{job['model']}"),
-                                 free_bytes=job.get("free_bytes", 1 << 20), timeout_s=job.get("timeout_s", 20.0))
+                                 free_bytes=job.get("free_bytes", 1 << 20), timeout_s=job.get("timeout_s", 20.0),
+                                 keep_shared_storages=job.get("keep_storages", True))
+        producer.zero_copy_bucket_bytes = job.get("zero_copy_bucket_bytes", producer.zero_copy_bucket_bytes)
         wire, _ = export(0)
-        producer.prepare(wire)
-        metrics = [producer.send(export(step)[1]).to_dict() for step in range(job.get("steps", 1))]
-        return {"ok": True, "metrics": metrics, "num_specs": len(wire)}
+        if not job.get("zero_copy"):
+            producer.prepare(wire)
+            metrics = [producer.send(export(step)[1]).to_dict() for step in range(job.get("steps", 1))]
+            return {"ok": True, "metrics": metrics, "num_specs": len(wire)}
+        trainer = ShmTrainerParams(wire)
+        try:
+            producer.prepare(wire, zero_copy=[s.name for s in wire])
+            metrics = []
+            for step in range(job.get("steps", 1)):
+                if step in job.get("move_at", {}):
+                    trainer.move(set(job["move_at"][step]))
+                trainer.step(step)
+                metrics.append(producer.send(trainer.export()).to_dict())
+        finally:
+            trainer.close()
+        return {"ok": True, "metrics": metrics, "num_specs": len(wire), "zero_copy": sorted(producer.zero_copy_names)}
     except BaseException as e:
         return _error(e)
     finally:
@@ -581,15 +646,22 @@ def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
                                  timeout_s=job.get("timeout_s", 20.0))
         consumer.prepare()
         replay = ReplayedLoad(engine) if job["replay"] else None
-        params = []
+        params, metrics = [], []
+        kept: list[torch.Tensor] = []
         for _ in range(job.get("steps", 1)):
             loader = engine.load_weights if replay is None else replay.loader(consumer)
-            consumer.receive(loader)
+
+            def keeping(weights: Any, load: Any = loader) -> Any:  # a loader that keeps what it is handed
+                weights = list(weights)
+                kept.extend(t for _, t in weights)
+                return load(weights)
+
+            metrics.append(consumer.receive(keeping if job.get("keep_views") else loader).to_dict())
             if replay is not None:
                 replay.done(loader, consumer)
             params.append(engine.snapshot())
         return {"ok": True, "params": params, "stats": [] if replay is None else replay.stats,
-                "table": None if replay is None else replay.summary()}
+                "table": None if replay is None else replay.summary(), "metrics": metrics}
     except BaseException as e:
         return _error(e)
     finally:

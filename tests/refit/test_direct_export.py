@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlc.runtime.policy.direct_export import (
+    DirectExport,
     DirectExportError,
     DirectFinder,
     ParamRows,
@@ -25,7 +26,7 @@ from rlc.runtime.policy.direct_export import (
     row_hashes,
     rows_of,
 )
-from rlc.runtime.refit.sources import RowsOf, copy_export, materialize
+from rlc.runtime.refit.sources import RowsOf, View, copy_export, materialize
 from rlc.runtime.refit.specs import TensorSpec
 
 GROUPS, HEADS_PER_GROUP, HEAD_DIM, HIDDEN, INTER = 2, 3, 4, 16, 24
@@ -213,3 +214,13 @@ def test_extra_tensors_belong_to_the_task_exported_last():
     with torch.no_grad():
         embed.add_(1)
     assert all(torch.equal(t, embed.detach()) for _, t in direct.stream())
+
+
+def test_only_contiguous_views_are_read_in_place():
+    direct, _ = _plan(_layer())
+    assert direct.in_place_views() == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                                       "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"]
+    p = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
+    transposed = DirectExport({"t": ParamView(p, View.of(p.detach().t(), p.detach())),
+                               "rows": ParamView(p, View.of(p.detach()[1:3], p.detach()))}, [])
+    assert transposed.in_place_views() == ["rows"]  # a transposed view is not one byte range of the parameter

@@ -208,6 +208,7 @@ def test_plan_from_runtime_config():
         transport="cuda_ipc",
         fused_transfer=False,
         direct_export=False,
+        zero_copy_views=False,
         replay_load=False,
         keep_buffers_gb=2.0,
         decisions={},

@@ -301,7 +301,7 @@ def test_a_consumer_refuses_a_producer_announcing_the_wrong_number_of_events():
     from rlc.runtime.refit.errors import RefitProtocolError
 
     consumer = RefitConsumer(session=_session(), backend=ShmBackend("k"))
-    with pytest.raises(RefitProtocolError, match="announced 2 packed events, expected 3"):
+    with pytest.raises(RefitProtocolError, match="announced 2 packed events, expected 4"):
         consumer._pair_events(["ab" * 32] * 2)
     consumer._pair_events([])  # no events: ordered by the acks alone
     assert not consumer.device_ordered
