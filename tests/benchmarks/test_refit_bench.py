@@ -28,3 +28,14 @@ def test_refit_bandwidth_check_exits_non_zero_below_its_goal(monkeypatch, capsys
         refit_bandwidth.main(["--backend", "shm", "--mib", "2", "--repeats", "1", "--warmup", "0", "--check"])
     assert "below the goal" in str(exc.value.code)
     assert "BELOW the goal" in capsys.readouterr().out
+
+
+def test_refit_bandwidth_zero_copy_reads_every_tensor_in_place(capsys):
+    summary = refit_bandwidth.main(["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "0",
+                                    "--zero-copy"])
+    out = capsys.readouterr().out
+    assert "one-copy bound" in out and "zero-copy: every byte is copied once" in out
+    assert summary["zero_copy"] and summary["zero_copy_tensors"] == [32, 32]
+    assert summary["buffers_allocated"] == [0, 0]  # nothing is packed: no buffer at all
+    for m in summary["refit_metrics"]:
+        assert m["bytes"] == m["zero_copy_bytes"] == m["consumer"]["bytes"] == 4 << 20

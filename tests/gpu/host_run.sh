@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_buckets refit_scale refit_fast grpo grpo_awake grpo_direct grpo_zero_copy grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets refit_scale refit_fast grpo grpo_awake grpo_direct grpo_zero_copy grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -69,6 +69,8 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage flash_attn_probe 300 python3 "$REPO"/tests/gpu/test_flash_attn_probe.py --out "$OUT/flash_attn_probe" ;;
     refit) run_stage refit 240 python3 "$REPO"/tests/gpu/test_refit_logprobs.py --out "$OUT" ;;
     bench) run_stage bench 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 ;;
+    bench_zero_copy) run_stage bench_zero_copy 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc \
+      --gib 2 --zero-copy --json "$OUT/bench_zero_copy.json" ;;
     bench_buckets)  # the engine at 2 GiB with ping-pong halves of 0.25, 0.5, 1 and 2 GiB (8, 4, 2 and 1 buckets):
       # how much of the gap to the two-copy bound is per bucket
       mkdir -p "$OUT/bench_buckets"
