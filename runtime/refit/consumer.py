@@ -379,7 +379,8 @@ class _ConsumerRun:
                         m: ConsumerMetrics) -> None:
         """Load a bucket of zero-copy views: each tensor is read where the trainer holds it."""
         c = self.c
-        tracker.check_bucket(meta, 0, {sid: buf.nbytes for sid, buf in c._storages.items()})
+        mapped = {e.storage: c._storages[e.storage].nbytes for e in meta.entries if e.storage in c._storages}
+        tracker.check_bucket(meta, 0, mapped)
         c._emit("load_start", index)
         t1 = time.perf_counter()
         if ordered:  # the trainer's writes to these storages come before the loads read them

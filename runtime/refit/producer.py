@@ -525,7 +525,7 @@ class _ProducerRun:
 
     def _add_zero_copy(self, spec: TensorSpec, tensor: Any, packer: BucketPacker) -> None:
         """Describe a view of a trainer storage (shared with the consumer first if it is new) for the next zero-copy
-        bucket; the bucket goes out once it reads as many bytes as a half holds."""
+        bucket; the bucket goes out once it reads ``zero_copy_bucket_bytes`` (or a half's worth, if more)."""
         t0 = time.perf_counter()
         why = _why_not_zero_copy(tensor, spec, self.p.backend.device)
         if why is not None:
