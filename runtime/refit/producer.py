@@ -74,12 +74,12 @@ from rlc.runtime.refit.protocol import (
     Hello,
     HelloAck,
     Share,
-    StorageRef,
     Subscribe,
     decode,
     encode,
 )
 from rlc.runtime.refit.specs import TensorSpec, specs_to_json, wire_specs
+from rlc.runtime.refit.zero_copy import SharedStorages, why_not_zero_copy
 
 EventHook = Callable[[str, int], None]
 
@@ -176,7 +176,6 @@ class RefitProducer:
         self.keep_buffers_max_bytes = (keep_buffers_bytes(refit_cfg) if keep_buffers_max_bytes is None
                                        else keep_buffers_max_bytes)
         self.fp32_patterns = [*refit_cfg.fp32_params, *extra_fp32_params]
-        self.keep_shared_storages = keep_shared_storages
         self._kept: dict[int, Buffer] = {}  # ping-pong halves kept from the previous refit (slot -> buffer)
         self._last_plan: RefitPlan | None = None  # for the current export list (reset by prepare)
         self.name = f"refit producer rank {rank} (GPU {self.device_key})"
@@ -186,9 +185,7 @@ class RefitProducer:
         self._specs: list[TensorSpec] = []  # the packed ones (zero-copy views take no buffer space)
         self._expected: dict[str, TensorSpec] = {}
         self._zero_copy: frozenset[str] = frozenset()
-        # zero-copy views: trainer storages shared with the consumer, (address, bytes) -> the id it knows them by
-        self._storages: dict[tuple[int, int], int] = {}
-        self._next_storage = 0
+        self._storages = SharedStorages(self.backend, keep=keep_shared_storages)
         self._refit_id = 0
         self._broken: str | None = None
         # Device ordering (CUDA): this side's "packed" events per slot, the consumer's "loaded" events per half.
@@ -374,7 +371,7 @@ class RefitProducer:
 
     def close(self) -> None:
         """Release the kept halves, forget the shared storages and close the sockets."""
-        self._storages = {}
+        self._storages.clear()
         try:
             self.release_buffers()
         except Exception:  # pragma: no cover - best effort at shutdown
@@ -527,12 +524,16 @@ class _ProducerRun:
         """Describe a view of a trainer storage (shared with the consumer first if it is new) for the next zero-copy
         bucket; the bucket goes out once it reads ``zero_copy_bucket_bytes`` (or a half's worth, if more)."""
         t0 = time.perf_counter()
-        why = _why_not_zero_copy(tensor, spec, self.p.backend.device)
+        why = why_not_zero_copy(tensor, spec.dtype, self.p.backend.device)
         if why is not None:
             raise RefitProtocolError(
                 f"{self.p.name}: tensor {spec.name!r} was announced as a zero-copy view but {why}; the exporter must "
                 "yield it as a contiguous view of a trainer parameter (refit.zero_copy_views)")
-        storage = self._storage_id(tensor)
+        storage, ref, payload = self.p._storages.id_of(tensor)
+        if ref is not None:
+            self.chan.send(Share(ref), payload)
+            self.metrics.storages_shared += 1
+        self.storages_used.add(storage)
         self.zero_copy.append(EntryMeta(spec.name, byte_offset(tensor), list(spec.shape), spec.dtype, spec.nbytes,
                                         storage))
         self.zero_copy_bytes += spec.nbytes
@@ -541,23 +542,6 @@ class _ProducerRun:
         self.metrics.zero_copy_seconds += time.perf_counter() - t0
         if self.zero_copy_bytes >= max(packer.half_bytes, self.p.zero_copy_bucket_bytes):
             self._flush_zero_copy(packer)
-
-    def _storage_id(self, tensor: torch.Tensor) -> int:
-        """The id the consumer knows ``tensor``'s storage by; a storage it has not mapped is shared now."""
-        p = self.p
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        sid = p._storages.get(key)
-        if sid is None:
-            t0 = time.perf_counter()
-            nbytes, payload = p.backend.share(tensor)
-            sid, p._next_storage = p._next_storage, p._next_storage + 1
-            p._storages[key] = sid
-            self.chan.send(Share(StorageRef(sid, nbytes, p.backend.name, p.device_key)), payload)
-            self.metrics.storages_shared += 1
-            self.metrics.alloc_seconds += time.perf_counter() - t0
-        self.storages_used.add(sid)
-        return sid
 
     def _flush_zero_copy(self, packer: BucketPacker) -> None:
         """Send the zero-copy bucket (after the open packed bucket: buckets go out in index order)."""
@@ -581,13 +565,6 @@ class _ProducerRun:
         self._relay(meta)
         self.sent = index
         self.metrics.num_buckets += 1
-
-    def _kept_storages(self) -> list[int]:
-        """Storages the consumer keeps mapped for the next refit: those this refit read, unless none are kept."""
-        p = self.p
-        keep = self.storages_used if p.keep_shared_storages else set()
-        p._storages = {key: sid for key, sid in p._storages.items() if sid in keep}
-        return sorted(keep)
 
     # ---------------------------------------------------------------- main
 
@@ -659,7 +636,8 @@ class _ProducerRun:
         self._wait_ack(self.sent)
         keep = sorted(self.halves) if refit_buffer.halves_kept(plan.sizing.half_bytes, p.keep_buffers_max_bytes) else []
         self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
-                           total_bytes=m.bytes, kept_slots=keep, kept_storages=self._kept_storages()))
+                           total_bytes=m.bytes, kept_slots=keep,
+                           kept_storages=p._storages.end_refit(self.storages_used)))
         t0 = time.perf_counter()
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
         m.done_wait_seconds = time.perf_counter() - t0
@@ -734,15 +712,3 @@ class _ProducerRun:
             pass
         self.metrics.alloc_seconds += time.perf_counter() - t0
 
-
-def _why_not_zero_copy(tensor: Any, spec: TensorSpec, device: torch.device) -> str | None:
-    """Why ``tensor`` cannot be read in place as ``spec`` by the consumer on ``device`` (None: it can)."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return f"it is a {type(tensor).__name__}, not a plain tensor"
-    if tensor.device != device:
-        return f"it is on {tensor.device}, not on {device}"
-    if not tensor.is_contiguous():
-        return "it is not contiguous"
-    if str(tensor.dtype).removeprefix("torch.") != spec.dtype:
-        return f"it is {tensor.dtype}, and travels as {spec.dtype}"
-    return None

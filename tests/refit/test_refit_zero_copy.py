@@ -88,17 +88,17 @@ def test_a_loader_that_keeps_a_view_of_the_trainers_memory_stops_the_refit(pool)
 
 
 def test_the_producer_refuses_a_tensor_it_cannot_describe_in_place():
-    from rlc.runtime.refit.producer import _why_not_zero_copy
+    from rlc.runtime.refit.zero_copy import why_not_zero_copy
 
     spec = TensorSpec("w", (4, 6), "bfloat16")
     base = torch.zeros(6, 4, dtype=torch.bfloat16)
     cpu = torch.device("cpu")
-    assert _why_not_zero_copy(base.t().contiguous(), spec, cpu) is None
-    assert "not contiguous" in _why_not_zero_copy(base.t(), spec, cpu)
-    assert "travels as bfloat16" in _why_not_zero_copy(torch.zeros(4, 6), spec, cpu)
-    assert "not a plain tensor" in _why_not_zero_copy(RowsOf(torch.zeros(8, 6, dtype=torch.bfloat16),
-                                                               torch.arange(4)), spec, cpu)
-    assert "not on" in _why_not_zero_copy(torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"), spec, cpu)
+    assert why_not_zero_copy(base.t().contiguous(), spec.dtype, cpu) is None
+    assert "not contiguous" in why_not_zero_copy(base.t(), spec.dtype, cpu)
+    assert "travels as bfloat16" in why_not_zero_copy(torch.zeros(4, 6), spec.dtype, cpu)
+    rows = RowsOf(torch.zeros(8, 6, dtype=torch.bfloat16), torch.arange(4))
+    assert "not a plain tensor" in why_not_zero_copy(rows, spec.dtype, cpu)
+    assert "not on" in why_not_zero_copy(torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"), spec.dtype, cpu)
 
 
 def _meta(index: int, slot: int, entries: list[EntryMeta]) -> BucketMeta:
@@ -153,3 +153,30 @@ def test_the_shm_backend_shares_only_its_own_segments():
             backend.share(torch.zeros(4))
     finally:
         segment.close()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_producers_storage_table_shares_each_storage_once_while_it_is_kept(keep):
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.zero_copy import SharedStorages
+
+    backend = ShmBackend("k")
+    a, _ = backend.allocate(1024, "a")
+    b, _ = backend.allocate(1024, "b")
+    try:
+        table = SharedStorages(backend, keep=keep)
+        first, ref, payload = table.id_of(a.tensor[0:8])
+        assert ref is not None and ref.storage == first and ref.nbytes == 1024 and payload
+        assert table.id_of(a.tensor[512:520]) == (first, None, None)  # another view of the same storage
+        second, ref, _ = table.id_of(b.tensor[0:8])
+        assert ref is not None and second != first
+        assert table.end_refit({first}) == ([first] if keep else [])
+        again, ref, _ = table.id_of(a.tensor[0:8])  # shared anew only when the consumer closed its mapping
+        if keep:
+            assert (again, ref) == (first, None)
+        else:
+            assert ref is not None and again not in (first, second)
+        assert table.id_of(b.tensor[0:8])[1] is not None  # not read last refit: closed, shared again
+    finally:
+        a.close()
+        b.close()
