@@ -287,50 +287,13 @@ class _ConsumerRun:
                 raise RefitProtocolError(f"{c.name}: expected a bucket, got {msg.kind!r}")
             own = msg.meta
             c._emit("recv", own.index)
-            if own.slot == SLOT_ZERO_COPY:
-                meta = c._foreign_meta(refit_id, own.index) if foreign else own
-                self._load_zero_copy(meta, own.index, tracker, ordered, m)
-                continue
-            if msg.open is not None:
-                if payload is None:
-                    raise RefitProtocolError(f"{c.name}: bucket {own.index} opens a buffer but carries no handle")
-                t0 = time.perf_counter()
-                old = self.buffers.pop(msg.open.slot, None)
-                if old is not None:
-                    old.check_no_live_views(c.name)
-                    old.close()
-                self.buffers[msg.open.slot] = self._open(msg.open, payload, f"slot{msg.open.slot}/refit{refit_id}")
-                m.open_seconds += time.perf_counter() - t0
-                m.buffers_opened += 1
-            buf = self.buffers.get(own.slot)
-            if buf is None:
-                raise RefitProtocolError(f"{c.name}: bucket {own.index} uses slot {own.slot}, which was never opened")
             # The buffer is always this GPU's; the metadata is this GPU's producer's unless the
             # legacy/fault-injection mode points elsewhere (then the manifest check must catch it).
             meta = c._foreign_meta(refit_id, own.index) if foreign else own
-            tracker.check_bucket(meta, buf.nbytes)
-            c._emit("load_start", own.index)
-            t1 = time.perf_counter()
-            if ordered:  # the bucket's bytes are packed (on the device) before the loads read them
-                c.backend.wait_event(c._pack_events[event_slot(own.slot)])
-            source: Buffer = _BucketCopy.of(buf, meta.entries) if self.copy_buckets else buf
-            weights = [(e.name, source.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
-            loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
-            if loaded != meta.nbytes:
-                raise RefitProtocolError(f"{c.name}: bucket {own.index} sliced {loaded} bytes, metadata says {meta.nbytes}")
-            self.load_weights(weights)
-            del weights, source
-            if ordered and own.slot != SLOT_ONEOFF:  # the producer's next pack into the half waits for this
-                c.backend.record_event(c._load_events[own.slot])
-            else:  # loads have read the buffer before the producer may overwrite (or free) it
-                c.backend.synchronize()
-            m.load_seconds += time.perf_counter() - t1
-            buf.check_no_live_views(c.name)
-            c._emit("load_end", own.index)
-            if own.slot == SLOT_ONEOFF:
-                t0 = time.perf_counter()
-                self.buffers.pop(SLOT_ONEOFF).close()  # before the ack: the producer frees it on ack
-                m.open_seconds += time.perf_counter() - t0
+            if own.slot == SLOT_ZERO_COPY:
+                loaded = self._load_zero_copy(meta, own.index, tracker, ordered, m)
+            else:
+                loaded = self._load_packed(msg, payload, meta, tracker, ordered, m)
             c._emit("ack", own.index)  # before sending, so a cross-process event log stays causal
             self.chan.send(Ack(refit_id=refit_id, index=own.index, loaded_bytes=loaded))
             m.num_buckets += 1
@@ -375,9 +338,53 @@ class _ConsumerRun:
         m.open_seconds += time.perf_counter() - t0
         m.storages_opened += 1
 
+    def _load_packed(self, msg: BucketMsg, payload: bytes | None, meta: BucketMeta, tracker: ManifestTracker,
+                     ordered: bool, m: ConsumerMetrics) -> int:
+        """Load a bucket packed into a buffer (opened first if the bucket opens one); returns the bytes loaded."""
+        c, own = self.c, msg.meta
+        if msg.open is not None:
+            if payload is None:
+                raise RefitProtocolError(f"{c.name}: bucket {own.index} opens a buffer but carries no handle")
+            t0 = time.perf_counter()
+            old = self.buffers.pop(msg.open.slot, None)
+            if old is not None:
+                old.check_no_live_views(c.name)
+                old.close()
+            label = f"slot{msg.open.slot}/refit{own.refit_id}"
+            self.buffers[msg.open.slot] = self._open(msg.open, payload, label)
+            m.open_seconds += time.perf_counter() - t0
+            m.buffers_opened += 1
+        buf = self.buffers.get(own.slot)
+        if buf is None:
+            raise RefitProtocolError(f"{c.name}: bucket {own.index} uses slot {own.slot}, which was never opened")
+        tracker.check_bucket(meta, buf.nbytes)
+        c._emit("load_start", own.index)
+        t1 = time.perf_counter()
+        if ordered:  # the bucket's bytes are packed (on the device) before the loads read them
+            c.backend.wait_event(c._pack_events[event_slot(own.slot)])
+        source: Buffer = _BucketCopy.of(buf, meta.entries) if self.copy_buckets else buf
+        weights = [(e.name, source.view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name)) for e in meta.entries]
+        loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
+        if loaded != meta.nbytes:
+            raise RefitProtocolError(f"{c.name}: bucket {own.index} sliced {loaded} bytes, metadata says {meta.nbytes}")
+        self.load_weights(weights)
+        del weights, source
+        if ordered and own.slot != SLOT_ONEOFF:  # the producer's next pack into the half waits for this
+            c.backend.record_event(c._load_events[own.slot])
+        else:  # loads have read the buffer before the producer may overwrite (or free) it
+            c.backend.synchronize()
+        m.load_seconds += time.perf_counter() - t1
+        buf.check_no_live_views(c.name)
+        c._emit("load_end", own.index)
+        if own.slot == SLOT_ONEOFF:
+            t0 = time.perf_counter()
+            self.buffers.pop(SLOT_ONEOFF).close()  # before the ack: the producer frees it on ack
+            m.open_seconds += time.perf_counter() - t0
+        return loaded
+
     def _load_zero_copy(self, meta: BucketMeta, index: int, tracker: ManifestTracker, ordered: bool,
-                        m: ConsumerMetrics) -> None:
-        """Load a bucket of zero-copy views: each tensor is read where the trainer holds it."""
+                        m: ConsumerMetrics) -> int:
+        """Load a bucket of zero-copy views, each read where the trainer holds it; returns the bytes loaded."""
         c = self.c
         mapped = {e.storage: c._storages[e.storage].nbytes for e in meta.entries if e.storage in c._storages}
         tracker.check_bucket(meta, 0, mapped)
@@ -398,12 +405,8 @@ class _ConsumerRun:
         for sid in {e.storage for e in meta.entries}:
             c._storages[sid].check_no_live_views(c.name)
         c._emit("load_end", index)
-        c._emit("ack", index)
-        self.chan.send(Ack(refit_id=meta.refit_id, index=index, loaded_bytes=loaded))
-        m.num_buckets += 1
-        m.num_tensors += len(meta.entries)
         m.zero_copy_tensors += len(meta.entries)
-        m.bytes += loaded
+        return loaded
 
     def _close_storages(self, keep: set[int]) -> None:
         """Close the mappings of trainer storages the producer does not keep (a leaked view raises)."""
