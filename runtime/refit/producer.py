@@ -483,13 +483,26 @@ class _ProducerRun:
         self._observe_free()
         return buf
 
-    def _send_bucket(self, bucket: Bucket) -> None:
+    def _mark(self, slot: int) -> float:
+        """Order the consumer's reads of a bucket in ``slot`` after this process's writes queued so far (an event
+        its stream waits on, or a device wait where there are none); returns the seconds it took."""
         t0 = time.perf_counter()
         if self.device_ordered:  # the consumer's stream waits for this mark before reading the bucket
-            self.p.backend.record_event(self.p._pack_events[event_slot(bucket.slot)])
-        else:  # packed bytes are on the device before the consumer reads them
+            self.p.backend.record_event(self.p._pack_events[event_slot(slot)])
+        else:  # the bytes are on the device before the consumer reads them
             self.p.backend.synchronize()
-        self.metrics.pack_seconds += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def _post(self, meta: BucketMeta, ref: BufferRef | None = None, payload: bytes | None = None) -> None:
+        """Send a bucket's metadata (and the handle of the buffer it opens) to the consumer."""
+        self.p._emit("send", meta.index)  # before sending, so a cross-process event log stays causal
+        self.chan.send(BucketMsg(meta=meta, open=ref), payload)
+        self._relay(meta)
+        self.sent = meta.index
+        self.metrics.num_buckets += 1
+
+    def _send_bucket(self, bucket: Bucket) -> None:
+        self.metrics.pack_seconds += self._mark(bucket.slot)
         self.p._emit("pack_end", bucket.index)
         meta = BucketMeta(
             refit_id=self.refit_id,
@@ -501,11 +514,7 @@ class _ProducerRun:
             entries=[EntryMeta(e.spec.name, e.offset, list(e.spec.shape), e.spec.dtype, e.spec.nbytes) for e in bucket.entries],
         )
         ref, payload = self.pending_open.pop(bucket.slot, (None, None))
-        self.p._emit("send", bucket.index)  # before sending, so a cross-process event log stays causal
-        self.chan.send(BucketMsg(meta=meta, open=ref), payload)
-        self._relay(meta)
-        self.sent = bucket.index
-        self.metrics.num_buckets += 1
+        self._post(meta, ref, payload)
         self.metrics.num_oneoff_buckets += bucket.slot == SLOT_ONEOFF
 
     def _relay(self, meta: BucketMeta) -> None:
@@ -551,20 +560,11 @@ class _ProducerRun:
         if open_bucket is not None:
             self._send_bucket(open_bucket)
         index = packer.next_index()
-        t0 = time.perf_counter()
-        if self.device_ordered:  # the consumer's reads wait for the trainer's writes queued so far
-            self.p.backend.record_event(self.p._pack_events[event_slot(SLOT_ZERO_COPY)])
-        else:
-            self.p.backend.synchronize()
-        self.metrics.zero_copy_seconds += time.perf_counter() - t0
+        self.metrics.zero_copy_seconds += self._mark(SLOT_ZERO_COPY)  # the trainer's writes come first
         meta = BucketMeta(refit_id=self.refit_id, index=index, slot=SLOT_ZERO_COPY, producer_rank=self.p.rank,
                           device_key=self.p.device_key, buffer_bytes=0, entries=self.zero_copy)
         self.zero_copy, self.zero_copy_bytes = [], 0
-        self.p._emit("send", index)
-        self.chan.send(BucketMsg(meta=meta, open=None))
-        self._relay(meta)
-        self.sent = index
-        self.metrics.num_buckets += 1
+        self._post(meta)
 
     # ---------------------------------------------------------------- main
 
