@@ -30,6 +30,9 @@ Cases:
   dense-8b-zero-copy, moe-1gpu-zero-copy
             the ``-direct`` cases with ``refit.zero_copy_views`` (vLLM reads the direct export's views where the
             trainer holds them: one copy instead of two, no one-off buffers), then the same full comparison.
+  dense-8b-overlap
+            ``dense-8b-zero-copy`` with ``refit.wake_kv_during_transfer`` (vLLM maps its KV cache back while the
+            weights arrive: the wake-up row is then inside the transfer).
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -77,8 +80,9 @@ from benchmarks import refit_scale_plan as P  # noqa: E402
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
-GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay", "moe-1gpu",
-             "moe-1gpu-awake", "moe-1gpu-direct", "moe-ep2", "moe-tp2")
+GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay",
+             "dense-8b-zero-copy", "dense-8b-overlap", "moe-1gpu", "moe-1gpu-awake", "moe-1gpu-direct",
+             "moe-1gpu-zero-copy", "moe-ep2", "moe-tp2")
 ALL_CASES = ("engine", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -317,6 +321,14 @@ def _vllm_uuids(gen: Any) -> list[str]:
     return gen.llm.collective_rpc("rlc_device_uuid")
 
 
+def _use_layout_config(gen: Any, cfg_dict: dict) -> None:
+    """The shared vLLM engine takes the layout's runtime config: its refit switches (replayed load, KV cache woken
+    during the transfer) are read when the refit pairs and at every refit, not when the engine starts."""
+    from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
+
+    gen.cfg = runtime_config_from_dict(cfg_dict)
+
+
 def _wait(refs: list, what: str) -> list:
     import ray  # noqa: PLC0415
 
@@ -352,7 +364,8 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
                       offload_optimizer_for_refit=False, sync_params_before_refit=False, dedupe_mtp_embedding=False,
                       fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb),
                       direct_export=lay.direct_export, replay_load=lay.replay_load,
-                      zero_copy_views=lay.zero_copy_views)
+                      zero_copy_views=lay.zero_copy_views, wake_kv_during_transfer=lay.wake_kv_during_transfer,
+                      keep_weights_awake=lay.weights_awake)
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")
@@ -467,6 +480,7 @@ class GpuSession:
             case["setup"] = _wait([t.setup.remote(tuple(master)) for t in trainers], "trainer setup")
             if not self.results.get("versions"):
                 self.results["versions"] = _wait([trainers[0].versions.remote()], "versions")[0]
+            _wait([gen.call.remote(_use_layout_config, cfg_dict)], "the layout's refit config")
             prep = _wait([t.refit_prepare.remote(session, r, n, a.timeout_s) for r, t in enumerate(trainers)]
                          + [gen.refit_prepare.remote(session, a.timeout_s)], "refit prepare")
             case["prepare"] = {"producers": prep[:n], "consumers": prep[n]}

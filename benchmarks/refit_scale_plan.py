@@ -159,6 +159,8 @@ class Layout:
     replay_load: bool = False
     #: ``refit.zero_copy_views``: the direct export's views read by vLLM where the trainer holds them
     zero_copy_views: bool = False
+    #: ``refit.wake_kv_during_transfer``: vLLM's KV cache mapped back while the weights arrive
+    wake_kv_during_transfer: bool = False
 
     def __post_init__(self) -> None:
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
@@ -190,6 +192,7 @@ class Layout:
         awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
         direct = "".join(part for on, part in ((self.direct_export, "; direct export"),
                                                (self.zero_copy_views, "; zero-copy views"),
+                                               (self.wake_kv_during_transfer, "; KV cache woken during the transfer"),
                                                (self.replay_load, "; replayed load")) if on)
         return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}{direct}"
 
@@ -224,6 +227,10 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
         "moe-1gpu-zero-copy": Layout("moe-1gpu-zero-copy", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
                                      buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True,
                                      zero_copy_views=True),
+        # and the KV cache's wake-up off the critical path (refit.wake_kv_during_transfer): every switch at once
+        "dense-8b-overlap": Layout("dense-8b-overlap", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                   weights_awake=True, direct_export=True, replay_load=True, zero_copy_views=True,
+                                   wake_kv_during_transfer=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),

@@ -110,6 +110,8 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
              "generation.megatron.kv_cache"),
     VllmOnly("refit.keep_weights_awake", "keeps vLLM's weights on the GPU while only its KV cache sleeps; the Megatron "
              "engine generates from the trainer's own weights (or its dedicated model)"),
+    VllmOnly("refit.wake_kv_during_transfer", "wakes vLLM's KV cache during the IPC transfer; the Megatron engine "
+             "has no transfer to overlap", (False,)),
     VllmOnly("refit.buffer_memory_ratio", _IPC),
     VllmOnly("refit.buffer_gb", _IPC),
     VllmOnly("refit.alignment_bytes", _IPC),

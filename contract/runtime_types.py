@@ -156,6 +156,10 @@ class RefitConfig(Declared):
     """vLLM's sleep frees only its KV cache: its weight shard stays on the GPU while the trainer runs, and the
     refit writes into it without waking it (no re-mapping of the shard per step: 0.05 s for Qwen3-8B, 0.15 s
     for Qwen3-30B-A3B on an H200)."""
+    wake_kv_during_transfer: bool = runtime_key(_REFIT, recipe="refit.wake_kv_during_transfer")
+    """With `refit.keep_weights_awake`, every vLLM worker maps its KV cache back while the weights arrive
+    (from the moment the transfer begins) instead of after the transfer, which takes the KV cache's wake-up
+    (0.025 s for a Qwen3-8B engine at 30 % of an H200) off the refit's critical path."""
     offload_optimizer_for_refit: bool = runtime_key(_REFIT, recipe="refit.offload_optimizer_for_refit")
     """Move optimizer state and gradients to CPU during refit and back afterwards."""
     offload_params_for_generation: bool = runtime_key(_REFIT, recipe="refit.offload_params_for_generation")

@@ -396,6 +396,22 @@ class _RefitBase:
     unknown: Optional[str] = None
 
 
+def _kv_during_transfer(s: _PlanInputs) -> list[Item]:
+    """vLLM's KV cache in the refit phase where ``refit.wake_kv_during_transfer`` maps it back during the transfer
+    (the ``generation`` budget less the weights where no ``kv_cache_memory_bytes`` fixes it: an upper bound)."""
+    refit, generation = s.recipe.refit, s.recipe.generation
+    if not (refit.wake_kv_during_transfer and refit.keep_weights_awake):
+        return []
+    label, why = "vLLM KV cache (woken during the transfer)", "refit.wake_kv_during_transfer"
+    if generation.kv_cache_memory_bytes is not None:
+        return [Item(label, int(generation.kv_cache_memory_bytes) / GIB, "vllm",
+                     "recipe:generation.kv_cache_memory_bytes", why)]
+    budget = float(generation.gpu_memory_utilization) * s.limit
+    pool = None if s.v_weights is None else max(budget - s.v_weights / GIB, 0.0)
+    return [Item(label, pool, "vllm", "recipe:generation.gpu_memory_utilization",
+                 why + "; the budget less the weights (KV cache and activations)")]
+
+
 def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
     """The free memory that sizes the IPC buffer, and the buffer math there."""
     recipe, facts, cal, limit, bpp = s.recipe, s.facts, s.cal, s.limit, s.bpp
@@ -405,7 +421,7 @@ def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in s.figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
     r_items = tuple(_megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm,
-                                                                        cal, s.vllm_nvls))
+                                                                        cal, s.vllm_nvls) + _kv_during_transfer(s))
     phase = Phase("refit", "refit (before the IPC buffer)", r_items, limit, stage=worst_f["stage"])
     base = _RefitBase(phase)
     if phase.free_gib is None:

@@ -311,3 +311,20 @@ def zero_copy_views_need_direct_export(ctx: Context) -> None:
     if refit.zero_copy_views and not refit.direct_export:
         ctx.error("refit.zero_copy_views reads the direct export's views in place, and refit.direct_export is off",
                   f"{R}.zero_copy_views", hint="set refit.direct_export: true, or refit.zero_copy_views: false")
+
+
+@rule("RLC226", "The KV cache wakes during the transfer only when the weights stay awake", severities=("error",),
+      rationale="refit.wake_kv_during_transfer maps vLLM's KV cache back from inside the refit, while the weights "
+                "arrive. It does so for rlc's KV-only sleep (refit.keep_weights_awake), which rlc tracks itself. "
+                "vLLM's own sleep (levels 1 and 2) tracks what sleeps in the engine, which wakes it through its "
+                "own call after the weights: waking the KV cache behind its back would leave the engine asleep in "
+                "its own books, and the weights must be back on the GPU before they are written anyway.",
+      seed="vLLM's executor sleep bookkeeping (sleeping_tags); rlc's KV-only sleep (rlc/runtime/generation/"
+           "extension.py).",
+      fixes="Turn refit.keep_weights_awake on with refit.wake_kv_during_transfer, or turn the latter off.")
+def kv_wake_needs_weights_awake(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if refit.wake_kv_during_transfer and not refit.keep_weights_awake:
+        ctx.error("refit.wake_kv_during_transfer wakes the KV cache of rlc's KV-only sleep, and "
+                  "refit.keep_weights_awake is off", f"{R}.wake_kv_during_transfer",
+                  hint="set refit.keep_weights_awake: true, or refit.wake_kv_during_transfer: false")

@@ -17,6 +17,10 @@ direct-copy table from the producer's export list and the engine's fused MoE lay
 the table does not cover go through ``load_weights`` as before. FP8 engines take no direct copies: their
 loads run through the layerwise reload, which quantizes and re-lays out what it loads.
 
+KV cache woken during the transfer (``refit.wake_kv_during_transfer``, with rlc's KV-only sleep): the worker announces
+its KV cache's bytes when it pairs (the trainer plans its refit buffers without them) and maps the cache back in a
+thread started when the producer's ``begin`` arrives, while the weights arrive; the refit returns once both are done.
+
 Replayed load (``refit.replay_load``): the first refit after pairing runs ``load_weights`` with every copy it makes
 recorded; every later refit checks the recorded table against the export list and the engine's parameters and
 replays the copies, bucket by bucket, leaving to ``load_weights`` only the tensors it computes, converts or skips
@@ -30,6 +34,7 @@ from typing import Any, Iterable, Iterator
 
 from rlc.contract.fp8 import block_quantized, scale_name
 from rlc.contract.refit_buffer import bf16_switch_applies
+from rlc.runtime.generation.background import BackgroundCall
 from rlc.runtime.refit.errors import RefitError
 
 
@@ -49,13 +54,14 @@ class RlcWorkerExtension:
 
     def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0,
                           fp8_scales: str | None = None, fp8_pow2: bool = False,
-                          fused: bool = False, replay: bool = False) -> dict[str, Any]:
+                          fused: bool = False, replay: bool = False, wake_kv: bool = False) -> dict[str, Any]:
         """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently).
 
         ``fp8_scales`` / ``fp8_pow2``: ``generation.fp8`` of an FP8 engine (None: bf16 rollouts). With ``block``
         the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer.
         ``fused``: ``refit.fused_transfer`` (direct copies into the fused expert parameters; bf16 engines).
-        ``replay``: ``refit.replay_load`` (the first refit's copies recorded, replayed at every later one; bf16)."""
+        ``replay``: ``refit.replay_load`` (the first refit's copies recorded, replayed at every later one; bf16).
+        ``wake_kv``: ``refit.wake_kv_during_transfer`` (the KV cache's bytes are announced to the trainer)."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.consumer import RefitConsumer  # noqa: PLC0415 - torch and zmq: vLLM's workers have them
@@ -65,7 +71,8 @@ class RlcWorkerExtension:
             consumer = RefitConsumer(session=session, transport=transport, device=torch.cuda.current_device(),
                                      timeout_s=timeout_s)
             self._rlc_consumer = consumer
-        specs = consumer.prepare()
+        kv_bytes = self._rlc_kv_cache_bytes() if wake_kv else 0
+        specs = consumer.prepare(mapped_during_refit=kv_bytes)
         self._rlc_fp8_scales = fp8_scales
         self._rlc_fp8_pow2 = fp8_pow2
         self._rlc_fused = bool(fused) and fp8_scales is None
@@ -78,7 +85,8 @@ class RlcWorkerExtension:
                                                    "off: FP8 rollouts load through vLLM's layerwise reload"
                                                    if fused else "off"),
                                 "replay_load": bf16_switch_applies("replay_load", bool(replay),
-                                                                   "fp8" if fp8_scales else "bf16")[1]}
+                                                                   "fp8" if fp8_scales else "bf16")[1],
+                                "kv_cache_bytes_woken_during_transfer": kv_bytes}
         if fp8_scales == "block":
             from rlc.runtime.refit.fp8 import check_layout, fp8_module_names  # noqa: PLC0415
 
@@ -90,8 +98,22 @@ class RlcWorkerExtension:
                 raise RefitError(f"{consumer.name}: {report.error_text()}")
         return info
 
-    def rlc_refit_receive(self) -> dict[str, Any]:
-        """Receive one refit into the live model (``load_weights`` bucket by bucket)."""
+    def rlc_refit_receive(self, wake_kv: bool = False) -> dict[str, Any]:
+        """Receive one refit into the live model (``load_weights`` bucket by bucket); with ``wake_kv`` the KV cache
+        of rlc's KV-only sleep is mapped back meanwhile (``refit.wake_kv_during_transfer``)."""
+        waker = BackgroundCall(self._rlc_kv_waker(), "KV cache wake-up during the refit") if wake_kv else None
+        try:
+            metrics = self._rlc_receive(waker.start if waker is not None else None)
+        except BaseException:
+            if waker is not None:
+                waker.join(raise_error=False)  # the refit's own error is the one to report
+            raise
+        if waker is not None:
+            waited = waker.join()
+            metrics["kv_wake"] = {"seconds": waker.seconds, "waited_after_transfer_s": waited}
+        return metrics
+
+    def _rlc_receive(self, on_begin: Any) -> dict[str, Any]:
         model = self.model_runner.model
         consumer = self._rlc_consumer
 
@@ -100,13 +122,38 @@ class RlcWorkerExtension:
 
         if getattr(self, "_rlc_fp8_scales", None) is None:
             if not (getattr(self, "_rlc_fused", False) or getattr(self, "_rlc_replay", False)):
-                return consumer.receive(load).to_dict()
-            return self._rlc_receive_direct(load)
+                return consumer.receive(load, on_begin=on_begin).to_dict()
+            return self._rlc_receive_direct(load, on_begin)
         with self._rlc_reload():
-            metrics = consumer.receive(load, copy_buckets=True)
+            metrics = consumer.receive(load, copy_buckets=True, on_begin=on_begin)
         return metrics.to_dict()
 
-    def _rlc_receive_direct(self, load: Any) -> dict[str, Any]:
+    def _rlc_kv_waker(self) -> Any:
+        """What wakes the KV cache from a thread: vLLM's own ``wake_up(tags=["kv_cache"])`` of this worker (maps the
+        cache back, re-initializes what a quantized cache needs), on this worker's GPU."""
+        import torch  # noqa: PLC0415
+
+        device = torch.cuda.current_device()
+
+        def wake() -> None:
+            torch.cuda.set_device(device)  # the current device is per thread
+            self.wake_up(tags=["kv_cache"])  # type: ignore[attr-defined]  # vLLM's worker method
+            torch.cuda.current_stream().synchronize()
+
+        return wake
+
+    def _rlc_kv_cache_bytes(self) -> int:
+        """Bytes of this worker's KV cache in vLLM's sleep-mode pool (mapped or not)."""
+        from vllm.device_allocator.cumem import CuMemAllocator  # noqa: PLC0415
+
+        total = sum(int(d.handle[1]) for d in CuMemAllocator.get_instance().pointer_to_data.values()
+                    if d.tag == "kv_cache")
+        if not total:
+            raise RefitError("refit.wake_kv_during_transfer: this vLLM worker holds no KV cache in its sleep-mode "
+                             "memory pool (engine started without enable_sleep_mode?)")
+        return total
+
+    def _rlc_receive_direct(self, load: Any, on_begin: Any = None) -> dict[str, Any]:
         """One refit with direct copies: into the fused expert parameters (``refit.fused_transfer``) and/or the
         replayed copies of vLLM's own loader (``refit.replay_load``); each table is built at the first refit of a
         pairing and checked at every later one, before any byte moves."""
@@ -136,7 +183,7 @@ class RlcWorkerExtension:
                 table.check(consumer.expected, destinations)
             loader = FusedLoader(rest, table)
         table_s = time.perf_counter() - t0
-        metrics = consumer.receive(loader).to_dict()
+        metrics = consumer.receive(loader, on_begin=on_begin).to_dict()
         if isinstance(loader, FusedLoader):
             metrics["fused"] = {**loader.stats.to_dict(), **loader.table.summary(), "table_s": table_s}
         if isinstance(rest, RecordingLoader):

@@ -201,10 +201,22 @@ class VllmGenerationWorker:
         return self.llm.collective_rpc("rlc_refit_prepare", args=(session, self.cfg.refit.transport, timeout_s,
                                                                   fp8, gen.fp8.pow2_scales,
                                                                   self.cfg.refit.fused_transfer,
-                                                                  self.cfg.refit.replay_load))
+                                                                  self.cfg.refit.replay_load,
+                                                                  self._wakes_kv_in_refit))
+
+    @property
+    def _wakes_kv_in_refit(self) -> bool:
+        """``refit.wake_kv_during_transfer``: the refit maps the KV cache of the KV-only sleep back itself."""
+        return bool(self.cfg.refit.wake_kv_during_transfer and self.cfg.refit.keep_weights_awake)
 
     def refit_receive(self) -> list[dict[str, Any]]:
-        return self.llm.collective_rpc("rlc_refit_receive")
+        """One refit into every worker; with ``refit.wake_kv_during_transfer`` a KV cache asleep (KV-only sleep) is
+        mapped back during it, and a later ``wake_up(["kv_cache"])`` has nothing left to do."""
+        wake = self._wakes_kv_in_refit and self.asleep == ASLEEP_KV_ONLY
+        out = self.llm.collective_rpc("rlc_refit_receive", args=(wake,))
+        if wake:
+            self.asleep = None
+        return out
 
     def refit_verify(self, export_dir: str) -> list[dict[str, Any]]:
         """One ``rlc.runtime.refit.verify`` report per vLLM worker of this engine."""

@@ -125,8 +125,11 @@ class RefitConsumer:
                 "producer and consumer pair (new session)"
             )
 
-    def prepare(self) -> list[TensorSpec]:
-        """Pair with the producer on this GPU key and receive its export list (blocks up to ``timeout_s``)."""
+    def prepare(self, mapped_during_refit: int = 0) -> list[TensorSpec]:
+        """Pair with the producer on this GPU key and receive its export list (blocks up to ``timeout_s``).
+
+        ``mapped_during_refit``: bytes this side maps on the device during every refit, from its beginning (the
+        ``on_begin`` of :meth:`receive`); the producer sizes its buffers without them."""
         self._check_usable()
         if self._chan is None:
             sock = new_socket(zmq.PAIR)
@@ -154,7 +157,7 @@ class RefitConsumer:
                 self._subscribe(msg)
             self._pair_events(msg.pack_events)
             self._chan.send(HelloAck(device_key=self.device_key, consumer_pid=os.getpid(),
-                                     load_events=list(self._load_handles)))
+                                     load_events=list(self._load_handles), mapped_during_refit=mapped_during_refit))
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
             raise
@@ -208,14 +211,17 @@ class RefitConsumer:
                     f"{msg.meta.refit_id}/{msg.meta.index})"
                 )
 
-    def receive(self, load_weights: LoadWeights, *, copy_buckets: bool = False) -> ConsumerMetrics:
+    def receive(self, load_weights: LoadWeights, *, copy_buckets: bool = False,
+                on_begin: Callable[[], None] | None = None) -> ConsumerMetrics:
         """Receive one refit and load it; returns this side's metrics. Raises on any mismatch.
 
-        ``copy_buckets``: hand ``load_weights`` views of a private copy of each bucket (it may keep them)."""
+        ``copy_buckets``: hand ``load_weights`` views of a private copy of each bucket (it may keep them).
+        ``on_begin``: called once the producer's ``begin`` arrived, before the first bucket: the producer has then
+        measured its free memory, so what this starts mapping (``prepare``'s ``mapped_during_refit``) is not in it."""
         self._check_usable()
         if self._chan is None or self._hello is None:
             raise RefitProtocolError(f"{self.name}: call prepare() before receive()")
-        run = _ConsumerRun(self, load_weights, copy_buckets)
+        run = _ConsumerRun(self, load_weights, copy_buckets, on_begin)
         try:
             return run.execute()
         except BaseException as e:
@@ -246,9 +252,11 @@ class RefitConsumer:
 class _ConsumerRun:
     """State of one ``receive``: opened buffers, manifest, metrics."""
 
-    def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights, copy_buckets: bool = False) -> None:
+    def __init__(self, consumer: RefitConsumer, load_weights: LoadWeights, copy_buckets: bool = False,
+                 on_begin: Callable[[], None] | None = None) -> None:
         self.c = consumer
         self.copy_buckets = copy_buckets
+        self.on_begin = on_begin
         assert consumer._chan is not None and consumer._hello is not None  # the caller checked prepare() ran
         self.chan: Channel = consumer._chan
         self.hello = consumer._hello
@@ -274,6 +282,9 @@ class _ConsumerRun:
                             device_ordered=ordered)
         tracker = ManifestTracker(c._expected, hello.producer_rank, hello.device_key, refit_id)
         foreign = hello.metadata_source_rank != hello.producer_rank
+        if self.on_begin is not None:
+            c._emit("begin", 0)
+            self.on_begin()
         while True:
             t0 = time.perf_counter()
             msg, payload = self.chan.recv(f"bucket {m.num_buckets} or end of refit {refit_id}")

@@ -64,7 +64,8 @@ class RefitMetrics:
     bytes: int = 0
     seconds: float = 0.0
     gbps: float = 0.0  # bytes / seconds / 1e9
-    free_before_bytes: int = 0  # free device memory at refit time, counting the halves kept from the last refit
+    free_before_bytes: int = 0  # free device memory at refit time, counting the halves kept from the last refit,
+    # less what the consumer maps during the refit (refit.wake_kv_during_transfer)
     free_after_bytes: int = 0
     min_free_bytes: int = 0  # tightest free memory observed during the refit
     half_bytes: int = 0

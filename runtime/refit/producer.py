@@ -192,6 +192,7 @@ class RefitProducer:
         self._pack_events: list[Any] = []
         self._pack_handles: list[str] = []
         self._load_events: list[Any] = []
+        self._mapped_during_refit = 0  # what the consumer maps during every refit (HelloAck)
 
     # ------------------------------------------------------------------ setup
 
@@ -262,6 +263,7 @@ class RefitProducer:
                     f"{self.name}: the consumer announced {len(ack.load_events)} load events, expected {len(HALVES)}"
                 )
             self._load_events = self.backend.open_events(ack.load_events) if self._pack_events else []
+            self._mapped_during_refit = max(int(ack.mapped_during_refit), 0)
             self._accept_subscribers()
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
@@ -308,10 +310,11 @@ class RefitProducer:
 
     def _available(self, kept: dict[int, Buffer]) -> int:
         """Memory a refit can plan with: measured free memory plus the ``kept`` halves it reuses (a
-        fixed ``free_bytes`` given at construction is taken as it is)."""
-        if self.free_bytes is not None:
-            return self.free_bytes
-        return self.backend.free_memory() + sum(b.nbytes for b in kept.values())
+        fixed ``free_bytes`` given at construction is taken as it is), less what the consumer maps during the
+        refit (its KV cache woken during the transfer): measured before ``begin``, the free memory still holds it."""
+        free = self.free_bytes if self.free_bytes is not None else (
+            self.backend.free_memory() + sum(b.nbytes for b in kept.values()))
+        return free - self._mapped_during_refit
 
     def _plan(self, free_bytes: int, kept: dict[int, Buffer]) -> RefitPlan:
         """``plan_refit`` with this producer's knobs; ``kept`` halves are reused when they fit the plan,

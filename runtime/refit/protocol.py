@@ -157,6 +157,9 @@ class HelloAck(Message):
     #: Handles of the consumer's "bucket loaded" events, one per ping-pong half; empty when the buckets
     #: are ordered by a device wait per bucket instead (no producer events, or a backend without them).
     load_events: list[str] = field(default_factory=list)
+    #: Bytes the consumer maps on the device during every refit, from ``begin`` on (vLLM's KV cache woken during
+    #: the transfer, ``refit.wake_kv_during_transfer``): the producer plans its buffers without them.
+    mapped_during_refit: int = 0
 
 
 @dataclass(frozen=True)

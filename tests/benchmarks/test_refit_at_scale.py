@@ -37,6 +37,19 @@ def test_trainer_shards_follow_the_layout():
     assert tp2 < ep2 and abs(tp2 - mb.total / 2) < 0.02 * mb.total
 
 
+def test_every_layout_can_be_asked_for_by_name_and_gives_a_valid_runtime_config(tmp_path):
+    from rlc.contract.runtime_config import runtime_config_from_dict
+
+    assert set(S.GPU_CASES) == set(P.default_layouts())
+    for name, lay in P.default_layouts().items():
+        a = S.parse_args(["--cases", name])
+        assert a.case_list == [name]
+        refit = runtime_config_from_dict(S.runtime_cfg_dict(lay, tmp_path, a, tmp_path)).refit
+        assert (refit.direct_export, refit.replay_load, refit.zero_copy_views, refit.wake_kv_during_transfer,
+                refit.keep_weights_awake) == (lay.direct_export, lay.replay_load, lay.zero_copy_views,
+                                              lay.wake_kv_during_transfer, lay.weights_awake), name
+
+
 def test_budget_fits_on_an_h200_and_names_what_does_not():
     gpu = int(139.8 * P.GIB)
     for lay in P.default_layouts().values():

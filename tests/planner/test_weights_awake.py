@@ -65,3 +65,30 @@ def test_the_megatron_backend_refuses_the_vllm_only_switch(tmp_path):
     result = check(tmp_path, {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron",
                                                      "kv_cache_memory_bytes": 1 << 30}}, AWAKE)
     assert any("refit.keep_weights_awake" in (d.path or "") and d.severity == "error" for d in result.diagnostics)
+
+
+KV_LABEL = "vLLM KV cache (woken during the transfer)"
+KV_DURING = "refit.wake_kv_during_transfer=true"
+
+
+def test_a_kv_cache_woken_during_the_transfer_is_counted_in_the_refit_phase(tmp_path):
+    awake = check(tmp_path, DSV3, AWAKE).plan
+    overlap = check(tmp_path, DSV3, AWAKE, KV_DURING).plan
+    assert KV_LABEL not in labels(awake.phases["refit"])
+    kv = overlap.item_gib("refit", KV_LABEL)  # vLLM's budget less its weights: an upper bound of its KV cache
+    pool = overlap.item_gib("generate", "vLLM pool (weights + KV cache + activations)")
+    assert kv == pytest.approx(pool - overlap.vllm_weights_gib, abs=0.01) and kv > 0
+    assert overlap.refit.free_at_refit == pytest.approx(awake.refit.free_at_refit - kv * (1 << 30), rel=1e-3)
+    fixed = check(tmp_path, DSV3, AWAKE, KV_DURING, "generation.kv_cache_memory_bytes=2147483648").plan
+    assert fixed.item_gib("refit", KV_LABEL) == pytest.approx(2.0)
+
+
+def test_the_kv_cache_wakes_during_the_transfer_only_with_the_weights_awake(tmp_path):
+    result = check(tmp_path, DSV3, KV_DURING)
+    errors = [d for d in result.diagnostics if d.rule == "RLC226"]
+    assert [(d.severity, d.path) for d in errors] == [("error", "refit.wake_kv_during_transfer")]
+    assert "refit.keep_weights_awake: true" in errors[0].hint
+    assert "RLC226" not in rules(check(tmp_path, DSV3, AWAKE, KV_DURING))
+    megatron = {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron", "kv_cache_memory_bytes": 1 << 30}}
+    assert any(d.path == "refit.wake_kv_during_transfer" and d.severity == "error"
+               for d in check(tmp_path, megatron, KV_DURING).diagnostics)

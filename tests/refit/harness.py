@@ -47,6 +47,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         alignment_bytes=256,
         sleep_level=2,
         keep_weights_awake=False,
+        wake_kv_during_transfer=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,
@@ -644,24 +645,31 @@ def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
         engine = TinyDenseEngine()
         consumer = RefitConsumer(session=job["session"], backend=ShmBackend("shm-dense"),
                                  timeout_s=job.get("timeout_s", 20.0))
-        consumer.prepare()
+        consumer.prepare(mapped_during_refit=job.get("mapped_during_refit", 0))
         replay = ReplayedLoad(engine) if job["replay"] else None
         params, metrics = [], []
         kept: list[torch.Tensor] = []
+        began: list[int] = []  # at each refit's on_begin: how many tensors this refit had loaded by then
         for _ in range(job.get("steps", 1)):
             loader = engine.load_weights if replay is None else replay.loader(consumer)
+            before = engine.snapshot()
 
             def keeping(weights: Any, load: Any = loader) -> Any:  # a loader that keeps what it is handed
                 weights = list(weights)
                 kept.extend(t for _, t in weights)
                 return load(weights)
 
-            metrics.append(consumer.receive(keeping if job.get("keep_views") else loader).to_dict())
+            def on_begin(before: dict[str, torch.Tensor] = before) -> None:
+                now = engine.snapshot()
+                began.append(sum(not torch.equal(now[n], before[n]) for n in now))
+
+            metrics.append(consumer.receive(keeping if job.get("keep_views") else loader,
+                                            on_begin=on_begin if job.get("on_begin") else None).to_dict())
             if replay is not None:
                 replay.done(loader, consumer)
             params.append(engine.snapshot())
         return {"ok": True, "params": params, "stats": [] if replay is None else replay.stats,
-                "table": None if replay is None else replay.summary(), "metrics": metrics}
+                "table": None if replay is None else replay.summary(), "metrics": metrics, "began": began}
     except BaseException as e:
         return _error(e)
     finally:

@@ -198,6 +198,7 @@ def test_plan_from_runtime_config():
         alignment_bytes=256,
         sleep_level=2,
         keep_weights_awake=False,
+        wake_kv_during_transfer=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,
