@@ -17,6 +17,8 @@ them, and every refit goes through the runtime's own pieces: ``RefitSource`` (Br
 Cases:
   engine    ``refit_bandwidth.py --backend cuda_ipc --gib 2``: the engine alone vs a same-run
             device-to-device copy (goal: ratio >= 0.4).
+  engine-zero-copy
+            the same with ``--zero-copy``: the consumer reads every tensor in place (one copy; no goal).
   dense-8b  Qwen3-8B, one GPU, trainer TP=1, vLLM TP=1.
   moe-1gpu  Qwen3-30B-A3B, one GPU, trainer TP=1, vLLM TP=1 (all 61 GB through one producer/consumer).
   dense-8b-awake, moe-1gpu-awake
@@ -83,7 +85,7 @@ TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
 GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay",
              "dense-8b-zero-copy", "dense-8b-overlap", "moe-1gpu", "moe-1gpu-awake", "moe-1gpu-direct",
              "moe-1gpu-zero-copy", "moe-ep2", "moe-tp2")
-ALL_CASES = ("engine", *GPU_CASES, "tiny")
+ALL_CASES = ("engine", "engine-zero-copy", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
 ENGINE_OVERRIDES = {"load_format": "dummy", "skip_tokenizer_init": True}
@@ -599,12 +601,13 @@ class GpuSession:
 # --------------------------------------------------------------------------- engine-only case
 
 
-def run_engine(a: argparse.Namespace, out: Path) -> dict:
-    """``refit_bandwidth.py --backend cuda_ipc`` in a subprocess (before Ray takes the GPUs)."""
-    path = out / "engine_bandwidth.json"
+def run_engine(a: argparse.Namespace, out: Path, zero_copy: bool = False) -> dict:
+    """``refit_bandwidth.py --backend cuda_ipc`` in a subprocess (before Ray takes the GPUs); with ``zero_copy`` the
+    consumer reads every tensor in place (``--zero-copy``)."""
+    path = out / ("engine_bandwidth_zero_copy.json" if zero_copy else "engine_bandwidth.json")
     cmd = [sys.executable, str(BENCH_DIR / "refit_bandwidth.py"), "--backend", "cuda_ipc", "--gib", f"{a.engine_gib:g}",
-           "--json", str(path)]
-    print(f"== engine: {' '.join(cmd)}", flush=True)
+           "--json", str(path), *(["--zero-copy"] if zero_copy else [])]
+    print(f"== engine{' (zero-copy)' if zero_copy else ''}: {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     print(proc.stdout, end="", flush=True)
     if proc.returncode != 0:
@@ -696,13 +699,14 @@ def main(argv: list[str] | None = None) -> int:
             results["tiny"] = P.tiny_step_overhead(a.tiny_metrics)
         except P.BenchmarkInputError as exc:
             results["errors"].append(f"tiny: {exc}")
-    if "engine" in a.case_list:
-        try:
-            results["engine"] = run_engine(a, out)
-        except Exception as exc:
-            results["errors"].append(f"engine: {str(exc)[:500]}")
-            print(f"== engine FAILED: {exc}", flush=True)
-        save()
+    for name, key, zero_copy in (("engine", "engine", False), ("engine-zero-copy", "engine_zero_copy", True)):
+        if name in a.case_list:
+            try:
+                results[key] = run_engine(a, out, zero_copy=zero_copy)
+            except Exception as exc:
+                results["errors"].append(f"{name}: {str(exc)[:500]}")
+                print(f"== {name} FAILED: {exc}", flush=True)
+            save()
     layouts = layouts_for(a)
     if layouts:
         GpuSession(a, results, save).run(layouts, plans)

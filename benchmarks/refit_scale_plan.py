@@ -731,6 +731,12 @@ def render_report(results: dict[str, Any], goals: Sequence[Goal]) -> str:
         lines.append(f"refit {engine['refit_gbps']:.1f} GB/s vs device-to-device copy {engine['copy_gbps']:.1f} GB/s "
                      f"-> ratio {engine['ratio']:.3f} ({engine['bytes'] / GIB:.2f} GiB, {engine['buckets']} buckets)")
         lines.append("")
+    zero = results.get("engine_zero_copy")
+    if zero:
+        lines.append(f"## engine, zero-copy: {zero['command']}")
+        lines.append(f"refit {zero['refit_gbps']:.1f} GB/s vs device-to-device copy {zero['copy_gbps']:.1f} GB/s "
+                     f"-> ratio {zero['ratio']:.3f} (every tensor read in place: one copy, the bound is 1.0)")
+        lines.append("")
     tiny = results.get("tiny")
     if tiny:
         lines.append(f"## tiny GRPO run: {tiny['metrics']}")

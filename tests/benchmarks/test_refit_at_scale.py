@@ -481,3 +481,18 @@ def test_the_case_table_says_what_direct_export_and_replayed_load_did():
     text = P.render_case("x", case)
     assert "direct export off: trainer tensor parallelism 2" in text
     assert "zero-copy views off: the direct export is off" in text
+
+
+def test_the_report_shows_the_engine_packed_and_zero_copy_side_by_side():
+    engine = {"command": "refit_bandwidth.py --backend cuda_ipc --gib 2", "refit_gbps": 445.4, "copy_gbps": 1906.4,
+              "ratio": 0.234, "bytes": 2 << 30, "buckets": 4}
+    zero = {**engine, "command": engine["command"] + " --zero-copy", "refit_gbps": 1200.0, "ratio": 0.629}
+    results = {"command": "python benchmarks/refit_at_scale.py --cases engine,engine-zero-copy", "engine": engine,
+               "engine_zero_copy": zero, "cases": {}}
+    text = P.render_report(results, P.evaluate_goals(results))
+    assert "-> ratio 0.234 (2.00 GiB, 4 buckets)" in text
+    assert "## engine, zero-copy: refit_bandwidth.py --backend cuda_ipc --gib 2 --zero-copy" in text
+    assert "-> ratio 0.629 (every tensor read in place: one copy, the bound is 1.0)" in text
+    engine_goal = next(g for g in P.evaluate_goals(results) if g.name.startswith("engine"))
+    assert engine_goal.value == 0.234  # the goal is the packed engine's
+    assert S.parse_args(["--cases", "engine-zero-copy"]).case_list == ["engine-zero-copy"]
