@@ -216,10 +216,12 @@ def _main(argv: list[str] | None) -> dict:
     )
     device = torch.cuda.get_device_name(0) if a.backend == "cuda_ipc" else "CPU"
     copy_label = "device-to-device copy, same bytes" if a.backend == "cuda_ipc" else "memcpy (torch copy_), same bytes"
+    buffers = ("every tensor read in place, no buffer" if a.zero_copy else
+               f"halves {format_bytes(m0.half_bytes)} ({m0.buffer_source})")
     print(
         f"refit bandwidth on {device}: backend={a.backend}, {format_bytes(total)} in {len(specs)} bf16 tensors of "
-        f"{format_bytes(specs[0].nbytes)}; halves {format_bytes(m0.half_bytes)} ({m0.buffer_source}), "
-        f"{m0.num_buckets} buckets/refit; median of {a.repeats} (+{a.warmup} warmup)"
+        f"{format_bytes(specs[0].nbytes)}; {buffers}, {m0.num_buckets} buckets/refit; median of {a.repeats} "
+        f"(+{a.warmup} warmup)"
     )
     med = statistics.median
     cons = result["metrics"][a.warmup :]

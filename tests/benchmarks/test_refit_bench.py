@@ -35,6 +35,7 @@ def test_refit_bandwidth_zero_copy_reads_every_tensor_in_place(capsys):
                                     "--zero-copy"])
     out = capsys.readouterr().out
     assert "one-copy bound" in out and "zero-copy: every byte is copied once" in out
+    assert "every tensor read in place, no buffer" in out
     assert summary["zero_copy"] and summary["zero_copy_tensors"] == [32, 32]
     assert summary["buffers_allocated"] == [0, 0]  # nothing is packed: no buffer at all
     for m in summary["refit_metrics"]:
