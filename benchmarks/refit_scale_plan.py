@@ -726,17 +726,14 @@ def render_report(results: dict[str, Any], goals: Sequence[Goal]) -> str:
              f"{'; '.join(results.get('machine', {}).get('gpus', [])) or '?'}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in sorted(results.get("versions", {}).items())), ""]
     engine = results.get("engine")
-    if engine:
-        lines.append(f"## engine: {engine['command']}")
-        lines.append(f"refit {engine['refit_gbps']:.1f} GB/s vs device-to-device copy {engine['copy_gbps']:.1f} GB/s "
-                     f"-> ratio {engine['ratio']:.3f} ({engine['bytes'] / GIB:.2f} GiB, {engine['buckets']} buckets)")
-        lines.append("")
-    zero = results.get("engine_zero_copy")
-    if zero:
-        lines.append(f"## engine, zero-copy: {zero['command']}")
-        lines.append(f"refit {zero['refit_gbps']:.1f} GB/s vs device-to-device copy {zero['copy_gbps']:.1f} GB/s "
-                     f"-> ratio {zero['ratio']:.3f} (every tensor read in place: one copy, the bound is 1.0)")
-        lines.append("")
+    for key, title in (("engine", "engine"), ("engine_zero_copy", "engine, zero-copy")):
+        e = results.get(key)
+        if e:
+            what = ("every tensor read in place: one copy, the bound is 1.0" if key == "engine_zero_copy" else
+                    f"{e['bytes'] / GIB:.2f} GiB, {e['buckets']} buckets")
+            lines += [f"## {title}: {e['command']}",
+                      f"refit {e['refit_gbps']:.1f} GB/s vs device-to-device copy {e['copy_gbps']:.1f} GB/s "
+                      f"-> ratio {e['ratio']:.3f} ({what})", ""]
     tiny = results.get("tiny")
     if tiny:
         lines.append(f"## tiny GRPO run: {tiny['metrics']}")
