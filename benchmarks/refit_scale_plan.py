@@ -249,7 +249,8 @@ class MemoryBudget:
     refit_buffers: int  # both ping-pong halves
     export_working_set: int  # the largest exported tensor, gathered and converted (x2)
     contexts: int  # CUDA contexts of the processes on one GPU
-    at_refit: int  # trainer + vLLM weights (woken) + buffers + exporter + residue + contexts
+    at_refit: int  # trainer + vLLM weights (woken) + buffers + exporter + residue + contexts (+ the KV cache woken
+    # during the transfer)
     at_generation: int  # trainer + vLLM's reservation + buffers (kept between refits) + contexts
     problems: tuple[str, ...] = field(default=())
 
@@ -290,7 +291,9 @@ def memory_budget(mb: ModelBytes, layout: Layout, gpu_bytes: int) -> MemoryBudge
     export_ws = 2 * mb.largest_tensor
     procs = 3 if layout.gen_tp > 1 else 2  # trainer rank, vLLM worker, (+ the engine actor on GPU 0 at TP > 1)
     contexts = procs * CUDA_CONTEXT_BYTES
-    at_refit = trainer + vllm_weights + buffers + export_ws + VLLM_SLEEP_RESIDUE_BYTES + contexts
+    # refit.wake_kv_during_transfer: vLLM's KV cache (its reservation less its weights) is mapped during the refit
+    kv_during_refit = max(reserved - vllm_weights, 0) if layout.wake_kv_during_transfer else 0
+    at_refit = trainer + vllm_weights + buffers + export_ws + VLLM_SLEEP_RESIDUE_BYTES + contexts + kv_during_refit
     at_generation = trainer + reserved + buffers + contexts
     usable = int(USABLE_FRACTION * gpu_bytes)
     problems = []

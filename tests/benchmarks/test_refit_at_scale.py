@@ -61,6 +61,16 @@ def test_budget_fits_on_an_h200_and_names_what_does_not():
     assert any("peak at generation" in p for p in P.memory_budget(mb, greedy, gpu).problems)
 
 
+def test_the_budget_counts_a_kv_cache_woken_during_the_refit():
+    gpu = int(139.8 * P.GIB)
+    lays = P.default_layouts()
+    mb = P.model_bytes(P.load_hf_config("qwen3-8b"))
+    before = P.memory_budget(mb, lays["dense-8b-zero-copy"], gpu)
+    during = P.memory_budget(mb, lays["dense-8b-overlap"], gpu)
+    assert during.at_refit - before.at_refit == during.vllm_reserved - during.vllm_weights > 0
+    assert during.at_generation == before.at_generation and during.fits
+
+
 def test_layout_and_config_errors_name_the_fix():
     with pytest.raises(P.BenchmarkInputError, match="EP 3"):
         P.Layout("x", "qwen3-30b-a3b", 2, train_ep=3)
