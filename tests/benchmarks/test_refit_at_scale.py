@@ -412,6 +412,15 @@ def test_the_report_sets_each_part_against_the_same_runs_two_copy_bound(tmp_path
     assert f"total refit {total:.4f} s ({total / 0.061:.1f}x)" in out
     # without the engine case the run measured no copy rate, and no bound is claimed
     assert "two-copy bound" not in P.render_case("moe-1gpu", results["cases"]["moe-1gpu"])
+    # bytes read in place (zero-copy views) are copied once: the bound shrinks by them
+    for r in records:
+        for p in r["producers"]:
+            p["zero_copy_bytes"] = 40e9
+    zero = P.summarize_refits(records, 1)
+    assert P.two_copy_bound_s(61e9, 2000.0, 40e9) == pytest.approx(0.041)
+    text = "\n".join(P.bound_lines(zero, 2000.0))
+    assert ("copy bound (pack + load; the 40.00 GB read in place once at this run's 2000 GB/s device copy): "
+            "0.0410 s") in text
 
 
 def test_top_calls_names_the_slow_function_of_a_profile():
