@@ -14,6 +14,9 @@ the trainer by Megatron-Bridge (``AutoBridge.from_hf_config`` + ``to_megatron_pr
 them, and every refit goes through the runtime's own pieces: ``RefitSource`` (Bridge export ->
 ``RefitProducer``) on each trainer rank and the vLLM worker extension's ``RefitConsumer``.
 
+``--step-gap-s S`` waits S seconds between a refit's sleep and the next refit (the rest of a GRPO step); by
+default refits run back to back, which wakes vLLM's KV cache right after it slept.
+
 Cases:
   engine    ``refit_bandwidth.py --backend cuda_ipc --gib 2``: the engine alone vs a same-run
             device-to-device copy (goal: ratio >= 0.4).
@@ -112,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--moe-1gpu-vllm-util", type=float, default=0.48,
                     help="vLLM gpu_memory_utilization, 30B-A3B on one GPU")
     ap.add_argument("--dense-vllm-util", type=float, default=0.3, help="vLLM gpu_memory_utilization, 8B")
+    ap.add_argument("--step-gap-s", type=float, default=0.0,
+                    help="seconds between a refit's sleep and the next refit, standing for the logprob pass and the "
+                         "train step of a GRPO step (0: refits back to back, the KV cache woken right after it slept)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--engine-gib", type=float, default=2.0, help="size of the engine-only case")
     ap.add_argument("--tiny-metrics", default=None, help="metrics.jsonl of a tiny GRPO run (adds the tiny case)")
@@ -519,6 +525,8 @@ class GpuSession:
                     slept = _wait([gen.sleep_kv_cache.remote()], "sleep_kv_cache")[0]
                 else:
                     slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
+                if a.step_gap_s > 0:  # the rest of a GRPO step before the next refit
+                    time.sleep(a.step_gap_s)
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
                     "wake_weights_s": woke_s, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,

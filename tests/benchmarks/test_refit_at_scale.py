@@ -515,3 +515,8 @@ def test_the_report_shows_the_engine_packed_and_zero_copy_side_by_side():
     engine_goal = next(g for g in P.evaluate_goals(results) if g.name.startswith("engine"))
     assert engine_goal.value == 0.234  # the goal is the packed engine's
     assert S.parse_args(["--cases", "engine-zero-copy"]).case_list == ["engine-zero-copy"]
+
+
+def test_refits_can_be_spaced_like_the_steps_of_a_run():
+    assert S.parse_args([]).step_gap_s == 0.0  # back to back, as every earlier run measured
+    assert S.parse_args(["--step-gap-s", "0.5", "--cases", "dense-8b-zero-copy"]).step_gap_s == 0.5

@@ -86,7 +86,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
         --cases "${SCALE_CASES:-engine,dense-8b,moe-ep2,moe-tp2}" ${tm:+--tiny-metrics "$tm"} --check ;;
     refit_fast)
       run_stage refit_fast "${FAST_TIMEOUT:-590}" python3 "$REPO"/benchmarks/refit_at_scale.py --out "$OUT/refit_fast" \
-        --cases "${FAST_CASES:-engine,dense-8b,moe-1gpu}" --fused-transfer --check ;;
+        --cases "${FAST_CASES:-engine,dense-8b,moe-1gpu}" --fused-transfer --check ${FAST_ARGS:-} ;;
     grpo) run_stage grpo 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --out "$OUT" --steps "${GRPO_STEPS:-150}" --timeout "${GRPO_TIMEOUT:-380}" ;;
     grpo_awake)  # the tiny run with refit.keep_weights_awake (only vLLM's KV cache sleeps), checked bit-exact every 25 refits
       run_stage grpo_awake 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grpo-awake \
