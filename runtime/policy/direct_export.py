@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from rlc.runtime.refit.sources import RowsOf, TensorsByAddress, View
+from rlc.runtime.refit.sources import RowsOf, TensorsByAddress, View, is_plain_tensor
 from rlc.runtime.refit.specs import TensorSpec
 
 _EXPERT_TASK = re.compile(r"(?:^|\.)mlp\.experts\.")
@@ -88,9 +88,9 @@ class ParamsByStorage:
     holds every parameter of a bucket group as a view of one contiguous buffer)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        # a wrapper subclass (Transformer Engine's FP8 weights, a DTensor): Bridge dequantizes or gathers it, no view
+        # a wrapper subclass: Bridge dequantizes or gathers it, no view
         self.index: TensorsByAddress[torch.Tensor] = TensorsByAddress(
-            (p, p) for p in params if type(p) in (torch.Tensor, torch.nn.Parameter))
+            (p, p) for p in params if is_plain_tensor(p))
 
     def view_of(self, tensor: torch.Tensor) -> ParamView | None:
         """``tensor`` as a view of a parameter of its dtype that holds all of its elements, else None."""
@@ -202,7 +202,7 @@ class DirectFinder:
         self._outputs.setdefault(index, []).append(name)
         why = self._why_not_eligible(index)
         source: Source | None = None
-        if why is None and type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        if why is None and is_plain_tensor(tensor):
             source = self.params.view_of(tensor) or rows_of(tensor, self.tasks[index].param_weight)
             why = None if source is not None else "Bridge computes it (not a view or a row selection of its parameter)"
         if source is None:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from rlc.runtime.refit.sources import StackedParts, materialize
+from rlc.runtime.refit.sources import StackedParts, is_plain_tensor, materialize
 from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups, layer_of, parse_per_expert
 from rlc.runtime.refit.specs import TensorSpec
 
@@ -77,7 +77,7 @@ def why_not_fusable(experts: Any, *, etp: int, pp: int) -> str | None:
     for linear in ("linear_fc1", "linear_fc2"):
         w = _local_weights(experts, linear)
         for t in [w] if isinstance(w, torch.Tensor) else w:
-            if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.dtype.is_floating_point:
+            if not is_plain_tensor(t) or not t.dtype.is_floating_point:
                 return f"{type(t).__name__} weights (FP8 primary weights are dequantized by Bridge's export)"
     return None
 

@@ -51,6 +51,12 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
     return base + low * size, base + high * size
 
 
+def is_plain_tensor(t: Any) -> bool:
+    """A tensor whose storage holds its values as they are: not a wrapper subclass (Transformer Engine's FP8 weights,
+    a DTensor), which Bridge dequantizes or gathers and whose storage is not its values."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 K = TypeVar("K")
 
 
@@ -159,4 +165,5 @@ def materialize(tensor: Any) -> torch.Tensor:
     return tensor.materialize() if isinstance(tensor, (StackedParts, RowsOf)) else tensor
 
 
-__all__ = ["Region", "RowsOf", "StackedParts", "TensorsByAddress", "View", "byte_range", "copy_export", "materialize"]
+__all__ = ["Region", "RowsOf", "StackedParts", "TensorsByAddress", "View", "byte_range", "copy_export", "is_plain_tensor",
+           "materialize"]

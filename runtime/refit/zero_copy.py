@@ -16,11 +16,12 @@ import torch
 
 from rlc.runtime.refit.buffers import BufferBackend
 from rlc.runtime.refit.protocol import StorageRef
+from rlc.runtime.refit.sources import is_plain_tensor
 
 
 def why_not_zero_copy(tensor: Any, dtype: str, device: torch.device) -> str | None:
     """Why ``tensor`` cannot be read in place, as ``dtype``, by a consumer on ``device`` (None: it can)."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    if not is_plain_tensor(tensor):
         return f"it is a {type(tensor).__name__}, not a plain tensor"
     if tensor.device != device:
         return f"it is on {tensor.device}, not on {device}"
