@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's r
 
 import torch
 
-from tests.refit.harness import refit_config
-from rlc.contract.refit_buffer import align_up
+from tests.refit.harness import refit_config, shm_segment
 from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
 from rlc.runtime.refit.producer import RefitProducer
@@ -93,22 +92,6 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         out.put({"ok": True, "metrics": metrics, "checksum": checksum})
     except BaseException as e:  # reported by the parent
         out.put({"ok": False, "error": f"{type(e).__name__}: {e}"})
-
-
-def in_segment(backend: ShmBackend, tensors: list[torch.Tensor]) -> tuple[object, list[torch.Tensor]]:
-    """The tensors copied into one shared-memory segment of ``backend`` (views of it, 256-byte aligned)."""
-    offsets, end = [], 0
-    for t in tensors:
-        end = align_up(end, 256)
-        offsets.append(end)
-        end += t.numel() * t.element_size()
-    segment, _ = backend.allocate(end, "bench source")
-    views = []
-    for t, offset in zip(tensors, offsets):
-        view = segment.tensor[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        views.append(view)
-    return segment, views
 
 
 def copy_baseline(kind: str, src: list[torch.Tensor], runs: int) -> list[float]:
@@ -174,7 +157,10 @@ def _main(argv: list[str] | None) -> dict:
     src = [torch.randn(s.shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16) for s in specs]
     segment = None
     if a.zero_copy and a.backend == "shm":  # the shm backend shares only segments it allocated
-        segment, src = in_segment(backend, src)
+        segment, views = shm_segment(specs, "bench source")
+        for view, t in zip(views, src):
+            view.copy_(t)
+        src = views
     sync(a.backend)
     checksum = float(sum(t.double().sum().item() for t in src))
 

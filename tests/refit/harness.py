@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlc.contract.refit_buffer import align_up
 from rlc.contract.runtime_config import RefitConfig
 from rlc.runtime.refit.fused import ExpertDestination, FusedLoader, build_routes
 from rlc.runtime.refit.sources import StackedParts
@@ -363,6 +364,21 @@ class TinyMoeEngine:
                 self.params[f"{p}.w13_weight"][slot, half:half + part].copy_(t[rows])
 
 
+def shm_segment(specs: list[TensorSpec], label: str) -> tuple[Any, list[torch.Tensor]]:
+    """One shared-memory segment holding a tensor per spec (views of it, 256-byte aligned, values unset): memory the
+    shm backend can share with a consumer, as CUDA IPC shares any storage on the GPU."""
+    from rlc.runtime.refit.buffers import ShmBackend
+
+    offsets, end = [], 0
+    for s in specs:
+        end = align_up(end, 256)
+        offsets.append(end)
+        end += s.nbytes
+    segment, _ = ShmBackend("trainer").allocate(end, label)
+    return segment, [segment.tensor[o:o + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+                     for s, o in zip(specs, offsets)]
+
+
 class ShmTrainerParams:
     """A synthetic trainer's parameters held the way Megatron's DDP holds them: views of a few contiguous buffers,
     here shared-memory segments (which the shm backend can share with a consumer, as CUDA IPC shares any storage
@@ -377,20 +393,13 @@ class ShmTrainerParams:
             self._place([s for n, s in enumerate(specs) if n % buffers == i])
 
     def _place(self, specs: list[TensorSpec]) -> None:
-        from rlc.runtime.refit.buffers import ShmBackend
-
-        offsets, end = [], 0
-        for s in specs:
-            end = -(-end // 256) * 256
-            offsets.append(end)
-            end += s.nbytes
-        segment, _ = ShmBackend("trainer").allocate(end, f"trainer buffer {len(self.segments)}")
+        segment, views = shm_segment(specs, f"trainer buffer {len(self.segments)}")
         self.segments.append(segment)
-        for s, offset in zip(specs, offsets):
+        for s, view in zip(specs, views):
             old = self.params.get(s.name)
-            self.params[s.name] = segment.tensor[offset:offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            self.params[s.name] = view
             if old is not None:
-                self.params[s.name].copy_(old)
+                view.copy_(old)
 
     def step(self, step: int) -> None:
         for s in self.specs:
