@@ -351,8 +351,8 @@ def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
         g_items += s.ctx + [dataclasses.replace(s.residual, label="Megatron residual (offloaded)")]
     g_items += s.kept
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
-    if v_weights is not None and kv_bytes is None:
-        kv = util * limit - v_weights / GIB
+    kv = _kv_and_activations_gib(s)
+    if kv is not None and v_weights is not None and kv_bytes is None:
         drafter = f" (with the MTP drafter's {plan.vllm_drafter_gib:.2f})" if plan.vllm_drafter_gib else ""
         plan.checks["generate_fit"] = Check(
             "generate_fit", kv > 0, util * limit, v_weights / GIB,
@@ -396,6 +396,14 @@ class _RefitBase:
     unknown: Optional[str] = None
 
 
+def _kv_and_activations_gib(s: _PlanInputs) -> Optional[float]:
+    """What vLLM's ``gpu_memory_utilization`` budget leaves beside its weights (KV cache and activations), when the
+    weights are known; negative when they do not fit the budget."""
+    if s.v_weights is None:
+        return None
+    return float(s.recipe.generation.gpu_memory_utilization) * s.limit - s.v_weights / GIB
+
+
 def _kv_during_transfer(s: _PlanInputs) -> list[Item]:
     """vLLM's KV cache in the refit phase where ``refit.wake_kv_during_transfer`` maps it back during the transfer
     (the ``generation`` budget less the weights where no ``kv_cache_memory_bytes`` fixes it: an upper bound)."""
@@ -406,9 +414,8 @@ def _kv_during_transfer(s: _PlanInputs) -> list[Item]:
     if generation.kv_cache_memory_bytes is not None:
         return [Item(label, int(generation.kv_cache_memory_bytes) / GIB, "vllm",
                      "recipe:generation.kv_cache_memory_bytes", why)]
-    budget = float(generation.gpu_memory_utilization) * s.limit
-    pool = None if s.v_weights is None else max(budget - s.v_weights / GIB, 0.0)
-    return [Item(label, pool, "vllm", "recipe:generation.gpu_memory_utilization",
+    kv = _kv_and_activations_gib(s)
+    return [Item(label, None if kv is None else max(kv, 0.0), "vllm", "recipe:generation.gpu_memory_utilization",
                  why + "; the budget less the weights (KV cache and activations)")]
 
 
