@@ -142,16 +142,20 @@ class RlcWorkerExtension:
 
         return wake
 
-    def _rlc_kv_cache_bytes(self) -> int:
-        """Bytes of this worker's KV cache in vLLM's sleep-mode pool (mapped or not)."""
+    def _rlc_kv_cache(self, switch: str) -> list[Any]:
+        """This worker's KV cache allocations in vLLM's sleep-mode pool (tagged ``kv_cache``, mapped or not); none
+        stops ``switch`` (engine started without sleep mode)."""
         from vllm.device_allocator.cumem import CuMemAllocator  # noqa: PLC0415
 
-        total = sum(int(d.handle[1]) for d in CuMemAllocator.get_instance().pointer_to_data.values()
-                    if d.tag == "kv_cache")
-        if not total:
-            raise RefitError("refit.wake_kv_during_transfer: this vLLM worker holds no KV cache in its sleep-mode "
-                             "memory pool (engine started without enable_sleep_mode?)")
-        return total
+        found = [d for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == "kv_cache"]
+        if not found:
+            raise RefitError(f"{switch}: this vLLM worker holds no KV cache in its sleep-mode memory pool (engine "
+                             "started without enable_sleep_mode?)")
+        return found
+
+    def _rlc_kv_cache_bytes(self) -> int:
+        """Bytes of this worker's KV cache in vLLM's sleep-mode pool (mapped or not)."""
+        return sum(int(d.handle[1]) for d in self._rlc_kv_cache("refit.wake_kv_during_transfer"))
 
     def _rlc_receive_direct(self, load: Any, on_begin: Any = None) -> dict[str, Any]:
         """One refit with direct copies: into the fused expert parameters (``refit.fused_transfer``) and/or the
@@ -299,18 +303,13 @@ class RlcWorkerExtension:
         ``kv_cache``) and keep the weights mapped; returns the bytes released. vLLM's own sleep has no such level:
         it releases every tag. The worker's ``wake_up(tags=["kv_cache"])`` maps the cache back (empty)."""
         import torch  # noqa: PLC0415
-        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release  # noqa: PLC0415
+        from vllm.device_allocator.cumem import unmap_and_release  # noqa: PLC0415
 
+        kv_cache = self._rlc_kv_cache("refit.keep_weights_awake")
         torch.cuda.synchronize()  # nothing in flight may still read or write the cache
-        released = 0
-        for data in CuMemAllocator.get_instance().pointer_to_data.values():
-            if data.tag == "kv_cache":
-                unmap_and_release(data.handle)
-                released += int(data.handle[1])
-        if not released:
-            raise RefitError("refit.keep_weights_awake: this vLLM worker holds no KV cache in its sleep-mode "
-                             "memory pool (engine started without enable_sleep_mode?)")
-        return released
+        for data in kv_cache:
+            unmap_and_release(data.handle)
+        return sum(int(d.handle[1]) for d in kv_cache)
 
     def rlc_refit_close(self) -> None:
         consumer = getattr(self, "_rlc_consumer", None)
