@@ -38,6 +38,9 @@ Cases:
   dense-8b-overlap
             ``dense-8b-zero-copy`` with ``refit.wake_kv_during_transfer`` (vLLM maps its KV cache back while the
             weights arrive: the wake-up row is then inside the transfer).
+  dense-8b-resident, moe-1gpu-resident
+            the ``-zero-copy`` cases with ``refit.keep_kv_cache_awake``: vLLM never sleeps (no KV wake-up or
+            sleep; the KV cache holds its memory through the refit, which the memory budget counts).
   moe-ep2   Qwen3-30B-A3B, two GPUs, trainer EP=2, vLLM TP=2.
   moe-tp2   the same vLLM engine, trainer TP=2 (experts ETP=2).
   tiny      refit + sleep as a fraction of the step of a GRPO run (``--tiny-metrics``; goal <= 15 %).
@@ -50,7 +53,8 @@ per-expert export.
 
 Each measured cycle: negate the trainer's weights (so every refit moves new values) ->
 ``wake_up(["weights"])`` -> refit (all trainer ranks and the vLLM workers at once) ->
-``wake_up(["kv_cache"])`` -> ``sleep(level=2)`` (``*-awake``: ``sleep_kv_cache()``, and no weight wake-up);
+``wake_up(["kv_cache"])`` -> reset the prefix cache -> ``sleep(level=2)`` (``*-awake``: ``sleep_kv_cache()``,
+and no weight wake-up; ``*-resident``: nothing sleeps); the total refit is the wake-ups, the transfer and the reset;
 one warm-up and ``--refits`` measured cycles.
 After the last refit, a few exported HF tensors (experts on both EP ranks, router, attention, norms,
 embedding, LM head) are reloaded through vLLM's own ``load_weights`` on each GPU and the parameters
@@ -86,8 +90,8 @@ from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E40
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
 GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay",
-             "dense-8b-zero-copy", "dense-8b-overlap", "moe-1gpu", "moe-1gpu-awake", "moe-1gpu-direct",
-             "moe-1gpu-zero-copy", "moe-ep2", "moe-tp2")
+             "dense-8b-zero-copy", "dense-8b-overlap", "dense-8b-resident", "moe-1gpu", "moe-1gpu-awake",
+             "moe-1gpu-direct", "moe-1gpu-zero-copy", "moe-1gpu-resident", "moe-ep2", "moe-tp2")
 ALL_CASES = ("engine", "engine-zero-copy", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -373,7 +377,7 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
                       fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb),
                       direct_export=lay.direct_export, replay_load=lay.replay_load,
                       zero_copy_views=lay.zero_copy_views, wake_kv_during_transfer=lay.wake_kv_during_transfer,
-                      keep_weights_awake=lay.weights_awake)
+                      keep_weights_awake=lay.weights_awake, keep_kv_cache_awake=lay.kv_cache_awake)
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")
@@ -501,6 +505,8 @@ class GpuSession:
             awake = lay.weights_awake
             if awake:  # the engine sleeps at level 2 between cases: its weights wake once, then stay
                 _wait([gen.wake_up.remote(["weights"])], "wake_up(weights)")
+            if lay.kv_cache_awake:  # and its KV cache, which then never sleeps
+                _wait([gen.wake_up.remote(["kv_cache"])], "wake_up(kv_cache)")
             for i in range(total):
                 negate = _wait([t.call.remote(_negate_weights) for t in trainers], "negate weights")
                 woke_s = 0.0
@@ -509,8 +515,10 @@ class GpuSession:
                 t0 = time.perf_counter()
                 sent = _wait([t.refit_send.remote() for t in trainers] + [gen.refit_receive.remote()], "refit")
                 transfer = time.perf_counter() - t0
-                kv = _wait([gen.wake_up.remote(["kv_cache"])], "wake_up(kv_cache)")[0]
+                kv = _wait([gen.wake_up.remote(["kv_cache"])], "wake_up(kv_cache)")[0]  # a no-op when never asleep
+                t1 = time.perf_counter()
                 _wait([gen.reset_prefix_cache.remote()], "reset prefix cache")
+                reset_s = time.perf_counter() - t1
                 if i == total - 1:
                     case["spot_checks"] = self.spot_check(plan_, trainers, gen, case)
                     if not case["spot_checks"]["passed"]:
@@ -521,7 +529,9 @@ class GpuSession:
                         if not case["verify"].get("bit_exact"):
                             self.results["errors"].append(f"{lay.name}: full verify_every pass not bit-exact: "
                                                           f"{str(case['verify'])[:300]}")
-                if awake:
+                if lay.kv_cache_awake:
+                    slept = _wait([gen.stay_awake.remote()], "stay_awake")[0]
+                elif awake:
                     slept = _wait([gen.sleep_kv_cache.remote()], "sleep_kv_cache")[0]
                 else:
                     slept = _wait([gen.sleep.remote(2)], "sleep(2)")[0]
@@ -529,7 +539,8 @@ class GpuSession:
                     time.sleep(a.step_gap_s)
                 records.append({
                     "index": i, "warmup": i < a.warmup, "negate_s": max(negate), "transfer_s": transfer,
-                    "wake_weights_s": woke_s, "wake_kv_s": kv.seconds, "sleep_s": slept.seconds,
+                    "wake_weights_s": woke_s, "wake_kv_s": kv.seconds, "reset_prefix_cache_s": reset_s,
+                    "sleep_s": slept.seconds,
                     "free_after_wake_gib": kv.memory.free_gib, "producers": [s.raw for s in sent[:n]],
                     "consumers": sent[n],
                 })

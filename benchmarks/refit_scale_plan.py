@@ -161,8 +161,12 @@ class Layout:
     zero_copy_views: bool = False
     #: ``refit.wake_kv_during_transfer``: vLLM's KV cache mapped back while the weights arrive
     wake_kv_during_transfer: bool = False
+    #: ``refit.keep_kv_cache_awake``: vLLM's KV cache stays mapped too (the engine never sleeps)
+    kv_cache_awake: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_cache_awake and not self.weights_awake:
+            raise BenchmarkInputError(f"case {self.name}: the KV cache is kept awake only with the weights")
         if self.train_tp * 1 > self.gpus or self.gpus % self.train_tp:
             raise BenchmarkInputError(f"case {self.name}: trainer TP {self.train_tp} does not divide {self.gpus} GPUs")
         if self.gpus % (self.train_ep * self.train_etp):
@@ -190,6 +194,8 @@ class Layout:
         par = f"TP={self.train_tp}" + (f" EP={self.train_ep}" if self.train_ep > 1 else "") + (
             f" ETP={self.train_etp}" if self.train_etp > 1 else "")
         awake = "; vLLM's weights kept awake (only its KV cache sleeps)" if self.weights_awake else ""
+        if self.kv_cache_awake:
+            awake = "; vLLM kept awake (weights and KV cache: the engine never sleeps)"
         direct = "".join(part for on, part in ((self.direct_export, "; direct export"),
                                                (self.zero_copy_views, "; zero-copy views"),
                                                (self.wake_kv_during_transfer, "; KV cache woken during the transfer"),
@@ -231,6 +237,13 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
         "dense-8b-overlap": Layout("dense-8b-overlap", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
                                    weights_awake=True, direct_export=True, replay_load=True, zero_copy_views=True,
                                    wake_kv_during_transfer=True),
+        # and vLLM's KV cache kept mapped too (refit.keep_kv_cache_awake): no wake-up, no sleep, the memory counted
+        "dense-8b-resident": Layout("dense-8b-resident", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
+                                    weights_awake=True, direct_export=True, replay_load=True, zero_copy_views=True,
+                                    kv_cache_awake=True),
+        "moe-1gpu-resident": Layout("moe-1gpu-resident", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
+                                    buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True,
+                                    zero_copy_views=True, kv_cache_awake=True),
         "moe-ep2": Layout("moe-ep2", "qwen3-30b-a3b", 2, train_ep=2, gen_tp=2, vllm_util=moe_util, buffer_gb=buffer_gb),
         "moe-tp2": Layout("moe-tp2", "qwen3-30b-a3b", 2, train_tp=2, train_etp=2, gen_tp=2, vllm_util=moe_util,
                           buffer_gb=buffer_gb),
@@ -291,8 +304,9 @@ def memory_budget(mb: ModelBytes, layout: Layout, gpu_bytes: int) -> MemoryBudge
     export_ws = 2 * mb.largest_tensor
     procs = 3 if layout.gen_tp > 1 else 2  # trainer rank, vLLM worker, (+ the engine actor on GPU 0 at TP > 1)
     contexts = procs * CUDA_CONTEXT_BYTES
-    # refit.wake_kv_during_transfer: vLLM's KV cache (its reservation less its weights) is mapped during the refit
-    kv_during_refit = max(reserved - vllm_weights, 0) if layout.wake_kv_during_transfer else 0
+    # refit.wake_kv_during_transfer / keep_kv_cache_awake: vLLM's KV cache (its reservation less its weights) is
+    # mapped during the refit
+    kv_during_refit = max(reserved - vllm_weights, 0) if layout.wake_kv_during_transfer or layout.kv_cache_awake else 0
     at_refit = trainer + vllm_weights + buffers + export_ws + VLLM_SLEEP_RESIDUE_BYTES + contexts + kv_during_refit
     at_generation = trainer + reserved + buffers + contexts
     usable = int(USABLE_FRACTION * gpu_bytes)
@@ -416,11 +430,13 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
     p = max(prods, key=lambda m: m["seconds"])
     c = max(cons, key=lambda m: m["seconds"])
     row = {
-        "total_refit_s": rec["wake_weights_s"] + rec["transfer_s"] + rec["wake_kv_s"],
+        "total_refit_s": rec["wake_weights_s"] + rec["transfer_s"] + rec["wake_kv_s"]
+        + rec.get("reset_prefix_cache_s", 0.0),
         "transfer_s": rec["transfer_s"],
         "sleep_s": rec["sleep_s"],
         "wake_weights_s": rec["wake_weights_s"],
         "wake_kv_s": rec["wake_kv_s"],
+        "reset_prefix_cache_s": rec.get("reset_prefix_cache_s", 0.0),
         "producer_s": p["seconds"],
         "export_s": p["export_seconds"],
         "pack_s": p["pack_seconds"],

@@ -112,6 +112,8 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
              "engine generates from the trainer's own weights (or its dedicated model)"),
     VllmOnly("refit.wake_kv_during_transfer", "wakes vLLM's KV cache during the IPC transfer; the Megatron engine "
              "has no transfer to overlap", (False,)),
+    VllmOnly("refit.keep_kv_cache_awake", "keeps vLLM's KV cache on the GPU between rollouts; the Megatron engine's "
+             "KV pool follows generation.megatron.kv_cache", (False,)),
     VllmOnly("refit.buffer_memory_ratio", _IPC),
     VllmOnly("refit.buffer_gb", _IPC),
     VllmOnly("refit.alignment_bytes", _IPC),

@@ -88,6 +88,8 @@ class CalibrationRecord:
     worker: str = ""
     #: ``refit.keep_weights_awake``: only vLLM's KV cache slept, so ``after_sleep`` includes its weights
     weights_awake: bool = False
+    #: ``refit.keep_kv_cache_awake``: vLLM did not sleep at all, so ``after_sleep`` includes its KV cache too
+    kv_cache_awake: bool = False
     torch_allocated_gib: float | None = None
     torch_reserved_gib: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # phase-specific figures (half_gib, ...)
@@ -106,9 +108,10 @@ class CalibrationRecord:
         if self.sleep_level not in SLEEP_LEVELS or isinstance(self.sleep_level, bool):
             raise CalibrationRecordError(
                 f"calibration record: 'sleep_level' must be one of {SLEEP_LEVELS}, got {self.sleep_level!r}")
-        if not isinstance(self.weights_awake, bool):
-            raise CalibrationRecordError(
-                f"calibration record: 'weights_awake' must be true or false, got {self.weights_awake!r}")
+        for key in ("weights_awake", "kv_cache_awake"):
+            if not isinstance(getattr(self, key), bool):
+                raise CalibrationRecordError(
+                    f"calibration record: {key!r} must be true or false, got {getattr(self, key)!r}")
         if not isinstance(self.enforce_eager, bool):
             raise CalibrationRecordError(
                 f"calibration record: 'enforce_eager' must be true or false, got {self.enforce_eager!r}")
@@ -123,7 +126,8 @@ class CalibrationRecord:
     @classmethod
     def from_memory(cls, phase: str, memory: Mapping[str, float], *, step: int, sleep_level: int,
                     enforce_eager: bool, gpu_type: str, versions: Mapping[str, str], worker: str = "",
-                    weights_awake: bool = False, extra: Mapping[str, Any] | None = None) -> "CalibrationRecord":
+                    weights_awake: bool = False, kv_cache_awake: bool = False,
+                    extra: Mapping[str, Any] | None = None) -> "CalibrationRecord":
         """A record from a memory snapshot (``free_gib``/``used_gib``/``total_gib`` [+ ``torch_*_gib``])."""
         def gib(key: str) -> float:
             if key not in memory:
@@ -136,6 +140,7 @@ class CalibrationRecord:
         return cls(phase=phase, step=step, free_gib=gib("free_gib"), used_gib=gib("used_gib"),
                    total_gib=gib("total_gib"), sleep_level=sleep_level, enforce_eager=enforce_eager,
                    gpu_type=gpu_type, versions=dict(versions), worker=worker, weights_awake=weights_awake,
+                   kv_cache_awake=kv_cache_awake,
                    torch_allocated_gib=optional("torch_allocated_gib"),
                    torch_reserved_gib=optional("torch_reserved_gib"), extra=dict(extra or {}))
 

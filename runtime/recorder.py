@@ -358,7 +358,9 @@ class Recorder:
         rec = CalibrationRecord.from_memory(phase, memory.as_dict(), step=step, sleep_level=cfg.refit.sleep_level,
                                             enforce_eager=cfg.generation.enforce_eager,
                                             gpu_type=cfg.cluster.gpu_type, versions=self.versions, worker="rank0",
-                                            weights_awake=cfg.refit.keep_weights_awake, extra=extra)
+                                            weights_awake=cfg.refit.keep_weights_awake,
+                                            kv_cache_awake=cfg.refit.keep_weights_awake and cfg.refit.keep_kv_cache_awake,
+                                            extra=extra)
         self.calibration.write(rec.to_dict())
 
     def started(self, phase: str, memory: Memory) -> None:

@@ -101,7 +101,9 @@ class VllmIpcSync:
                 results = workers.wait_all(pending, "refit")
             sent = results[: len(self.policy)]
             received = [w for engine in results[len(self.policy):] for w in engine]
-            with timer("wake_kv"):  # nothing left to map where the refit woke it (refit.wake_kv_during_transfer)
+            # nothing left to map where the refit woke it (refit.wake_kv_during_transfer) or it never slept
+            # (refit.keep_kv_cache_awake); the prefix cache holds the old weights' keys and values either way
+            with timer("wake_kv"):
                 woke = self.generation.wake_up(["kv_cache"])[0]
                 self.generation.reset_prefix_cache()
         transfer = timer.seconds("refit_transfer")

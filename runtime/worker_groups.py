@@ -142,6 +142,9 @@ class GenerationGroup:
     def sleep_kv_cache(self) -> list[Slept]:
         return self.group.call(GenerationWorkerApi.sleep_kv_cache)
 
+    def stay_awake(self) -> list[Slept]:
+        return self.group.call(GenerationWorkerApi.stay_awake)
+
     def wake_up(self, tags: list[str]) -> list[Woke]:
         return self.group.call(GenerationWorkerApi.wake_up, tags)
 

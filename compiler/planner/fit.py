@@ -100,6 +100,11 @@ def check_runs(runs: Sequence[RunMeasurements], recipe: Recipe) -> None:
                 raise CalibrationError(f"{run.path}: recorded with refit.keep_weights_awake {rec.weights_awake}, the "
                                        f"recipe has {awake} (vLLM's weights in the after-sleep memory or not); give "
                                        "the recipe the runs were compiled from")
+            kv_awake = awake and recipe.refit.keep_kv_cache_awake
+            if rec.kv_cache_awake != kv_awake:
+                raise CalibrationError(f"{run.path}: recorded with refit.keep_kv_cache_awake {rec.kv_cache_awake}, "
+                                       f"the recipe has {kv_awake} (vLLM's KV cache in the after-sleep memory or "
+                                       "not); give the recipe the runs were compiled from")
             if rec.enforce_eager != eager:
                 raise CalibrationError(f"{run.path}: recorded with enforce_eager {rec.enforce_eager}, the recipe has "
                                        f"generation.enforce_eager {eager}; give the recipe the runs were compiled from")

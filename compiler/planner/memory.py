@@ -47,7 +47,7 @@ from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items 
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib, gib_bytes
 from rlc.compiler.planner.refit_math import (FP8_RELOAD_COPY_HALVES, buffer_math, kept_buffer_items, refit_facts,
                                              reload_copy_halves, wire_tensor)
-from rlc.compiler.planner.residency import MegatronResident, PhaseResidency, VllmResident, residency
+from rlc.compiler.planner.residency import KvCacheResident, MegatronResident, PhaseResidency, VllmResident, residency
 from rlc.compiler.planner.shards import StageShard, megatron_stage_shards, vllm_stage_shards
 from rlc.compiler.planner.vllm_sleep import SleepSemantics, planned_vllm_version, sleep_semantics
 
@@ -187,11 +187,32 @@ def vllm_asleep_items(recipe: Recipe, facts: ModelFacts, weights: Optional[VllmW
     """vLLM's GPU memory while asleep (the train step), by the planned vLLM version's sleep semantics."""
     sleep = sleep_semantics(planned_vllm_version(recipe, cal.versions))
     return _vllm_residue(recipe, weights, residency(recipe, sleep, cal)["train"].vllm, cal,
-                         nvls_items(recipe, facts, gpu)[1])
+                         nvls_items(recipe, facts, gpu)[1], float(gpu.memory_gib))
+
+
+def kv_and_activations_gib(recipe: Recipe, weights: Optional[VllmWeights], limit: float) -> Optional[float]:
+    """What vLLM's ``gpu_memory_utilization`` budget of a ``limit`` GiB GPU leaves beside its weights (KV cache and
+    activations), when the weights are known; negative when they do not fit the budget."""
+    if weights is None:
+        return None
+    return float(recipe.generation.gpu_memory_utilization) * limit - weights.total / GIB
+
+
+def _vllm_kv_cache(recipe: Recipe, weights: Optional[VllmWeights], kv: KvCacheResident, limit: float) -> Item:
+    """vLLM's KV cache outside generation (``VllmResident.kv_cache``): ``generation.kv_cache_memory_bytes``, or the
+    ``generation`` budget less the weights where nothing fixes it (an upper bound)."""
+    kv_bytes = recipe.generation.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        return Item(kv.label, int(kv_bytes) / GIB, "vllm", "recipe:generation.kv_cache_memory_bytes", kv.why)
+    left = kv_and_activations_gib(recipe, weights, limit)
+    return Item(kv.label, None if left is None else max(left, 0.0), "vllm", "recipe:generation.gpu_memory_utilization",
+                kv.why + "; the budget less the weights (KV cache and activations)")
 
 
 def _vllm_residue(recipe: Recipe, weights: Optional[VllmWeights], where: VllmResident,
-                  cal: Calibration, nvls: Sequence[Item]) -> list[Item]:
+                  cal: Calibration, nvls: Sequence[Item], limit: float) -> list[Item]:
+    """vLLM's GPU memory outside generation: the weight shard where it stays, its KV cache where it stays (see
+    :mod:`~rlc.compiler.planner.residency`), contexts, NVLS buffers, CUDA graphs."""
     items = []
     if where.weights:
         items.append(Item(VLLM_SHARD_LABEL, gib(None if weights is None else weights.shard), "vllm", "params",
@@ -200,6 +221,8 @@ def _vllm_residue(recipe: Recipe, weights: Optional[VllmWeights], where: VllmRes
             items.append(Item(DRAFTER_LABEL, gib(weights.drafter), "vllm", "params",
                               f"{weights.drafter_blocks} MTP block(s) of the checkpoint in vLLM's weight pool, "
                               "embedding and lm_head shared with the model"))
+    if where.kv_cache:
+        items.append(_vllm_kv_cache(recipe, weights, where.kv_cache, limit))
     items.append(Item("vLLM contexts + non-pool buffers", cal.vllm_base_gib, "vllm", "calibration:vllm_base_gib"))
     items.extend(nvls)
     if not recipe.generation.enforce_eager:
@@ -309,7 +332,7 @@ def _train_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
     replay = replay_memory(recipe, s.facts, worst["layers"], s.tl, train_microbatch_tokens(recipe, s.tl))
     if replay is not None:
         items.append(replay_gpu_item(replay, recipe))
-    residue = _vllm_residue(recipe, s.weights, s.table["train"].vllm, cal, s.vllm_nvls)
+    residue = _vllm_residue(recipe, s.weights, s.table["train"].vllm, cal, s.vllm_nvls, s.limit)
     plan.phases["train"] = Phase("train", "train step (with the loss's logits, before other activations)",
                                  tuple(items + [s.residual] + s.ctx + list(s.kept) + residue),
                                  s.limit, stage=worst["stage"], note="other activations not modelled")
@@ -351,7 +374,7 @@ def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
         g_items += s.ctx + [dataclasses.replace(s.residual, label="Megatron residual (offloaded)")]
     g_items += s.kept
     plan.phases["generate"] = Phase("generate", "generation (vLLM awake)", tuple(g_items), limit, stage=g_stage)
-    kv = _kv_and_activations_gib(s)
+    kv = kv_and_activations_gib(s.recipe, s.weights, limit)
     if kv is not None and v_weights is not None and kv_bytes is None:
         drafter = f" (with the MTP drafter's {plan.vllm_drafter_gib:.2f})" if plan.vllm_drafter_gib else ""
         plan.checks["generate_fit"] = Check(
@@ -396,29 +419,6 @@ class _RefitBase:
     unknown: Optional[str] = None
 
 
-def _kv_and_activations_gib(s: _PlanInputs) -> Optional[float]:
-    """What vLLM's ``gpu_memory_utilization`` budget leaves beside its weights (KV cache and activations), when the
-    weights are known; negative when they do not fit the budget."""
-    if s.v_weights is None:
-        return None
-    return float(s.recipe.generation.gpu_memory_utilization) * s.limit - s.v_weights / GIB
-
-
-def _kv_during_transfer(s: _PlanInputs) -> list[Item]:
-    """vLLM's KV cache in the refit phase where ``refit.wake_kv_during_transfer`` maps it back during the transfer
-    (the ``generation`` budget less the weights where no ``kv_cache_memory_bytes`` fixes it: an upper bound)."""
-    refit, generation = s.recipe.refit, s.recipe.generation
-    if not (refit.wake_kv_during_transfer and refit.keep_weights_awake):
-        return []
-    label, why = "vLLM KV cache (woken during the transfer)", "refit.wake_kv_during_transfer"
-    if generation.kv_cache_memory_bytes is not None:
-        return [Item(label, int(generation.kv_cache_memory_bytes) / GIB, "vllm",
-                     "recipe:generation.kv_cache_memory_bytes", why)]
-    kv = _kv_and_activations_gib(s)
-    return [Item(label, None if kv is None else max(kv, 0.0), "vllm", "recipe:generation.gpu_memory_utilization",
-                 why + "; the budget less the weights (KV cache and activations)")]
-
-
 def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
     """The free memory that sizes the IPC buffer, and the buffer math there."""
     recipe, facts, cal, limit, bpp = s.recipe, s.facts, s.cal, s.limit, s.bpp
@@ -428,7 +428,7 @@ def _refit_base(s: _PlanInputs) -> Optional[_RefitBase]:
     refit_items_by_stage = [(f, _megatron_refit_bytes(f, where, cal)) for f in s.figs]
     worst_f, worst_items = max(refit_items_by_stage, key=lambda t: sum(t[1].values()))
     r_items = tuple(_megatron_items(worst_items, s.ctx) + _vllm_residue(recipe, s.weights, s.table["refit"].vllm,
-                                                                        cal, s.vllm_nvls) + _kv_during_transfer(s))
+                                                                        cal, s.vllm_nvls, limit))
     phase = Phase("refit", "refit (before the IPC buffer)", r_items, limit, stage=worst_f["stage"])
     base = _RefitBase(phase)
     if phase.free_gib is None:
@@ -542,13 +542,13 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Se
     worst = max(figs, key=lambda f: stage_bytes(f)[1])
     held, _ = stage_bytes(worst)
     note = REFERENCE_SWAPPED_NOTE if recipe.training.offload_reference_policy else REFERENCE_NOTE
+    limit = float(plan.gpu_memory_gib)
     items = _megatron_items(held, ctx, reference_note=note) + _vllm_residue(recipe, weights, where.vllm, cal,
-                                                                             vllm_nvls)
+                                                                             vllm_nvls, limit)
     if worst["stage"] == last:
         items.append(Item("fp32 logits of the logprob pass", gib(logits), "megatron", "params",
                           logits_note(how, facts.vocab, tl.tp)))
     title = "reference logprob pass (vLLM asleep)" if "reference" in held else "logprob pass (vLLM asleep)"
-    limit = float(plan.gpu_memory_gib)
     phase = Phase("logprob", title, tuple(items), limit, stage=worst["stage"], note="other activations not modelled")
     plan.phases["logprob"] = phase
     used = phase.used_gib

@@ -9,10 +9,12 @@ phase      Megatron on the GPU                          vLLM on the GPU
 =========  ===========================================  ==========================================
 train      params, grads, fp32 master + Adam moments    weight shard only if the sleep level keeps
            (less the ``optimizer_cpu_offload`` share)   it on the GPU in this vLLM version, or with
-                                                        ``refit.keep_weights_awake`` (KV-only sleep)
+                                                        ``refit.keep_weights_awake`` (KV-only sleep);
+                                                        its KV cache too with ``refit.keep_kv_cache_awake``
 refit      params; fp32 master unless it moved with     weight shard if the level has it back at
-           the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off)
-           optimizer, or no offload); grads + moments
+           the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off);
+           optimizer, or no offload); grads + moments   the KV cache with ``keep_kv_cache_awake`` or
+                                                        ``refit.wake_kv_during_transfer``
            only without ``offload_optimizer_for_refit``
 generate   as the refit left it, less the bf16 params   awake (its pool is counted apart)
            with ``refit.offload_params_for_generation``
@@ -42,10 +44,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.vllm_sleep import SleepSemantics
 from rlc.compiler.recipe_types import Recipe
+
+
+@dataclass(frozen=True)
+class KvCacheResident:
+    """vLLM's KV cache on the GPU outside generation: the plan's line for it, and the switch that put it there."""
+
+    label: str
+    why: str
+
+
+#: in the train, refit and logprob phases
+KV_KEPT_AWAKE = KvCacheResident("vLLM KV cache (kept awake)", "refit.keep_kv_cache_awake: vLLM's KV cache never sleeps")
+#: in the refit phase only
+KV_WOKEN_DURING_TRANSFER = KvCacheResident("vLLM KV cache (woken during the transfer)",
+                                           "refit.wake_kv_during_transfer: mapped back while the weights arrive")
 
 
 @dataclass(frozen=True)
@@ -62,10 +80,12 @@ class MegatronResident:
 
 @dataclass(frozen=True)
 class VllmResident:
-    """Whether vLLM's weight shard is on the GPU in a phase, and why."""
+    """Whether vLLM's weight shard is on the GPU in a phase, and why; and why its KV cache is (empty: it is not,
+    or, while generating, it is counted apart as vLLM's pool)."""
 
     weights: bool
     why: str  # which sleep-level fact decided ``weights``
+    kv_cache: Optional[KvCacheResident] = None  # vLLM's KV cache on the GPU in this phase, and why
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,9 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     offload_for_refit = refit.offload_optimizer_for_refit
     precision_aware = training.use_precision_aware_optimizer
     awake = refit.keep_weights_awake  # only the KV cache sleeps: the shard is on the GPU in every phase
+    # the KV cache on the GPU outside generation: never asleep, or mapped back from inside the transfer
+    kv_awake = KV_KEPT_AWAKE if awake and refit.keep_kv_cache_awake else None
+    kv_at_refit = kv_awake or (KV_WOKEN_DURING_TRANSFER if awake and refit.wake_kv_during_transfer else None)
     host_copy = 1.0 if level.host_copy and not awake else 0.0
     with_reference = recipe.loss.kl_penalty > 0
     reference = 1.0 if with_reference and not training.offload_reference_policy else 0.0
@@ -112,7 +135,8 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
         "train",
         MegatronResident(params=1.0, grads=1.0, master=1.0 - off, moments=1.0 - off, cpu_offload_staging=cpu_offload,
                          reference=reference),
-        VllmResident(True, "refit.keep_weights_awake: only the KV cache sleeps, the weight shard stays on the GPU")
+        VllmResident(True, "refit.keep_weights_awake: only the KV cache sleeps, the weight shard stays on the GPU",
+                     kv_awake)
         if awake else
         VllmResident(level.gpu_asleep, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("stays on the GPU" if level.gpu_asleep else "off the GPU") + " while asleep"),
@@ -136,7 +160,7 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
                             cpu_optimizer_grads=off)
     refit_phase = PhaseResidency(
         "refit", mega,
-        VllmResident(True, "refit.keep_weights_awake: the weight shard never left the GPU") if awake else
+        VllmResident(True, "refit.keep_weights_awake: the weight shard never left the GPU", kv_at_refit) if awake else
         VllmResident(level.gpu_at_refit, f"sleep level {level_no} ({sleep.label}): weight shard "
                      + ("on the GPU" if level.gpu_at_refit else "not on the GPU") + " at the refit"),
         host,
@@ -158,4 +182,5 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     return {"train": train, "refit": refit_phase, "generate": generate, "logprob": logprob}
 
 
-__all__ = ["HostResident", "MegatronResident", "PhaseResidency", "VllmResident", "residency"]
+__all__ = ["KV_KEPT_AWAKE", "KV_WOKEN_DURING_TRANSFER", "HostResident", "KvCacheResident", "MegatronResident",
+           "PhaseResidency", "VllmResident", "residency"]

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from rlc.compiler.planner.memory import DRAFTER_LABEL, VLLM_SHARD_LABEL
 from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
+from rlc.compiler.planner.residency import KV_KEPT_AWAKE
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
 
@@ -35,13 +36,22 @@ def kept_buffers_hint(plan: Any, phase: str) -> str:
     return f"; refit.keep_buffers_gb: 0 frees the {kept:.2f} GiB of IPC halves kept between refits" if kept else ""
 
 
-def awake_weights_hint(ctx: Context, phase: str) -> str:
-    """``; refit.keep_weights_awake: false frees ...`` where the phase holds vLLM's weights only because they are
-    kept awake (vLLM's own sleep takes them off the GPU)."""
-    if not ctx.recipe.refit.keep_weights_awake:
+def kept_awake_hint(ctx: Context, phase: str) -> str:
+    """``; refit.keep_weights_awake: false frees ...`` (and ``refit.keep_kv_cache_awake: false frees ...``) where the
+    phase holds vLLM's weights (its KV cache) only because they are kept awake (vLLM's own sleep takes them off the
+    GPU)."""
+    refit = ctx.recipe.refit
+    if not refit.keep_weights_awake:
         return ""
+    hint = ""
+    if refit.keep_kv_cache_awake:
+        kv = _held_gib(ctx.plan, phase, (KV_KEPT_AWAKE.label,))
+        if kv:
+            hint = f"; refit.keep_kv_cache_awake: false frees the {kv:.2f} GiB of vLLM's KV cache kept on the GPU"
     kept = _held_gib(ctx.plan, phase, (VLLM_SHARD_LABEL, DRAFTER_LABEL))
-    return f"; refit.keep_weights_awake: false frees the {kept:.2f} GiB of vLLM weights kept on the GPU" if kept else ""
+    if kept:
+        hint += f"; refit.keep_weights_awake: false frees the {kept:.2f} GiB of vLLM weights kept on the GPU"
+    return hint
 
 
 @rule("RLC210", "each IPC ping-pong half must hold the largest exported tensor", severities=("error",),
@@ -197,7 +207,7 @@ def train_fits(ctx: Context) -> None:
     megatron = ctx.plan.backend == "megatron"
     if check is not None and check.ok is False:
         ctx.error(check.text + ("" if megatron else " (other activations not yet counted)"), "parallelism.train",
-                  hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train") + awake_weights_hint(ctx, "train"))
+                  hint="raise PP / EP or DP" + kept_buffers_hint(ctx.plan, "train") + kept_awake_hint(ctx, "train"))
         return
     estimated = ctx.plan.checks.get("train_activations_fit")
     if estimated is not None and estimated.ok is False:
@@ -378,7 +388,7 @@ def residue_growth(ctx: Context) -> None:
             continue  # RLC222 already reports the pass at step 1
         hint = fix.text if fix is not None else \
             "raise parallelism.train.tp with sequence_parallel: true, or PP / EP to shrink the per-GPU state"
-        hint += awake_weights_hint(ctx, "train" if key == "train_late_fit" else "logprob")
+        hint += kept_awake_hint(ctx, "train" if key == "train_late_fit" else "logprob")
         message = (f"{check.text}: it fits at step 1 but not once the residue has grown (vLLM "
                    f"{plan.vllm_version}){where}")
         path = "parallelism.train.tp" if key == "train_late_fit" or fix is None else fix.key
@@ -405,4 +415,4 @@ def logprob_fits(ctx: Context) -> None:
     path = fix.key if fix is not None else "training.logprob_batch_size"
     ctx.error(check.text + " (other activations not yet counted)", path,
               hint=(fix.text if fix is not None else "lower training.logprob_batch_size or raise parallelism.train.tp")
-              + kept_buffers_hint(ctx.plan, "logprob") + awake_weights_hint(ctx, "logprob"))
+              + kept_buffers_hint(ctx.plan, "logprob") + kept_awake_hint(ctx, "logprob"))

@@ -328,3 +328,28 @@ def kv_wake_needs_weights_awake(ctx: Context) -> None:
         ctx.error("refit.wake_kv_during_transfer wakes the KV cache of rlc's KV-only sleep, and "
                   "refit.keep_weights_awake is off", f"{R}.wake_kv_during_transfer",
                   hint="set refit.keep_weights_awake: true, or refit.wake_kv_during_transfer: false")
+
+
+@rule("RLC227", "The KV cache stays awake only with the weights, and then nothing wakes it", severities=("error",),
+      rationale="refit.keep_kv_cache_awake keeps vLLM's KV cache on the GPU between rollouts, so that the engine does "
+                "not sleep at all. The weights are the smaller part of that memory and the part every refit writes; "
+                "keeping the KV pool while the weights sleep (vLLM's own levels release every tag) is not a state "
+                "vLLM has, so the switch needs refit.keep_weights_awake. With the KV cache never asleep, "
+                "refit.wake_kv_during_transfer would have nothing to map back.",
+      seed="vLLM Worker.sleep (levels 1 and 2 release the kv_cache tag); verl's rollout.free_cache_engine "
+           "(false keeps the KV cache between rollouts).",
+      fixes="Set refit.keep_weights_awake: true with refit.keep_kv_cache_awake, and refit.wake_kv_during_transfer: "
+            "false; or turn refit.keep_kv_cache_awake off.")
+def kv_awake_needs_weights_awake(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if not refit.keep_kv_cache_awake:
+        return
+    if not refit.keep_weights_awake:
+        ctx.error("refit.keep_kv_cache_awake keeps vLLM's KV cache on the GPU, and refit.keep_weights_awake is off "
+                  "(vLLM's sleep would release the KV cache with the weights)", f"{R}.keep_kv_cache_awake",
+                  hint="set refit.keep_weights_awake: true, or refit.keep_kv_cache_awake: false")
+    if refit.wake_kv_during_transfer:
+        ctx.error("refit.wake_kv_during_transfer maps back a KV cache that refit.keep_kv_cache_awake never puts to "
+                  "sleep", f"{R}.wake_kv_during_transfer",
+                  hint="set refit.wake_kv_during_transfer: false (nothing to wake), or refit.keep_kv_cache_awake: "
+                       "false")

@@ -9,7 +9,8 @@ A backend starts its engines, generates ``n`` samples per prompt with the sample
     # ... trainer passes, then the weight sync (rlc.runtime.weight_sync) readies the engines again
 
 * :class:`VllmBackend`: one vLLM engine per generation data-parallel rank (``GenerationGroup``), put to sleep at
-  ``refit.sleep_level`` (with ``refit.keep_weights_awake`` only its KV cache sleeps).
+  ``refit.sleep_level`` (with ``refit.keep_weights_awake`` only its KV cache sleeps; with
+  ``refit.keep_kv_cache_awake`` too, nothing).
 * :class:`MegatronBackend`: megatron-core's engine inside every policy worker (``PolicyGroup``, the ``mg_*``
   methods of ``rlc.runtime.policy.megatron_generation``); each trainer rank generates its share of the prompts.
 """
@@ -66,7 +67,10 @@ class VllmBackend:
         return self.group.generate(chunks, n)
 
     def release(self, step: int) -> Slept:
-        """Every engine asleep at ``refit.sleep_level``, or with ``refit.keep_weights_awake`` only its KV cache."""
+        """Every engine asleep at ``refit.sleep_level``, or with ``refit.keep_weights_awake`` only its KV cache, or
+        with ``refit.keep_kv_cache_awake`` too nothing (the engines keep their memory)."""
+        if self.refit.keep_weights_awake and self.refit.keep_kv_cache_awake:
+            return self.group.stay_awake()[0]
         if self.refit.keep_weights_awake:
             return self.group.sleep_kv_cache()[0]
         return self.group.sleep(self.refit.sleep_level)[0]

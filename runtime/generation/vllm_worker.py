@@ -8,7 +8,8 @@ that it can give its GPU memory to the colocated trainer between rollouts:
 
 Level 1 backs the weights up to CPU and frees the KV cache; level 2 frees both (the refit rewrites
 every weight anyway; NeMo-RL #2471, failure 3). With ``refit.keep_weights_awake`` only the KV cache
-sleeps (``sleep_kv_cache``) and the refit writes into the resident weights (no ``wake_up(["weights"])``).
+sleeps (``sleep_kv_cache``) and the refit writes into the resident weights (no ``wake_up(["weights"])``); with
+``refit.keep_kv_cache_awake`` too, nothing sleeps (``stay_awake``) and only the prefix cache is reset after the refit.
 
 An engine of more than one GPU uses vLLM's Ray executor inside this actor's placement group
 (``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in each of vLLM's workers and pairs with the
@@ -169,6 +170,14 @@ class VllmGenerationWorker:
         after = self.memory()
         return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
                      seconds=time.perf_counter() - t0)
+
+    def stay_awake(self) -> Slept:
+        """``refit.keep_kv_cache_awake`` (with ``refit.keep_weights_awake``): nothing leaves the GPU between rollouts;
+        the refit writes into the resident weights and the synchronizer resets the prefix cache after it."""
+        self._refuse_asleep("stay_awake")
+        t0 = time.perf_counter()
+        memory = self.memory()
+        return Slept(freed_gib=0.0, memory=memory, memory_before=memory, seconds=time.perf_counter() - t0)
 
     def wake_up(self, tags: list[str] | None = None) -> Woke:
         """Back on the GPU: ``tags`` (``weights``, ``kv_cache``; None: both) of what is asleep. Weights kept

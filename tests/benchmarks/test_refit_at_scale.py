@@ -46,8 +46,31 @@ def test_every_layout_can_be_asked_for_by_name_and_gives_a_valid_runtime_config(
         assert a.case_list == [name]
         refit = runtime_config_from_dict(S.runtime_cfg_dict(lay, tmp_path, a, tmp_path)).refit
         assert (refit.direct_export, refit.replay_load, refit.zero_copy_views, refit.wake_kv_during_transfer,
-                refit.keep_weights_awake) == (lay.direct_export, lay.replay_load, lay.zero_copy_views,
-                                              lay.wake_kv_during_transfer, lay.weights_awake), name
+                refit.keep_weights_awake, refit.keep_kv_cache_awake) == (
+            lay.direct_export, lay.replay_load, lay.zero_copy_views, lay.wake_kv_during_transfer, lay.weights_awake,
+            lay.kv_cache_awake), name
+
+
+def test_a_kv_cache_kept_awake_is_in_the_refit_budget_and_needs_the_weights_awake():
+    gpu = int(139.8 * P.GIB)
+    layouts = P.default_layouts()
+    mb = P.model_bytes(P.load_hf_config("qwen3-8b"))
+    zero_copy = P.memory_budget(mb, layouts["dense-8b-zero-copy"], gpu)
+    resident = P.memory_budget(mb, layouts["dense-8b-resident"], gpu)
+    assert resident.at_refit - zero_copy.at_refit == resident.vllm_reserved - resident.vllm_weights > 20 * P.GIB
+    assert "never sleeps" in layouts["dense-8b-resident"].describe()
+    with pytest.raises(P.BenchmarkInputError, match="only with the weights"):
+        P.Layout("x", "qwen3-8b", 1, kv_cache_awake=True)
+
+
+def test_the_total_refit_counts_the_prefix_cache_reset():
+    rec = {"wake_weights_s": 0.0, "transfer_s": 0.02, "wake_kv_s": 0.001, "reset_prefix_cache_s": 0.004,
+           "sleep_s": 0.0, "producers": [{"seconds": 0.02, "export_seconds": 0.0, "pack_seconds": 0.0,
+                                          "alloc_seconds": 0.0, "wait_ack_seconds": 0.0, "bytes": 1,
+                                          "num_buckets": 1}],
+           "consumers": [{"seconds": 0.02, "load_seconds": 0.01, "open_seconds": 0.0, "wait_seconds": 0.0}]}
+    assert P.refit_row(rec)["total_refit_s"] == pytest.approx(0.025)
+    assert P.refit_row({**rec, "reset_prefix_cache_s": 0.0})["total_refit_s"] == pytest.approx(0.021)
 
 
 def test_budget_fits_on_an_h200_and_names_what_does_not():

@@ -122,6 +122,20 @@ def test_records_of_a_run_with_the_weights_kept_awake_are_refused_for_a_recipe_w
     assert not (tmp_path / "c.yaml").exists()
 
 
+def test_records_of_a_run_with_the_kv_cache_kept_awake_are_refused_for_a_recipe_that_sleeps_it(tmp_path):
+    """Their after-sleep memory holds vLLM's weights and KV cache (the engine never slept)."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    lines = [json.loads(line) for line in (run / "calibration.jsonl").read_text().splitlines() if line.strip()]
+    (run / "calibration.jsonl").write_text("".join(json.dumps({**r, "sleep_level": 1, "weights_awake": True,
+                                                               "kv_cache_awake": True})
+                                                   + "\n" for r in lines))
+    code, _, err = rlc("calibrate", run, "--recipe", TINY, "--set", "refit.keep_weights_awake=true",
+                       "--set", "refit.sleep_level=1", "-o", tmp_path / "c.yaml")
+    assert code == 2 and "refit.keep_kv_cache_awake True" in err and "Traceback" not in err
+    assert not (tmp_path / "c.yaml").exists()
+
+
 def test_a_malformed_record_names_file_and_line(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(RUN, run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlc.compiler.planner.memory import VLLM_SHARD_LABEL
+from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
 from tests.planner.test_planner_model import DSV3, QWEN35_2619, check, labels, rules
 
 AWAKE = "refit.keep_weights_awake=true"
@@ -92,3 +93,53 @@ def test_the_kv_cache_wakes_during_the_transfer_only_with_the_weights_awake(tmp_
     megatron = {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron", "kv_cache_memory_bytes": 1 << 30}}
     assert any(d.path == "refit.wake_kv_during_transfer" and d.severity == "error"
                for d in check(tmp_path, megatron, KV_DURING).diagnostics)
+
+
+KEPT_KV_LABEL = "vLLM KV cache (kept awake)"
+KV_AWAKE = "refit.keep_kv_cache_awake=true"
+
+
+def halves(plan, phase: str) -> float:
+    return sum(i.gib or 0.0 for i in plan.phases[phase].items if i.label == KEPT_BUFFERS_LABEL)
+
+
+def test_a_kv_cache_kept_awake_is_counted_in_every_phase_outside_generation(tmp_path):
+    awake = check(tmp_path, DSV3, AWAKE).plan
+    kept = check(tmp_path, DSV3, AWAKE, KV_AWAKE).plan
+    kv = kept.item_gib("train", KEPT_KV_LABEL)
+    pool = kept.item_gib("generate", "vLLM pool (weights + KV cache + activations)")
+    assert kv == pytest.approx(pool - kept.vllm_weights_gib, abs=0.01) and kv > 0
+    for phase in ("train", "refit", "logprob"):
+        assert KEPT_KV_LABEL not in labels(awake.phases[phase])
+        assert kept.item_gib(phase, KEPT_KV_LABEL) == kv
+        # less free memory at the refit gives halves small enough to be kept between refits (counted outside it)
+        assert kept.phases[phase].used_gib == pytest.approx(awake.phases[phase].used_gib + kv + halves(kept, phase)
+                                                            - halves(awake, phase), abs=0.01)
+    # generation counts vLLM's whole pool either way; the refit buffers are sized without the KV cache
+    assert kept.phases["generate"].used_gib == pytest.approx(
+        awake.phases["generate"].used_gib + halves(kept, "generate") - halves(awake, "generate"), abs=0.01)
+    assert kept.refit.free_at_refit == pytest.approx(awake.refit.free_at_refit - kv * (1 << 30), rel=1e-3)
+    sized = check(tmp_path, DSV3, AWAKE, KV_AWAKE, "generation.kv_cache_memory_bytes=2147483648").plan
+    assert all(sized.item_gib(phase, KEPT_KV_LABEL) == pytest.approx(2.0) for phase in ("train", "refit", "logprob"))
+
+
+def test_a_train_step_the_kept_kv_cache_overfills_names_both_switches(tmp_path):
+    # DeepSeek-V3 with vLLM TP 32 overfills its train step with the weights kept awake; the KV cache adds to it
+    result = check(tmp_path, DSV3, AWAKE, KV_AWAKE)
+    kv = result.plan.item_gib("train", KEPT_KV_LABEL)
+    step = [d for d in result.diagnostics if d.rule == "RLC215"]
+    assert [d.severity for d in step] == ["error"]
+    assert f"refit.keep_kv_cache_awake: false frees the {kv:.2f} GiB of vLLM's KV cache" in step[0].hint
+    assert "refit.keep_weights_awake: false frees" in step[0].hint
+
+
+def test_the_kv_cache_stays_awake_only_with_the_weights_and_then_nothing_wakes_it(tmp_path):
+    alone = [d for d in check(tmp_path, DSV3, KV_AWAKE).diagnostics if d.rule == "RLC227"]
+    assert [(d.severity, d.path) for d in alone] == [("error", "refit.keep_kv_cache_awake")]
+    assert "refit.keep_weights_awake: true" in alone[0].hint
+    both = [d for d in check(tmp_path, DSV3, AWAKE, KV_AWAKE, KV_DURING).diagnostics if d.rule == "RLC227"]
+    assert [(d.severity, d.path) for d in both] == [("error", "refit.wake_kv_during_transfer")]
+    assert "RLC227" not in rules(check(tmp_path, DSV3, AWAKE, KV_AWAKE))
+    megatron = {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron", "kv_cache_memory_bytes": 1 << 30}}
+    assert any(d.path == "refit.keep_kv_cache_awake" and d.severity == "error"
+               for d in check(tmp_path, megatron, AWAKE, KV_AWAKE).diagnostics)

@@ -49,6 +49,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         sleep_level=2,
         keep_weights_awake=False,
         wake_kv_during_transfer=False,
+        keep_kv_cache_awake=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,
@@ -113,7 +114,8 @@ def expected_on_wire(spec: TensorSpec, wire_dtype: str, step: int) -> torch.Tens
     return synthetic_tensor(spec, step).to(getattr(torch, wire_dtype))
 
 
-def _hook(side: str, rank: int):
+def _hook(side: str, rank: int, gate_on: tuple[str, int | None] = ("pack_start", 1)):
+    """Logs every event; a producer's ``gate_on`` event (any index when it is None) opens the gate."""
     seq, log, gate = _SHARED.get("seq"), _SHARED.get("log"), _SHARED.get("gate")
     if seq is None or log is None or gate is None:
         return None
@@ -123,7 +125,7 @@ def _hook(side: str, rank: int):
             seq.value += 1
             n = seq.value
         log.put((n, side, rank, event, index))
-        if side == "producer" and event == "pack_start" and index == 1:
+        if side == "producer" and event == gate_on[0] and gate_on[1] in (None, index):
             gate.set()
 
     return hook
@@ -146,6 +148,8 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
 
     rank = job["rank"]
     specs = rank_specs(rank)
+    if job.get("last"):  # export (and announce) this tensor last
+        specs = [s for s in specs if s.name != job["last"]] + [s for s in specs if s.name == job["last"]]
     producer = None
     metrics: list[dict[str, Any]] = []
     try:
@@ -158,7 +162,7 @@ def producer_main(job: dict[str, Any]) -> dict[str, Any]:
             backend=ShmBackend(f"shm-gpu{rank}"),
             free_bytes=job.get("free_bytes", 1 << 20),
             timeout_s=job.get("timeout_s", 20.0),
-            event_hook=_hook("producer", rank),
+            event_hook=_hook("producer", rank, tuple(job.get("gate_on", ("pack_start", 1)))),
             metadata_source_rank=job.get("metadata_source_rank"),
             metadata_subscribers=job.get("metadata_subscribers"),
             **({"keep_buffers_max_bytes": job["keep_buffers_max_bytes"]} if "keep_buffers_max_bytes" in job else {}),
@@ -226,6 +230,9 @@ def consumer_main(job: dict[str, Any]) -> dict[str, Any]:
                     # Do not return (-> no ack for bucket 0) until the producer has started packing
                     # bucket 1. Only a ping-pong producer can get there; a serial one deadlocks.
                     result["gate_opened"] = _SHARED["gate"].wait(timeout=10)
+                if job.get("gate_on_tensor") in {name for name, _ in weights}:
+                    # Do not return (-> no ack for this bucket) until the producer's gate event (its End).
+                    result["gate_opened"] = _SHARED["gate"].wait(timeout=5)
                 if job.get("die_in_load"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 calls[0] += 1  # noqa: B023

@@ -124,6 +124,7 @@ def _generation_answers(woken: list[list[str]]) -> dict[str, Any]:
         "generate": lambda rank, prompts, n: _samples(prompts, n),
         "sleep": Slept(freed_gib=1.0, memory=MEM),
         "sleep_kv_cache": Slept(freed_gib=0.5, memory=MEM),
+        "stay_awake": Slept(freed_gib=0.0, memory=MEM),
         "wake_up": wake_up,
         "reset_prefix_cache": True,
         "refit_receive": [{}],
@@ -252,6 +253,21 @@ def test_vllm_weights_kept_awake_sleep_only_the_kv_cache_and_are_not_woken(tmp_p
     assert run.woken == [["kv_cache"]] * 3  # the initial refit and two steps: the weights never slept
     last = run.logged[-1]
     assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last and "timing/wake_kv_s" in last
+
+
+def test_vllm_kept_entirely_awake_never_sleeps_and_still_resets_the_prefix_cache_after_every_refit(tmp_path):
+    log: list = []
+    run = FakeRun(_cfg(tmp_path, "vllm", refit={"keep_weights_awake": True, "keep_kv_cache_awake": True,
+                                                "sleep_level": 1}), log, [])
+    refit = ["policy.refit_offload", "policy.refit_send", "generation.refit_receive", "generation.wake_up",
+             "generation.reset_prefix_cache"]
+    initial, step1, step2 = _steps(run)
+    assert initial == refit
+    assert step1 == step2 == ["generation.generate", "generation.stay_awake", "policy.compute_logprobs",
+                              "policy.train_step", *refit]
+    assert not [m for m, _ in log if m in ("generation.sleep", "generation.sleep_kv_cache")]
+    last = run.logged[-1]
+    assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last
 
 
 def test_the_vllm_workers_direct_copies_reach_the_run_metrics(tmp_path):
