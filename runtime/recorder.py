@@ -359,7 +359,8 @@ class Recorder:
                                             enforce_eager=cfg.generation.enforce_eager,
                                             gpu_type=cfg.cluster.gpu_type, versions=self.versions, worker="rank0",
                                             weights_awake=cfg.refit.keep_weights_awake,
-                                            kv_cache_awake=cfg.refit.keep_weights_awake and cfg.refit.keep_kv_cache_awake,
+                                            kv_cache_awake=cfg.refit.keep_weights_awake
+                                            and cfg.refit.keep_kv_cache_awake,
                                             extra=extra)
         self.calibration.write(rec.to_dict())
 

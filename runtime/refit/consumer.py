@@ -15,10 +15,11 @@ on, so the ack does not wait for the device; the consumer waits for the device o
 (and before acking a one-off buffer, which the producer frees on the ack). With
 ``copy_buckets=True`` each bucket is first copied out of the shared buffer in one device copy and
 ``load_weights`` gets views of that copy, which it may keep: vLLM's layerwise reload (FP8 rollouts)
-holds a layer's tensors until the layer is complete, possibly several buckets later. At the end it
-checks that every expected tensor arrived exactly once and closes every buffer mapping except those
-of the halves the producer keeps for the next refit (``End.kept_slots``): their handles are opened
-once and reused. ``close`` releases them.
+holds a layer's tensors until the layer is complete, possibly several buckets later. ``End`` comes right
+behind the last bucket (the producer does not wait for its ack); messages are handled in order, so it is
+read once every bucket is loaded and acked. At the end it checks that every expected tensor arrived
+exactly once and closes every buffer mapping except those of the halves the producer keeps for the
+next refit (``End.kept_slots``): their handles are opened once and reused. ``close`` releases them.
 
 Zero-copy views (``refit.zero_copy_views``): a ``Share`` message maps one of the trainer's storages, and a
 zero-copy bucket's tensors are views of those mappings (after a device wait for the producer's event, so the
@@ -289,7 +290,7 @@ class _ConsumerRun:
             t0 = time.perf_counter()
             msg, payload = self.chan.recv(f"bucket {m.num_buckets} or end of refit {refit_id}")
             m.wait_seconds += time.perf_counter() - t0
-            if isinstance(msg, End):
+            if isinstance(msg, End):  # sent right behind the last bucket: read only once every bucket is acked
                 break
             if isinstance(msg, Share):
                 self._open_storage(msg, payload, m)

@@ -12,7 +12,10 @@ Usage (inside a Megatron worker; the exporter is Megatron-Bridge's ``export_hf_w
 be placed), then streams: each tensor is copied into the current ping-pong half (or a one-off
 buffer) in the wire dtype; a full bucket is sent with its metadata while the next one is packed
 into the other half; a half is reused only after the consumer acked the bucket that used it.
-At the end the consumer verifies its manifest and answers ``Done`` (or an error, raised here).
+``End`` follows the last bucket at once, without waiting for its ack (the consumer handles messages in
+order: it reads ``End`` after acking every bucket); the producer then collects the acks still owed,
+freeing a one-off buffer on its ack, and the consumer, having verified its manifest, answers ``Done``
+(or an error, raised here): one round trip at the end of a refit, not two.
 
 On CUDA the two ends order their copies on the device, not on the host: the producer marks each
 packed bucket with an interprocess event that the consumer's stream waits on, and the consumer marks
@@ -133,7 +136,9 @@ class RefitProducer:
             reserve_bytes: memory the planner leaves free besides the buffers (exporter working set).
             free_bytes: fixed free memory for planning (tests); default: measured at each refit.
             event_hook: ``hook(event, bucket_index)`` for ``pack_start``, ``pack_end``, ``send`` (just
-                before sending), ``ack`` (when the consumer's ack is read).
+                before sending), ``ack`` (when the consumer's ack is read), ``free_oneoff`` (a one-off buffer
+                freed), ``end`` (just before sending ``End``; the index is the last bucket's) and ``done`` (when
+                the consumer's ``Done`` is read).
             metadata_source_rank: whose slicing metadata the consumer is told to use. Default: this
                 rank when ``refit_cfg.per_rank_ipc_metadata`` else 0 (the SkyRL #1816 bug, reproduced
                 on purpose so the manifest check can be shown to catch it). Set explicitly only
@@ -636,16 +641,20 @@ class _ProducerRun:
                 f"{', '.join(map(repr, missing[:8]))}{' ...' if len(missing) > 8 else ''}; call prepare() with "
                 "the current export list"
             )
-        self._wait_ack(self.sent)
         keep = sorted(self.halves) if refit_buffer.halves_kept(plan.sizing.half_bytes, p.keep_buffers_max_bytes) else []
+        # End goes out right behind the last bucket, not after its ack: the consumer handles messages in order, so
+        # it reads End once it has loaded and acked every bucket, and the acks still owed cross while End travels.
+        p._emit("end", self.sent)
         self.chan.send(End(refit_id=self.refit_id, num_buckets=m.num_buckets, num_tensors=m.num_tensors,
                            total_bytes=m.bytes, kept_slots=keep,
                            kept_storages=p._storages.end_refit(self.storages_used)))
+        self._wait_ack(self.sent)  # the acks still owed come before Done; a one-off buffer is freed on its ack
         t0 = time.perf_counter()
         msg, _ = self.chan.recv(f"the consumer's manifest verdict (refit {self.refit_id})")
         m.done_wait_seconds = time.perf_counter() - t0
         if not isinstance(msg, Done) or msg.refit_id != self.refit_id:
             raise RefitProtocolError(f"{p.name}: expected done for refit {self.refit_id}, got {msg}")
+        p._emit("done", self.sent)
         m.consumer = dict(msg.consumer_metrics)
         m.buffers_kept = len(keep)
         m.peak_buffer_bytes = self.peak_bytes
@@ -653,9 +662,9 @@ class _ProducerRun:
             p._kept[slot] = self.halves.pop(slot)
             self.allocated_bytes -= p._kept[slot].nbytes
         self.release_all()
-        m.free_after_bytes = p._free()
         m.seconds = time.perf_counter() - t_start
         m.gbps = m.bytes / m.seconds / 1e9 if m.seconds > 0 else 0.0
+        m.free_after_bytes = p._free()  # after the buffers were released, as before; not part of the refit's time
         if m.precision_lost:
             m.warnings.append(
                 f"{len(m.precision_lost)} fp32 parameter(s) reached the producer in 16-bit precision (e.g. "
@@ -685,7 +694,7 @@ class _ProducerRun:
 
     def _close_oneoff(self) -> None:
         assert self.oneoff is not None
-        buf = self.oneoff[1]
+        index, buf = self.oneoff
         self.oneoff = None
         self.allocated_bytes -= buf.nbytes
         t0 = time.perf_counter()
@@ -694,6 +703,7 @@ class _ProducerRun:
         # must be able to reuse the memory.
         self.p.backend.collect()
         self.metrics.alloc_seconds += time.perf_counter() - t0
+        self.p._emit("free_oneoff", index)
 
     def release_all(self) -> None:
         """Free every buffer this refit allocated (idempotent)."""

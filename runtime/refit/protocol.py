@@ -14,7 +14,9 @@ Conversation, per producer/consumer pair::
               P -> C  Share(storage) + handle frame  (refit.zero_copy_views: a trainer storage not yet mapped)
               P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
               C -> P  Ack(k)                                                    ...
-              P -> C  End(totals, kept slots and storages)      C -> P  Done(ok | error, consumer metrics)
+              P -> C  End(totals, kept slots and storages), right behind the last bucket (not after its ack)
+              C -> P  the acks still owed, in order, then Done(ok | error, consumer metrics) once the consumer
+                      has read End (after acking every bucket: it reads in order)
     next refit: buffers of the kept slots (and mappings of the kept storages) are reused on both sides
               (a bucket opens a buffer only when its slot has none or its size changed)
     failure:  either side may send Error(message) instead; the other side raises it.

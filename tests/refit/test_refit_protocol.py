@@ -152,6 +152,48 @@ def test_ping_pong_packs_next_bucket_before_previous_ack(pool, shared):
     assert seq[("consumer", "load_end", 0)] < seq[("consumer", "ack", 0)]
 
 
+@pytest.mark.parametrize("last", [None, "model.layers.1.mlp.experts.gate_up_proj"], ids=["half", "oneoff"])
+def test_end_is_sent_right_behind_the_last_bucket_before_its_ack(pool, shared, last):
+    """The producer sends End right after the last bucket and only then collects the acks still owed and Done:
+    the consumer holds its last bucket's load until the producer has sent End (a producer that waited for that
+    bucket's ack before sending End would never get there). A one-off buffer as the last bucket is still freed
+    only once its ack is read, before Done."""
+    shared["gate"].clear()
+    _drain(shared["log"])
+    s = _session()
+    rank = 1 if last else 0
+    specs = H.rank_specs(rank)
+    producer = {"session": s, "rank": rank, "world_size": 1, "gate_on": ("end", None), "last": last}
+    consumer = {"session": s, "device": rank, "gate_on_tensor": last or specs[-1].name}
+    prods, cons = _run(pool, [producer], [consumer])
+    p, c = H.ok(prods[0]), H.ok(cons[0])
+    assert c["gate_opened"] is True  # the last bucket's load waited for End, so End went out before its ack
+    assert c["mismatches"] == [] and c["loaded"] == [sorted(x.name for x in specs)]
+    m, cm = p["metrics"][0], c["metrics"][0]
+    assert m["num_buckets"] == cm["num_buckets"] >= 3 and m["num_tensors"] == cm["num_tensors"] == len(specs)
+    assert m["buffers_kept"] == cm["buffers_kept"] == 2  # End's kept slots: the two halves, on both sides
+    n = m["num_buckets"] - 1  # the last bucket
+    keys = {("producer", "send", n), ("producer", "end", n), ("producer", "ack", n), ("producer", "done", n),
+            ("consumer", "load_end", n), ("consumer", "ack", n)}
+    if last:
+        keys.add(("producer", "free_oneoff", n))
+    events = [e for e in _drain(shared["log"], until=keys) if e[2] == rank]
+    seq = {(side, ev, i): num for num, side, _r, ev, i in events}
+    assert seq[("producer", "send", n)] < seq[("producer", "end", n)] < seq[("consumer", "load_end", n)]
+    assert seq[("producer", "end", n)] < seq[("producer", "ack", n)] < seq[("producer", "done", n)]
+    assert seq[("consumer", "ack", n)] < seq[("producer", "ack", n)]
+    # every ack is still read, in order, before Done
+    assert [i for _n, side, _r, ev, i in events if (side, ev) == ("producer", "ack")] == list(range(n + 1))
+    freed = [(num, i) for num, side, _r, ev, i in events if (side, ev) == ("producer", "free_oneoff")]
+    if last:
+        assert m["num_oneoff_buckets"] == 1 and [i for _num, i in freed] == [n]  # the last bucket is the one-off
+        # freed only after the consumer acked it (and the producer read the ack), and before send() returned
+        assert seq[("consumer", "ack", n)] < seq[("producer", "ack", n)] < freed[0][0] < seq[("producer", "done", n)]
+    else:
+        assert m["num_oneoff_buckets"] == 0 and freed == []
+    assert p["shm_left_after_close"] == []
+
+
 def test_load_weights_keeping_views_is_a_leak_error(pool, shared):
     s = _session()
     prods, cons = _run(
