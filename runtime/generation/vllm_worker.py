@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.runtime.generation.engine_args import check_vllm_version, engine_kwargs
+from rlc.runtime.generation.prefix_cache import PrefixCache
 from rlc.runtime.generation.sampling import parse_request_output, prompt_logprobs_of, sampling_kwargs
 from rlc.runtime.worker_api import EngineStarted, Generated, GenerationWorkerApi, Memory, Slept, WorkerInfo, Woke
 from rlc.runtime.workers import gpu_memory_snapshot, local_worker_info
@@ -48,12 +49,16 @@ class VllmGenerationWorker:
         self.asleep: str | None = None  # ASLEEP_ENGINE, ASLEEP_KV_ONLY or None (awake)
         self._woken: set[str] = set()  # tags woken since vLLM's own sleep (it wakes them one call each)
         self.moe_layers: list[int] | None = None  # routing replay: the decoder layers whose routes vLLM records
+        # reset once per rollout, skipped when nothing ran since; in a thread with refit.keep_kv_cache_awake (the
+        # thread reaches the engine as self._llm: every use through self.llm waits for it first)
+        self.prefix_cache = PrefixCache(lambda: self._llm.reset_prefix_cache())
 
     @property
     def llm(self) -> Any:
         """The engine (``vllm.LLM``); a call before ``start`` is a driver bug and says so."""
         if self._llm is None:
             raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
+        self.prefix_cache.settle()  # a reset running in the background finishes before anything else
         return self._llm
 
     def info(self) -> WorkerInfo:
@@ -133,6 +138,7 @@ class VllmGenerationWorker:
             raise RuntimeError(f"generation engine {self.engine_index}: generate() while asleep (driver order bug)")
         t0 = time.perf_counter()
         params = SamplingParams(**sampling_kwargs(self.cfg.generation.sampling, n, eos_token_id=self.eos_token_id))
+        self.prefix_cache.used()
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
         samples = [parse_request_output(o, self.moe_layers) for o in outs]
         return Generated(samples=samples, seconds=time.perf_counter() - t0, memory=self.memory())
@@ -142,6 +148,7 @@ class VllmGenerationWorker:
         from vllm import SamplingParams  # noqa: PLC0415
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        self.prefix_cache.used()
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], params, use_tqdm=False)
         return [prompt_logprobs_of(o) for o in outs]
 
@@ -153,6 +160,7 @@ class VllmGenerationWorker:
         t0 = time.perf_counter()
         before = self.memory()
         self.llm.sleep(level=level)
+        self.prefix_cache.cleared()  # vLLM's sleep (level >= 1) clears its caches before releasing the KV pool
         self.asleep = ASLEEP_ENGINE
         after = self.memory()
         return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
@@ -164,7 +172,7 @@ class VllmGenerationWorker:
         self._refuse_asleep("sleep_kv_cache")
         t0 = time.perf_counter()
         before = self.memory()
-        self.llm.reset_prefix_cache()  # the cached blocks' contents are about to be discarded
+        self.prefix_cache.reset()  # the cached blocks' contents are about to be discarded
         self.llm.collective_rpc("rlc_sleep_kv_cache")
         self.asleep = ASLEEP_KV_ONLY
         after = self.memory()
@@ -173,9 +181,11 @@ class VllmGenerationWorker:
 
     def stay_awake(self) -> Slept:
         """``refit.keep_kv_cache_awake`` (with ``refit.keep_weights_awake``): nothing leaves the GPU between rollouts;
-        the refit writes into the resident weights and the synchronizer resets the prefix cache after it."""
+        the prefix cache is reset in a thread meanwhile (the trainer's passes run in other processes), so that the
+        synchronizer's reset after the refit has nothing left to do."""
         self._refuse_asleep("stay_awake")
         t0 = time.perf_counter()
+        self.prefix_cache.reset_in_background()
         memory = self.memory()
         return Slept(freed_gib=0.0, memory=memory, memory_before=memory, seconds=time.perf_counter() - t0)
 
@@ -200,7 +210,11 @@ class VllmGenerationWorker:
                                f"({self.asleep}; driver order bug)")
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
+        """Empty the prefix cache (after a refit: it holds the old weights' keys and values); nothing to do when no
+        request ran since the last reset. False when vLLM refused (blocks still in use)."""
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
+        return self.prefix_cache.reset()
 
     # ------------------------------------------------------------------ refit
 

@@ -212,4 +212,12 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     *) log "unknown stage $stage" ;;
   esac
 done
+# The device tool brings back at most 8 files from $OUT: past that, each folder travels as one archive
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+  for d in "$OUT"/*/; do
+    [[ -d $d ]] || continue
+    name=$(basename "$d")
+    tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "$OUT/$name" && log "packed $name/ into $name.tgz"
+  done
+fi
 log "done; files: $(ls "$OUT" | tr '\n' ' ')"
