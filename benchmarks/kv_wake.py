@@ -4,7 +4,7 @@
     python benchmarks/kv_wake.py --dry-run      # CPU: the configurations and allocation sizes, nothing measured
 
 When vLLM sleeps it unmaps and releases the physical memory behind its KV cache, and when it wakes it
-creates and maps new memory at the same addresses. Waking a 40 GiB KV cache (Qwen3-8B on one H200, one
+creates and maps new memory at the same addresses. Waking a 24.8 GiB KV cache (Qwen3-8B on one H200, one
 allocation per layer) was seen to take 0.015-0.077 s, longer the sooner it followed the previous sleep.
 This benchmark asks why: is the cost per allocation (so fewer, larger allocations would help), or per
 byte (the driver clearing the physical memory it hands back, which no layout can avoid)?
