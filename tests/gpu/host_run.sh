@@ -212,7 +212,7 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     *) log "unknown stage $stage" ;;
   esac
 done
-# The device tool brings back at most 8 files from $OUT: past that, each folder travels as one archive
+# At most 8 files come back from $OUT per call: past that, each folder travels as one archive
 if (( $(find "$OUT" -type f | wc -l) > 8 )); then
   for d in "$OUT"/*/; do
     [[ -d $d ]] || continue
