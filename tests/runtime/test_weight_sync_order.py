@@ -241,33 +241,25 @@ def test_vllm_refit_and_step_order_are_unchanged(tmp_path):
     assert last["reward/mean"] == 0.5 and last["loss/total"] == 0.1 and last["memory/after_wake/free_gib"] == 100.0
 
 
-def test_vllm_weights_kept_awake_sleep_only_the_kv_cache_and_are_not_woken(tmp_path):
+@pytest.mark.parametrize("refit, release", [
+    ({"keep_weights_awake": True, "sleep_level": 1}, "generation.sleep_kv_cache"),  # only the KV cache sleeps
+    ({"keep_weights_awake": True, "keep_kv_cache_awake": True, "sleep_level": 1}, "generation.stay_awake"),  # nothing
+], ids=["kv-cache-sleeps", "nothing-sleeps"])
+def test_vllm_weights_kept_awake_are_never_woken_and_the_prefix_cache_is_reset_after_every_refit(tmp_path, refit,
+                                                                                               release):
     log: list = []
-    run = FakeRun(_cfg(tmp_path, "vllm", refit={"keep_weights_awake": True, "sleep_level": 1}), log, [])
-    refit = ["policy.refit_offload", "policy.refit_send", "generation.refit_receive", "generation.wake_up",
-             "generation.reset_prefix_cache"]
+    run = FakeRun(_cfg(tmp_path, "vllm", refit=refit), log, [])
+    refit_calls = ["policy.refit_offload", "policy.refit_send", "generation.refit_receive", "generation.wake_up",
+                   "generation.reset_prefix_cache"]
     initial, step1, step2 = _steps(run)
-    assert initial == refit
-    assert step1 == step2 == ["generation.generate", "generation.sleep_kv_cache", "policy.compute_logprobs",
-                              "policy.train_step", *refit]
+    assert initial == refit_calls
+    assert step1 == step2 == ["generation.generate", release, "policy.compute_logprobs", "policy.train_step",
+                              *refit_calls]
     assert run.woken == [["kv_cache"]] * 3  # the initial refit and two steps: the weights never slept
+    releases = {"generation.sleep", "generation.sleep_kv_cache", "generation.stay_awake"}
+    assert {m for calls in run.steps for m in calls if m in releases} == {release}
     last = run.logged[-1]
     assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last and "timing/wake_kv_s" in last
-
-
-def test_vllm_kept_entirely_awake_never_sleeps_and_still_resets_the_prefix_cache_after_every_refit(tmp_path):
-    log: list = []
-    run = FakeRun(_cfg(tmp_path, "vllm", refit={"keep_weights_awake": True, "keep_kv_cache_awake": True,
-                                                "sleep_level": 1}), log, [])
-    refit = ["policy.refit_offload", "policy.refit_send", "generation.refit_receive", "generation.wake_up",
-             "generation.reset_prefix_cache"]
-    initial, step1, step2 = _steps(run)
-    assert initial == refit
-    assert step1 == step2 == ["generation.generate", "generation.stay_awake", "policy.compute_logprobs",
-                              "policy.train_step", *refit]
-    assert not [m for m, _ in log if m in ("generation.sleep", "generation.sleep_kv_cache")]
-    last = run.logged[-1]
-    assert last["refit/weights_awake"] == 1 and "timing/wake_weights_s" not in last
 
 
 def test_the_vllm_workers_direct_copies_reach_the_run_metrics(tmp_path):
