@@ -9,7 +9,8 @@ that it can give its GPU memory to the colocated trainer between rollouts:
 Level 1 backs the weights up to CPU and frees the KV cache; level 2 frees both (the refit rewrites
 every weight anyway; NeMo-RL #2471, failure 3). With ``refit.keep_weights_awake`` only the KV cache
 sleeps (``sleep_kv_cache``) and the refit writes into the resident weights (no ``wake_up(["weights"])``); with
-``refit.keep_kv_cache_awake`` too, nothing sleeps (``stay_awake``) and only the prefix cache is reset after the refit.
+``refit.keep_kv_cache_awake`` too, nothing sleeps (``stay_awake``): the prefix cache is emptied in a thread while the
+trainer runs (``rlc.runtime.generation.prefix_cache``), and the reset after the refit finds nothing left to do.
 
 An engine of more than one GPU uses vLLM's Ray executor inside this actor's placement group
 (``VLLM_RAY_BUNDLE_INDICES``); the refit consumer then runs in each of vLLM's workers and pairs with the
