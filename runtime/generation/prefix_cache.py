@@ -6,11 +6,11 @@ follows the pool's block count: 70-85 ms on an H200 for a small model whose 13.7
 a few milliseconds at most for Qwen3-8B's 11,300. Two things make most of those resets unnecessary or free:
 
 * A reset is needed only if a request ran since the last one. vLLM's own sleep (levels 1 and 2) already clears the
-  cache, and rlc's KV-only sleep resets it before unmapping the pool; the reset after the refit then has nothing to
-  clear and is skipped.
-* With ``refit.keep_kv_cache_awake`` nothing sleeps, so the reset happens when the engine is released after
-  generation, in a thread, while the trainer computes its logprobs and trains: nothing can be cached between the
-  end of a rollout and the next one. Every later use of the engine waits for that thread first (:meth:`settle`).
+  cache; the reset after the refit then has nothing to clear and is skipped.
+* rlc's KV-only sleep (``refit.keep_weights_awake``) and ``refit.keep_kv_cache_awake`` reset when the engine is
+  released after generation, in a thread, while the trainer computes its logprobs and trains: nothing can be cached
+  between the end of a rollout and the next one. Every later use of the engine waits for that thread first
+  (:meth:`settle`).
 
 The engine itself is passed in as its reset function (``vllm.LLM.reset_prefix_cache``, which returns whether it
 reset: it refuses while blocks are still in use, and the cache then counts as used).

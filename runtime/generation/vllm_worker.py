@@ -173,8 +173,10 @@ class VllmGenerationWorker:
         self._refuse_asleep("sleep_kv_cache")
         t0 = time.perf_counter()
         before = self.memory()
-        self.prefix_cache.reset()  # the cached blocks' contents are about to be discarded
         self.llm.collective_rpc("rlc_sleep_kv_cache")
+        # the cached blocks' contents are gone: their hashes go too, in a thread while the trainer runs (nothing uses
+        # the engine before the next refit, which waits for it)
+        self.prefix_cache.reset_in_background()
         self.asleep = ASLEEP_KV_ONLY
         after = self.memory()
         return Slept(freed_gib=after.free_gib - before.free_gib, memory=after, memory_before=before,
