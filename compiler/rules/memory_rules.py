@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from rlc.compiler.planner.memory import DRAFTER_LABEL, VLLM_SHARD_LABEL
 from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
-from rlc.compiler.planner.residency import KV_KEPT_AWAKE
+from rlc.compiler.planner.residency import KV_KEPT_AWAKE, KV_WOKEN_DURING_TRANSFER
 from rlc.compiler.planner.plan import GIB
 from rlc.compiler.rules.engine import Context, rule
 
@@ -34,6 +34,18 @@ def kept_buffers_hint(plan: Any, phase: str) -> str:
     """``; refit.keep_buffers_gb: 0 frees ...`` where the phase holds the IPC halves kept between refits."""
     kept = _held_gib(plan, phase, (KEPT_BUFFERS_LABEL,))
     return f"; refit.keep_buffers_gb: 0 frees the {kept:.2f} GiB of IPC halves kept between refits" if kept else ""
+
+
+def _refit_hint(ctx: Context) -> Optional[str]:
+    """The plan's fixes for a refit that does not fit, and what the KV cache mapped during the refit frees (it is
+    there only because a switch keeps it there)."""
+    hint = _fix_hint(ctx.plan)
+    kv = _held_gib(ctx.plan, "refit", (KV_KEPT_AWAKE.label, KV_WOKEN_DURING_TRANSFER.label))
+    if not kv:
+        return hint
+    key = "keep_kv_cache_awake" if ctx.recipe.refit.keep_kv_cache_awake else "wake_kv_during_transfer"
+    freed = f"refit.{key}: false frees the {kv:.2f} GiB of vLLM's KV cache mapped during the refit"
+    return f"{hint}; or {freed}" if hint else freed
 
 
 def kept_awake_hint(ctx: Context, phase: str) -> str:
@@ -63,7 +75,8 @@ def kept_awake_hint(ctx: Context, phase: str) -> str:
       seed="NeMo-RL #2471 failure 2: 'AssertionError: Parameter model.language_model.layers.0.mlp.experts.gate_up_proj "
            "too large for buffer: 8589934592 > 6263046144' (ratio 0.3; the // 2 ping-pong split was missed).",
       fixes="Raise buffer_memory_ratio within the window the plan names, or free memory first: a larger "
-            "generation EP, enforce_eager (see `rlc plan`).")
+            "generation EP, enforce_eager, vLLM's KV cache asleep at the refit (refit.keep_kv_cache_awake and "
+            "refit.wake_kv_during_transfer off; see `rlc plan`).")
 def buffer_half(ctx: Context) -> None:
     plan = ctx.plan
     check = plan.checks.get("buffer")
@@ -77,7 +90,7 @@ def buffer_half(ctx: Context) -> None:
     ctx.error(f"refit buffer: each ping-pong half is {r.per_side / GIB:.2f} GiB ({r.per_side / 1e9:.2f} GB = "
               f"{r.buffer_source} / 2) but {what} {name} is "
               f"{size / GIB:.2f} GiB ({size} bytes); the transfer would assert "
-              f"'{size} > {r.per_side}'", _buffer_path(ctx), hint=_fix_hint(plan))
+              f"'{size} > {r.per_side}'", _buffer_path(ctx), hint=_refit_hint(ctx))
 
 
 @rule("RLC211", "the export staging site must have room to stack the largest tensor", severities=("error",),
@@ -91,7 +104,8 @@ def buffer_half(ctx: Context) -> None:
            "Tried to allocate 8.00 GiB. "
            "GPU 0: total 79.11 GB, free 6.76 GB. Megatron worker process: 44.90 GB. vLLM process: 27.40 GB.' at "
            "model_bridge.py:815 _accumulate_grouped_export; attempt 5 (ratio 0.45): fragmentation 7.04 GB.",
-      fixes="Use a ratio inside the plan's window, or free memory (larger generation EP, enforce_eager).")
+      fixes="Use a ratio inside the plan's window, or free memory (larger generation EP, enforce_eager, vLLM's KV "
+            "cache asleep at the refit).")
 def staging_site(ctx: Context) -> None:
     plan = ctx.plan
     check, buffer = plan.checks.get("stack"), plan.checks.get("buffer")
@@ -103,7 +117,7 @@ def staging_site(ctx: Context) -> None:
               f"{r.largest / GIB:.2f} GiB more, but only {r.free_at_stack / GIB:.2f} GiB would be free "
               f"({r.free_at_refit / GIB:.2f} free at refit − {2 * r.per_side / GIB:.2f} buffer − "
               f"{r.gathered / GIB:.2f} gathered − {r.staging_overhead / GIB:.2f} staging − "
-              f"{r.fragmentation / GIB:.2f} fragmentation)", _buffer_path(ctx), hint=_fix_hint(plan))
+              f"{r.fragmentation / GIB:.2f} fragmentation)", _buffer_path(ctx), hint=_refit_hint(ctx))
 
 
 @rule("RLC212", "CUDA-graph residue after step 1 can eat the refit margin", severities=("warning",),

@@ -143,3 +143,15 @@ def test_the_kv_cache_stays_awake_only_with_the_weights_and_then_nothing_wakes_i
     megatron = {**DSV3, "generation": {**DSV3["generation"], "backend": "megatron", "kv_cache_memory_bytes": 1 << 30}}
     assert any(d.path == "refit.keep_kv_cache_awake" and d.severity == "error"
                for d in check(tmp_path, megatron, AWAKE, KV_AWAKE).diagnostics)
+
+
+def test_a_refit_the_kept_kv_cache_leaves_no_room_for_the_buffer_names_the_switch(tmp_path):
+    # NeMo-RL #2619's layout with a 45 GiB KV pool: the refit buffer fits while the KV cache sleeps through the refit,
+    # not while it stays mapped
+    pool = f"generation.kv_cache_memory_bytes={45 << 30}"
+    assert "RLC210" not in rules(check(tmp_path, QWEN35_2619, AWAKE, pool))
+    result = check(tmp_path, QWEN35_2619, AWAKE, KV_AWAKE, pool)
+    half = [d for d in result.diagnostics if d.rule == "RLC210"]
+    assert [d.severity for d in half] == ["error"]
+    assert "refit.keep_kv_cache_awake: false frees the 45.00 GiB of vLLM's KV cache mapped during the refit" \
+        in half[0].hint
