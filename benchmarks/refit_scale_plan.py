@@ -461,7 +461,7 @@ def refit_row(rec: dict[str, Any]) -> dict[str, float]:
 
 #: Rows of the printed breakdown: (key, label).
 BREAKDOWN_ROWS = (
-    ("total_refit_s", "total refit = wake weights + transfer + wake KV"),
+    ("total_refit_s", "total refit = wake-ups + transfer + prefix-cache reset"),
     ("transfer_s", "  transfer (trainer export -> vLLM load, both sides)"),
     ("export_s", "    export (Bridge's conversion, or views), slowest rank"),
     ("pack_s", "    packing into the IPC buffers"),
@@ -474,7 +474,8 @@ BREAKDOWN_ROWS = (
     ("consumer_open_s", "  vLLM opening IPC handles"),
     ("wake_weights_s", "  wake_up(weights)"),
     ("wake_kv_s", "  wake_up(kv_cache)"),
-    ("sleep_s", "sleep (level 2; the KV cache only with the weights awake)"),
+    ("reset_prefix_cache_s", "  prefix-cache reset"),
+    ("sleep_s", "sleep (level 2; KV cache only with the weights awake; none kept awake)"),
     ("refit_plus_sleep_s", "refit + sleep"),
 )
 

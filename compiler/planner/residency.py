@@ -13,8 +13,8 @@ train      params, grads, fp32 master + Adam moments    weight shard only if the
                                                         its KV cache too with ``refit.keep_kv_cache_awake``
 refit      params; fp32 master unless it moved with     weight shard if the level has it back at
            the optimizer state (precision-aware         the refit; contexts; CUDA graphs (eager off);
-           optimizer, or no offload); grads + moments   the KV cache with ``keep_kv_cache_awake`` or
-                                                        ``refit.wake_kv_during_transfer``
+           optimizer, or no offload); grads + moments   the KV cache with ``refit.keep_kv_cache_awake``
+                                                        or ``refit.wake_kv_during_transfer``
            only without ``offload_optimizer_for_refit``
 generate   as the refit left it, less the bf16 params   awake (its pool is counted apart)
            with ``refit.offload_params_for_generation``
@@ -80,8 +80,8 @@ class MegatronResident:
 
 @dataclass(frozen=True)
 class VllmResident:
-    """Whether vLLM's weight shard is on the GPU in a phase, and why; and why its KV cache is (empty: it is not,
-    or, while generating, it is counted apart as vLLM's pool)."""
+    """Whether vLLM's weight shard is on the GPU in a phase, and why; and its KV cache where a switch keeps it there
+    (None: asleep, or, while generating, counted apart as vLLM's pool)."""
 
     weights: bool
     why: str  # which sleep-level fact decided ``weights``
