@@ -390,7 +390,7 @@ def test_report_renders_a_measured_case():
             "spot_checks": {"passed": False, "kinds": ["expert"], "tensors": 6, "params": ["w13", "w2"], "workers": 2,
                             "problems": ["vLLM worker 1 (GPU b): w13 differs in 3 element(s), max |diff| 0.5"]}}
     text = P.render_case("moe-ep2", case)
-    assert "| total refit = wake weights + transfer + wake KV" in text
+    assert "| total refit = wake-ups + transfer + prefix-cache reset" in text
     assert "Bridge export alone (no transfer): 1.400 s, 18867 tensors" in text
     assert "(expert; 6 HF tensors into 2 vLLM parameters on 2 worker(s)) -> FAILED" in text
     assert "  vLLM worker 1 (GPU b): w13 differs in 3 element(s)" in text
