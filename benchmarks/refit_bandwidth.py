@@ -78,6 +78,8 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
             s.name: torch.empty(s.shape, dtype=torch.bfloat16, device=dev)
             for s in make_specs(args["total"], args["tensor"])
         }
+        if args.get("host_wait"):
+            wait_on_host(backend)
         consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120)
         consumer.prepare()
 
@@ -92,6 +94,14 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         out.put({"ok": True, "metrics": metrics, "checksum": checksum})
     except BaseException as e:  # reported by the parent
         out.put({"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def wait_on_host(backend: CudaIpcBackend | ShmBackend) -> None:
+    """``--host-wait``: this process waits for the other process's events on the host (``event.synchronize()``)
+    before it queues the copies that depend on them, instead of queuing them behind a device-side wait: an
+    experiment on how the two processes' contexts share the GPU, not a mode of the engine."""
+    if isinstance(backend, CudaIpcBackend):
+        backend.wait_event = lambda event: event.synchronize()  # type: ignore[method-assign]
 
 
 def copy_baseline(kind: str, src: list[torch.Tensor], runs: int) -> list[float]:
@@ -131,6 +141,9 @@ def _main(argv: list[str] | None) -> dict:
     )
     ap.add_argument("--zero-copy", action="store_true",
                     help="the consumer reads the tensors in place (refit.zero_copy_views): one copy, not two")
+    ap.add_argument("--host-wait", action="store_true",
+                    help="experiment: each process waits for the other's events on the host before queuing the "
+                         "copies that depend on them (instead of a device-side wait)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
@@ -152,6 +165,8 @@ def _main(argv: list[str] | None) -> dict:
 
     cfg = refit_config(buffer_gb=buffer_gb, fp32_params=[], transport=a.backend)
     backend = make_backend(a.backend)
+    if a.host_wait:
+        wait_on_host(backend)
     dev = device_of(a.backend)
     gen = torch.Generator(device=dev).manual_seed(0)
     src = [torch.randn(s.shape, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16) for s in specs]
@@ -169,7 +184,8 @@ def _main(argv: list[str] | None) -> dict:
     out = ctx.Queue()
     child = ctx.Process(
         target=consumer_proc,
-        args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs}, out),
+        args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs,
+               "host_wait": a.host_wait}, out),
     )
     child.start()
     producer = RefitProducer(
@@ -240,6 +256,7 @@ def _main(argv: list[str] | None) -> dict:
     summary = {
         "backend": a.backend,
         "zero_copy": bool(a.zero_copy),
+        "host_wait": bool(a.host_wait),
         "device": device,
         "bytes": total,
         "tensors": len(specs),
