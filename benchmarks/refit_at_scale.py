@@ -38,6 +38,9 @@ Cases:
   dense-8b-overlap
             ``dense-8b-zero-copy`` with ``refit.wake_kv_during_transfer`` (vLLM maps its KV cache back while the
             weights arrive: the wake-up row is then inside the transfer).
+  moe-1gpu-zero-copy-experts
+            ``moe-1gpu-zero-copy`` with ``refit.zero_copy_experts``: the stacked experts read in place too, expert
+            by expert (one copy of their bytes instead of two).
   dense-8b-resident, moe-1gpu-resident
             the ``-zero-copy`` cases with ``refit.keep_kv_cache_awake``: vLLM never sleeps (no KV wake-up or
             sleep; the KV cache holds its memory through the refit, which the memory budget counts).
@@ -91,7 +94,8 @@ from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E40
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
 GPU_CASES = ("dense-8b", "dense-8b-awake", "dense-8b-direct", "dense-8b-export", "dense-8b-replay",
              "dense-8b-zero-copy", "dense-8b-overlap", "dense-8b-resident", "moe-1gpu", "moe-1gpu-awake",
-             "moe-1gpu-direct", "moe-1gpu-zero-copy", "moe-1gpu-resident", "moe-ep2", "moe-tp2")
+             "moe-1gpu-direct", "moe-1gpu-zero-copy", "moe-1gpu-zero-copy-experts", "moe-1gpu-resident", "moe-ep2",
+             "moe-tp2")
 ALL_CASES = ("engine", "engine-zero-copy", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
@@ -377,7 +381,8 @@ def runtime_cfg_dict(lay: P.Layout, model_dir: Path, a: argparse.Namespace, root
                       fused_transfer=bool(a.fused_transfer), keep_buffers_gb=float(a.keep_buffers_gb),
                       direct_export=lay.direct_export, replay_load=lay.replay_load,
                       zero_copy_views=lay.zero_copy_views, wake_kv_during_transfer=lay.wake_kv_during_transfer,
-                      keep_weights_awake=lay.weights_awake, keep_kv_cache_awake=lay.kv_cache_awake)
+                      keep_weights_awake=lay.weights_awake, keep_kv_cache_awake=lay.kv_cache_awake,
+                      zero_copy_experts=lay.zero_copy_experts)
     d["data"]["train_path"] = str(root / "data" / "train.jsonl")
     d["checkpointing"]["dir"] = str(root / "ckpt")
     d["logging"]["dir"] = str(root / "logs")

@@ -163,6 +163,8 @@ class Layout:
     wake_kv_during_transfer: bool = False
     #: ``refit.keep_kv_cache_awake``: vLLM's KV cache stays mapped too (the engine never sleeps)
     kv_cache_awake: bool = False
+    #: ``refit.zero_copy_experts``: the fused transfer's stacked experts read in place too, expert by expert
+    zero_copy_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_awake and not self.weights_awake:
@@ -198,6 +200,7 @@ class Layout:
             awake = "; vLLM kept awake (weights and KV cache: the engine never sleeps)"
         direct = "".join(part for on, part in ((self.direct_export, "; direct export"),
                                                (self.zero_copy_views, "; zero-copy views"),
+                                               (self.zero_copy_experts, "; experts read in place"),
                                                (self.wake_kv_during_transfer, "; KV cache woken during the transfer"),
                                                (self.replay_load, "; replayed load")) if on)
         return f"{self.model} on {self.gpus} GPU(s): trainer {par}, vLLM TP={self.gen_tp}{awake}{direct}"
@@ -241,6 +244,11 @@ def default_layouts(moe_util: float = 0.4, dense_util: float = 0.3, buffer_gb: f
         "dense-8b-resident": Layout("dense-8b-resident", "qwen3-8b", 1, vllm_util=dense_util, buffer_gb=buffer_gb,
                                     weights_awake=True, direct_export=True, replay_load=True, zero_copy_views=True,
                                     kv_cache_awake=True),
+        # and the stacked experts read in place too (refit.zero_copy_experts): one copy of the experts' bytes
+        "moe-1gpu-zero-copy-experts": Layout("moe-1gpu-zero-copy-experts", "qwen3-30b-a3b", 1,
+                                             vllm_util=moe_one_gpu_util, buffer_gb=buffer_gb, weights_awake=True,
+                                             direct_export=True, replay_load=True, zero_copy_views=True,
+                                             zero_copy_experts=True),
         "moe-1gpu-resident": Layout("moe-1gpu-resident", "qwen3-30b-a3b", 1, vllm_util=moe_one_gpu_util,
                                     buffer_gb=buffer_gb, weights_awake=True, direct_export=True, replay_load=True,
                                     zero_copy_views=True, kv_cache_awake=True),

@@ -125,6 +125,8 @@ VLLM_ONLY: tuple[VllmOnly, ...] = (
              "address Megatron's own tensors", (False,)),
     VllmOnly("refit.zero_copy_views", "lets vLLM read the trainer's parameters over CUDA IPC; the Megatron engine "
              "reads them in its own process", (False,)),
+    VllmOnly("refit.zero_copy_experts", "lets vLLM read the trainer's experts over CUDA IPC; the Megatron engine "
+             "reads the trainer's weights in process", (False,)),
     VllmOnly("refit.replay_load", "replays vLLM's own load_weights; the Megatron engine has no such loader", (False,)),
     VllmOnly("refit.per_rank_ipc_metadata", "is the IPC slicing metadata of the vLLM refit (SkyRL #1816); nothing is "
              "sliced in process", ("auto",)),

@@ -459,6 +459,13 @@ class RefitSection(_Section):
         "`refit.offload_params_for_generation` the mappings are closed after every refit, so the offload still "
         "frees the memory. bf16 rollouts, vLLM backend only.",
         default=False, runtime=_REFIT)
+    zero_copy_experts: bool = key(
+        "With `refit.zero_copy_views` and `refit.fused_transfer`, a MoE layer's experts held as separate contiguous "
+        "parameters on one rank (no expert parallelism) are read in place too, expert by expert, straight into "
+        "vLLM's fused expert parameters: one copy of the experts' bytes instead of two, at the cost of describing "
+        "and copying every expert's weight on its own (about 12,000 parts per refit for Qwen3-30B-A3B). bf16 "
+        "rollouts, vLLM backend only.",
+        default=False, runtime=_REFIT)
     replay_load: bool = key(
         "Record vLLM's `load_weights` at the first refit (every copy it makes from an exported tensor into a "
         "parameter) and replay those copies at every later refit, one batched copy call per bucket, instead of "

@@ -76,7 +76,7 @@ def fused_transfer_applies(requested: bool, precision: str) -> tuple[bool, str]:
 
 #: Refit switches that move bf16 tensors as they are (views of the trainer's parameters, read in place or not, and
 #: vLLM's recorded copies).
-BF16_REFIT_SWITCHES = ("direct_export", "zero_copy_views", "replay_load")
+BF16_REFIT_SWITCHES = ("direct_export", "zero_copy_views", "zero_copy_experts", "replay_load")
 
 
 def bf16_switch_applies(key: str, requested: bool, precision: str) -> tuple[bool, str]:

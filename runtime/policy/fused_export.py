@@ -25,6 +25,7 @@ import torch
 from rlc.runtime.refit.sources import StackedParts, is_plain_tensor, materialize
 from rlc.runtime.refit.fused_layout import W2, W13, ExpertGroup, expert_groups, layer_of, parse_per_expert
 from rlc.runtime.refit.specs import TensorSpec
+from rlc.runtime.refit.zero_copy import why_not_zero_copy
 
 _TASK_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.mlp\.experts\.")
 
@@ -123,6 +124,22 @@ class FusedExport:
             for kind, tensor in stacked(self.modules[layer]):
                 yield f"{prefix}.{kind}", tensor
                 del tensor
+
+    def in_place_stacks(self) -> list[str]:
+        """The stacked tensors a consumer can read where the trainer holds them (``refit.zero_copy_views``): a layer's
+        experts held on this rank alone (no expert parallelism, so no gather) as contiguous parameters, or one
+        grouped weight, in the dtype they travel in."""
+        out = []
+        for layer in sorted(self.groups):
+            experts, group = self.modules[layer], self.groups[layer]
+            if experts.ep_group is not None and experts.ep_group.size() > 1:
+                continue
+            for spec, linear in ((group.w13, "linear_fc1"), (group.w2, "linear_fc2")):
+                w = _local_weights(experts, linear)
+                parts = [w] if isinstance(w, torch.Tensor) else w
+                if all(why_not_zero_copy(p.detach(), spec.dtype, p.device) is None for p in parts):
+                    out.append(spec.name)
+        return out
 
     def summary(self) -> dict[str, Any]:
         return {"layers": len(self.groups), "refused": dict(sorted(self.refused.items())[:8])}

@@ -39,6 +39,7 @@ import torch
 
 from rlc.contract.fp8 import SCALE_SUFFIX
 from rlc.contract.refit_buffer import bf16_switch_applies, fused_transfer_applies
+from rlc.runtime.refit.fused_layout import parse_fused
 from rlc.runtime.refit.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ class RefitSource:
         self.direct: Any = None  # rlc.runtime.policy.direct_export.DirectExport once prepared with direct tensors
         self.zero_copy_wanted, self.zero_copy_reason = bf16_switch_applies(
             "zero_copy_views", bool(cfg.refit.zero_copy_views), gen.precision)
+        self.zero_copy_experts = bf16_switch_applies("zero_copy_experts", bool(cfg.refit.zero_copy_experts),
+                                                     gen.precision)[0]
         self.tasks = bridge.get_conversion_tasks(model)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if cfg.refit.dedupe_mtp_embedding:
@@ -322,17 +325,21 @@ class RefitSource:
             "direct_export": {"on": self.direct is not None, "reason": self.direct_reason,
                               **(self.direct.summary() if self.direct is not None else {})},
             "zero_copy_views": {"on": bool(producer.zero_copy_names), "reason": self.zero_copy_reason,
-                                "tensors": len(producer.zero_copy_names)},
+                                "tensors": len(producer.zero_copy_names),
+                                "stacks": sum(parse_fused(n) is not None for n in producer.zero_copy_names)},
         }
 
     def _zero_copy_names(self) -> list[str]:
-        """The direct export's views the vLLM worker reads in place (``refit.zero_copy_views``)."""
+        """What the vLLM worker reads in place (``refit.zero_copy_views``): the direct export's contiguous views, and
+        with ``refit.zero_copy_experts`` the fused transfer's stacked layers whose experts are contiguous parameters
+        on this rank."""
         if not self.zero_copy_wanted:
             return []
         if self.direct is None:
             self.zero_copy_reason = "off: the direct export is off (" + self.direct_reason + ")"
             return []
-        return self.direct.in_place_views()
+        stacks = self.fused.in_place_stacks() if self.fused is not None and self.zero_copy_experts else []
+        return self.direct.in_place_views() + stacks
 
     def send(self) -> dict[str, Any]:
         if self.producer is None:

@@ -49,12 +49,14 @@ from rlc.runtime.refit.protocol import (
     BucketMsg,
     Done,
     End,
+    EntryMeta,
     Hello,
     HelloAck,
     Share,
     Subscribe,
 )
 from rlc.runtime.refit.specs import TensorSpec, specs_from_json
+from rlc.runtime.refit.zero_copy import StackedViews
 
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 EventHook = Callable[[str, int], None]
@@ -398,27 +400,41 @@ class _ConsumerRun:
                         m: ConsumerMetrics) -> int:
         """Load a bucket of zero-copy views, each read where the trainer holds it; returns the bytes loaded."""
         c = self.c
-        mapped = {e.storage: c._storages[e.storage].nbytes for e in meta.entries if e.storage in c._storages}
+        used = {sid for e in meta.entries for sid in ([s for s, _ in e.part_locations] or [e.storage])}
+        mapped = {sid: c._storages[sid].nbytes for sid in used if sid in c._storages}
         tracker.check_bucket(meta, 0, mapped)
         c._emit("load_start", index)
         t1 = time.perf_counter()
         if ordered:  # the trainer's writes to these storages come before the loads read them
             c.backend.wait_event(c._pack_events[event_slot(SLOT_ZERO_COPY)])
-        weights = [(e.name, c._storages[e.storage].view(e.offset, e.nbytes, e.shape, torch_dtype(e.dtype), e.name))
-                   for e in meta.entries]
-        if self.copy_buckets:  # load_weights may keep what it gets: a private copy of each
-            weights = [(name, t.clone()) for name, t in weights]
-        loaded = sum(int(t.numel()) * t.element_size() for _, t in weights)
+        weights = [(e.name, self._view_in_place(e)) for e in meta.entries]
+        loaded = sum(e.nbytes for e in meta.entries)
         self.load_weights(weights)
         del weights
         if not ordered:
             c.backend.synchronize()
         m.load_seconds += time.perf_counter() - t1
-        for sid in {e.storage for e in meta.entries}:
+        for sid in used:
             c._storages[sid].check_no_live_views(c.name)
         c._emit("load_end", index)
         m.zero_copy_tensors += len(meta.entries)
         return loaded
+
+    def _view_in_place(self, e: EntryMeta) -> Any:
+        """What the loader gets for a zero-copy entry: a view of the trainer storage it lies in; for a stacked one,
+        its parts' views (:class:`StackedViews`) where the loader takes them (the fused transfer's), else the stack
+        of them (one copy). With ``copy_buckets`` the loader may keep what it gets: a private copy."""
+        storages, dtype = self.c._storages, torch_dtype(e.dtype)
+        if not e.parts:
+            view = storages[e.storage].view(e.offset, e.nbytes, e.shape, dtype, e.name)
+            return view.clone() if self.copy_buckets else view
+        locations = e.part_locations
+        part_bytes, part_shape = e.nbytes // len(locations), e.shape[1:]
+        stack = StackedViews([storages[sid].view(offset, part_bytes, part_shape, dtype, f"{e.name}[{i}]")
+                              for i, (sid, offset) in enumerate(locations)])
+        if getattr(self.load_weights, "takes_stacked_views", False) and not self.copy_buckets:
+            return stack
+        return stack.materialize()
 
     def _close_storages(self, keep: set[int]) -> None:
         """Close the mappings of trainer storages the producer does not keep (a leaked view raises)."""

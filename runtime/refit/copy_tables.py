@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
+from rlc.runtime.refit.zero_copy import StackedViews
+
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 
@@ -72,9 +74,13 @@ class CopyStats:
 
 class DirectCopyLoader:
     """``load_weights`` for the consumer: the routed tensors of a bucket as direct copies in one call, the engine's
-    loader for the rest (``fallback`` says what the loader gets for a tensor without a route)."""
+    loader for the rest (``fallback`` says what the loader gets for a tensor without a route). A routed tensor may
+    be a :class:`~rlc.runtime.refit.zero_copy.StackedViews` (a stack read in place part by part) where the routes'
+    copies slice it along its first dimension (:attr:`takes_stacked_views`)."""
 
     stats: CopyStats
+    #: whether the consumer may hand it stacks read in place part by part (else it stacks them first)
+    takes_stacked_views = False
 
     def __init__(self, load_weights: LoadWeights, routes: Mapping[str, Routed]) -> None:
         self.load_weights = load_weights
@@ -95,10 +101,17 @@ class DirectCopyLoader:
                 rest.extend(self.fallback(name, tensor))
                 continue
             for op in route.ops:
-                dsts.append(op.dst)
-                srcs.append(op.source(tensor))
+                src = op.source(tensor)
+                if isinstance(src, StackedViews):  # read in place, part by part: one copy per part
+                    for dst, part in src.copies_into(op.dst):
+                        dsts.append(dst)
+                        srcs.append(part)
+                    s.direct_copies += len(src.parts)
+                else:
+                    dsts.append(op.dst)
+                    srcs.append(src)
+                    s.direct_copies += 1
             s.direct_tensors += 1
-            s.direct_copies += len(route.ops)
             s.direct_bytes += route.nbytes
         copy_all(dsts, srcs)  # the bucket's direct copies in one call
         del srcs

@@ -31,6 +31,7 @@ from rlc.runtime.refit.copy_tables import CopyStats, DirectCopyLoader, LoadWeigh
 from rlc.runtime.refit.errors import RefitManifestError
 from rlc.runtime.refit.fused_layout import W13, check_fused_spec, parse_fused, unfused_names
 from rlc.runtime.refit.specs import TensorSpec, normalize_dtype
+from rlc.runtime.refit.zero_copy import StackedViews
 
 
 #: vLLM's unquantized MoE backends that compute on ``w13_weight`` / ``w2_weight`` exactly as loaded (others may
@@ -207,8 +208,9 @@ def build_routes(specs: Sequence[TensorSpec], destinations: Mapping[str, ExpertD
     return RouteTable(routes, uncovered, specs_fingerprint(specs), {p: d.signature() for p, d in destinations.items()})
 
 
-def unfuse(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A fused tensor as the per-expert HF tensors vLLM's ``load_weights`` takes (views, no copy)."""
+def unfuse(name: str, tensor: torch.Tensor | StackedViews) -> list[tuple[str, torch.Tensor]]:
+    """A fused tensor (or its parts read in place) as the per-expert HF tensors vLLM's ``load_weights`` takes
+    (views, no copy)."""
     spec = TensorSpec(name, tuple(tensor.shape), normalize_dtype(tensor.dtype))
     return [(n, tensor[e].narrow(0, start, rows)) for n, e, start, rows in unfused_names(spec)]
 
@@ -223,6 +225,8 @@ class FusedLoader(DirectCopyLoader):
     tensors the table does not cover split back per expert)."""
 
     stats: FusedLoadStats
+    #: its routes slice a fused tensor along its experts first, so a stack read in place part by part will do
+    takes_stacked_views = True
 
     def __init__(self, load_weights: LoadWeights, table: RouteTable) -> None:
         super().__init__(load_weights, table.routes)

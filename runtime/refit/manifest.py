@@ -9,7 +9,8 @@ single byte is loaded, and checks completeness at the end:
   slice every other rank's buffer -> correct bytes under wrong names, no crash);
 * every name is expected, not seen before in this refit (exactly once);
 * shape, dtype and byte count match the announced spec, and the slice lies inside the buffer
-  without overlapping its neighbours; a zero-copy view lies inside a trainer storage the producer shared
+  without overlapping its neighbours; a zero-copy view (each part of a stacked one) lies inside a trainer storage
+  the producer shared
   (views of one parameter may overlap: they are only read);
 * at the end: nothing missing, and the totals match what the producer says it sent.
 
@@ -131,13 +132,21 @@ class ManifestTracker:
                                      "buffer: only a zero-copy bucket reads from trainer storages")
         if e.storage == IN_BUFFER:
             raise RefitManifestError(f"{where} names no trainer storage, but a zero-copy bucket has no buffer")
-        if e.storage not in storages:
-            raise RefitManifestError(f"{where} is read from trainer storage {e.storage}, which the producer has not "
-                                     "shared")
-        size = storages[e.storage]
-        if e.offset < 0 or e.offset + e.nbytes > size:
-            raise RefitManifestError(f"{where} at offset {e.offset} (+{e.nbytes}) runs past trainer storage "
-                                     f"{e.storage} ({size} bytes)")
+        parts = e.part_locations
+        if e.parts and (len(e.parts) % 2 or not e.shape or len(parts) != e.shape[0] or e.nbytes % len(parts)
+                        or (e.storage, e.offset) != parts[0]):
+            raise RefitManifestError(f"{where} is stacked from {len(e.parts) / 2:g} part(s) in trainer storages, "
+                                     f"which does not split its shape {list(e.shape)} ({e.nbytes} bytes) into "
+                                     "equal parts along its first dimension starting at the entry's own location")
+        for storage, offset in parts or [(e.storage, e.offset)]:
+            nbytes = e.nbytes // len(parts) if parts else e.nbytes
+            if storage not in storages:
+                raise RefitManifestError(f"{where} is read from trainer storage {storage}, which the producer has "
+                                         "not shared")
+            size = storages[storage]
+            if offset < 0 or offset + nbytes > size:
+                raise RefitManifestError(f"{where} at offset {offset} (+{nbytes}) runs past trainer storage "
+                                         f"{storage} ({size} bytes)")
 
     def finish(self, num_buckets: int, num_tensors: int, total_bytes: int) -> ManifestReport:
         """Check completeness against the expected list and the producer's announced totals."""

@@ -62,7 +62,7 @@ from rlc.runtime.refit.bucket_planner import (
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, byte_offset, make_backend, torch_dtype
 from rlc.runtime.refit.channel import Channel, bind, close_socket, endpoint, new_socket
 from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
-from rlc.runtime.refit.sources import copy_export
+from rlc.runtime.refit.sources import StackedParts, copy_export
 from rlc.runtime.refit.metrics import RefitMetrics, fixes_active
 from rlc.runtime.refit.protocol import (
     PROTOCOL_VERSION,
@@ -541,18 +541,25 @@ class _ProducerRun:
         """Describe a view of a trainer storage (shared with the consumer first if it is new) for the next zero-copy
         bucket; the bucket goes out once it reads ``zero_copy_bucket_bytes`` (or a half's worth, if more)."""
         t0 = time.perf_counter()
-        why = why_not_zero_copy(tensor, spec.dtype, self.p.backend.device)
-        if why is not None:
-            raise RefitProtocolError(
-                f"{self.p.name}: tensor {spec.name!r} was announced as a zero-copy view but {why}; the exporter must "
-                "yield it as a contiguous view of a trainer parameter (refit.zero_copy_views)")
-        storage, ref, payload = self.p._storages.id_of(tensor)
-        if ref is not None:
-            self.chan.send(Share(ref), payload)
-            self.metrics.storages_shared += 1
-        self.storages_used.add(storage)
-        self.zero_copy.append(EntryMeta(spec.name, byte_offset(tensor), list(spec.shape), spec.dtype, spec.nbytes,
-                                        storage))
+        parts = tensor.parts if isinstance(tensor, StackedParts) else [tensor]
+        for part in parts:
+            why = why_not_zero_copy(part, spec.dtype, self.p.backend.device)
+            if why is not None:
+                raise RefitProtocolError(
+                    f"{self.p.name}: tensor {spec.name!r} was announced as a zero-copy view but "
+                    f"{'a part of it' if len(parts) > 1 else 'it'}: {why}; the exporter must yield it as a contiguous "
+                    "view of a trainer parameter, or a stack of such views (refit.zero_copy_views)")
+        locations = []
+        for part in parts:
+            storage, ref, payload = self.p._storages.id_of(part)
+            if ref is not None:
+                self.chan.send(Share(ref), payload)
+                self.metrics.storages_shared += 1
+            self.storages_used.add(storage)
+            locations += [storage, byte_offset(part)]
+        stacked = tuple(locations) if isinstance(tensor, StackedParts) else ()
+        self.zero_copy.append(EntryMeta(spec.name, locations[1], list(spec.shape), spec.dtype, spec.nbytes,
+                                        locations[0], stacked))
         self.zero_copy_bytes += spec.nbytes
         self.metrics.zero_copy_tensors += 1
         self.metrics.zero_copy_bytes += spec.nbytes

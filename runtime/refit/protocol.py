@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: ``EntryMeta.storage`` of a tensor packed into its bucket's buffer.
 IN_BUFFER = -1
@@ -40,7 +40,9 @@ IN_BUFFER = -1
 
 class EntryMeta(NamedTuple):
     """Where one tensor sits: in its bucket's buffer, or (``storage`` >= 0) in a trainer storage the consumer
-    mapped (``refit.zero_copy_views``). A named tuple: ~19,000 per refit at 30B MoE scale."""
+    mapped (``refit.zero_copy_views``), or, for a tensor stacked from equally shaped parts (a MoE layer's experts),
+    part by part in trainer storages (``parts``: storage id, byte offset of each part, flattened; ``storage`` and
+    ``offset`` then name the first part). A named tuple: ~19,000 per refit at 30B MoE scale."""
 
     name: str
     offset: int  # bytes, from the start of the buffer or storage
@@ -48,6 +50,12 @@ class EntryMeta(NamedTuple):
     dtype: str
     nbytes: int
     storage: int = IN_BUFFER
+    parts: Sequence[int] = ()  # [storage, offset] of every part of a stacked view read in place, flattened
+
+    @property
+    def part_locations(self) -> list[tuple[int, int]]:
+        """``(storage, byte offset)`` of each part of a stacked view read in place (empty for any other tensor)."""
+        return list(zip(self.parts[0::2], self.parts[1::2]))
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class BucketMeta:
                 "dtype": [x.dtype for x in e],
                 "nbytes": [x.nbytes for x in e],
                 "storage": [x.storage for x in e],
+                "parts": [list(x.parts) for x in e],
             },
         }
 
@@ -101,7 +110,7 @@ class BucketMeta:
             raise RefitProtocolError(f"bucket metadata entries are not in the column layout: {exc}") from exc
         if len({len(c) for c in columns}) > 1:
             raise RefitProtocolError("bucket metadata entry columns have different lengths")
-        d["entries"] = [EntryMeta._make(row) for row in zip(*columns)]
+        d["entries"] = [EntryMeta._make((*row[:-1], tuple(row[-1]))) for row in zip(*columns)]  # parts: a tuple
         return cls(**d)
 
 

@@ -1,5 +1,5 @@
-"""Zero-copy views (``refit.zero_copy_views``), the producer's side: which trainer storages its consumer has mapped,
-and whether a tensor can be read in place.
+"""Zero-copy views (``refit.zero_copy_views``): which trainer storages the consumer has mapped and whether a tensor
+can be read in place (the producer's side), and a stacked tensor read in place part by part (the consumer's).
 
 A view of one of the trainer's parameters need not be packed into the refit buffers: the consumer maps the storage
 it lives in (once) and reads it at a byte offset. :class:`SharedStorages` is the producer's table of those
@@ -10,7 +10,7 @@ refit) and closes the others.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -68,4 +68,36 @@ class SharedStorages:
         self._ids = {}
 
 
-__all__ = ["SharedStorages", "why_not_zero_copy"]
+class StackedViews:
+    """A stacked tensor read in place part by part (a MoE layer's experts, each a separate trainer parameter): what
+    the consumer hands a loader that takes them (the fused transfer's) for a stacked zero-copy entry. It offers what
+    those copies ask of a tensor: ``shape``, ``dtype``, ``narrow`` along any dimension (the first selects parts),
+    one part by index, and the per-part copies into a destination of the same shape."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        if not parts:
+            raise ValueError("StackedViews needs at least one part")
+        self.parts = list(parts)
+        self.shape = torch.Size((len(self.parts), *self.parts[0].shape))
+        self.dtype = self.parts[0].dtype
+        self.device = self.parts[0].device
+
+    def narrow(self, dim: int, start: int, length: int) -> "StackedViews":
+        if dim == 0:
+            return StackedViews(self.parts[start:start + length])
+        return StackedViews([p.narrow(dim - 1, start, length) for p in self.parts])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.parts[index]
+
+    def copies_into(self, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(destination, source)`` of each part, for a ``dst`` shaped like this stack."""
+        if tuple(dst.shape) != tuple(self.shape):
+            raise ValueError(f"a stack of {list(self.shape)} copied into {list(dst.shape)}")
+        return list(zip(dst.unbind(0), self.parts))
+
+    def materialize(self) -> torch.Tensor:
+        return torch.stack(self.parts)
+
+
+__all__ = ["SharedStorages", "StackedViews", "why_not_zero_copy"]

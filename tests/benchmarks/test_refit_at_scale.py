@@ -46,9 +46,9 @@ def test_every_layout_can_be_asked_for_by_name_and_gives_a_valid_runtime_config(
         assert a.case_list == [name]
         refit = runtime_config_from_dict(S.runtime_cfg_dict(lay, tmp_path, a, tmp_path)).refit
         assert (refit.direct_export, refit.replay_load, refit.zero_copy_views, refit.wake_kv_during_transfer,
-                refit.keep_weights_awake, refit.keep_kv_cache_awake) == (
+                refit.keep_weights_awake, refit.keep_kv_cache_awake, refit.zero_copy_experts) == (
             lay.direct_export, lay.replay_load, lay.zero_copy_views, lay.wake_kv_during_transfer, lay.weights_awake,
-            lay.kv_cache_awake), name
+            lay.kv_cache_awake, lay.zero_copy_experts), name
 
 
 def test_a_kv_cache_kept_awake_needs_the_weights_awake():

@@ -50,6 +50,7 @@ def refit_config(**overrides: Any) -> RefitConfig:
         keep_weights_awake=False,
         wake_kv_during_transfer=False,
         keep_kv_cache_awake=False,
+        zero_copy_experts=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,
@@ -425,12 +426,54 @@ class ShmTrainerParams:
             segment.close()
 
 
+class ShmMoeTrainer:
+    """The tiny MoE's trainer with every parameter in shared buffers (:class:`ShmTrainerParams`): the tensors that
+    are not experts as exported, each layer's experts as one ``[gate; up]`` and one ``down`` parameter per expert
+    (as Megatron's grouped GEMM holds them), exported stacked (:class:`StackedParts`) for fused transfer. Same
+    values as :func:`moe_export`."""
+
+    def __init__(self) -> None:
+        specs = moe_specs()
+        self.by_name = {s.name: s for s in specs}
+        groups, refused = expert_groups(specs)
+        assert not refused, refused
+        self.wire = fuse_specs(specs, groups.values())
+        params = []
+        for s in self.wire:
+            params += [s] if parse_fused(s.name) is None else [TensorSpec(f"{s.name}.{e}", s.shape[1:], s.dtype)
+                                                                for e in range(s.shape[0])]
+        self.params = ShmTrainerParams(params)
+
+    def step(self, step: int) -> None:
+        for s in self.wire:
+            parsed = parse_fused(s.name)
+            if parsed is None:
+                self.params.params[s.name].copy_(synthetic_tensor(s, step))
+                continue
+            prefix, kind = parsed
+            for e in range(s.shape[0]):
+                per = [self.by_name[f"{prefix}.{e}.{proj}.weight"]
+                       for proj in (("gate_proj", "up_proj") if kind == "fused_w13" else ("down_proj",))]
+                self.params.params[f"{s.name}.{e}"].copy_(torch.cat([synthetic_tensor(p, step) for p in per]))
+
+    def export(self):
+        for s in self.wire:
+            if parse_fused(s.name) is None:
+                yield s.name, self.params.params[s.name]
+            else:
+                yield s.name, StackedParts([self.params.params[f"{s.name}.{e}"] for e in range(s.shape[0])])
+
+    def close(self) -> None:
+        self.params.close()
+
+
 def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
     """A producer streaming a tiny model for ``job['steps']`` refits: ``job['model']`` ``moe`` (``job['fused']``:
-    fused or per expert) or ``dense``. With ``job['zero_copy']`` the dense model's parameters live in the trainer's
-    shared buffers (:class:`ShmTrainerParams`) and every tensor exported as it is stored is read in place by the
-    consumer (``refit.zero_copy_views``); ``job['move_at']`` maps a step to parameters moved to a new buffer
-    before it, ``job['keep_storages']`` (default True) whether the consumer keeps its mappings between refits."""
+    fused or per expert) or ``dense``. With ``job['zero_copy']`` the model's parameters live in the trainer's
+    shared buffers (:class:`ShmTrainerParams`; the MoE's fused: :class:`ShmMoeTrainer`) and every tensor exported as
+    it is stored, or stacked from such parts, is read in place by the consumer (``refit.zero_copy_views``);
+    ``job['move_at']`` maps a step to parameters moved to a new buffer before it, ``job['keep_storages']`` (default
+    True) whether the consumer keeps its mappings between refits."""
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.producer import RefitProducer
 
@@ -449,7 +492,7 @@ def model_producer_main(job: dict[str, Any]) -> dict[str, Any]:
             producer.prepare(wire)
             metrics = [producer.send(export(step)[1]).to_dict() for step in range(job.get("steps", 1))]
             return {"ok": True, "metrics": metrics, "num_specs": len(wire)}
-        trainer = ShmTrainerParams(wire)
+        trainer: Any = ShmMoeTrainer() if job["model"] == "moe" else ShmTrainerParams(wire)
         try:
             producer.prepare(wire, zero_copy=[s.name for s in wire])
             metrics = []

@@ -289,6 +289,33 @@ def test_a_refit_with_fused_transfer_leaves_the_engine_bit_identical_to_the_per_
     assert all(m["num_oneoff_buckets"] == 3 for m in p_on["metrics"])
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["loader", "replayed"])
+def test_stacked_experts_read_in_place_leave_the_engine_where_the_packed_refit_does(pool, replay):
+    """``refit.zero_copy_views`` with fused transfer: each layer's experts, separate parameters in the trainer's
+    shared buffers, are read part by part where the trainer holds them: the covered layers straight into the
+    fused parameters (this rank's experts, its tensor-parallel slice), the FP8 layer split back per expert for the
+    engine's loader; the engine must end bit for bit where the packed fused refit ends, with nothing packed."""
+    steps = 3
+    _, packed = _run_moe(pool, fused=True, steps=steps, replay=replay)
+    s = uuid.uuid4().hex[:10]
+    fc = pool.submit(H.moe_consumer_main, {"session": s, "fused": True, "steps": steps, "replay": replay})
+    fp = pool.submit(H.model_producer_main, {"model": "moe", "session": s, "fused": True, "steps": steps,
+                                             "zero_copy": True, "cfg": {"fp32_params": ["*e_score_correction_bias"]}})
+    p_zc, c_zc = H.ok(fp.result(60)), H.ok(fc.result(60))
+    for name in packed["params"]:
+        assert torch.equal(_bits(packed["params"][name]), _bits(c_zc["params"][name])), name
+    stacks = [n for n in p_zc["zero_copy"] if parse_fused(n) is not None]
+    assert len(stacks) == 6 and len(p_zc["zero_copy"]) == p_zc["num_specs"]  # every tensor read in place
+    for step, m in enumerate(p_zc["metrics"]):
+        assert m["zero_copy_tensors"] == p_zc["num_specs"] and m["num_oneoff_buckets"] == 0
+        assert m["storages_shared"] == (2 if step == 0 else 0)  # the trainer's two buffers, shared once
+    # the covered layers' experts copied part by part from the trainer's memory (one copy per expert and slice,
+    # where the packed refit copies runs of experts out of its buffer), the FP8 layer split back for the loader
+    assert [st["direct_tensors"] for st in c_zc["stats"]] == [4] * steps
+    assert all(z["direct_copies"] > p["direct_copies"] for z, p in zip(c_zc["stats"], packed["stats"]))
+    assert [st["unfused_tensors"] for st in c_zc["stats"]] == [2] * steps
+
+
 def test_fused_transfer_with_the_replayed_load_equals_the_per_expert_refit(pool):
     """Both direct-copy paths at once, as the vLLM worker composes them: the fused tensors' routes first, the rest
     (and the FP8 layer's experts split back per expert) recorded at the first refit and replayed after."""
@@ -303,3 +330,36 @@ def test_fused_transfer_with_the_replayed_load_equals_the_per_expert_refit(pool)
     assert replay["replayed"] == 1 + 3 * 3 + 1 + 8 * 3
     assert [s["direct_tensors"] for s in c_on["replay_stats"]] == [replay["replayed"]] * 2
     assert all(s["loader_tensors"] == 0 for s in c_on["replay_stats"])
+
+
+def test_the_trainer_reads_in_place_only_the_stacks_of_contiguous_experts_it_holds_alone():
+    """``FusedExport.in_place_stacks``: a layer's experts held as separate contiguous parameters (Megatron's grouped
+    GEMM weights, here stand-ins with its attribute names) on this rank alone can be read in place; a layer with a
+    part that is not one byte range, in another dtype, or gathered over expert parallelism is packed."""
+    from types import SimpleNamespace
+
+    from rlc.runtime.policy.fused_export import FusedExport
+    from rlc.runtime.refit.fused_layout import ExpertGroup
+
+    def experts(parts_fc1, parts_fc2, ep=1):
+        def linear(parts):
+            return SimpleNamespace(**{f"weight{i}": p for i, p in enumerate(parts)})
+        group = SimpleNamespace(size=lambda: ep) if ep > 1 else None
+        return SimpleNamespace(ep_group=group, num_local_experts=len(parts_fc1), linear_fc1=linear(parts_fc1),
+                               linear_fc2=linear(parts_fc2))
+
+    def bf16(*shape):
+        return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    e, inter, hid = 2, 4, 6
+    w13 = [bf16(2 * inter, hid) for _ in range(e)]
+    w2 = [bf16(hid, inter) for _ in range(e)]
+    modules = {0: experts(w13, w2), 1: experts(w13, [bf16(inter, hid).t() for _ in range(e)]),
+               2: experts(w13, [torch.zeros(hid, inter) for _ in range(e)]), 3: experts(w13, w2, ep=2)}
+    groups = {n: ExpertGroup(f"model.layers.{n}.mlp.experts", e, inter, hid, "bfloat16") for n in modules}
+    export = FusedExport(modules, groups, bridge_tasks=[])
+    assert export.in_place_stacks() == [
+        "model.layers.0.mlp.experts.fused_w13", "model.layers.0.mlp.experts.fused_w2",  # all contiguous bf16
+        "model.layers.1.mlp.experts.fused_w13",  # its down_proj parts are transposed views
+        "model.layers.2.mlp.experts.fused_w13",  # its down_proj parts are fp32, the wire carries bf16
+    ]  # layer 3's experts are gathered over expert parallelism

@@ -200,6 +200,7 @@ def test_plan_from_runtime_config():
         keep_weights_awake=False,
         wake_kv_during_transfer=False,
         keep_kv_cache_awake=False,
+        zero_copy_experts=False,
         offload_optimizer_for_refit=True,
         offload_params_for_generation=False,
         sync_params_before_refit=True,

@@ -122,6 +122,42 @@ def test_the_manifest_checks_where_a_zero_copy_view_is_read_from():
             ManifestTracker(specs, 0, "k", 1).check_bucket(replace_index(meta, 0), meta.buffer_bytes, storages)
 
 
+def test_the_manifest_checks_every_part_of_a_stacked_view():
+    specs = [TensorSpec("s", (3, 4), "bfloat16"), TensorSpec("t", (2, 4), "bfloat16")]
+    ManifestTracker(specs, 0, "k", 1).check_bucket(  # three parts of 8 bytes in two storages, in any order
+        _meta(0, SLOT_ZERO_COPY, [EntryMeta("s", 16, [3, 4], "bfloat16", 24, 3, (3, 16, 4, 0, 3, 0))]), 0,
+        {3: 64, 4: 8})
+    for entry, match in (
+            (EntryMeta("s", 16, [3, 4], "bfloat16", 24, 3, (3, 16, 5, 0, 3, 0)), "storage 5, which the producer"),
+            (EntryMeta("s", 16, [3, 4], "bfloat16", 24, 3, (3, 16, 4, 4, 3, 0)), r"offset 4 \(\+8\) runs past"),
+            (EntryMeta("s", 16, [3, 4], "bfloat16", 24, 3, (3, 16, 4, 0)), r"2 part\(s\)"),
+            (EntryMeta("s", 0, [3, 4], "bfloat16", 24, 3, (3, 16, 4, 0, 3, 0)), "entry's own location")):
+        with pytest.raises(RefitManifestError, match=match):
+            ManifestTracker(specs, 0, "k", 1).check_bucket(_meta(0, SLOT_ZERO_COPY, [entry]), 0, {3: 64, 4: 8})
+
+
+def test_a_stack_read_in_place_offers_what_the_fused_copies_ask_of_a_tensor():
+    from rlc.runtime.refit.fused import unfuse
+    from rlc.runtime.refit.zero_copy import StackedViews
+
+    parts = [torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * e for e in range(3)]
+    stack, whole = StackedViews(parts), torch.stack(parts)
+    assert stack.shape == whole.shape and stack.dtype == whole.dtype
+    sliced = stack.narrow(0, 1, 2).narrow(1, 2, 2)  # experts 1-2, rows 2-3: what a tensor-parallel route takes
+    assert torch.equal(torch.stack(sliced.parts), whole.narrow(0, 1, 2).narrow(1, 2, 2))
+    dst = torch.zeros(2, 2, 3)
+    for d, src in sliced.copies_into(dst):
+        d.copy_(src)
+    assert torch.equal(dst, whole[1:3, 2:4]) and sliced.parts[0].data_ptr() == parts[1][2:].data_ptr()  # no copy
+    name = "model.layers.0.mlp.experts.fused_w2"  # [experts, hidden, intermediate]: one down_proj per expert
+    split, reference = unfuse(name, stack), unfuse(name, whole)  # what the engine's loader gets, per expert
+    assert [n for n, _ in split] == [n for n, _ in reference] and len(split) == 3
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(split, reference))
+    assert [t.data_ptr() for _, t in split] == [p.data_ptr() for p in parts]  # views of the parts, no copy
+    with pytest.raises(ValueError, match="copied into"):
+        stack.copies_into(torch.zeros(3, 4, 4))
+
+
 def replace_index(meta: BucketMeta, index: int) -> BucketMeta:
     return BucketMeta(meta.refit_id, index, meta.slot, meta.producer_rank, meta.device_key, meta.buffer_bytes,
                       meta.entries)
@@ -130,10 +166,12 @@ def replace_index(meta: BucketMeta, index: int) -> BucketMeta:
 def test_share_messages_and_storage_columns_cross_the_wire():
     msg, payload = decode(encode(Share(StorageRef(7, 4096, "shm", "k")), b"handle"))
     assert msg == Share(StorageRef(7, 4096, "shm", "k")) and payload == b"handle"
-    meta = _meta(2, SLOT_ZERO_COPY, [EntryMeta("a", 256, [4], "bfloat16", 8, 7), EntryMeta("b", 0, [2], "float32", 8)])
+    meta = _meta(2, SLOT_ZERO_COPY, [EntryMeta("a", 256, [4], "bfloat16", 8, 7), EntryMeta("b", 0, [2], "float32", 8),
+                                     EntryMeta("s", 64, [2, 2], "bfloat16", 8, 7, (7, 64, 8, 0))])
     got, _ = decode(encode(BucketMsg(meta=meta)))
     assert isinstance(got, BucketMsg) and got.meta == meta
-    assert [e.storage for e in got.meta.entries] == [7, -1]
+    assert [e.storage for e in got.meta.entries] == [7, -1, 7]
+    assert [e.part_locations for e in got.meta.entries] == [[], [], [(7, 64), (8, 0)]]
 
 
 def test_the_shm_backend_shares_only_its_own_segments():
