@@ -96,7 +96,8 @@ class BucketMeta:
                 "dtype": [x.dtype for x in e],
                 "nbytes": [x.nbytes for x in e],
                 "storage": [x.storage for x in e],
-                "parts": [list(x.parts) for x in e],
+                # only where a stack is read in place part by part (the per-expert export has ~19,000 entries)
+                **({"parts": [list(x.parts) for x in e]} if any(x.parts for x in e) else {}),
             },
         }
 
@@ -105,12 +106,14 @@ class BucketMeta:
         d = dict(d)
         cols = d["entries"]
         try:
-            columns = [cols[f] for f in EntryMeta._fields]
+            columns = [cols[f] for f in EntryMeta._fields[:-1]]
+            if "parts" in cols:
+                columns.append([tuple(p) for p in cols["parts"]])
         except (KeyError, TypeError) as exc:
             raise RefitProtocolError(f"bucket metadata entries are not in the column layout: {exc}") from exc
         if len({len(c) for c in columns}) > 1:
             raise RefitProtocolError("bucket metadata entry columns have different lengths")
-        d["entries"] = [EntryMeta._make((*row[:-1], tuple(row[-1]))) for row in zip(*columns)]  # parts: a tuple
+        d["entries"] = [EntryMeta(*row) for row in zip(*columns)]
         return cls(**d)
 
 
