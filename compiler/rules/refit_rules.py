@@ -313,28 +313,6 @@ def zero_copy_views_need_direct_export(ctx: Context) -> None:
                   f"{R}.zero_copy_views", hint="set refit.direct_export: true, or refit.zero_copy_views: false")
 
 
-@rule("RLC228", "Experts read in place are fused-transfer stacks read like zero-copy views", severities=("error",),
-      rationale="refit.zero_copy_experts reads the stacked experts of refit.fused_transfer where the trainer holds "
-                "them, through the storage sharing of refit.zero_copy_views. Without fused transfer the experts "
-                "travel one tensor per expert out of Bridge's conversion, and without zero-copy views nothing is "
-                "shared: the switch would do nothing.",
-      seed="rlc's fused expert transfer (rlc/runtime/policy/fused_export.py) and zero-copy buckets "
-           "(rlc/runtime/refit/producer.py).",
-      fixes="Turn refit.zero_copy_views on and refit.fused_transfer to auto or on with refit.zero_copy_experts, or "
-            "turn refit.zero_copy_experts off.")
-def zero_copy_experts_need_views_and_fused_transfer(ctx: Context) -> None:
-    refit = ctx.recipe.refit
-    if not refit.zero_copy_experts:
-        return
-    missing = [k for k, on in (("refit.zero_copy_views", refit.zero_copy_views),
-                               ("refit.fused_transfer", refit.fused_transfer != "off")) if not on]
-    if missing:
-        ctx.error(f"refit.zero_copy_experts reads fused-transfer stacks through zero-copy views, and "
-                  f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} off", f"{R}.zero_copy_experts",
-                  hint="set " + " and ".join(f"{k}: {'true' if k.endswith('views') else 'auto'}" for k in missing)
-                  + ", or refit.zero_copy_experts: false")
-
-
 @rule("RLC226", "The KV cache wakes during the transfer only when the weights stay awake", severities=("error",),
       rationale="refit.wake_kv_during_transfer maps vLLM's KV cache back from inside the refit, while the weights "
                 "arrive. It does so for rlc's KV-only sleep (refit.keep_weights_awake), which rlc tracks itself. "
@@ -375,3 +353,25 @@ def kv_awake_needs_weights_awake(ctx: Context) -> None:
                   "sleep", f"{R}.wake_kv_during_transfer",
                   hint="set refit.wake_kv_during_transfer: false (nothing to wake), or refit.keep_kv_cache_awake: "
                        "false")
+
+
+@rule("RLC228", "Experts read in place are fused-transfer stacks read like zero-copy views", severities=("error",),
+      rationale="refit.zero_copy_experts reads the stacked experts of refit.fused_transfer where the trainer holds "
+                "them, through the storage sharing of refit.zero_copy_views. Without fused transfer the experts "
+                "travel one tensor per expert out of Bridge's conversion, and without zero-copy views nothing is "
+                "shared: the switch would do nothing.",
+      seed="rlc's fused expert transfer (rlc/runtime/policy/fused_export.py) and zero-copy buckets "
+           "(rlc/runtime/refit/producer.py).",
+      fixes="Turn refit.zero_copy_views on and refit.fused_transfer to auto or on with refit.zero_copy_experts, or "
+            "turn refit.zero_copy_experts off.")
+def zero_copy_experts_need_views_and_fused_transfer(ctx: Context) -> None:
+    refit = ctx.recipe.refit
+    if not refit.zero_copy_experts:
+        return
+    missing = [k for k, on in (("refit.zero_copy_views", refit.zero_copy_views),
+                               ("refit.fused_transfer", refit.fused_transfer != "off")) if not on]
+    if missing:
+        ctx.error(f"refit.zero_copy_experts reads fused-transfer stacks through zero-copy views, and "
+                  f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} off", f"{R}.zero_copy_experts",
+                  hint="set " + " and ".join(f"{k}: {'true' if k.endswith('views') else 'auto'}" for k in missing)
+                  + ", or refit.zero_copy_experts: false")
