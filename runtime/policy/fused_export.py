@@ -126,7 +126,7 @@ class FusedExport:
                 del tensor
 
     def in_place_stacks(self) -> list[str]:
-        """The stacked tensors a consumer can read where the trainer holds them (``refit.zero_copy_views``): a layer's
+        """The stacked tensors a consumer can read where the trainer holds them (``refit.zero_copy_experts``): a layer's
         experts held on this rank alone (no expert parallelism, so no gather) as contiguous parameters, or one
         grouped weight, in the dtype they travel in."""
         out = []
