@@ -400,7 +400,7 @@ class _ConsumerRun:
                         m: ConsumerMetrics) -> int:
         """Load a bucket of zero-copy views, each read where the trainer holds it; returns the bytes loaded."""
         c = self.c
-        used = {sid for e in meta.entries for sid in ([s for s, _ in e.part_locations] or [e.storage])}
+        used = {sid for e in meta.entries for sid, _ in e.locations}
         mapped = {sid: c._storages[sid].nbytes for sid in used if sid in c._storages}
         tracker.check_bucket(meta, 0, mapped)
         c._emit("load_start", index)

@@ -57,6 +57,12 @@ class EntryMeta(NamedTuple):
         """``(storage, byte offset)`` of each part of a stacked view read in place (empty for any other tensor)."""
         return list(zip(self.parts[0::2], self.parts[1::2]))
 
+    @property
+    def locations(self) -> list[tuple[int, int]]:
+        """``(storage, byte offset)`` of every piece the consumer reads: each part of a stacked view, else the tensor
+        itself."""
+        return self.part_locations or [(self.storage, self.offset)]
+
 
 @dataclass(frozen=True)
 class BucketMeta:

@@ -105,11 +105,13 @@ class TensorsByAddress(Generic[K]):
 class StackedParts:
     """Equally shaped tensors to be stacked along a new first dimension, by the producer, into its buffer."""
 
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+    def __init__(self, parts: Sequence[torch.Tensor], *, check: bool = True) -> None:
+        """``check``: that every part has the first part's shape, dtype and device (skipped where the parts were
+        cut to one layout already)."""
         if not parts:
             raise ValueError("StackedParts needs at least one tensor")
         first = parts[0]
-        if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts):
+        if check and any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts):
             raise ValueError("StackedParts: every part must have the first part's shape, dtype and device")
         self.parts = list(parts)
         self.shape = torch.Size((len(parts), *first.shape))

@@ -16,7 +16,7 @@ import torch
 
 from rlc.runtime.refit.buffers import BufferBackend
 from rlc.runtime.refit.protocol import StorageRef
-from rlc.runtime.refit.sources import is_plain_tensor
+from rlc.runtime.refit.sources import StackedParts, is_plain_tensor
 
 
 def why_not_zero_copy(tensor: Any, dtype: str, device: torch.device) -> str | None:
@@ -68,19 +68,16 @@ class SharedStorages:
         self._ids = {}
 
 
-class StackedViews:
+class StackedViews(StackedParts):
     """A stacked tensor read in place part by part (a MoE layer's experts, each a separate trainer parameter): what
-    the consumer hands a loader that takes them (the fused transfer's) for a stacked zero-copy entry. It offers what
-    those copies ask of a tensor: ``shape``, ``dtype``, ``narrow`` along any dimension (the first selects parts),
-    one part by index, and the per-part copies into a destination of the same shape."""
+    the consumer hands a loader that takes them (the fused transfer's) for a stacked zero-copy entry. Besides what a
+    :class:`~rlc.runtime.refit.sources.StackedParts` has (``shape``, ``dtype``, the stack assembled), it offers
+    what those copies ask of a tensor: ``narrow`` along any dimension (the first selects parts), one part by index,
+    and the per-part copies into a destination of the same shape. Its parts are views of one manifest-checked
+    entry, or slices of them, so they are not checked again."""
 
     def __init__(self, parts: Sequence[torch.Tensor]) -> None:
-        if not parts:
-            raise ValueError("StackedViews needs at least one part")
-        self.parts = list(parts)
-        self.shape = torch.Size((len(self.parts), *self.parts[0].shape))
-        self.dtype = self.parts[0].dtype
-        self.device = self.parts[0].device
+        super().__init__(parts, check=False)
 
     def narrow(self, dim: int, start: int, length: int) -> "StackedViews":
         if dim == 0:
@@ -95,9 +92,6 @@ class StackedViews:
         if tuple(dst.shape) != tuple(self.shape):
             raise ValueError(f"a stack of {list(self.shape)} copied into {list(dst.shape)}")
         return list(zip(dst.unbind(0), self.parts))
-
-    def materialize(self) -> torch.Tensor:
-        return torch.stack(self.parts)
 
 
 __all__ = ["SharedStorages", "StackedViews", "why_not_zero_copy"]
