@@ -282,14 +282,16 @@ def weights_awake_vs_sleep_level(ctx: Context) -> None:
 
 @rule("RLC224", "Direct export, zero-copy views and replayed load move bf16 tensors only", severities=("error",),
       rationale="refit.direct_export hands vLLM views of the trainer's bf16 parameters (refit.zero_copy_views lets "
-                "vLLM read them where the trainer holds them) and refit.replay_load replays "
+                "vLLM read them where the trainer holds them, refit.zero_copy_experts the experts too) and "
+                "refit.replay_load replays "
                 "the plain copies vLLM's loader made of them. FP8 rollouts load every refit inside vLLM's layerwise "
                 "reload, which quantizes what it loads (and, with block scales, the trainer quantizes the stream "
                 "first): neither a view of a bf16 parameter nor a recorded copy is what lands in the engine. The "
                 "runtime would leave both off; the compiler says so instead of accepting a switch that does nothing.",
       seed="vLLM initialize_layerwise_reload / finalize_layerwise_reload (the FP8 refit path); rlc's replayed load "
            "(rlc/runtime/refit/replay.py).",
-      fixes="Turn refit.direct_export, refit.zero_copy_views and refit.replay_load off for generation.precision: fp8.")
+      fixes="Turn refit.direct_export, refit.zero_copy_views, refit.zero_copy_experts and refit.replay_load off for "
+            "generation.precision: fp8.")
 def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
     for key in BF16_REFIT_SWITCHES:
         requested = bool(getattr(ctx.recipe.refit, key))

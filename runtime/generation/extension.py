@@ -38,6 +38,11 @@ from rlc.runtime.generation.background import BackgroundCall
 from rlc.runtime.refit.errors import RefitError
 
 
+def _allocation_bytes(allocations: Iterable[Any]) -> int:
+    """Bytes of vLLM sleep-mode allocations (their handle is ``(device, size, pointer, handle)``)."""
+    return sum(int(d.handle[1]) for d in allocations)
+
+
 class RlcWorkerExtension:
     """Refit consumer side inside a vLLM worker process (one per GPU of an engine)."""
 
@@ -155,7 +160,7 @@ class RlcWorkerExtension:
 
     def _rlc_kv_cache_bytes(self) -> int:
         """Bytes of this worker's KV cache in vLLM's sleep-mode pool (mapped or not)."""
-        return sum(int(d.handle[1]) for d in self._rlc_kv_cache("refit.wake_kv_during_transfer"))
+        return _allocation_bytes(self._rlc_kv_cache("refit.wake_kv_during_transfer"))
 
     def _rlc_receive_direct(self, load: Any, on_begin: Any = None) -> dict[str, Any]:
         """One refit with direct copies: into the fused expert parameters (``refit.fused_transfer``) and/or the
@@ -309,7 +314,7 @@ class RlcWorkerExtension:
         torch.cuda.synchronize()  # nothing in flight may still read or write the cache
         for data in kv_cache:
             unmap_and_release(data.handle)
-        return sum(int(d.handle[1]) for d in kv_cache)
+        return _allocation_bytes(kv_cache)
 
     def rlc_refit_close(self) -> None:
         consumer = getattr(self, "_rlc_consumer", None)

@@ -57,10 +57,13 @@ class VllmGenerationWorker:
     @property
     def llm(self) -> Any:
         """The engine (``vllm.LLM``); a call before ``start`` is a driver bug and says so."""
-        if self._llm is None:
-            raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
+        self._require_started()
         self.prefix_cache.settle()  # a reset running in the background finishes before anything else
         return self._llm
+
+    def _require_started(self) -> None:
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
 
     def info(self) -> WorkerInfo:
         return local_worker_info("generation", self.engine_index, self.bundles[0] if self.bundles else -1)
@@ -215,8 +218,7 @@ class VllmGenerationWorker:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (after a refit: it holds the old weights' keys and values); nothing to do when no
         request ran since the last reset. False when vLLM refused (blocks still in use)."""
-        if self._llm is None:
-            raise RuntimeError(f"vLLM engine {self.engine_index}: used before start()")
+        self._require_started()
         return self.prefix_cache.reset()
 
     # ------------------------------------------------------------------ refit
