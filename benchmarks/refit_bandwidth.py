@@ -3,6 +3,7 @@
     python benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2     # GPU: two processes, one GPU
     python benchmarks/refit_bandwidth.py --backend shm --mib 64         # CPU: shared memory (CI)
     python benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 --zero-copy   # read in place
+    python benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 --timeline    # when each step happens
 
 The producer (this process) holds ``--gib`` of bf16 "exported" tensors; the consumer (a spawned
 process on the same device) holds same-shaped destination tensors and its ``load_weights`` copies
@@ -10,6 +11,10 @@ into them, as vLLM's ``load_weights`` does. Each refit is the real ``RefitProduc
 ``RefitConsumer.receive`` (planning, ping-pong buffers, ZMQ control, manifest check). Next to it,
 in the same run, a single-process copy of the same bytes (device-to-device for cuda_ipc, memcpy
 for shm) gives the reference bandwidth. Prints a table and ``ratio = refit / copy`` (goal >= 0.5).
+
+``--timeline`` records every protocol event of both processes (the refit engine's event hooks) on the host's
+monotonic clock and prints, per event, its median time after the producer's ``send`` began (min-max over the
+measured refits): where a refit's time goes between the two processes when the copies themselves take a millisecond.
 
 Note: a refit moves every byte twice (pack into the IPC buffer, then load into the parameter),
 so 0.5 is the two-copy bound unless the two copies overlap on the device. With ``--zero-copy``
@@ -67,9 +72,53 @@ def sync(kind: str) -> None:
         torch.cuda.synchronize(0)
 
 
+#: One protocol event on the host's monotonic clock: (refit number, event, bucket index, nanoseconds).
+Event = tuple[int, str, int, int]
+
+
+class EventLog:
+    """A process's protocol events (``--timeline``), numbered by the refit they belong to: ``call`` and ``return``
+    mark the benchmark's own ``send`` / ``receive`` calls, every other event comes from the engine's hook."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.refit = -1
+
+    def call(self) -> None:
+        self.refit += 1
+        self.hook("call", -1)
+
+    def hook(self, event: str, index: int) -> None:
+        self.events.append((self.refit, event, index, time.perf_counter_ns()))
+
+
+def timeline_rows(producer: list[Event], consumer: list[Event], warmup: int) -> list[dict]:
+    """Per event of either side (``P``/``C``, name, bucket index), its time after the producer's ``call`` of the
+    same refit, in µs: median, min and max over the refits after ``warmup``; ordered by median."""
+    starts = {r: t for r, e, _, t in producer if e == "call"}
+    offsets: dict[tuple[str, str, int], list[float]] = {}
+    for side, events in (("P", producer), ("C", consumer)):
+        for r, event, index, t in events:
+            if r < warmup or r not in starts or (side, event) == ("C", "call"):
+                continue  # the consumer's call waits for the producer: it has no place on the refit's clock
+            offsets.setdefault((side, event, index), []).append((t - starts[r]) / 1e3)
+    rows = [{"side": side, "event": event, "bucket": index, "median_us": statistics.median(v), "min_us": min(v),
+             "max_us": max(v), "refits": len(v)} for (side, event, index), v in offsets.items()]
+    return sorted(rows, key=lambda row: row["median_us"])
+
+
+def print_timeline(rows: list[dict]) -> None:
+    print("timeline: µs after the producer's send began (P: producer, C: consumer), median (min-max)")
+    for row in rows:
+        where = "" if row["bucket"] < 0 else f" #{row['bucket']}"
+        print(f"  {row['side']} {row['event'] + where:<18} {row['median_us']:9.1f} "
+              f"({row['min_us']:.1f}-{row['max_us']:.1f})")
+
+
 def consumer_proc(args: dict, out: mp.Queue) -> None:
     """Consumer side: same-shaped destination tensors; load_weights copies into them."""
     torch.set_num_threads(1)
+    log = EventLog()
     try:
         kind = args["backend"]
         backend = make_backend(kind)
@@ -80,18 +129,23 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         }
         if args.get("host_wait"):
             wait_on_host(backend)
-        consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120)
+        consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120,
+                                 event_hook=log.hook if args.get("timeline") else None)
         consumer.prepare()
 
         def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
             for name, w in weights:
                 dst[name].copy_(w)
 
-        metrics = [consumer.receive(load_weights).to_dict() for _ in range(args["runs"])]
+        metrics = []
+        for _ in range(args["runs"]):
+            log.call()
+            metrics.append(consumer.receive(load_weights).to_dict())
+            log.hook("return", -1)
         sync(kind)
         checksum = float(sum(t.double().sum().item() for t in dst.values()))
         consumer.close()
-        out.put({"ok": True, "metrics": metrics, "checksum": checksum})
+        out.put({"ok": True, "metrics": metrics, "checksum": checksum, "events": log.events})
     except BaseException as e:  # reported by the parent
         out.put({"ok": False, "error": f"{type(e).__name__}: {e}"})
 
@@ -144,6 +198,8 @@ def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--host-wait", action="store_true",
                     help="experiment: each process waits for the other's events on the host before queuing the "
                          "copies that depend on them (instead of a device-side wait)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print when each protocol event of both processes happens within a refit")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
@@ -185,15 +241,21 @@ def _main(argv: list[str] | None) -> dict:
     child = ctx.Process(
         target=consumer_proc,
         args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs,
-               "host_wait": a.host_wait}, out),
+               "host_wait": a.host_wait, "timeline": a.timeline}, out),
     )
     child.start()
+    log = EventLog()
     producer = RefitProducer(
-        cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120
+        cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120,
+        event_hook=log.hook if a.timeline else None,
     )
+    refits = []
     try:
         producer.prepare(specs, zero_copy=[s.name for s in specs] if a.zero_copy else ())
-        refits = [producer.send(zip([s.name for s in specs], src)) for _ in range(runs)]
+        for _ in range(runs):
+            log.call()
+            refits.append(producer.send(zip([s.name for s in specs], src)))
+            log.hook("return", -1)
     finally:
         producer.close()
     result = out.get(timeout=300)
@@ -249,6 +311,9 @@ def _main(argv: list[str] | None) -> dict:
     allocated = [m.buffers_allocated for m in refits]
     opened = [c["buffers_opened"] for c in result["metrics"]]
     print(f"buffers allocated per refit (warm-up first): {allocated}; handles opened by the consumer: {opened}")
+    timeline = timeline_rows(log.events, result["events"], a.warmup) if a.timeline else []
+    if timeline:
+        print_timeline(timeline)
     verdict = "meets" if meets_goal(ratio) else "BELOW"
     bound = ("a refit copies every byte twice, so 0.5 is the bound unless pack and load overlap on the device"
              if copies == 2 else "zero-copy: every byte is copied once, so 1.0 is the bound")
@@ -273,6 +338,7 @@ def _main(argv: list[str] | None) -> dict:
         "handles_opened": opened,
         "zero_copy_tensors": [m.zero_copy_tensors for m in refits],
         "refit_metrics": [m.to_dict() for m in measured],
+        "timeline": timeline,
     }
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))

@@ -82,8 +82,10 @@ class RefitConsumer:
             session: same string as the producer's (job id).
             transport / backend: ``"cuda_ipc"`` (current GPU, or ``device``) or ``"shm"`` (``device_key``).
             timeout_s: longest wait for the producer at any step.
-            event_hook: ``hook(event, bucket_index)`` for ``recv``, ``load_start``, ``load_end``, ``ack``
-                (emitted just before the ack is sent).
+            event_hook: ``hook(event, bucket_index)`` for ``begin`` (the producer's ``Begin`` read; index 0),
+                ``recv``, ``load_start``, ``load_end``, ``ack`` (emitted just before the ack is sent), ``end`` (the
+                producer's ``End`` read), ``synced`` (every load complete on the device) and ``done`` (just before
+                ``Done`` is sent); the last three carry the last bucket's index.
         """
         self.backend = backend or make_backend(transport, device=device, device_key=device_key)
         self.device_key = self.backend.device_key
@@ -285,8 +287,8 @@ class _ConsumerRun:
                             device_ordered=ordered)
         tracker = ManifestTracker(c._expected, hello.producer_rank, hello.device_key, refit_id)
         foreign = hello.metadata_source_rank != hello.producer_rank
+        c._emit("begin", 0)
         if self.on_begin is not None:
-            c._emit("begin", 0)
             self.on_begin()
         while True:
             t0 = time.perf_counter()
@@ -313,6 +315,7 @@ class _ConsumerRun:
             m.num_buckets += 1
             m.num_tensors += len(meta.entries)
             m.bytes += loaded
+        c._emit("end", m.num_buckets - 1)
         if msg.refit_id != refit_id:
             raise RefitProtocolError(f"{c.name}: end of refit {msg.refit_id} during refit {refit_id}")
         unknown = [s for s in msg.kept_slots if s not in (0, 1) or s not in self.buffers]
@@ -325,6 +328,7 @@ class _ConsumerRun:
         t0 = time.perf_counter()
         c.backend.synchronize()  # every load is complete: the weights are whole, and the buffers free
         m.sync_seconds = time.perf_counter() - t0
+        c._emit("synced", m.num_buckets - 1)
         t0 = time.perf_counter()
         kept = {s: self.buffers.pop(s) for s in msg.kept_slots}
         self.release_all(check=True)
@@ -337,6 +341,7 @@ class _ConsumerRun:
         m.open_seconds += time.perf_counter() - t0
         tracker.finish(msg.num_buckets, msg.num_tensors, msg.total_bytes)
         m.seconds = time.perf_counter() - t_start
+        c._emit("done", m.num_buckets - 1)  # before sending, so a cross-process event log stays causal
         self.chan.send(Done(refit_id=refit_id, consumer_metrics=m.to_dict()))
         return m
 

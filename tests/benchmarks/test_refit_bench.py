@@ -40,3 +40,31 @@ def test_refit_bandwidth_zero_copy_reads_every_tensor_in_place(capsys):
     assert summary["buffers_allocated"] == [0, 0]  # nothing is packed: no buffer at all
     for m in summary["refit_metrics"]:
         assert m["bytes"] == m["zero_copy_bytes"] == m["consumer"]["bytes"] == 4 << 20
+
+
+def test_timeline_places_each_event_on_its_refits_clock():
+    producer = [(0, "call", -1, 1_000), (0, "send", 0, 3_000), (1, "call", -1, 10_000), (1, "send", 0, 14_000),
+                (2, "call", -1, 20_000), (2, "send", 0, 22_000)]
+    consumer = [(0, "call", -1, 0), (0, "recv", 0, 5_000), (1, "call", -1, 6_000), (1, "recv", 0, 15_000),
+                (2, "call", -1, 16_000), (2, "recv", 0, 26_000)]
+    rows = refit_bandwidth.timeline_rows(producer, consumer, warmup=1)
+    by_event = {(r["side"], r["event"]): r for r in rows}
+    # the warm-up refit is left out; the consumer's own call waits for the producer and has no place on the clock
+    assert ("C", "call") not in by_event
+    assert by_event["P", "send"]["min_us"] == 2.0 and by_event["P", "send"]["max_us"] == 4.0
+    assert by_event["C", "recv"]["median_us"] == 5.5 and by_event["C", "recv"]["refits"] == 2
+    assert [r["event"] for r in rows] == ["call", "send", "recv"]  # ordered by median
+
+
+def test_refit_bandwidth_timeline_records_both_processes(capsys):
+    summary = refit_bandwidth.main(["--backend", "shm", "--mib", "2", "--repeats", "2", "--warmup", "1",
+                                    "--timeline"])
+    assert "timeline: µs after the producer's send began" in capsys.readouterr().out
+    events = {(r["side"], r["event"]) for r in summary["timeline"]}
+    # the producer's whole refit and the consumer's steps up to Done, two refits each
+    assert {("P", "send"), ("P", "end"), ("P", "done"), ("C", "begin"), ("C", "recv"), ("C", "ack"), ("C", "end"),
+            ("C", "synced"), ("C", "done")} <= events
+    assert all(r["refits"] == 2 for r in summary["timeline"] if r["event"] in ("end", "done"))
+    order = {(r["side"], r["event"], r["bucket"]): r["median_us"] for r in summary["timeline"]}
+    last = max(r["bucket"] for r in summary["timeline"])
+    assert order["C", "done", last] < order["P", "done", last]  # Done is sent before the producer reads it

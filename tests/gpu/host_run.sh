@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait refit_scale refit_fast grpo grpo_awake grpo_direct grpo_zero_copy grpo_overlap grpo_resident kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait bench_timeline refit_scale refit_fast grpo grpo_awake grpo_direct grpo_zero_copy grpo_overlap grpo_resident kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -81,10 +81,20 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     bench_host_wait)  # the engine at 2 GiB (halves of 0.5 and 1 GiB) with each process waiting for the other's events
       # on the host instead of the device: how much of the gap to the two-copy bound is the contexts' device waits
       mkdir -p "$OUT/bench_host_wait"
+      # (each next to the same setting with device-side waits, in the same call)
       for gb in 1 2; do
+        run_stage "bench_device_wait_${gb}" 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 \
+          --buffer-gb "$gb" --repeats 10 --json "$OUT/bench_host_wait/device_wait_${gb}.json"
         run_stage "bench_host_wait_${gb}" 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 \
-          --buffer-gb "$gb" --host-wait --repeats 10 --json "$OUT/bench_host_wait/buffer_${gb}.json"
+          --buffer-gb "$gb" --host-wait --repeats 10 --json "$OUT/bench_host_wait/host_wait_${gb}.json"
       done ;;
+    bench_timeline)  # the engine at 2 GiB, packed (halves of 0.5 GiB) and read in place: when each protocol event of
+      # both processes happens within a refit (where the time over the copies goes)
+      mkdir -p "$OUT/bench_timeline"
+      run_stage bench_timeline_packed 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 \
+        --repeats 20 --timeline --json "$OUT/bench_timeline/packed.json"
+      run_stage bench_timeline_zero_copy 150 python3 "$REPO"/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 \
+        --repeats 20 --zero-copy --timeline --json "$OUT/bench_timeline/zero_copy.json" ;;
     bench_tensors)  # the engine at 2 GiB (halves of 0.5 GiB) with tensors of 16, 64, 256 and 512 MiB (32, 8, 2 and 1
       # per bucket): how much of the gap to the two-copy bound is per copy kernel
       mkdir -p "$OUT/bench_tensors"
