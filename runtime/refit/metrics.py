@@ -47,7 +47,8 @@ class ConsumerMetrics:
     zero_copy_tensors: int = 0  # tensors read in place from the trainer's storages
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data (every field is a number, a string or a bool: no deep copy needed; sent in ``Done``)."""
+        return dict(vars(self))
 
 
 @dataclass

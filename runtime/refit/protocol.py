@@ -257,11 +257,19 @@ _KINDS: dict[str, type[Message]] = {
 }
 
 
+#: The messages of every refit whose fields are already plain data (numbers, strings, lists and dicts of them):
+#: encoded field by field, without ``asdict``'s deep copy (a refit sends a dozen of them, each on its critical path).
+_FLAT_FIELDS: dict[type, tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in (Begin, Ack, End, Done)}
+
+
 def _plain(msg: Message) -> dict[str, Any]:
     """The message's fields as plain data. A bucket's metadata is built by ``BucketMeta.to_dict``:
     ``asdict`` deep-copies every field and costs more than the transfer for ~19,000 tensors per refit."""
     if isinstance(msg, BucketMsg):
         return {"meta": msg.meta.to_dict(), "open": None if msg.open is None else asdict(msg.open)}
+    flat = _FLAT_FIELDS.get(type(msg))
+    if flat is not None:
+        return {name: getattr(msg, name) for name in flat}
     return asdict(msg)
 
 
