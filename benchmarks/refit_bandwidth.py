@@ -198,6 +198,11 @@ def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--host-wait", action="store_true",
                     help="experiment: each process waits for the other's events on the host before queuing the "
                          "copies that depend on them (instead of a device-side wait)")
+    ap.add_argument("--keep-gb", type=float, default=2.0,
+                    help="refit.keep_buffers_gb: both halves stay allocated across refits while they fit (default 2)")
+    ap.add_argument("--zero-copy-bucket-mib", type=float, default=None,
+                    help="with --zero-copy: bytes of views a zero-copy bucket reads before it goes out (default: the "
+                         "engine's own, RefitProducer.zero_copy_bucket_bytes); fewer buckets, fewer messages")
     ap.add_argument("--timeline", action="store_true",
                     help="also print when each protocol event of both processes happens within a refit")
     ap.add_argument("--repeats", type=int, default=5)
@@ -219,7 +224,9 @@ def _main(argv: list[str] | None) -> dict:
     buffer_gb = a.buffer_gb if a.buffer_gb is not None else total / 2 / (1 << 30)
     runs = a.warmup + a.repeats
 
-    cfg = refit_config(buffer_gb=buffer_gb, fp32_params=[], transport=a.backend)
+    if a.keep_gb < 0 or (a.zero_copy_bucket_mib is not None and a.zero_copy_bucket_mib <= 0):
+        ap.error("--keep-gb must be >= 0 and --zero-copy-bucket-mib > 0")
+    cfg = refit_config(buffer_gb=buffer_gb, fp32_params=[], transport=a.backend, keep_buffers_gb=a.keep_gb)
     backend = make_backend(a.backend)
     if a.host_wait:
         wait_on_host(backend)
@@ -249,6 +256,8 @@ def _main(argv: list[str] | None) -> dict:
         cfg, session=session, rank=0, world_size=1, export_dtype="bfloat16", backend=backend, timeout_s=120,
         event_hook=log.hook if a.timeline else None,
     )
+    if a.zero_copy_bucket_mib is not None:
+        producer.zero_copy_bucket_bytes = int(a.zero_copy_bucket_mib * (1 << 20))
     refits = []
     try:
         producer.prepare(specs, zero_copy=[s.name for s in specs] if a.zero_copy else ())
@@ -337,6 +346,8 @@ def _main(argv: list[str] | None) -> dict:
         "buffers_allocated": allocated,
         "handles_opened": opened,
         "zero_copy_tensors": [m.zero_copy_tensors for m in refits],
+        "keep_buffers_gb": a.keep_gb,
+        "zero_copy_bucket_bytes": producer.zero_copy_bucket_bytes,
         "refit_metrics": [m.to_dict() for m in measured],
         "timeline": timeline,
     }

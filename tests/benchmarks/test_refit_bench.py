@@ -68,3 +68,19 @@ def test_refit_bandwidth_timeline_records_both_processes(capsys):
     order = {(r["side"], r["event"], r["bucket"]): r["median_us"] for r in summary["timeline"]}
     last = max(r["bucket"] for r in summary["timeline"])
     assert order["C", "done", last] < order["P", "done", last]  # Done is sent before the producer reads it
+
+
+def test_refit_bandwidth_bucket_knobs_change_the_message_count(capsys):
+    """One zero-copy bucket for the whole export instead of one per 1 MiB of views; a single half kept across
+    refits when the keep limit holds it, allocated every refit when it does not."""
+    base = ["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "0"]
+    split = refit_bandwidth.main([*base, "--zero-copy", "--zero-copy-bucket-mib", "1"])
+    whole = refit_bandwidth.main([*base, "--zero-copy", "--zero-copy-bucket-mib", "4"])
+    assert split["buckets"] == 4 and whole["buckets"] == 1
+    assert whole["zero_copy_bucket_bytes"] == 4 << 20
+    one = ["--buffer-gb", str(8 / 1024)]  # halves of 4 MiB: the whole export in one bucket
+    kept = refit_bandwidth.main([*base, *one, "--keep-gb", str(8 / 1024)])
+    freed = refit_bandwidth.main([*base, *one, "--keep-gb", "0"])
+    assert kept["buckets"] == freed["buckets"] == 1
+    assert kept["buffers_allocated"] == [1, 0] and freed["buffers_allocated"] == [1, 1]
+    capsys.readouterr()
