@@ -306,12 +306,12 @@ class _ConsumerRun:
             # The buffer is always this GPU's; the metadata is this GPU's producer's unless the
             # legacy/fault-injection mode points elsewhere (then the manifest check must catch it).
             meta = c._foreign_meta(refit_id, own.index) if foreign else own
-            if own.slot == SLOT_ZERO_COPY:
+            if own.slot == SLOT_ZERO_COPY:  # frees no buffer: not acked (Done covers it)
                 loaded = self._load_zero_copy(meta, own.index, tracker, ordered, m)
             else:
                 loaded = self._load_packed(msg, payload, meta, tracker, ordered, m)
-            c._emit("ack", own.index)  # before sending, so a cross-process event log stays causal
-            self.chan.send(Ack(refit_id=refit_id, index=own.index, loaded_bytes=loaded))
+                c._emit("ack", own.index)  # before sending, so a cross-process event log stays causal
+                self.chan.send(Ack(refit_id=refit_id, index=own.index, loaded_bytes=loaded))
             m.num_buckets += 1
             m.num_tensors += len(meta.entries)
             m.bytes += loaded

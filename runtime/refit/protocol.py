@@ -13,10 +13,10 @@ Conversation, per producer/consumer pair::
     refit:    P -> C  Begin
               P -> C  Share(storage) + handle frame  (refit.zero_copy_views: a trainer storage not yet mapped)
               P -> C  BucketMsg(k) [+ handle frame if bucket k opens a buffer]  ... (<= 2 in flight)
-              C -> P  Ack(k)                                                    ...
+              C -> P  Ack(k) for a packed bucket (a bucket of zero-copy views frees no buffer: not acked)
               P -> C  End(totals, kept slots and storages), right behind the last bucket (not after its ack)
               C -> P  the acks still owed, in order, then Done(ok | error, consumer metrics) once the consumer
-                      has read End (after acking every bucket: it reads in order)
+                      has read End (after loading every bucket: it reads in order)
     next refit: buffers of the kept slots (and mappings of the kept storages) are reused on both sides
               (a bucket opens a buffer only when its slot has none or its size changed)
     failure:  either side may send Error(message) instead; the other side raises it.
@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 
 from rlc.runtime.refit.errors import RefitProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: ``EntryMeta.storage`` of a tensor packed into its bucket's buffer.
 IN_BUFFER = -1

@@ -84,3 +84,19 @@ def test_refit_bandwidth_bucket_knobs_change_the_message_count(capsys):
     assert kept["buckets"] == freed["buckets"] == 1
     assert kept["buffers_allocated"] == [1, 0] and freed["buffers_allocated"] == [1, 1]
     capsys.readouterr()
+
+
+def test_only_packed_buckets_are_acked(capsys):
+    """A packed bucket is acked (its half is packed again only after the consumer has read it); a bucket of views
+    read in place frees no buffer, and the consumer's Done covers its loads: no ack crosses for it."""
+    base = ["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "1", "--timeline"]
+    packed = refit_bandwidth.main(base)
+    in_place = refit_bandwidth.main([*base, "--zero-copy", "--zero-copy-bucket-mib", "1"])
+    capsys.readouterr()
+
+    def acked(summary: dict, side: str) -> set[int]:
+        return {r["bucket"] for r in summary["timeline"] if (r["side"], r["event"]) == (side, "ack")}
+
+    assert acked(packed, "C") == acked(packed, "P") == set(range(packed["buckets"])) and packed["buckets"] >= 2
+    assert in_place["buckets"] == 4 and acked(in_place, "C") == acked(in_place, "P") == set()
+    assert all(m["consumer"]["num_buckets"] == 4 for m in in_place["refit_metrics"])
