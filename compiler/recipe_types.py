@@ -396,7 +396,9 @@ class RefitSection(_Section):
         "s for Qwen3-8B's 24.8 GiB pool on an H200, paid again at every step) and no sleep unmaps it; the prefix "
         "cache is still emptied before the next rollout (reset while the trainer runs). Costs the KV pool's memory in every phase (the train step, the logprob pass, the refit), "
         "which the planner counts; a pool sized to the rollout (`generation.kv_cache_memory_bytes`) keeps that "
-        "small. verl's `rollout.free_cache_engine: false` is the same choice. vLLM backend only.",
+        "small. verl's `rollout.free_cache_engine: false` is the same choice. Measure a whole step with it: on a "
+        "tiny test model on an H200 the refit got faster but generation slower, and the step longer. vLLM backend "
+        "only.",
         default=False, runtime=_REFIT)
     offload_optimizer_for_refit: bool = key(
         "Move optimizer state and gradients to CPU during refit and back afterwards.",
