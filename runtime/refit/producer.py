@@ -29,7 +29,7 @@ it) and reads the tensor where it is, so it crosses in one copy instead of two a
 They travel in buckets of their own (metadata only), marked by an event that orders the consumer's reads after
 the trainer's last writes; the trainer must not write its parameters until ``send`` has returned, which is after
 the consumer's final device wait. A zero-copy bucket frees no buffer, so the consumer does not ack it: only packed
-buckets are acked (a refit of Qwen3-8B sends about 60 zero-copy buckets, each ack a message on the critical path).
+buckets are acked (each ack is a message on the consumer's critical path; Qwen3-8B's refit has ~14 such buckets).
 
 The two halves (and the consumer's mappings of them) are created once and kept for the next refit
 while both together are at most ``keep_buffers_max_bytes`` (default ``refit.keep_buffers_gb``): no
@@ -41,8 +41,8 @@ while the generation engine is awake.
 from __future__ import annotations
 
 import os
-from collections import deque
 import time
+from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
