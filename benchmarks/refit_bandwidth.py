@@ -7,7 +7,8 @@
 
 The producer (this process) holds ``--gib`` of bf16 "exported" tensors; the consumer (a spawned
 process on the same device) holds same-shaped destination tensors and its ``load_weights`` copies
-into them, as vLLM's ``load_weights`` does. Each refit is the real ``RefitProducer.send`` /
+into them, one tensor at a time as vLLM's ``load_weights`` does (``--batched-load``: a bucket at a time, as the
+replayed load does). Each refit is the real ``RefitProducer.send`` /
 ``RefitConsumer.receive`` (planning, ping-pong buffers, ZMQ control, manifest check). Next to it,
 in the same run, a single-process copy of the same bytes (device-to-device for cuda_ipc, memcpy
 for shm) gives the reference bandwidth. Prints a table and ``ratio = refit / copy`` (goal >= 0.5).
@@ -39,6 +40,7 @@ import torch
 from tests.refit.harness import refit_config, shm_segment
 from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
+from rlc.runtime.refit.copy_tables import copy_all
 from rlc.runtime.refit.producer import RefitProducer
 from rlc.runtime.refit.specs import TensorSpec, format_bytes
 
@@ -134,6 +136,9 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         consumer.prepare()
 
         def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+            if args.get("batched_load"):  # as the replayed load issues a bucket's copies (refit.replay_load)
+                copy_all([dst[name] for name, _ in weights], [w for _, w in weights])
+                return
             for name, w in weights:
                 dst[name].copy_(w)
 
@@ -203,6 +208,9 @@ def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--zero-copy-bucket-mib", type=float, default=None,
                     help="with --zero-copy: bytes of views a zero-copy bucket reads before it goes out (default: the "
                          "engine's own, RefitProducer.zero_copy_bucket_bytes); fewer buckets, fewer messages")
+    ap.add_argument("--batched-load", action="store_true",
+                    help="the consumer copies each bucket in one torch._foreach_copy_ call, as refit.replay_load's "
+                         "replayed copies do (default: one copy_ per tensor, as vLLM's load_weights)")
     ap.add_argument("--timeline", action="store_true",
                     help="also print when each protocol event of both processes happens within a refit")
     ap.add_argument("--repeats", type=int, default=5)
@@ -248,7 +256,7 @@ def _main(argv: list[str] | None) -> dict:
     child = ctx.Process(
         target=consumer_proc,
         args=({"backend": a.backend, "session": session, "total": total, "tensor": tensor, "runs": runs,
-               "host_wait": a.host_wait, "timeline": a.timeline}, out),
+               "host_wait": a.host_wait, "timeline": a.timeline, "batched_load": a.batched_load}, out),
     )
     child.start()
     log = EventLog()
@@ -346,6 +354,7 @@ def _main(argv: list[str] | None) -> dict:
         "buffers_allocated": allocated,
         "handles_opened": opened,
         "zero_copy_tensors": [m.zero_copy_tensors for m in refits],
+        "batched_load": bool(a.batched_load),
         "keep_buffers_gb": a.keep_gb,
         "zero_copy_bucket_bytes": producer.zero_copy_bucket_bytes,
         "refit_metrics": [m.to_dict() for m in measured],

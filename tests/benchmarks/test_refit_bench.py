@@ -100,3 +100,13 @@ def test_only_packed_buckets_are_acked(capsys):
     assert acked(packed, "C") == acked(packed, "P") == set(range(packed["buckets"])) and packed["buckets"] >= 2
     assert in_place["buckets"] == 4 and acked(in_place, "C") == acked(in_place, "P") == set()
     assert all(m["consumer"]["num_buckets"] == 4 for m in in_place["refit_metrics"])
+
+
+def test_refit_bandwidth_batched_load_lands_the_same_bytes(capsys):
+    """The consumer's copies a bucket at a time (as the replayed load issues them) end where one copy per tensor
+    does: the benchmark compares a checksum of every destination with the source's and exits on a difference."""
+    summary = refit_bandwidth.main(["--backend", "shm", "--mib", "4", "--repeats", "2", "--warmup", "0",
+                                    "--batched-load"])
+    capsys.readouterr()
+    assert summary["batched_load"] and summary["buckets"] >= 2
+    assert all(m["consumer"]["bytes"] == 4 << 20 for m in summary["refit_metrics"])

@@ -90,14 +90,19 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       done ;;
     bench_timeline)  # the engine at 2 GiB, when each protocol event of both processes happens within a refit (where
       # the time over the copies goes), with the buckets as the engine makes them and as one bucket: packed (halves of
-      # 0.5 GiB: 4 buckets; one 2 GiB half kept across refits: 1) and read in place (views of 256 MiB a bucket: 8; 1)
+      # 0.5 GiB: 4 buckets; one 2 GiB half kept across refits: 1) and read in place (views of 256 MiB a bucket: 8; 1),
+      # then both with the consumer's copies issued a bucket at a time
       mkdir -p "$OUT/bench_timeline"
       bench="python3 $REPO/benchmarks/refit_bandwidth.py --backend cuda_ipc --gib 2 --repeats 20 --timeline"
       run_stage bench_timeline_packed 150 $bench --json "$OUT/bench_timeline/packed.json"
       run_stage bench_timeline_packed_one 150 $bench --buffer-gb 4 --keep-gb 4 --json "$OUT/bench_timeline/packed_one.json"
       run_stage bench_timeline_zero_copy 150 $bench --zero-copy --json "$OUT/bench_timeline/zero_copy.json"
       run_stage bench_timeline_zero_copy_one 150 $bench --zero-copy --zero-copy-bucket-mib 2048 \
-        --json "$OUT/bench_timeline/zero_copy_one.json" ;;
+        --json "$OUT/bench_timeline/zero_copy_one.json"
+      # the consumer's copies a bucket at a time (as refit.replay_load issues them)
+      run_stage bench_timeline_packed_batched 150 $bench --batched-load --json "$OUT/bench_timeline/packed_batched.json"
+      run_stage bench_timeline_zero_copy_batched 150 $bench --zero-copy --batched-load \
+        --json "$OUT/bench_timeline/zero_copy_batched.json" ;;
     bench_tensors)  # the engine at 2 GiB (halves of 0.5 GiB) with tensors of 16, 64, 256 and 512 MiB (32, 8, 2 and 1
       # per bucket): how much of the gap to the two-copy bound is per copy kernel
       mkdir -p "$OUT/bench_tensors"
