@@ -89,6 +89,7 @@ sys.path.insert(0, str(REPO))  # the checkout's rlc/ and this folder's package, 
 
 from benchmarks import refit_scale_plan as P  # noqa: E402
 
+from rlc.runtime.gc_heap import freeze_heap  # noqa: E402
 from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 
 TINY_RUNTIME_YAML = REPO / "tests" / "gpu" / "tiny_runtime.yaml"
@@ -260,6 +261,7 @@ class RandomInitTrainer(MegatronPolicyWorker):
         self._pm = PolicyModel(bridge=bridge, provider=provider, model=model, optimizer=None, ddp_config=None)
         torch.cuda.synchronize()
         params = [p for m in model for p in m.parameters()]
+        frozen = freeze_heap()  # as the runtime's policy worker does once it is set up
         return {
             "rank": self.rank,
             "dp_rank": ps.get_data_parallel_rank(),
@@ -270,6 +272,7 @@ class RandomInitTrainer(MegatronPolicyWorker):
             "setup_s": time.perf_counter() - t0,
             "memory": self.memory().as_dict(),
             "gpu_uuid": self.info().gpu_uuid,
+            "gc_frozen_objects": frozen,
         }
 
 

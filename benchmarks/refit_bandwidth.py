@@ -13,6 +13,9 @@ replayed load does). Each refit is the real ``RefitProducer.send`` /
 in the same run, a single-process copy of the same bytes (device-to-device for cuda_ipc, memcpy
 for shm) gives the reference bandwidth. Prints a table and ``ratio = refit / copy`` (goal >= 0.5).
 
+Both processes freeze their start-up heap out of the garbage collector's walks, as the runtime's policy worker
+and vLLM's engine do (``rlc.runtime.gc_heap``).
+
 ``--timeline`` records every protocol event of both processes (the refit engine's event hooks) on the host's
 monotonic clock and prints, per event, its median time after the producer's ``send`` began (min-max over the
 measured refits): where a refit's time goes between the two processes when the copies themselves take a millisecond.
@@ -25,6 +28,7 @@ storage once): one copy, so the bound is 1.0; with shm the tensors then live in 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import statistics
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's r
 import torch
 
 from tests.refit.harness import refit_config, shm_segment
+from rlc.runtime.gc_heap import freeze_heap
 from rlc.runtime.refit.buffers import CudaIpcBackend, ShmBackend
 from rlc.runtime.refit.consumer import RefitConsumer
 from rlc.runtime.refit.copy_tables import copy_all
@@ -134,6 +139,7 @@ def consumer_proc(args: dict, out: mp.Queue) -> None:
         consumer = RefitConsumer(session=args["session"], backend=backend, timeout_s=120,
                                  event_hook=log.hook if args.get("timeline") else None)
         consumer.prepare()
+        freeze_heap()  # as vLLM's engine freezes its start-up heap
 
         def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
             if args.get("batched_load"):  # as the replayed load issues a bucket's copies (refit.replay_load)
@@ -179,11 +185,14 @@ def copy_baseline(kind: str, src: list[torch.Tensor], runs: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
+    frozen_before = gc.get_freeze_count()
     torch.set_num_threads(1)  # CPU copies: same single thread in both processes (the child's default below)
     try:
         return _main(argv)
     finally:
         torch.set_num_threads(threads)
+        if not frozen_before:  # called in-process (tests): the caller's heap goes back to the collector
+            gc.unfreeze()
 
 
 def _main(argv: list[str] | None) -> dict:
@@ -269,6 +278,7 @@ def _main(argv: list[str] | None) -> dict:
     refits = []
     try:
         producer.prepare(specs, zero_copy=[s.name for s in specs] if a.zero_copy else ())
+        freeze_heap()  # as the runtime's policy worker freezes its heap once set up
         for _ in range(runs):
             log.call()
             refits.append(producer.send(zip([s.name for s in specs], src)))

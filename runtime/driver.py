@@ -363,8 +363,9 @@ class GrpoRun:
         master = self.policy.master_address()
         with self.timer("policy_setup"):
             self.coords = self.policy.setup(master, self.total_optimizer_steps())
-        log.info("Megatron policy up in %.1f s (%d ranks, dp=%d)", self.timer.drain()["timing/policy_setup_s"],
-                 len(pol), self.coords[0].dp_size)
+        log.info("Megatron policy up in %.1f s (%d ranks, dp=%d; %d objects of rank 0's heap frozen out of the "
+                 "garbage collector's walks)", self.timer.drain()["timing/policy_setup_s"], len(pol),
+                 self.coords[0].dp_size, self.coords[0].gc_frozen_objects)
         self.record.started("policy_started", self.coords[0].memory)
 
     def check_replay_layers(self, recorded: list[int] | None) -> None:

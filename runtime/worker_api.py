@@ -131,6 +131,7 @@ class RankCoords:
     memory: Memory
     params_local: int = 0
     setup_s: float = 0.0
+    gc_frozen_objects: int = 0  # objects moved out of the garbage collector's walks once set up (gc.freeze)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ process-wide ``InferenceMode`` is on.
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from rlc.contract.runtime_config import RuntimeConfig
+from rlc.runtime.gc_heap import freeze_heap
 from rlc.runtime.generation.megatron_sampling import TokenizerAdapter
 from rlc.runtime.worker_api import EngineStarted, Generated, MegatronSynced, Memory, Slept
 
@@ -125,9 +125,7 @@ class MegatronGenerationMixin:
         # without CUDA graphs), which walks every object of this process: Megatron's model, optimizer, Transformer
         # Engine and the engine itself. Moving what exists now into the permanent generation leaves each later
         # collection only what the steps allocate (vLLM's freeze_gc_heap does the same after its start-up).
-        gc.collect()
-        gc.freeze()
-        facts["gc_frozen_objects"] = gc.get_freeze_count()
+        facts["gc_frozen_objects"] = freeze_heap()
         print(f"[megatron-inference] rank {self.rank}: engine ready ({m.mode} mode, KV pool {facts['kv_pool']})",
               flush=True)
         return EngineStarted(seconds=time.perf_counter() - t0, memory=self.memory(), eos_token_id=eos,

@@ -28,6 +28,7 @@ import torch
 from rlc.contract.files import parse_json, read_text_capped
 from rlc.contract.runtime_config import runtime_config_from_dict
 from rlc.contract.sequence_packing import pad_multiples
+from rlc.runtime.gc_heap import freeze_heap
 from rlc.runtime.policy import batches as B
 from rlc.runtime.policy.megatron_generation import MegatronGenerationMixin
 from rlc.runtime.policy.routes import micro_batch_routes
@@ -154,8 +155,9 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if self.cfg.training.router_replay.enabled:
             self._setup_router_replay()
         n_params = sum(p.numel() for m in self.pm.model for p in m.parameters())
+        frozen = freeze_heap()  # the model, optimizer and libraries just built: later collections skip them
         return RankCoords(**self.coords, params_local=int(n_params), setup_s=time.perf_counter() - t0,
-                          memory=self.memory())
+                          memory=self.memory(), gc_frozen_objects=frozen)
 
     def memory(self) -> Memory:
         return gpu_memory_snapshot()
