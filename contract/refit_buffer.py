@@ -12,6 +12,8 @@ one-off buffer take) is a stacked one even for models whose checkpoint names eac
 """
 from __future__ import annotations
 
+from typing import Any
+
 GIB = 1 << 30
 
 
@@ -88,6 +90,14 @@ def bf16_switch_applies(key: str, requested: bool, precision: str) -> tuple[bool
     if precision == "fp8":
         return False, "off: FP8 rollouts load through vLLM's layerwise reload, which quantizes what it loads"
     return True, "on"
+
+
+def kv_cache_kept_awake(refit: Any) -> bool:
+    """Whether vLLM's KV cache stays on the GPU between rollouts: ``refit.keep_kv_cache_awake``, which holds only
+    with ``refit.keep_weights_awake`` (vLLM's own sleep releases the KV cache with the weights; RLC227). ``refit``:
+    the recipe's or the runtime config's ``refit`` section. The one reading of the pair for the planner, the
+    calibration records and the runtime."""
+    return bool(refit.keep_weights_awake and refit.keep_kv_cache_awake)
 
 
 def exported_experts(expert_export: str | None, *, fused: bool) -> str | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlc.contract.calibration_record import CalibrationRecord, memory_metric_key
-from rlc.contract.refit_buffer import GIB
+from rlc.contract.refit_buffer import GIB, kv_cache_kept_awake
 from rlc.contract.runtime_config import RuntimeConfig
 from rlc.runtime.metrics import JsonlFile
 from rlc.runtime.worker_api import (MegatronSynced, Memory, Offloaded, ParamsMoved, RefitSent, ReplayCheck, Sample,
@@ -359,8 +359,7 @@ class Recorder:
                                             enforce_eager=cfg.generation.enforce_eager,
                                             gpu_type=cfg.cluster.gpu_type, versions=self.versions, worker="rank0",
                                             weights_awake=cfg.refit.keep_weights_awake,
-                                            kv_cache_awake=cfg.refit.keep_weights_awake
-                                            and cfg.refit.keep_kv_cache_awake,
+                                            kv_cache_awake=kv_cache_kept_awake(cfg.refit),
                                             extra=extra)
         self.calibration.write(rec.to_dict())
 

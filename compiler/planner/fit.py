@@ -35,6 +35,7 @@ from rlc.compiler.planner.memory import _core_plan, nvls_items, vllm_asleep_item
 from rlc.compiler.planner.plan import MemoryPlan
 from rlc.compiler.planner.runs import RunMeasurements
 from rlc.compiler.recipe_types import Recipe
+from rlc.contract.refit_buffer import kv_cache_kept_awake
 
 #: Phases compared before and after the fit, with the measurement each is compared to.
 COMPARED = {
@@ -100,7 +101,7 @@ def check_runs(runs: Sequence[RunMeasurements], recipe: Recipe) -> None:
                 raise CalibrationError(f"{run.path}: recorded with refit.keep_weights_awake {rec.weights_awake}, the "
                                        f"recipe has {awake} (vLLM's weights in the after-sleep memory or not); give "
                                        "the recipe the runs were compiled from")
-            kv_awake = awake and recipe.refit.keep_kv_cache_awake
+            kv_awake = kv_cache_kept_awake(recipe.refit)
             if rec.kv_cache_awake != kv_awake:
                 raise CalibrationError(f"{run.path}: recorded with refit.keep_kv_cache_awake {rec.kv_cache_awake}, "
                                        f"the recipe has {kv_awake} (vLLM's KV cache in the after-sleep memory or "

@@ -49,6 +49,7 @@ from typing import Optional
 from rlc.compiler.planner.calibration import Calibration
 from rlc.compiler.planner.vllm_sleep import SleepSemantics
 from rlc.compiler.recipe_types import Recipe
+from rlc.contract.refit_buffer import kv_cache_kept_awake
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def residency(recipe: Recipe, sleep: SleepSemantics, cal: Calibration) -> dict[s
     precision_aware = training.use_precision_aware_optimizer
     awake = refit.keep_weights_awake  # only the KV cache sleeps: the shard is on the GPU in every phase
     # the KV cache on the GPU outside generation: never asleep, or mapped back from inside the transfer
-    kv_awake = KV_KEPT_AWAKE if awake and refit.keep_kv_cache_awake else None
+    kv_awake = KV_KEPT_AWAKE if kv_cache_kept_awake(refit) else None
     kv_at_refit = kv_awake or (KV_WOKEN_DURING_TRANSFER if awake and refit.wake_kv_during_transfer else None)
     host_copy = 1.0 if level.host_copy and not awake else 0.0
     with_reference = recipe.loss.kl_penalty > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rlc.contract.refit_buffer import kv_cache_kept_awake
 from rlc.contract.runtime_config import RefitConfig
 from rlc.runtime.worker_api import EngineStarted, Generated, Slept
 from rlc.runtime.worker_groups import GenerationGroup, PolicyGroup
@@ -69,7 +70,7 @@ class VllmBackend:
     def release(self, step: int) -> Slept:
         """Every engine asleep at ``refit.sleep_level``, or with ``refit.keep_weights_awake`` only its KV cache, or
         with ``refit.keep_kv_cache_awake`` too nothing (the engines keep their memory)."""
-        if self.refit.keep_weights_awake and self.refit.keep_kv_cache_awake:
+        if kv_cache_kept_awake(self.refit):
             return self.group.stay_awake()[0]
         if self.refit.keep_weights_awake:
             return self.group.sleep_kv_cache()[0]
