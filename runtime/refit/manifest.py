@@ -138,8 +138,8 @@ class ManifestTracker:
             raise RefitManifestError(f"{where} is stacked from {len(e.parts) / 2:g} part(s) in trainer storages, "
                                      f"which does not split its shape {list(e.shape)} ({e.nbytes} bytes) into "
                                      "equal parts along its first dimension starting at the entry's own location")
+        nbytes = e.nbytes // len(parts) if parts else e.nbytes  # what each location holds
         for storage, offset in e.locations:
-            nbytes = e.nbytes // len(parts) if parts else e.nbytes
             if storage not in storages:
                 raise RefitManifestError(f"{where} is read from trainer storage {storage}, which the producer has "
                                          "not shared")
