@@ -41,6 +41,7 @@ class InferenceModel:
     transformer_impl: str  # "transformer_engine" | "inference_optimized"
     differs: tuple[str, ...]  # what makes the inference model differ from the training model
     reason: str
+    router_dtype: str  # "fp32" | "fp64" | "auto" (the model provider's own): how the generating model routes
 
 
 def layout_differences(recipe: Recipe) -> list[str]:
@@ -56,26 +57,33 @@ def layout_differences(recipe: Recipe) -> list[str]:
 
 
 def inference_model(recipe: Recipe) -> InferenceModel:
-    """Shared or dedicated, and the layer implementation (``generation.megatron.mode`` / ``transformer_impl``)."""
+    """Shared or dedicated, the layer implementation and the router dtype (``generation.megatron.mode`` /
+    ``transformer_impl`` / ``router_dtype``)."""
     m = recipe.generation.megatron
     impl = "transformer_engine" if m.transformer_impl == "auto" else m.transformer_impl
+    trainer_router = recipe.training.moe.router_dtype
+    router = trainer_router if m.router_dtype == "auto" else m.router_dtype
     differs = layout_differences(recipe)
     if impl != "transformer_engine":
         differs.append(f"transformer_impl transformer_engine -> {impl}")
+    if router != trainer_router:
+        differs.append(f"router dtype {trainer_router} -> {router}")
     if m.mode == "shared":
-        return InferenceModel("shared", impl, tuple(differs), "set in recipe")
+        return InferenceModel("shared", impl, tuple(differs), "set in recipe", router)
     if m.mode == "dedicated":
         why = "set in recipe" + ("" if differs else " (same layout: every swap is a local copy)")
-        return InferenceModel("dedicated", impl, tuple(differs), why)
+        return InferenceModel("dedicated", impl, tuple(differs), why, router)
     if differs:
         return InferenceModel(
             "dedicated",
             impl,
             tuple(differs),
             f"auto -> dedicated: the inference model differs from the training model ({'; '.join(differs)})",
+            router,
         )
     return InferenceModel("shared", impl, (), "auto -> shared: the inference model would equal the training model "
-                          "(same layout and transformer_impl), so the engine runs on it and no weights move")
+                          "(same layout, transformer_impl and router dtype), so the engine runs on it and no weights "
+                          "move", router)
 
 
 def weight_sync_kind(recipe: Recipe) -> str:

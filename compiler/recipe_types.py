@@ -589,6 +589,13 @@ class MegatronGenerationSection(_Section):
         "or a router not in fp32, needs RMSNorm and no linear biases, and its router cannot do group-limited "
         "routing.",
         default="auto", runtime=_ENGINE, resolved=True)
+    router_dtype: Literal["auto", "fp32", "fp64"] = key(
+        "Router computation dtype of the generating model (megatron-core `moe_router_dtype`). `auto`: the trainer's "
+        "(`training.moe.router_dtype`). Another value makes the inference model differ from the training model, so "
+        "it needs a dedicated one, as NeMo-RL merges `mcore_generation_config.moe_router_dtype` over the trainer's "
+        "for its dedicated model only; `fp32` lets a trainer that routes in fp64 generate with megatron-core's "
+        "inference-optimized MoE layers, which run an fp32 router only.",
+        default="auto", runtime=_ENGINE)
     kv_cache: Literal["recompute", "offload", "persist"] = key(
         "What happens to the KV pool (`generation.kv_cache_memory_bytes`) while the trainer runs (megatron-core "
         "`KVCacheManagementMode`). `recompute`: freed after each rollout and allocated again for the next; "

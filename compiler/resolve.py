@@ -188,7 +188,9 @@ def _build(cls: type[T], recipe: Recipe, given: dict[str, Any], path: str) -> T:
 
 #: Megatron-backend decisions the rules record (``generation.megatron.*`` and the refit kind), into ``refit.decisions``.
 MEGATRON_DECISIONS = ("weight_sync", "generation.megatron.mode", "generation.megatron.transformer_impl",
-                      "generation.megatron.reset_router_num_groups")
+                      "generation.megatron.reset_router_num_groups", "generation.megatron.router_dtype")
+#: Those runtime.yaml takes its values from (every megatron-backend check decides them).
+_REQUIRED_MEGATRON_DECISIONS = MEGATRON_DECISIONS[:3]
 
 
 def _megatron(recipe: Recipe, decisions: dict[str, tuple[Any, str]],
@@ -199,7 +201,7 @@ def _megatron(recipe: Recipe, decisions: dict[str, tuple[Any, str]],
     for key in MEGATRON_DECISIONS:
         if key in decisions:
             refit_decisions[key] = decisions[key][1]
-    for key in MEGATRON_DECISIONS[:3]:
+    for key in _REQUIRED_MEGATRON_DECISIONS:
         if key not in decisions:
             raise ResolveError(f"{key}: not decided by any rule (generation.backend megatron)")
     reset = decisions.get("generation.megatron.reset_router_num_groups")

@@ -239,6 +239,9 @@ class MegatronGenerationConfig(Declared):
     megatron-core 0.19 refuses them for MoE layers with gated linear units (SwiGLU), expert tensor parallelism
     or a router not in fp32, needs RMSNorm and no linear biases, and its router cannot do group-limited
     routing."""
+    router_dtype: Literal["auto", "fp32", "fp64"] = runtime_key(_ENGINE, recipe="generation.megatron.router_dtype")
+    """Router computation dtype of the generating model (megatron-core `moe_router_dtype`). `auto`: the
+    trainer's (`training.moe.router_dtype`)."""
     kv_cache: Literal["recompute", "offload", "persist"] = runtime_key(
         _ENGINE, recipe="generation.megatron.kv_cache")
     """What happens to the KV pool (`generation.kv_cache_memory_bytes`) while the trainer runs (megatron-core

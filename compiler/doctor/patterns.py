@@ -303,7 +303,8 @@ PATTERNS: tuple[Pattern, ...] = (
             r"support expert tensor parallelism|inference_optimized'? requires --moe-router-dtype=fp32|GDN layers are "
             r"not supported for inference"), x.nothing,
         "generation.megatron.transformer_impl: auto for SwiGLU MoE models; parallelism.train.etp: 1; "
-        "training.moe.router_dtype: fp32 (gated delta-net models: generation.backend: vllm)",
+        "generation.megatron.router_dtype: fp32 (the inference model's own; or training.moe.router_dtype: fp32) "
+        "(gated delta-net models: generation.backend: vllm)",
         ("megatron-core 0.19 transformer_config.py (inference_optimized MoE checks; fixed for SwiGLU on Megatron-LM "
          "main by PR #5700)",),
         hints=("gated linear units", "expert tensor parallelism", "moe-router-dtype=fp32", "gdn layers")),

@@ -107,6 +107,9 @@ def inference_mode(ctx: Context) -> None:
     ctx.decide("generation.megatron.mode", model.mode, model.reason)
     ctx.decide("generation.megatron.transformer_impl", model.transformer_impl,
                "set in recipe" if r.generation.megatron.transformer_impl != "auto" else "auto -> the trainer's")
+    ctx.decide("generation.megatron.router_dtype", model.router_dtype,
+               "set in recipe" if r.generation.megatron.router_dtype != "auto" else
+               "auto -> the trainer's (training.moe.router_dtype)")
     kind = weight_sync_kind(r)
     ctx.decide("weight_sync", kind, ("megatron-core swap_model_weights into the dedicated inference model every "
                                      "refit") if kind == "megatron-swap" else
@@ -196,7 +199,8 @@ def sampling(ctx: Context) -> None:
            "for inference'); transformer/multi_latent_attention.py (dynamic batching asserts cache_mla_latents, "
            "which asserts not training); NeMo-RL PR #3490 (_apply_moe_config resets moe_router_num_groups 1 -> None).",
       fixes="generation.megatron.transformer_impl: auto (Transformer Engine layers) for SwiGLU MoE models, grouped "
-            "routers and biased layers; training.moe.router_dtype: fp32; parallelism.train.etp: 1; "
+            "routers and biased layers; generation.megatron.router_dtype: fp32 (or training.moe.router_dtype: fp32); "
+            "parallelism.train.etp: 1; "
             "generation.backend: vllm for gated delta-net and multi-latent attention models.")
 def layer_limits(ctx: Context) -> None:
     r, f = ctx.recipe, ctx.facts
@@ -213,6 +217,10 @@ def layer_limits(ctx: Context) -> None:
                   "blocks, FlashMLA decode), which its training forward refuses ('cache_mla_latents conflicts with "
                   "training') and the bundled runtime does not set up", "generation.backend",
                   hint="generation.backend: vllm")
+    if not f.is_moe and r.generation.megatron.router_dtype != "auto":
+        ctx.error(f"generation.megatron.router_dtype {r.generation.megatron.router_dtype}: {f.model_id} has no MoE "
+                  "router (a dense model), and a router dtype of its own would only build a dedicated inference model",
+                  f"{G}.router_dtype", hint=f"{G}.router_dtype: auto")
     if inference_model(r).transformer_impl != "inference_optimized":
         return
     path = f"{G}.transformer_impl"
@@ -225,10 +233,15 @@ def layer_limits(ctx: Context) -> None:
         if r.parallelism.train.etp > 1:
             ctx.error(f"expert tensor parallelism {r.parallelism.train.etp}: inference-optimized MoE layers do not "
                       "support it", path, hint=f"{hint}, or parallelism.train.etp: 1")
-        if r.training.moe.router_dtype != "fp32":
-            ctx.error(f"training.moe.router_dtype {r.training.moe.router_dtype}: inference-optimized MoE requires "
-                      "the router in fp32 (--moe-router-dtype=fp32)", "training.moe.router_dtype",
-                      hint="training.moe.router_dtype: fp32")
+        router = inference_model(r).router_dtype
+        if router != "fp32":
+            own = r.generation.megatron.router_dtype != "auto"
+            source = f"{G}.router_dtype" if own else "the trainer's training.moe.router_dtype"
+            ctx.error(f"the generating model routes in {router} ({source}): inference-optimized MoE requires the "
+                      "router in fp32 (--moe-router-dtype=fp32)",
+                      f"{G}.router_dtype" if own else "training.moe.router_dtype",
+                      hint=f"{G}.router_dtype: fp32 (the dedicated inference model routes in fp32, the trainer keeps "
+                           "its own dtype), or training.moe.router_dtype: fp32")
         groups = getattr(f, "router_groups", None)
         if groups is not None and groups > 1:
             ctx.error(f"{f.model_id} routes within {groups} expert groups (n_group); InferenceTopKRouter asserts "

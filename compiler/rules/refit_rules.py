@@ -201,17 +201,21 @@ def buffer_exclusive(ctx: Context) -> None:
                   hint="keep one of them")
 
 
-@rule("RLC207", "refit transport vs. colocation", severities=("error", "warning"),
-      rationale="CUDA IPC shares device memory between processes on the same GPU, so it needs colocated "
-                "generation. The shared-memory transport copies every tensor through host memory and is meant "
-                "for tests.",
+@rule("RLC207", "generation colocated with the trainer; refit transport", severities=("error", "warning"),
+      rationale="rlc plans and runs generation colocated with the trainer: vLLM shares the trainer's GPUs, sleeps "
+                "while it trains, and receives the weights through CUDA IPC on each GPU, which only works between "
+                "processes on the same GPU. Generation on GPUs of its own (NeMo-RL's non-colocated mode, weights "
+                "broadcast over NCCL) has neither a transport in the bundled runtime nor a memory plan. The "
+                "shared-memory transport copies every tensor through host memory and is meant for tests.",
       seed="rlc runtime design (rlc/runtime/refit: CUDA IPC or shm buffers per GPU).",
       fixes="Keep colocated: true with transport cuda_ipc.")
 def transport(ctx: Context) -> None:
     t = ctx.recipe.refit.transport
     if t == "cuda_ipc" and not ctx.recipe.colocated:
-        ctx.error("refit.transport cuda_ipc needs colocated: true (IPC handles are only valid on the same GPU)",
-                  "refit.transport", hint="set colocated: true")
+        ctx.error("colocated: false puts generation on GPUs of its own; rlc plans and runs generation colocated "
+                  "with the trainer only (refit.transport cuda_ipc hands the weights over on the same GPU; "
+                  "non-colocated generation, with the weights broadcast over NCCL, is not supported)", "colocated",
+                  hint="set colocated: true: vLLM then shares the trainer's GPUs and sleeps while it trains")
     elif t == "shm" and train_layout(ctx.recipe).world > 1:
         ctx.warning("refit.transport shm copies every weight through host memory (meant for tests)",
                     "refit.transport", hint="use transport: cuda_ipc")

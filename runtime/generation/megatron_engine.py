@@ -217,6 +217,8 @@ def build_inference_model(bridge: Any, cfg: RuntimeConfig) -> tuple[Any, Any]:
     provider.expert_tensor_parallel_size = etp
     provider.context_parallel_size = 1
     provider.sequence_parallel = bool(t.sequence_parallel and g.tp > 1)
+    if m.router_dtype != "auto":  # its own (NeMo-RL merges it over the trainer's for its dedicated model only)
+        provider.moe_router_dtype = m.router_dtype
     if m.transformer_impl == "inference_optimized":
         provider.transformer_impl = "inference_optimized"
         if m.reset_router_num_groups:

@@ -150,9 +150,32 @@ def test_inference_optimized_refuses_swiglu_moe_on_megatron_core_0_19():
     assert "attention biases" in errors[1][2]  # GLM-4.5's QKV bias: inference-optimized layers assert none
 
 
-def test_inference_optimized_needs_an_fp32_router():
-    errors = found(check(MOE, f"{G}.transformer_impl=inference_optimized"))
-    assert ("training.moe.router_dtype", "RLC405") in [(p, r) for p, r, _ in errors]
+def test_inference_optimized_needs_an_fp32_router_and_the_inference_model_may_have_its_own():
+    errors = found(check(MOE, f"{G}.transformer_impl=inference_optimized", "training.moe.router_dtype=fp64"))
+    (router,) = [(p, m) for p, r, m in errors if r == "RLC405" and "fp32" in m]
+    assert router[0] == "training.moe.router_dtype" and "routes in fp64" in router[1]
+    # NeMo-RL's colocated reshard: the trainer routes in fp64, its dedicated inference model in fp32
+    result = check(MOE, f"{G}.transformer_impl=inference_optimized", "training.moe.router_dtype=fp64",
+                   f"{G}.router_dtype=fp32")
+    assert not [m for _, r, m in found(result) if r == "RLC405" and "fp32" in m]
+    assert inference_model(result.recipe).router_dtype == "fp32"
+    assert "router dtype fp64 -> fp32" in inference_model(result.recipe).differs
+    errors = found(check(MOE, f"{G}.transformer_impl=inference_optimized", f"{G}.router_dtype=fp64"))
+    assert (f"{G}.router_dtype", "RLC405") in [(p, r) for p, r, _ in errors]
+
+
+def test_a_router_dtype_of_its_own_makes_the_inference_model_dedicated_and_reaches_runtime_yaml():
+    cfg = resolve_runtime_config(check(MOE, "training.moe.router_dtype=fp64", f"{G}.router_dtype=fp32"))
+    assert (cfg.generation.megatron.mode, cfg.generation.megatron.router_dtype) == ("dedicated", "fp32")
+    assert cfg.training.moe.router_dtype == "fp64"
+    assert "router dtype fp64 -> fp32" in cfg.refit.decisions["generation.megatron.mode"]
+    assert cfg.refit.decisions["generation.megatron.router_dtype"] == "RLC403: set in recipe"
+    same = resolve_runtime_config(check(MOE, "training.moe.router_dtype=fp32", f"{G}.router_dtype=fp32"))
+    assert same.generation.megatron.mode == "shared"  # the same dtype: the training model generates
+    errors = found(check(MOE, f"{G}.mode=shared", "training.moe.router_dtype=fp64", f"{G}.router_dtype=fp32"))
+    assert [(p, r) for p, r, _ in errors] == [(f"{G}.mode", "RLC403")]
+    errors = found(check(DENSE, f"{G}.router_dtype=fp32"))  # a dense model has no router to route with
+    assert (f"{G}.router_dtype", "RLC405") in [(p, r) for p, r, _ in errors]
 
 
 def test_a_degenerate_router_group_is_reset_and_recorded():

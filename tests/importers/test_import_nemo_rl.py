@@ -365,8 +365,8 @@ def test_trainer_only_expandable_segments_is_listed_not_applied_to_every_task(tm
     assert "RLC301" in listed.reason and listed.value == "expandable_segments:True"
 
 
-def test_colocated_megatron_moves_its_parameters_off_the_gpu_for_generation_as_nemo_rl_does():
-    """NeMo-RL's Megatron policy moves the model to host memory after every refit when generation is
+def test_colocated_trainers_move_their_parameters_off_the_gpu_for_generation_as_nemo_rl_does():
+    """NeMo-RL's Megatron and DTensor policies move the model to host memory after every refit when generation is
     colocated (offload_after_refit); the recipe says so, and without the distributed optimizer (whose
     parameter buffer the runtime moves) it says why not instead."""
     assert mapped(import_nemo_rl(str(CHILD)))["refit.offload_params_for_generation"] is True
@@ -375,8 +375,26 @@ def test_colocated_megatron_moves_its_parameters_off_the_gpu_for_generation_as_n
     assert any("distributed optimizer" in n for n in no_dist.mapping.notes)
     split = import_nemo_rl(str(CHILD), ["policy.generation.colocated.enabled=false"])
     assert "refit.offload_params_for_generation" not in mapped(split)
-    dtensor = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"))
-    assert "refit.offload_params_for_generation" not in mapped(dtensor)
+    dtensor = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"))  # FSDP2: the distributed optimizer in rlc
+    assert mapped(dtensor)["refit.offload_params_for_generation"] is True
+    (value,) = [v for v in dtensor.mapping.values if v.target == "refit.offload_params_for_generation"]
+    assert "DTensor" in value.note
+    dtensor_split = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"), ["policy.generation.colocated.enabled=false"])
+    assert "refit.offload_params_for_generation" not in mapped(dtensor_split)
+
+
+@pytest.mark.parametrize("override, kept", [
+    ("checkpointing.keep_top_k=3", 3),
+    ("checkpointing.keep_top_k=null", 100000),  # NeMo-RL: "If None, all checkpoints are kept"
+    ("checkpointing.keep_top_k=1000000", 100000),  # NeMo-RL recipes' "never prune"
+])
+def test_kept_checkpoints_never_fall_to_a_default_that_deletes_what_nemo_rl_keeps(tmp_path, override, kept):
+    imported = import_nemo_rl(str(PUBLIC_30B), [override])
+    assert mapped(imported)["checkpointing.keep_last"] == kept
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(PUBLIC_30B), override, "-o", str(out), "--set", GPU, "--set", IMAGE,
+                       "--set", "data.train=/data/math/train.jsonl", *MOUNTS)
+    assert code == 0, err  # within the schema's range: the recipe validates
 
 
 def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_it_out():

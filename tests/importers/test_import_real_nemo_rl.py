@@ -53,6 +53,7 @@ RECIPES = {
     "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml":
         REWARD_SHAPING | {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
     "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": REWARD_SHAPING,
+    "grpo-nanov3-30BA3B-4n4g-megatron_colocated_reshard.yaml": set(),
 }
 
 
@@ -174,3 +175,25 @@ def test_settings_that_change_nothing_are_listed_not_stopped():
     listed = {u.key: u for u in imported.unmapped if u.effect == "none"}
     assert {"logger.wandb_enabled", "grpo.val_period", "policy.megatron_cfg.empty_unused_memory_level"} <= set(listed)
     assert imported.dropped == []
+
+
+def test_the_colocated_reshard_recipe_validates_with_its_own_inference_router(tmp_path):
+    """NeMo-RL's colocated reshard recipe trains with an fp64 router and builds its dedicated, inference-optimized
+    generation model with an fp32 one (mcore_generation_config.moe_router_dtype, merged for that model only): the
+    import keeps both, so the recipe validates instead of asking the trainer to route in fp32."""
+    path = LLM / "grpo-nanov3-30BA3B-4n4g-megatron_colocated_reshard.yaml"
+    got = mapped(import_nemo_rl(str(path)))
+    assert (got["training.moe.router_dtype"], got["generation.megatron.router_dtype"]) == ("fp64", "fp32")
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(path), "-o", str(out), "--set", "cluster.gpu=gb200-186gb",
+                       "--set", "cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.6.0",
+                       "--set", "data.train=/data/train.jsonl", "--set", 'cluster.container.mounts=["/data:/data:ro"]')
+    assert code == 0, err
+    assert "router dtype fp64 -> fp32" in err  # auto -> dedicated says why
+    # with the trainer's layout and Transformer Engine layers NeMo-RL generates on the training model, which routes
+    # as it trains: the inference router dtype is not read there
+    shared = import_nemo_rl(str(path), ["policy.generation.mcore_generation_config.transformer_impl=transformer_engine",
+                                        "policy.generation.mcore_generation_config.tensor_model_parallel_size=2",
+                                        "policy.generation.mcore_generation_config.expert_model_parallel_size=8"])
+    assert "generation.megatron.router_dtype" not in mapped(shared)
+    assert "policy.generation.mcore_generation_config.moe_router_dtype" in shared.mapping.implied

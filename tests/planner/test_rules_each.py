@@ -48,7 +48,7 @@ def test_shipped_recipe_has_no_errors_or_warnings(base_recipe, qwen397):
      "refit.sync_params_before_refit", ["stale"]),
     (dict(refit__per_rank_ipc_metadata="off"), "RLC203", "refit.per_rank_ipc_metadata", ["EP32 / PP8"]),
     (dict(refit__buffer_gb=20, refit__buffer_memory_ratio=0.45), "RLC206", "refit.buffer_gb", ["20", "0.45"]),
-    (dict(colocated=False), "RLC207", "refit.transport", ["colocated"]),
+    (dict(colocated=False), "RLC207", "colocated", ["colocated with the trainer only", "NCCL"]),
     (dict(training__use_distributed_optimizer=False, training__overlap_param_gather=True), "RLC208",
      "training.overlap_param_gather", []),
     (dict(cluster__env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}),

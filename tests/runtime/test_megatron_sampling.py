@@ -28,7 +28,8 @@ def _cfg(**megatron):
     cfg = load_runtime_config(ROOT / "tests" / "gpu" / "tiny_runtime.yaml")
     m = MegatronGenerationConfig(**{**dict(mode="shared", transformer_impl="transformer_engine", kv_cache="recompute",
                                            block_size_tokens=64, max_tokens=None, max_requests=None,
-                                           refit_backend="nccl", reset_router_num_groups=False), **megatron})
+                                           refit_backend="nccl", reset_router_num_groups=False, router_dtype="auto"),
+                                        **megatron})
     return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="megatron", megatron=m,
                                                                    kv_cache_memory_bytes=3 << 27))
 

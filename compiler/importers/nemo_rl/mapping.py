@@ -9,10 +9,12 @@ means "unset" and leaves the rlc default in place.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable
 
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+from rlc.compiler.recipe_types import CheckpointingSection
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
@@ -211,8 +213,6 @@ DIRECT: tuple[Rule, ...] = (
     ("checkpointing.enabled", "checkpointing.enabled", boolean, ""),
     ("checkpointing.checkpoint_dir", "checkpointing.dir", str, ""),
     ("checkpointing.save_period", "checkpointing.every_steps", positive_int, ""),
-    ("checkpointing.keep_top_k", "checkpointing.keep_last", positive_int,
-     "NeMo-RL keeps the best k by checkpointing.metric_name; rlc keeps the last k"),
     ("logger.log_dir", "logging.dir", str, ""),
     ("logger.tensorboard_enabled", "logging.tensorboard", boolean, ""),
     ("data.shuffle", "data.shuffle", boolean, ""),
@@ -392,8 +392,9 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _reward(m)
     _prompt_files(m)
     _data(m)
+    _checkpoints_kept(m)
     _buffer_exclusive(m)
-    _params_offload(m, megatron and (not mcore or _mcore_dedicated(m)))
+    _params_offload(m, megatron, offloads=not mcore or (megatron and _mcore_dedicated(m)))
     _reference_policy(m)
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
@@ -742,20 +743,53 @@ def _data(m: _Mapper) -> None:
                                            "convert it and pass --set data.train=/path/train.jsonl", effect="none"))
 
 
-def _params_offload(m: _Mapper, megatron: bool) -> None:
-    """NeMo-RL moves the Megatron model to host memory after every refit when generation is colocated
-    (``offload_after_refit`` in its Megatron policy worker); rlc's runtime does the same with
-    ``refit.offload_params_for_generation``, which needs the distributed optimizer's parameter buffer."""
-    colocated = "policy.generation.colocated.enabled"
-    if not megatron or m.cfg.get(colocated, True) is False:
+def _checkpoints_kept(m: _Mapper) -> None:
+    """``checkpointing.keep_top_k`` -> ``checkpointing.keep_last``. NeMo-RL keeps every checkpoint when it is null
+    (``CheckpointManager``: "If None, all checkpoints are kept") and its recipes write 1000000 for "never prune";
+    rlc's default keeps 2, so both become rlc's largest count rather than a default that deletes checkpoints."""
+    key = "checkpointing.keep_top_k"
+    if key not in m.leaves:
         return
-    if m.cfg.get(f"{M}.optimizer.use_distributed_optimizer") is False:
+    most = _schema_maximum(CheckpointingSection, "keep_last")
+    value = m.leaves[key]
+    m.consumed.add(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > most):
+        said = "null" if value is None else str(value)
+        m.put("checkpointing.keep_last", most, (key,),
+              f"NeMo-RL's keep_top_k {said} keeps every checkpoint; rlc keeps the last {most}, its largest count")
+        return
+    try:
+        kept = positive_int(value)
+    except Unmappable as exc:
+        m.out.unmapped.append(Unmapped(key, value, str(exc)))
+        return
+    m.put("checkpointing.keep_last", kept, (key,),
+          "NeMo-RL keeps the best k by checkpointing.metric_name; rlc keeps the last k")
+
+
+def _schema_maximum(section: type, name: str) -> int:
+    """The largest value the recipe schema allows for ``section.name``."""
+    field = {f.name: f for f in dataclasses.fields(section)}[name]
+    return int(field.metadata["schema"]["maximum"])
+
+
+def _params_offload(m: _Mapper, megatron: bool, offloads: bool) -> None:
+    """NeMo-RL moves the policy model to host memory after every refit when generation is colocated
+    (``offload_after_refit``: its Megatron policy worker, and its DTensor workers, which move the whole model to the
+    CPU); ``offloads``: the config's trainer does (not where Megatron generation runs on the training model itself).
+    rlc's runtime does the same with ``refit.offload_params_for_generation``, which needs the distributed optimizer's
+    parameter buffer (a DTensor config's FSDP shards become the distributed optimizer's data parallelism)."""
+    colocated = "policy.generation.colocated.enabled"
+    if not offloads or m.cfg.get(colocated, True) is False:
+        return
+    if megatron and m.cfg.get(f"{M}.optimizer.use_distributed_optimizer") is False:
         m.out.notes.append("NeMo-RL moves the Megatron model to host memory after each refit; rlc does that only "
                            "with the distributed optimizer (refit.offload_params_for_generation), which this "
                            "config turns off, so the plan keeps the parameters on the GPU while vLLM generates")
         return
     m.put("refit.offload_params_for_generation", True, (colocated,),
-          "NeMo-RL moves the Megatron model to host memory after every refit when generation is colocated")
+          f"NeMo-RL moves the {'Megatron' if megatron else 'DTensor'} model to host memory after every refit when "
+          "generation is colocated")
 
 
 def _reference_policy(m: _Mapper) -> None:
@@ -861,6 +895,20 @@ def _mcore_dedicated(m: _Mapper) -> bool:
     return (m.cfg.get(f"{M}.context_parallel_size") or 1) > 1
 
 
+def _inference_router_dtype(m: _Mapper, megatron: bool) -> None:
+    """``mcore_generation_config.moe_router_dtype``: NeMo-RL merges it over ``megatron_cfg`` for a dedicated inference
+    model only (``merged_inference_megatron_cfg``); a colocated engine on the training model routes as it trains."""
+    key = f"{MCORE}.moe_router_dtype"
+    if key not in m.leaves:
+        return
+    if megatron and not _mcore_dedicated(m):
+        m.consume(key, why="NeMo-RL generates on the training model here (same layout and transformer_impl), which "
+                           "routes in policy.megatron_cfg.moe_router_dtype")
+        return
+    m.take(key, "generation.megatron.router_dtype", router_dtype,
+           "the dedicated inference model's router dtype (NeMo-RL merges it over policy.megatron_cfg's)")
+
+
 def _mcore_generation(m: _Mapper, megatron: bool) -> None:
     """``policy.generation.backend: megatron``: ``mcore_generation_config`` -> ``generation.megatron`` and its
     neighbours; the inference layout is the trainer's unless ``mcore_generation_config`` overrides it (NeMo-RL
@@ -876,8 +924,7 @@ def _mcore_generation(m: _Mapper, megatron: bool) -> None:
     m.take(f"{MCORE}.refit_backend", "generation.megatron.refit_backend", _refit_backend)
     m.take(f"{MCORE}.transformer_impl", "generation.megatron.transformer_impl", _transformer_impl)
     m.take(f"{MCORE}.max_model_len", "generation.max_model_len", positive_int)
-    m.take(f"{MCORE}.moe_router_dtype", "training.moe.router_dtype", router_dtype,
-           "the inference model's router dtype is the trainer's in rlc")
+    _inference_router_dtype(m, megatron)
     recompute = "grpo.async_grpo.recompute_kv_cache_after_weight_updates"
     if m.cfg.get(recompute) is True:
         m.take(recompute, "generation.megatron.kv_cache", lambda v: "recompute",
