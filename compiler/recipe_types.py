@@ -1182,6 +1182,13 @@ class Recipe(_Section):
         return self.generation.max_model_len if stated is None else stated
 
     @property
+    def longest_sequence(self) -> int:
+        """The longest sequence a rollout can give the trainer: a prompt of at most ``data.max_prompt_length``
+        tokens (longer ones are skipped) and ``generation.sampling.max_tokens`` sampled, at most
+        :attr:`max_sequence_length`."""
+        return min(self.max_sequence_length, self.data.max_prompt_length + self.generation.sampling.max_tokens)
+
+    @property
     def train_mb_tokens(self) -> int:
         """Packed train micro batch budget: ``training.sequence_packing.train_mb_tokens``, else
         ``max_sequence_length × micro_batch_size``."""

@@ -120,8 +120,7 @@ def run_microbatch_tokens(recipe: Recipe) -> tuple[int, str]:
     tl = train_layout(recipe)
     if recipe.training.sequence_packing.enabled:
         return train_microbatch_tokens(recipe, tl)
-    longest = min(recipe.max_sequence_length, recipe.data.max_prompt_length + recipe.generation.sampling.max_tokens)
-    row = round_up(longest, padded_row_multiple(tl.tp, tl.cp))
+    row = round_up(recipe.longest_sequence, padded_row_multiple(tl.tp, tl.cp))
     rows = recipe.training.micro_batch_size
     return rows * row, f"{rows} × {row} tokens"
 

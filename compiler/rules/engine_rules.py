@@ -144,12 +144,13 @@ PACKING = "training.sequence_packing"
       rationale="With training.sequence_packing the trainer bin-packs sequences into micro batches of at most "
                 "train_mb_tokens (train pass) and logprob_mb_tokens (logprob passes) tokens, each sequence padded to "
                 "the multiple context and sequence parallelism cut it by (2 × CP, times TP with sequence parallelism). "
-                "A sequence as long as training.max_sequence_length that does not fit one micro batch cannot be "
-                "trained: the run would stop at its first such rollout.",
+                "The longest sequence a rollout can give (data.max_prompt_length + generation.sampling.max_tokens, "
+                "at most training.max_sequence_length) that does not fit one micro batch cannot be trained: the run "
+                "would stop at its first such rollout.",
       seed="NeMo-RL nemo_rl/data/packing/algorithms.py ('Sequence length ... exceeds bin capacity'); "
            "nemo_rl/models/megatron/data.py (per-sequence padding to 2 × CP × TP).",
       fixes="Raise the budget the message names to at least the padded longest sequence, or lower "
-            "training.max_sequence_length.")
+            "generation.sampling.max_tokens (or data.max_prompt_length).")
 def packing_budget_holds_a_sequence(ctx: Context) -> None:
     r = ctx.recipe
     if not r.training.sequence_packing.enabled:
@@ -158,11 +159,14 @@ def packing_budget_holds_a_sequence(ctx: Context) -> None:
     fp8 = r.training.fp8
     pad = pad_multiples(tp=tl.tp, sequence_parallel=tl.sequence_parallel, cp=tl.cp,
                         fp8_recipe=fp8.recipe if fp8.enabled else None)
-    longest = round_up(r.max_sequence_length, pad.sequence)
+    sequence = r.longest_sequence
+    longest = round_up(sequence, pad.sequence)
+    source = ("training.max_sequence_length" if sequence == r.max_sequence_length else
+              f"a prompt of data.max_prompt_length {r.data.max_prompt_length} + generation.sampling.max_tokens "
+              f"{r.generation.sampling.max_tokens}")
     for key, budget in (("train_mb_tokens", r.train_mb_tokens), ("logprob_mb_tokens", r.logprob_mb_tokens)):
         if budget < longest:
-            padded = (f", padded to a multiple of {pad.sequence}: {longest} tokens"
-                      if longest != r.max_sequence_length else " tokens")
-            ctx.error(f"{PACKING}.{key} = {budget} tokens cannot hold a sequence of the maximum length "
-                      f"({r.max_sequence_length}{padded})", f"{PACKING}.{key}",
+            padded = f", padded to a multiple of {pad.sequence}: {longest} tokens" if longest != sequence else " tokens"
+            ctx.error(f"{PACKING}.{key} = {budget} tokens cannot hold the longest sequence a rollout can give "
+                      f"({sequence}{padded}; {source})", f"{PACKING}.{key}",
                       hint=f"set {PACKING}.{key}: {longest} or more")

@@ -211,11 +211,12 @@ def buffer_exclusive(ctx: Context) -> None:
       fixes="Keep colocated: true with transport cuda_ipc.")
 def transport(ctx: Context) -> None:
     t = ctx.recipe.refit.transport
-    if t == "cuda_ipc" and not ctx.recipe.colocated:
+    if not ctx.recipe.colocated:
         ctx.error("colocated: false puts generation on GPUs of its own; rlc plans and runs generation colocated "
-                  "with the trainer only (refit.transport cuda_ipc hands the weights over on the same GPU; "
-                  "non-colocated generation, with the weights broadcast over NCCL, is not supported)", "colocated",
-                  hint="set colocated: true: vLLM then shares the trainer's GPUs and sleeps while it trains")
+                  "with the trainer only (non-colocated generation, with the weights broadcast over NCCL, is not "
+                  "supported)", "colocated",
+                  hint="set colocated: true: the generation engine then shares the trainer's GPUs and sleeps while "
+                       "it trains")
     elif t == "shm" and train_layout(ctx.recipe).world > 1:
         ctx.warning("refit.transport shm copies every weight through host memory (meant for tests)",
                     "refit.transport", hint="use transport: cuda_ipc")

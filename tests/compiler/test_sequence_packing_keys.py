@@ -59,15 +59,24 @@ def test_the_schema_refuses_a_budget_below_one_token():
 
 
 def test_a_budget_that_cannot_hold_the_longest_sequence_is_an_error_naming_the_padded_size():
-    short = api.check(TINY, [ON, "training.sequence_packing.logprob_mb_tokens=63"])
+    full = "generation.sampling.max_tokens=48"  # a 16-token prompt and 48 sampled: max_sequence_length 64 reached
+    short = api.check(TINY, [ON, full, "training.sequence_packing.logprob_mb_tokens=63"])
     (err,) = [d for d in short.errors if d.rule == "RLC315"]
     assert err.path == "training.sequence_packing.logprob_mb_tokens" and "64 or more" in err.hint
     # CP 2: each sequence is padded to 2 × CP = 4 tokens; max_sequence_length 66 becomes 68
     cp = api.check(TINY, [ON, *TWO_GPUS_CP2, "training.max_sequence_length=66", "generation.max_model_len=128",
-                          "training.sequence_packing.train_mb_tokens=66"])
+                          "generation.sampling.max_tokens=100", "training.sequence_packing.train_mb_tokens=66"])
     (err,) = [d for d in cp.errors if d.rule == "RLC315"]
     assert "padded to a multiple of 4: 68 tokens" in err.message and "68 or more" in err.hint
-    assert api.check(TINY, [ON, "training.sequence_packing.train_mb_tokens=64"]).ok
+    assert api.check(TINY, [ON, full, "training.sequence_packing.train_mb_tokens=64"]).ok
+    # the longest rollout is a full prompt and a full response when those end below max_sequence_length
+    # (NeMo-RL's Nemotron-3-Super QA recipe: 49152-token budget, 65536-token model, 1024 + 32768 tokens a rollout)
+    bounded = [ON, "generation.max_model_len=256", "training.max_sequence_length=256", "data.max_prompt_length=16",
+               "generation.sampling.max_tokens=32"]
+    assert "RLC315" not in _rules(api.check(TINY, [*bounded, "training.sequence_packing.train_mb_tokens=48"]))
+    (err,) = [d for d in api.check(TINY, [*bounded, "training.sequence_packing.train_mb_tokens=47"]).errors
+              if d.rule == "RLC315"]
+    assert "(48 tokens; a prompt of data.max_prompt_length 16 + generation.sampling.max_tokens 32)" in err.message
     assert "RLC315" not in _rules(api.check(TINY, ["training.sequence_packing.train_mb_tokens=1"]))  # packing off
 
 
