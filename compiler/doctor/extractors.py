@@ -141,6 +141,18 @@ def ray_lost(m: re.Match, lines: list[str], i: int) -> Values:
     return out
 
 
+def packed_sequence(m: re.Match, lines: list[str], i: int) -> Values:
+    """A sequence longer than a packed micro batch's token budget: its tokens, the budget (and the budget's key where
+    the message names it)."""
+    found = m.groupdict()
+    tokens = next(found[k] for k in ("tokens", "tokens2", "tokens3") if found.get(k) is not None)
+    budget = next(found[k] for k in ("budget", "budget2", "budget3") if found.get(k) is not None)
+    out: dict[str, Any] = {"tokens": int(tokens), "budget_tokens": int(budget)}
+    if found.get("key"):
+        out["key"] = m.group("key")
+    return out
+
+
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:
     return {}
 

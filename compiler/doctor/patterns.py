@@ -283,6 +283,19 @@ PATTERNS: tuple[Pattern, ...] = (
         ("verl #953 / #1108 (DAPO dynamic sampling)",),
         hints=('max_num_gen_batches',)),
     Pattern(
+        "packed-sequence-too-long", "RLC315", "a sequence longer than a packed micro batch's token budget",
+        _rx(r"Sequence length (?P<tokens>[0-9]+) exceeds bin capacity (?P<budget>[0-9]+)|sequence length of "
+            r"(?P<tokens2>[0-9]+), however max microbatch size is (?P<budget2>[0-9]+) tokens|a sequence of "
+            r"(?P<tokens3>[0-9]+) tokens \(padded\) does not fit a packed micro batch of (?P<budget3>[0-9]+) tokens; "
+            r"raise (?P<key>[\w.]+)"),
+        x.packed_sequence,
+        "training.sequence_packing.train_mb_tokens and logprob_mb_tokens at least the longest sequence a rollout can "
+        "give, padded (RLC315 checks them before submission); or lower generation.sampling.max_tokens",
+        ("NeMo-RL nemo_rl/data/packing/algorithms.py ('Sequence length ... exceeds bin capacity'); "
+         "nemo_rl/distributed/batched_data_dict.py (dynamic batching: '... however max microbatch size is ... "
+         "tokens')",),
+        hints=("exceeds bin capacity", "max microbatch size is", "does not fit a packed micro batch")),
+    Pattern(
         "mcore-vpp", "RLC401", "Megatron inference with virtual pipeline stages",
         _rx(r"MCore colocated reshard is not supported with virtual pipeline parallelism|interleaving schedule is "
             r"not supported for inference|virtual pipeline chunks: megatron-core's engine"), x.nothing,

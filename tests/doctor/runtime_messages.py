@@ -130,8 +130,19 @@ def worker_died() -> tuple[BaseException, str]:
     return exc, _log(exc)
 
 
+def packed_sequence_too_long() -> tuple[BaseException, str]:
+    """A rollout longer than the train pass's packing budget (the trainer's bin packing)."""
+    from rlc.runtime.policy.bin_packing import PackingError, pack
+
+    exc = _raised(lambda: pack([900, 5000, 1200], 4096, "modified_first_fit_decreasing",
+                               budget_key="training.sequence_packing.train_mb_tokens"))
+    assert isinstance(exc, PackingError)
+    return exc, _log(exc)
+
+
 ALL = {
     "RLC210": refit_plan_error,
+    "RLC315": packed_sequence_too_long,
     "RLC210/buffer_gb": buffer_gb_over_free,
     "RLC203/foreign": foreign_metadata,
     "RLC203/unannounced": unannounced_tensor,

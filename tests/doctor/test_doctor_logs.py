@@ -78,6 +78,8 @@ EXPECTED = {
     "megatron_top_k_top_p.log": ("mcore-top-k-top-p", "RLC404", {}),
     "megatron_vpp.log": ("mcore-vpp", "RLC401", {}),
     "megatron_kv_pool.log": ("mcore-kv-pool", "RLC406", {}),
+    "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
+                                         {"tokens": 51204, "budget_tokens": 49152}),
 }
 # logs with more than one finding: (pattern, rule) in order
 EXPECTED_MANY = {

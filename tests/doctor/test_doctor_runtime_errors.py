@@ -139,3 +139,10 @@ def test_refit_verify_stop_names_rlc204_when_an_fp32_parameter_was_rounded():
 def test_refit_verify_stop_without_rounding_points_at_the_refit_switches():
     f = _only(R.refit_not_bit_exact(rounded=False)[1])
     assert f.rule == "RLC306" and f.values["step"] == 4
+
+
+def test_a_sequence_over_the_packing_budget_names_rlc315_with_the_key_to_raise():
+    _, text = R.packed_sequence_too_long()
+    f = _only(text)
+    assert (f.pattern, f.rule) == ("packed-sequence-too-long", "RLC315")
+    assert f.values == {"tokens": 5000, "budget_tokens": 4096, "key": "training.sequence_packing.train_mb_tokens"}
