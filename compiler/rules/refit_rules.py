@@ -311,7 +311,7 @@ def direct_paths_need_bf16_rollouts(ctx: Context) -> None:
                 "the trainer's parameters. Without the direct export every tensor comes out of Megatron-Bridge's "
                 "conversion, a new tensor per refit, and none is read in place: the switch would do nothing.",
       seed="rlc's direct export (rlc/runtime/policy/direct_export.py) and zero-copy refit buckets "
-           "(rlc/runtime/refit/producer.py).",
+           "(rlc/runtime/refit/producer_run.py).",
       fixes="Turn refit.direct_export on with refit.zero_copy_views, or turn refit.zero_copy_views off.")
 def zero_copy_views_need_direct_export(ctx: Context) -> None:
     refit = ctx.recipe.refit
@@ -368,7 +368,7 @@ def kv_awake_needs_weights_awake(ctx: Context) -> None:
                 "travel one tensor per expert out of Bridge's conversion, and without zero-copy views nothing is "
                 "shared: the switch would do nothing.",
       seed="rlc's fused expert transfer (rlc/runtime/policy/fused_export.py) and zero-copy buckets "
-           "(rlc/runtime/refit/producer.py).",
+           "(rlc/runtime/refit/producer_run.py).",
       fixes="Turn refit.zero_copy_views on and refit.fused_transfer to auto or on with refit.zero_copy_experts, or "
             "turn refit.zero_copy_experts off.")
 def zero_copy_experts_need_views_and_fused_transfer(ctx: Context) -> None:
