@@ -397,6 +397,29 @@ def test_kept_checkpoints_never_fall_to_a_default_that_deletes_what_nemo_rl_keep
     assert code == 0, err  # within the schema's range: the recipe validates
 
 
+def test_non_colocated_generation_is_refused_with_the_sets_that_plan_the_trainers_share(tmp_path):
+    """NeMo-RL's non-colocated generation takes nodes (or GPUs of the one node) of its own; rlc generates colocated
+    only: the note names the --set that plans the trainer's share with generation colocated, and it validates."""
+    split = import_nemo_rl(str(CHILD), ["policy.generation.colocated.enabled=false",
+                                        "policy.generation.colocated.resources.num_nodes=1"])
+    (note,) = [n for n in split.mapping.notes if "NeMo-RL generates on" in n]
+    assert "1 of the 2 nodes" in note and "--set colocated=true --set cluster.nodes=1" in note and "RLC207" in note
+    assert mapped(split)["colocated"] is False
+    one_node = import_nemo_rl(str(CONFIGS / "grpo_base.yaml"), [
+        "cluster.gpus_per_node=8", "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=2"])
+    (note,) = [n for n in one_node.mapping.notes if "NeMo-RL generates on" in n]
+    assert "2 of the node's 8 GPUs" in note and "--set cluster.gpus_per_node=6" in note
+    out = tmp_path / "r.yaml"
+    args = ("import", "nemo-rl", str(CHILD), "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.num_nodes=1", "-o", str(out), "--set", GPU, "--set", IMAGE,
+            "--set", "data.train=/data/math/train.jsonl", *MOUNTS)
+    code, _, err = rlc(*args)
+    assert code == 1 and "RLC207" in err
+    code, _, err = rlc(*args, "--force", "--set", "colocated=true", "--set", "cluster.nodes=1")
+    assert "RLC207" not in err
+
+
 def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_it_out():
     """NeMo-RL's GRPO configs keep bf16 grad buffers (grpo_math_1B.yaml: false); rlc's default is fp32, so
     the recipe states NeMo-RL's value whether the chain sets it, leaves it null or drops it."""

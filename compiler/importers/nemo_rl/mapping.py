@@ -399,6 +399,8 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
         m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
+    else:
+        _non_colocated(m)
     for key, value in m.leaves.items():
         if key not in m.consumed:
             m.out.unmapped.append(Unmapped(key, value, "no rlc equivalent"))
@@ -741,6 +743,29 @@ def _data(m: _Mapper) -> None:
             m.consume(key, why="listed as not mapped")
             m.out.unmapped.append(Unmapped(key, name, "rlc reads prompts from a JSONL file, not a named dataset: "
                                            "convert it and pass --set data.train=/path/train.jsonl", effect="none"))
+
+
+def _non_colocated(m: _Mapper) -> None:
+    """NeMo-RL generates on GPUs of its own (``policy.generation.colocated.resources``: whole nodes, or GPUs of the
+    one node) and trains on the others; rlc generates colocated only (RLC207). The note names the ``--set`` that
+    plans the trainer's share of the cluster with generation on the same GPUs."""
+    res = "policy.generation.colocated.resources"
+    nodes, gpus = m.cfg.get("cluster.num_nodes"), m.cfg.get("cluster.gpus_per_node")
+    gen_nodes, gen_gpus = m.cfg.get(f"{res}.num_nodes"), m.cfg.get(f"{res}.gpus_per_node")
+    m.consume(f"{res}.num_nodes", f"{res}.gpus_per_node", why="the GPUs NeMo-RL gives generation (see the note)")
+    sets = "--set colocated=true"
+    if isinstance(nodes, int) and isinstance(gen_nodes, int) and nodes > 1 and 0 < gen_nodes < nodes:
+        where = f"{gen_nodes} of the {nodes} nodes"
+        sets += f" --set cluster.nodes={nodes - gen_nodes}"
+    elif isinstance(gpus, int) and isinstance(gen_gpus, int) and nodes == 1 and 0 < gen_gpus < gpus:
+        where = f"{gen_gpus} of the node's {gpus} GPUs"
+        sets += f" --set cluster.gpus_per_node={gpus - gen_gpus}"
+    else:
+        where = "GPUs of its own"
+    m.out.notes.append(f"NeMo-RL generates on {where} and trains on the rest (policy.generation.colocated.enabled: "
+                       "false); rlc generates on the trainer's GPUs only, so the recipe keeps colocated: false and "
+                       f"rlc validate refuses it (RLC207): {sets} plans the trainer's share with generation "
+                       "colocated")
 
 
 def _checkpoints_kept(m: _Mapper) -> None:
