@@ -115,7 +115,8 @@ def _dense(cfg: dict[str, Any]) -> dict[str, Any]:
         num_experts=0,
         layer_kinds=None if n is None else (("full_attention", "dense"),) * n,
         qk_norm=cfg.get("model_type") == "qwen3",
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        # Qwen2's q/k/v projections always carry biases; its config has no attention_bias key
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
     )
     return out
 

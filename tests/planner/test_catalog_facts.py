@@ -74,3 +74,26 @@ def test_expert_count_as_transformers_5_writes_it(model, tmp_path):
     facts = catalog.model_facts(model, tmp_path, config=str(path))
     assert facts.num_experts == catalog.model_facts(model, RECIPES).num_experts > 0
     assert not facts.unknown
+
+
+@pytest.mark.parametrize("model_id, total, tied", [
+    ("meta-llama/Llama-3.2-1B-Instruct", 1_235_814_400, True),
+    ("meta-llama/Llama-3.2-3B-Instruct", 3_212_749_824, True),
+    ("Qwen/Qwen2.5-7B-Instruct", 7_615_716_864, False),
+    ("Qwen/Qwen3-32B", 32_762_123_264, False),
+])
+def test_dense_models_of_public_grpo_recipes_plan_their_published_size(model_id, total, tied):
+    """NeMo-RL's default model (Llama-3.2-1B-Instruct) and the dense models of its public recipes: the planner's
+    parameter count from the shipped config.json (published: 1.24B, 3.21B, 7.61B, 32.8B)."""
+    facts = catalog.model_facts(model_id, RECIPES)
+    assert facts.param_counts()["total"] == total and facts.tied_embeddings is tied
+
+
+def test_qwen2_attention_carries_the_biases_its_config_does_not_state():
+    assert catalog.model_facts("Qwen/Qwen2.5-7B-Instruct", RECIPES).attention_bias is True
+    assert catalog.model_facts("meta-llama/Llama-3.2-1B-Instruct", RECIPES).attention_bias is False
+
+
+def test_a_base_checkpoint_of_a_catalogued_qwen3_5_dense_model_plans_as_its_variant():
+    facts = catalog.model_facts("Qwen/Qwen3.5-9B-Base", RECIPES)
+    assert facts.model_id == "Qwen/Qwen3.5-9B" and facts.num_layers == 32 and facts.mtp_num_layers == 1
