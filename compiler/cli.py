@@ -339,6 +339,8 @@ def cmd_import_nemo_rl(args: argparse.Namespace) -> int:
                                           allow_env=args.allow_env)
     except nemo_rl.NemoRlConfigError as exc:
         raise UsageError(f"cannot read the NeMo-RL config: {exc}") from None
+    except nemo_rl.NotGrpoConfig as exc:
+        raise UsageError(str(exc)) from None
     except nemo_rl.ImportStopped as exc:
         sys.stderr.write(stopped_report(exc, args.config))
         return EXIT_RECIPE

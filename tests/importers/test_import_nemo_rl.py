@@ -420,6 +420,20 @@ def test_non_colocated_generation_is_refused_with_the_sets_that_plan_the_trainer
     assert "RLC207" not in err
 
 
+@pytest.mark.parametrize("section, name", [("dpo", "DPO"), ("sft", "SFT"), ("rm", "reward-model training"),
+                                           ("distillation", "distillation")])
+def test_a_config_of_another_nemo_rl_algorithm_is_refused_naming_it(tmp_path, section, name):
+    """NeMo-RL's DPO, SFT, reward-model and distillation configs share the policy / cluster / data sections with its
+    GRPO configs: without the check they would import as a GRPO recipe that lists their own keys as losses."""
+    cfg = tmp_path / f"{section}.yaml"
+    cfg.write_text(yaml.safe_dump({section: {"max_num_steps": 10}, "policy": {"model_name": "Qwen/Qwen3-8B"},
+                                   "cluster": {"num_nodes": 1, "gpus_per_node": 8}}), encoding="utf-8")
+    out = tmp_path / "r.yaml"
+    code, _, err = rlc("import", "nemo-rl", str(cfg), "-o", str(out), "--accept-loss")
+    assert code == 2 and f"is a NeMo-RL {name} config" in err and "GRPO configs only" in err
+    assert not out.exists()
+
+
 def test_grad_reduce_in_fp32_states_nemo_rls_value_even_where_the_config_leaves_it_out():
     """NeMo-RL's GRPO configs keep bf16 grad buffers (grpo_math_1B.yaml: false); rlc's default is fp32, so
     the recipe states NeMo-RL's value whether the chain sets it, leaves it null or drops it."""

@@ -16,8 +16,8 @@ from rlc.compiler.importers.nemo_rl.mapping import Mapping, MissingKey, Unmapped
 from rlc.compiler.importers.nemo_rl.recipe_writer import build_tree, comment_for, render_recipe
 from rlc.compiler.recipe import apply_set_overrides
 
-__all__ = ["ImportStopped", "ImportedRecipe", "NemoRlConfigError", "import_nemo_rl", "load_nemo_rl_config",
-           "map_config"]
+__all__ = ["ImportStopped", "ImportedRecipe", "NemoRlConfigError", "NotGrpoConfig", "import_nemo_rl",
+           "load_nemo_rl_config", "map_config"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,27 @@ class ImportStopped(Exception):
         self.dropped, self.config = dropped, config
 
 
+class NotGrpoConfig(Exception):
+    """The config trains with another NeMo-RL algorithm (DPO, SFT, reward model, distillation): rlc compiles GRPO
+    runs only."""
+
+
+#: NeMo-RL's top-level section of each algorithm other than GRPO, and its name.
+OTHER_ALGORITHMS = {"dpo": "DPO", "sft": "SFT", "rm": "reward-model training", "distillation": "distillation"}
+
+
+def check_grpo(cfg: NemoRlConfig, config_path: str) -> None:
+    """Refuse a config of another NeMo-RL algorithm: it has that algorithm's section and no ``grpo`` one."""
+    if "grpo" in cfg.values:
+        return
+    found = [(key, name) for key, name in OTHER_ALGORITHMS.items() if key in cfg.values]
+    if found:
+        key, name = found[0]
+        raise NotGrpoConfig(f"{config_path} is a NeMo-RL {name} config (it has a '{key}:' section and no 'grpo:' "
+                            "section); rlc compiles GRPO runs and imports NeMo-RL GRPO configs only (NeMo-RL's "
+                            "examples/configs/grpo_*.yaml and examples/configs/recipes/llm/grpo-*.yaml)")
+
+
 class SetError(Exception):
     """A ``--set`` override is malformed or names no recipe key."""
 
@@ -76,6 +97,7 @@ def import_nemo_rl(config_path: str, overrides: Sequence[str] = (), sets: Sequen
     import dataclasses  # noqa: PLC0415
 
     cfg = load_nemo_rl_config(config_path, overrides, allow_env=allow_env)
+    check_grpo(cfg, config_path)
     mapping = map_config(cfg)
     tree, _ = build_tree(mapping, config_path)
     comments = comment_for(mapping, cfg)
