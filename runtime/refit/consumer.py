@@ -37,7 +37,8 @@ import zmq
 from rlc.runtime.refit.buffers import Buffer, BufferBackend, make_backend
 from rlc.runtime.refit.bucket_planner import EVENT_SLOTS, HALVES
 from rlc.runtime.refit.channel import Channel, endpoint, new_socket
-from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError
+from rlc.runtime.refit.errors import RefitError, RefitProtocolError, RefitRemoteError, RefitTimeoutError
+from rlc.runtime.refit.manifest import expected_by_name
 from rlc.runtime.refit.metrics import ConsumerMetrics
 from rlc.runtime.refit.consumer_run import ConsumerRun
 from rlc.runtime.refit.protocol import (
@@ -90,6 +91,7 @@ class RefitConsumer:
         self._meta_chan: Channel | None = None
         self._hello: Hello | None = None
         self._expected: list[TensorSpec] = []
+        self._expected_by_name: dict[str, TensorSpec] = {}
         self._last_refit_id = 0
         self._broken: str | None = None
         self._kept: dict[int, Buffer] = {}  # mappings of the producer's kept halves (slot -> buffer)
@@ -153,13 +155,17 @@ class RefitConsumer:
             if msg.metadata_source_rank != msg.producer_rank:
                 self._subscribe(msg)
             self._pair_events(msg.pack_events)
+            expected = specs_from_json(msg.specs)
+            by_name = expected_by_name(expected)  # every refit's manifest checks against it
             self._chan.send(HelloAck(device_key=self.device_key, consumer_pid=os.getpid(),
                                      load_events=list(self._load_handles), mapped_during_refit=mapped_during_refit))
         except BaseException as e:
             self._broken = f"prepare failed: {e}"
+            if not isinstance(e, (RefitRemoteError, RefitTimeoutError)):  # the producer raises it, not a timeout
+                self._chan.try_send_error(str(e), where=self.name)
             raise
         self._hello = msg
-        self._expected = specs_from_json(msg.specs)
+        self._expected, self._expected_by_name = expected, by_name
         return self.expected
 
     def _pair_events(self, pack_handles: list[str]) -> None:

@@ -61,7 +61,7 @@ class ConsumerRun:
                                      "has not paired")
         m = ConsumerMetrics(refit_id=refit_id, producer_rank=hello.producer_rank, device_key=c.device_key,
                             device_ordered=ordered)
-        tracker = ManifestTracker(c._expected, hello.producer_rank, hello.device_key, refit_id)
+        tracker = ManifestTracker(c._expected_by_name, hello.producer_rank, hello.device_key, refit_id)
         foreign = hello.metadata_source_rank != hello.producer_rank
         c._emit("begin", 0)
         if self.on_begin is not None:

@@ -391,3 +391,46 @@ def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
         producer.close()
         consumer.close()
     assert failure and isinstance(failure[0], RefitProtocolError)
+
+
+def test_an_export_list_naming_a_tensor_twice_is_refused_at_pairing_and_the_producer_is_told(tmp_path):
+    """The consumer checks the announced export list once, when it pairs (not at every refit's manifest), and a
+    failure there reaches the producer on the wire instead of leaving it waiting for the pairing's answer."""
+    import os
+    import threading
+
+    import zmq
+
+    from rlc.runtime.refit.buffers import ShmBackend
+    from rlc.runtime.refit.channel import Channel, bind, endpoint, new_socket
+    from rlc.runtime.refit.consumer import RefitConsumer
+    from rlc.runtime.refit.errors import RefitManifestError, RefitRemoteError
+    from rlc.runtime.refit.protocol import PROTOCOL_VERSION, Hello
+    from rlc.runtime.refit.specs import TensorSpec, specs_to_json
+
+    session, key = _session(), "dev-" + _session()
+    sock = new_socket(zmq.PAIR)
+    bind(sock, endpoint(session, key, socket_dir=str(tmp_path)))
+    producer = Channel(sock, "test producer", 10.0)
+    consumer = RefitConsumer(session=session, backend=ShmBackend(key), socket_dir=str(tmp_path), timeout_s=10.0)
+    failure: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            consumer.prepare()
+        except BaseException as exc:  # reported below
+            failure.append(exc)
+
+    embedding = TensorSpec("model.embed_tokens.weight", (16, 8), "bfloat16")
+    thread = threading.Thread(target=consume)
+    thread.start()
+    try:
+        producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), specs_to_json([embedding, embedding]),
+                            0, None, "bfloat16", []))
+        with pytest.raises(RefitRemoteError, match="duplicate names"):  # at once, not after the pairing timeout
+            producer.recv("the consumer's hello_ack", timeout_s=5.0)
+    finally:
+        thread.join(10)
+        producer.close()
+        consumer.close()
+    assert failure and isinstance(failure[0], RefitManifestError)
