@@ -425,8 +425,8 @@ def test_an_export_list_naming_a_tensor_twice_is_refused_at_pairing_and_the_prod
     thread = threading.Thread(target=consume)
     thread.start()
     try:
-        producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), specs_to_json([embedding, embedding]),
-                            0, None, "bfloat16", []))
+        twice = specs_to_json([embedding, embedding])
+        producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), twice, 0, None, "bfloat16", []))
         with pytest.raises(RefitRemoteError, match="duplicate names"):  # at once, not after the pairing timeout
             producer.recv("the consumer's hello_ack", timeout_s=5.0)
     finally:

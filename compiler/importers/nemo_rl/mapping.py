@@ -2,8 +2,10 @@
 
 The one-to-one keys are a table (:data:`DIRECT`, :data:`MEGATRON`, :data:`DTENSOR`): NeMo-RL key ->
 rlc key, with a converter that either returns the rlc value or raises :class:`Unmappable` with the
-reason. Keys whose meaning spans several NeMo-RL keys (sequence lengths, refit buffer, environment
-variables, data files, reward) have one function each below. Every NeMo-RL leaf that no rule takes
+reason (the converters are :mod:`.converters`). Keys whose meaning spans several NeMo-RL keys (sequence lengths,
+refit buffer, environment variables, data files, reward) have one function each below; those of the trainer's
+recomputation, MTP blocks and prompt files are in :mod:`.training_keys`, those of the rollout engine (vLLM's options
+and FP8, megatron-core inference) in :mod:`.generation_keys`. Every NeMo-RL leaf that no rule takes
 ends up in :attr:`Mapping.unmapped` with a reason, so nothing is dropped silently. A NeMo-RL ``null``
 means "unset" and leaves the rlc default in place.
 """
@@ -14,158 +16,48 @@ import re
 from typing import Any, Callable
 
 from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
+from rlc.compiler.importers.nemo_rl.config_sections import VLLM_CFG, D, M
+from rlc.compiler.importers.nemo_rl.converters import (
+    boolean,
+    dtype,
+    fp8_format,
+    fp8_recipe,
+    generation_backend,
+    int_list,
+    kl_type,
+    lr_style,
+    non_negative_int,
+    number,
+    optimizer_name,
+    packing_algorithm,
+    positive_int,
+    recompute,
+    router_dtype,
+    same,
+    string_list,
+    token_dispatcher,
+    top_k,
+)
+from rlc.compiler.importers.nemo_rl.generation_keys import (
+    expert_parallel_flag,
+    mcore_dedicated,
+    mcore_generation,
+    vllm_fp8,
+    vllm_kwargs,
+    vllm_precision,
+)
 from rlc.compiler.recipe_types import CheckpointingSection
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
 from rlc.compiler.importers.nemo_rl.training_keys import mtp_layers as _mtp_layers
 from rlc.compiler.importers.nemo_rl.training_keys import prompt_files as _prompt_files
-from rlc.contract.engine_options import VLLM_OWNED
 
 
-# --------------------------------------------------------------------------- converters
-
-def same(v: Any) -> Any:
-    return v
-
-
-def positive_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise Unmappable(f"expected a positive integer, got {v!r}")
-    return v
-
-
-def non_negative_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise Unmappable(f"expected an integer >= 0, got {v!r}")
-    return v
-
-
-def boolean(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise Unmappable(f"expected true or false, got {v!r}")
-    return v
-
-
-def number(v: Any) -> float | int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        if isinstance(v, str):
-            try:
-                return float(v)  # YAML 1.1 reads 1e-8 (no dot) as a string
-            except ValueError:
-                pass
-        raise Unmappable(f"expected a number, got {v!r}")
-    return v
-
-
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-
-
-def dtype(v: Any) -> str:
-    try:
-        return _DTYPES[str(v).lower()]
-    except KeyError:
-        raise Unmappable(f"precision {v!r} is not one of bfloat16, float16, float32") from None
-
-
-def optimizer_name(v: Any) -> str:
-    if str(v).lower() in ("adam", "adamw"):
-        return "adam"
-    if str(v).lower() == "sgd":
-        return "sgd"
-    raise Unmappable(f"optimizer {v!r}: rlc runs adam or sgd")
-
-
-def lr_style(v: Any) -> str:
-    if v in ("constant", "cosine", "linear"):
-        return str(v)
-    raise Unmappable(f"lr_decay_style {v!r}: rlc schedules are constant, cosine or linear")
-
-
-def recompute(v: Any) -> str:
-    return "full" if boolean(v) else "none"
-
-
-def top_k(v: Any) -> int:
-    k = int(v)
-    return -1 if k <= 0 else k
-
-
-def string_list(v: Any) -> list[str]:
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise Unmappable(f"expected a list of strings, got {v!r}")
-    return v
-
-
-def vllm_only(v: Any) -> str:
-    if v != "vllm":
-        raise Unmappable(f"generation backend {v!r}: rlc generates with vLLM")
-    return "vllm"
-
-
-def generation_backend(v: Any) -> str:
-    """NeMo-RL ``policy.generation.backend``: ``vllm`` or ``megatron`` (megatron-core inference)."""
-    if v in ("vllm", "megatron"):
-        return str(v)
-    raise Unmappable(f"generation backend {v!r}: rlc generates with vllm or megatron")
-
-
-def int_list(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
-        raise Unmappable(f"expected a list of token ids, got {v!r}")
-    return v
-
-
-def router_dtype(v: Any) -> str:
-    if str(v).lower() in ("fp32", "float32"):
-        return "fp32"
-    if str(v).lower() in ("fp64", "float64"):
-        return "fp64"
-    raise Unmappable(f"moe_router_dtype {v!r}: rlc takes fp32 or fp64")
-
-
-def token_dispatcher(v: Any) -> str:
-    if v in ("alltoall", "allgather", "flex"):
-        return str(v)
-    raise Unmappable(f"token dispatcher {v!r}: rlc takes alltoall, allgather or flex")
-
-
-def fp8_format(v: Any) -> str:
-    if v in ("e4m3", "hybrid"):
-        return str(v)
-    raise Unmappable(f"fp8 format {v!r}: rlc takes e4m3 or hybrid")
-
-
-def fp8_recipe(v: Any) -> str:
-    if v in ("tensorwise", "delayed", "blockwise", "mxfp8"):
-        return str(v)
-    raise Unmappable(f"fp8_recipe {v!r}: rlc takes tensorwise, delayed, blockwise or mxfp8")
-
-
-_PACKING = {
-    "modified_first_fit_decreasing": "modified_first_fit_decreasing",
-    "modified_ffd": "modified_first_fit_decreasing",
-    "first_fit_decreasing": "first_fit_decreasing",
-    "first_fit_shuffle": "first_fit_shuffle",
-    "concatenative": "concatenative",
-}
-
-
-def kl_type(v: Any) -> str:
-    if v in ("k1", "k2", "k3"):
-        return str(v)
-    raise Unmappable(f"reference_policy_kl_type {v!r}: rlc's loss.kl_estimator is k1, k2 or k3")
-
-
-def packing_algorithm(v: Any) -> str:
-    try:
-        return _PACKING[str(v)]
-    except KeyError:
-        raise Unmappable(f"packing algorithm {v!r}: rlc takes {', '.join(sorted(set(_PACKING.values())))}") from None
-
+# --------------------------------------------------------------------------- the key tables
 
 Rule = tuple[str, str, Callable[[Any], Any], str]  # source, target, convert, note
+
 
 DIRECT: tuple[Rule, ...] = (
     ("cluster.num_nodes", "cluster.nodes", positive_int, ""),
@@ -226,7 +118,6 @@ DIRECT: tuple[Rule, ...] = (
     ("data.train.output_key", "data.answer_key", str, ""),
 )
 
-M = "policy.megatron_cfg"
 MEGATRON: tuple[Rule, ...] = (
     (f"{M}.tensor_model_parallel_size", "parallelism.train.tp", positive_int, ""),
     (f"{M}.pipeline_model_parallel_size", "parallelism.train.pp", positive_int, ""),
@@ -264,7 +155,6 @@ MEGATRON: tuple[Rule, ...] = (
     ("policy.max_grad_norm", "training.grad_clip", number, ""),
 )
 
-D = "policy.dtensor_cfg"
 DTENSOR: tuple[Rule, ...] = (
     (f"{D}.tensor_parallel_size", "parallelism.train.tp", positive_int,
      "from the DTensor trainer; its FSDP shards become Megatron data parallelism"),
@@ -380,21 +270,21 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _packing(m)
     _tokenizer(m)
     if not mcore:
-        _expert_parallel_flag(m)
-        _vllm_precision(m)
-        _vllm_fp8(m)
-        _vllm_kwargs(m)
+        expert_parallel_flag(m)
+        vllm_precision(m)
+        vllm_fp8(m)
+        vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
     if mcore:
-        _mcore_generation(m, megatron)
+        mcore_generation(m, megatron)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
     _reward(m)
     _prompt_files(m)
     _data(m)
     _checkpoints_kept(m)
     _buffer_exclusive(m)
-    _params_offload(m, megatron, offloads=not mcore or (megatron and _mcore_dedicated(m)))
+    _params_offload(m, megatron, offloads=not mcore or (megatron and mcore_dedicated(m)))
     _reference_policy(m)
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
@@ -488,143 +378,6 @@ def _tokenizer(m: _Mapper) -> None:
     name = m.leaves[key]
     if name is not None and name != m.cfg.get("policy.model_name"):
         m.put("model.tokenizer", str(name), (key,))
-
-
-def _expert_parallel_flag(m: _Mapper) -> None:
-    key = "policy.generation.vllm_cfg.enable_expert_parallel"
-    if key not in m.leaves:
-        return
-    m.consume(key, why="implied by parallelism.generation.ep > 1")
-    ep = m.cfg.get("policy.generation.vllm_cfg.expert_parallel_size") or 1
-    if bool(m.leaves[key]) != (ep > 1):
-        m.out.unmapped.append(Unmapped(key, m.leaves[key], f"rlc turns vLLM expert parallelism on exactly when "
-                                       f"parallelism.generation.ep > 1 (here {ep})", effect="none"))
-
-
-def _vllm_kwargs(m: _Mapper) -> None:
-    """``policy.generation.vllm_kwargs``: ``kv_cache_memory_bytes`` has a typed rlc key; the rest goes
-    to ``generation.vllm_kwargs`` unchanged, except options rlc sets from typed keys."""
-    prefix = "policy.generation.vllm_kwargs."
-    if m.leaves.get(prefix[:-1]) == {}:
-        m.consume(prefix[:-1], why="empty: no vLLM options")
-    block: dict[str, Any] = {}
-    sources: list[str] = []
-    speculative: dict[str, str] = {}  # speculative_config option -> its NeMo-RL key
-    for key, value in m.leaves.items():
-        if not key.startswith(prefix):
-            continue
-        m.consumed.add(key)
-        path = key[len(prefix):].split(".")
-        if path == ["kv_cache_memory_bytes"]:
-            m.take(key, "generation.kv_cache_memory_bytes", positive_int)
-            continue
-        if path[0] == "speculative_config" and len(path) == 2:
-            speculative[path[1]] = key
-            continue
-        if path[0] in VLLM_OWNED:
-            m.out.unmapped.append(
-                Unmapped(key, value, f"rlc sets vLLM's {path[0]} from {VLLM_OWNED[path[0]]}", effect="none")
-            )
-            continue
-        node = block
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-        sources.append(key)
-    if block:
-        m.put("generation.vllm_kwargs", block, tuple(sources), "handed to vllm.LLM unchanged")
-    if speculative:
-        _speculative_config(m, speculative)
-
-
-#: vLLM ``speculative_config`` options with a key under ``generation.speculative_decoding``.
-_SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-
-
-def _speculative_config(m: _Mapper, options: dict[str, str]) -> None:
-    """``vllm_kwargs.speculative_config`` -> ``generation.speculative_decoding``: vLLM's MTP methods (``mtp`` and
-    the per-model names it maps to ``mtp``, e.g. ``deepseek_mtp``) become ``mtp``; ``ngram`` stays."""
-    method_key = options.get("method")
-    method = str(m.leaves[method_key]) if method_key else ""
-    typed = "mtp" if method == "mtp" or method.endswith("_mtp") else "ngram" if method == "ngram" else None
-    if typed is None:
-        for key in options.values():
-            m.out.unmapped.append(
-                Unmapped(
-                    key,
-                    m.leaves[key],
-                    f"speculative method {method or '(none)'!r}: rlc "
-                    "runs mtp or ngram (generation.speculative_decoding.method); it changes speed, not the samples",
-                    effect="none",
-                )
-            )
-        return
-    m.put("generation.speculative_decoding.method", typed, (method_key,) if method_key else (),
-          f"vLLM method {method!r}" if method != typed else "")
-    for option, key in options.items():
-        if option == "method":
-            continue
-        if option in _SPECULATIVE_KEYS and (typed == "ngram" or option == "num_speculative_tokens"):
-            m.take(key, f"generation.speculative_decoding.{option}", positive_int)
-        else:
-            m.out.unmapped.append(Unmapped(key, m.leaves[key], f"generation.speculative_decoding ({typed}) has "
-                                           f"no {option}"))
-
-
-def _vllm_precision(m: _Mapper) -> None:
-    key = "policy.generation.vllm_cfg.precision"
-    if key not in m.leaves:
-        return
-    if str(m.leaves[key]).lower() == "fp8":
-        m.take(key, "generation.precision", lambda v: "fp8", "FP8 rollouts")
-        return
-    m.consume(key, why="equal to policy.precision (model.dtype)")
-    try:
-        same_dtype = dtype(m.leaves[key]) == dtype(m.cfg.get("policy.precision", "bfloat16"))
-    except Unmappable:
-        same_dtype = False
-    if not same_dtype:
-        m.out.unmapped.append(Unmapped(key, m.leaves[key], "rlc rolls out in model.dtype (the trainer's "
-                                       "precision) or fp8 (generation.precision)"))
-
-
-VLLM_FP8 = "policy.generation.vllm_cfg"
-#: NeMo-RL's FP8-rollout options (vllm_cfg) with the value that means "nothing special".
-_FP8_DEFAULTS = {"use_deep_gemm": False, "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
-                 "pow2_activation_scaling_factors": False, "quantization_ignored_layer_kws": []}
-_FP8_UNMAPPED = {
-    "use_deep_gemm": "vLLM picks its block-FP8 GEMM kernels itself (DeepGEMM when installed); set VLLM_USE_DEEP_GEMM "
-                     "in cluster.env to force it",
-    "num_first_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
-    "num_last_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
-    "pow2_activation_scaling_factors": "a NeMo-RL patch of vLLM's activation quantization; rlc runs vLLM's own",
-    "quantization_ignored_layer_kws": "rlc keeps only the embedding, LM head, norms and routers in bf16; "
-                                      "generation.fp8.scales: tensor lets vLLM quantize layers of any shape",
-}
-
-
-def _vllm_fp8(m: _Mapper) -> None:
-    """NeMo-RL's FP8 rollouts are DeepSeek-style 128×128 block scales, quantized for vLLM at refit
-    (``nemo_rl/models/generation/fp8.py``): ``generation.fp8.scales: block``; its power-of-two weight scales
-    are ``pow2_scales``. Its other FP8 options patch vLLM and have no rlc equivalent unless left at their
-    defaults."""
-    keys = ["pow2_weight_scaling_factors", *_FP8_DEFAULTS]
-    present = [f"{VLLM_FP8}.{k}" for k in keys if f"{VLLM_FP8}.{k}" in m.leaves]
-    if str(m.leaves.get(f"{VLLM_FP8}.precision", "")).lower() != "fp8":
-        m.consume(*present, why="only used with FP8 rollouts (policy.generation.vllm_cfg.precision: fp8)")
-        return
-    m.put("generation.fp8.scales", "block", (f"{VLLM_FP8}.precision",), "NeMo-RL's FP8 rollouts: 128×128 block scales")
-    m.take(f"{VLLM_FP8}.pow2_weight_scaling_factors", "generation.fp8.pow2_scales", boolean)
-    for key, default in _FP8_DEFAULTS.items():
-        source = f"{VLLM_FP8}.{key}"
-        if source not in m.leaves:
-            continue
-        value = m.leaves[source]
-        if value is None or value == default or (isinstance(default, list) and not value):
-            m.consume(source, why=f"{value!r}: the FP8 engine's default")
-        else:
-            m.consumed.add(source)
-            m.out.unmapped.append(Unmapped(source, value, _FP8_UNMAPPED[key]))
 
 
 def _batch_multiplier(m: _Mapper) -> None:
@@ -864,119 +617,4 @@ def _missing(m: _Mapper) -> list[MissingKey]:
                               "data.train=/data/train.jsonl"))
     return out
 
-
-# --------------------------------------------------------------------------- megatron-core generation
-
-VLLM_CFG = "policy.generation.vllm_cfg"
-MCORE = "policy.generation.mcore_generation_config"
-#: ``mcore_generation_config`` layout keys -> (the trainer's key, the rlc generation key).
-MCORE_LAYOUT = {"tensor_model_parallel_size": "parallelism.generation.tp",
-                "pipeline_model_parallel_size": "parallelism.generation.pp",
-                "expert_model_parallel_size": "parallelism.generation.ep"}
-#: ``mcore_generation_config`` keys rlc has no setting for, and why.
-MCORE_UNMAPPED = {
-    "num_cuda_graphs": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
-    "use_cuda_graphs_for_non_decode_steps": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
-    "inference_cuda_graph_scope": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
-    "enable_chunked_prefill": "rlc runs the Megatron engine without chunked prefill",
-    "enable_prefix_caching": "rlc runs the Megatron engine without prefix caching",
-    "expose_http_server": "rlc generates in process; it serves no HTTP endpoint",
-    "parsers": "rlc generates in process; it serves no HTTP endpoint",
-}
-
-
-def _kv_cache_mode(v: Any) -> str:
-    if v in ("persist", "offload", "recompute"):
-        return str(v)
-    raise Unmappable(f"kv_cache_management_mode {v!r}: rlc runs persist, offload or recompute")
-
-
-def _refit_backend(v: Any) -> str:
-    if v in ("nccl", "gloo"):
-        return str(v)
-    raise Unmappable(f"refit_backend {v!r}: rlc's swap runs nccl or gloo")
-
-
-def _transformer_impl(v: Any) -> str:
-    if v in ("transformer_engine", "inference_optimized"):
-        return str(v)
-    raise Unmappable(f"transformer_impl {v!r}: rlc builds transformer_engine or inference_optimized layers")
-
-
-def _gib_to_bytes(v: Any) -> int:
-    return int(float(number(v)) * (1 << 30))
-
-
-def _mcore_dedicated(m: _Mapper) -> bool:
-    """NeMo-RL builds a dedicated inference model when the merged inference layout or transformer_impl differs
-    from the trainer's (its inference context parallelism is always 1)."""
-    for key in (*MCORE_LAYOUT, "expert_tensor_parallel_size"):
-        own = m.cfg.get(f"{MCORE}.{key}")
-        if own is not None and own != (m.cfg.get(f"{M}.{key}") or 1):
-            return True
-    impl = m.cfg.get(f"{MCORE}.transformer_impl")
-    if impl is not None and impl != m.cfg.get(f"{M}.transformer_impl", "transformer_engine"):
-        return True
-    return (m.cfg.get(f"{M}.context_parallel_size") or 1) > 1
-
-
-def _inference_router_dtype(m: _Mapper, megatron: bool) -> None:
-    """``mcore_generation_config.moe_router_dtype``: NeMo-RL merges it over ``megatron_cfg`` for a dedicated inference
-    model only (``merged_inference_megatron_cfg``); a colocated engine on the training model routes as it trains."""
-    key = f"{MCORE}.moe_router_dtype"
-    if key not in m.leaves:
-        return
-    if megatron and not _mcore_dedicated(m):
-        m.consume(key, why="NeMo-RL generates on the training model here (same layout and transformer_impl), which "
-                           "routes in policy.megatron_cfg.moe_router_dtype")
-        return
-    m.take(key, "generation.megatron.router_dtype", router_dtype,
-           "the dedicated inference model's router dtype (NeMo-RL merges it over policy.megatron_cfg's)")
-
-
-def _mcore_generation(m: _Mapper, megatron: bool) -> None:
-    """``policy.generation.backend: megatron``: ``mcore_generation_config`` -> ``generation.megatron`` and its
-    neighbours; the inference layout is the trainer's unless ``mcore_generation_config`` overrides it (NeMo-RL
-    merges it over ``megatron_cfg``)."""
-    m.inactive(VLLM_CFG, "vLLM settings; policy.generation.backend is megatron")
-    m.inactive("policy.generation.vllm_kwargs", "vLLM settings; policy.generation.backend is megatron")
-    m.take(f"{MCORE}.buffer_size_gb", "generation.kv_cache_memory_bytes", _gib_to_bytes,
-           "megatron-core's fixed KV pool")
-    m.take(f"{MCORE}.block_size_tokens", "generation.megatron.block_size_tokens", positive_int)
-    m.take(f"{MCORE}.max_tokens", "generation.megatron.max_tokens", positive_int)
-    m.take(f"{MCORE}.max_requests", "generation.megatron.max_requests", positive_int)
-    m.take(f"{MCORE}.kv_cache_management_mode", "generation.megatron.kv_cache", _kv_cache_mode)
-    m.take(f"{MCORE}.refit_backend", "generation.megatron.refit_backend", _refit_backend)
-    m.take(f"{MCORE}.transformer_impl", "generation.megatron.transformer_impl", _transformer_impl)
-    m.take(f"{MCORE}.max_model_len", "generation.max_model_len", positive_int)
-    _inference_router_dtype(m, megatron)
-    recompute = "grpo.async_grpo.recompute_kv_cache_after_weight_updates"
-    if m.cfg.get(recompute) is True:
-        m.take(recompute, "generation.megatron.kv_cache", lambda v: "recompute",
-               "NeMo-RL selects megatron-core's recompute mode with this flag")
-    graphs = f"{MCORE}.cuda_graph_impl"
-    m.take(graphs, "generation.enforce_eager", lambda v: v == "none",
-           "rlc runs the Megatron engine eager; 'local' graphs are refused by rlc compile (RLC311)")
-    spec = f"{MCORE}.num_speculative_tokens"
-    tokens = m.cfg.get(spec)
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
-        m.consume(spec, why="generation.speculative_decoding")
-        m.put("generation.speculative_decoding.method", "mtp", (spec,), "megatron-core drafts with the MTP layers")
-        m.put("generation.speculative_decoding.num_speculative_tokens", tokens, (spec,))
-    else:
-        m.consume(spec, why="0: no speculative decoding")
-    m.consume(f"{MCORE}.materialize_only_last_token_logits",
-              why="rlc always materializes the sampled rows' logits only (decode logprobs)")
-    m.consume(f"{MCORE}.activation_checkpointing", why="the inference model never recomputes activations")
-    m.consume(f"{MCORE}.sequence_parallel", why="the inference model takes the trainer's sequence parallelism")
-    for key, why in MCORE_UNMAPPED.items():
-        if f"{MCORE}.{key}" in m.leaves:
-            m.consumed.add(f"{MCORE}.{key}")
-            m.out.unmapped.append(Unmapped(f"{MCORE}.{key}", m.leaves[f"{MCORE}.{key}"], why))
-    for key, target in MCORE_LAYOUT.items():
-        own = f"{MCORE}.{key}"
-        if m.cfg.get(own) is not None:
-            m.take(own, target, positive_int, "the inference model's layout (NeMo-RL merges it over megatron_cfg)")
-        elif megatron and m.cfg.get(f"{M}.{key}") is not None:
-            m.put(target, m.cfg.get(f"{M}.{key}"), (f"{M}.{key}",), "the trainer's, as NeMo-RL's inference model")
 

@@ -10,6 +10,7 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from rlc.compiler.importers.nemo_rl.config_sections import M
 from rlc.compiler.importers.nemo_rl.effects import MOOT, effect_of, is_default
 from rlc.compiler.importers.nemo_rl.results import Unmappable, Unmapped
 from rlc.compiler import catalog
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
     from rlc.compiler.importers.nemo_rl.mapping import _Mapper
 
-M = "policy.megatron_cfg"
 
 
 def classified(u: Unmapped, cfg: NemoRlConfig) -> Unmapped:
