@@ -276,6 +276,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
         vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
+    _truncated_sampling(m)
     if mcore:
         mcore_generation(m, megatron)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
@@ -519,6 +520,22 @@ def _non_colocated(m: _Mapper) -> None:
                        "false); rlc generates on the trainer's GPUs only, so the recipe keeps colocated: false and "
                        f"rlc validate refuses it (RLC207): {sets} plans the trainer's share with generation "
                        "colocated")
+
+
+def _truncated_sampling(m: _Mapper) -> None:
+    """With top-p or top-k NeMo-RL's trainer scores each token under the same truncated distribution vLLM sampled
+    it from (``nemo_rl/algorithms/logits_sampling_utils.py``); rlc's trainer scores it under the full one (RLC303
+    warns about it): a note, so the difference in the importance ratios is said where the config is imported."""
+    top_p, top_k_value = m.cfg.get("policy.generation.top_p"), m.cfg.get("policy.generation.top_k")
+    truncated = []
+    if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p < 1:
+        truncated.append(f"top_p {top_p:g}")
+    if isinstance(top_k_value, int) and not isinstance(top_k_value, bool) and top_k_value > 0:
+        truncated.append(f"top_k {top_k_value}")
+    if truncated:
+        m.out.notes.append(f"NeMo-RL samples with {' and '.join(truncated)} and its trainer scores each token under "
+                           "the same truncated distribution; rlc samples alike but its trainer scores the tokens "
+                           "under the full distribution, so the importance ratios differ (RLC303)")
 
 
 def _checkpoints_kept(m: _Mapper) -> None:
