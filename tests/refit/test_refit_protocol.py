@@ -7,6 +7,7 @@ that skips a tensor. Processes come from one spawn pool per module (torch import
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -349,10 +350,10 @@ def test_a_consumer_refuses_a_producer_announcing_the_wrong_number_of_events():
     assert not consumer.device_ordered
 
 
-def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
-    """A producer that says it orders the buckets with device events the consumer never answered (a consumer on a
-    synchronous backend answers none) would overwrite halves the consumer still reads: the consumer refuses it."""
-    import os
+@contextlib.contextmanager
+def _consumer_facing_a_hand_driven_producer(tmp_path, run):
+    """A real consumer running ``run(consumer)`` in a thread, facing a producer's channel the test drives message by
+    message: yields ``(producer channel, session, key, failures of run)``; joins and closes both at the end."""
     import threading
 
     import zmq
@@ -360,8 +361,6 @@ def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
     from rlc.runtime.refit.buffers import ShmBackend
     from rlc.runtime.refit.channel import Channel, bind, endpoint, new_socket
     from rlc.runtime.refit.consumer import RefitConsumer
-    from rlc.runtime.refit.errors import RefitProtocolError, RefitRemoteError
-    from rlc.runtime.refit.protocol import PROTOCOL_VERSION, Begin, Hello, HelloAck
 
     session, key = _session(), "dev-" + _session()
     sock = new_socket(zmq.PAIR)
@@ -372,65 +371,51 @@ def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
 
     def consume() -> None:
         try:
-            consumer.prepare()
-            consumer.receive(lambda weights: None)
-        except BaseException as exc:  # reported below
+            run(consumer)
+        except BaseException as exc:  # reported to the test
             failure.append(exc)
 
     thread = threading.Thread(target=consume)
     thread.start()
     try:
+        yield producer, session, key, failure
+    finally:
+        thread.join(10)
+        producer.close()
+        consumer.close()
+
+
+def test_a_consumer_refuses_device_ordering_it_did_not_pair(tmp_path):
+    """A producer that says it orders the buckets with device events the consumer never answered (a consumer on a
+    synchronous backend answers none) would overwrite halves the consumer still reads: the consumer refuses it."""
+    from rlc.runtime.refit.errors import RefitProtocolError, RefitRemoteError
+    from rlc.runtime.refit.protocol import PROTOCOL_VERSION, Begin, Hello, HelloAck
+
+    def pair_and_receive(consumer) -> None:
+        consumer.prepare()
+        consumer.receive(lambda weights: None)
+
+    with _consumer_facing_a_hand_driven_producer(tmp_path, pair_and_receive) as (producer, session, key, failure):
         producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), [], 0, None, "bfloat16", []))
         ack, _ = producer.recv("hello_ack")
         assert isinstance(ack, HelloAck) and ack.load_events == []
         producer.send(Begin(refit_id=1, plan={}, device_ordered=True))
         with pytest.raises(RefitRemoteError, match="has not paired"):  # the consumer's error, on the wire
             producer.recv("the consumer's error")
-    finally:
-        thread.join(10)
-        producer.close()
-        consumer.close()
     assert failure and isinstance(failure[0], RefitProtocolError)
 
 
 def test_an_export_list_naming_a_tensor_twice_is_refused_at_pairing_and_the_producer_is_told(tmp_path):
     """The consumer checks the announced export list once, when it pairs (not at every refit's manifest), and a
     failure there reaches the producer on the wire instead of leaving it waiting for the pairing's answer."""
-    import os
-    import threading
-
-    import zmq
-
-    from rlc.runtime.refit.buffers import ShmBackend
-    from rlc.runtime.refit.channel import Channel, bind, endpoint, new_socket
-    from rlc.runtime.refit.consumer import RefitConsumer
     from rlc.runtime.refit.errors import RefitManifestError, RefitRemoteError
     from rlc.runtime.refit.protocol import PROTOCOL_VERSION, Hello
     from rlc.runtime.refit.specs import TensorSpec, specs_to_json
 
-    session, key = _session(), "dev-" + _session()
-    sock = new_socket(zmq.PAIR)
-    bind(sock, endpoint(session, key, socket_dir=str(tmp_path)))
-    producer = Channel(sock, "test producer", 10.0)
-    consumer = RefitConsumer(session=session, backend=ShmBackend(key), socket_dir=str(tmp_path), timeout_s=10.0)
-    failure: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            consumer.prepare()
-        except BaseException as exc:  # reported below
-            failure.append(exc)
-
     embedding = TensorSpec("model.embed_tokens.weight", (16, 8), "bfloat16")
-    thread = threading.Thread(target=consume)
-    thread.start()
-    try:
+    with _consumer_facing_a_hand_driven_producer(tmp_path, lambda c: c.prepare()) as (producer, session, key, failure):
         twice = specs_to_json([embedding, embedding])
         producer.send(Hello(PROTOCOL_VERSION, session, 0, key, "shm", os.getpid(), twice, 0, None, "bfloat16", []))
         with pytest.raises(RefitRemoteError, match="duplicate names"):  # at once, not after the pairing timeout
             producer.recv("the consumer's hello_ack", timeout_s=5.0)
-    finally:
-        thread.join(10)
-        producer.close()
-        consumer.close()
     assert failure and isinstance(failure[0], RefitManifestError)

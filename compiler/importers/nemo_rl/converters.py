@@ -2,9 +2,22 @@
 the reason (the one-to-one key tables of :mod:`.mapping` and the key functions name one per key)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rlc.compiler.importers.nemo_rl.results import Unmappable
+
+
+def one_of(what: str, choices: tuple[str, ...], says: str) -> Callable[[Any], str]:
+    """A converter that keeps a value among ``choices`` and refuses any other: "``what`` 'v': ``says``" with the
+    choices written "a, b or c" in place of ``{}``."""
+    listed = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
+
+    def convert(v: Any) -> str:
+        if v in choices:
+            return str(v)
+        raise Unmappable(f"{what} {v!r}: {says.format(listed)}")
+
+    return convert
 
 
 def same(v: Any) -> Any:
@@ -101,22 +114,13 @@ def router_dtype(v: Any) -> str:
     raise Unmappable(f"moe_router_dtype {v!r}: rlc takes fp32 or fp64")
 
 
-def token_dispatcher(v: Any) -> str:
-    if v in ("alltoall", "allgather", "flex"):
-        return str(v)
-    raise Unmappable(f"token dispatcher {v!r}: rlc takes alltoall, allgather or flex")
+token_dispatcher = one_of("token dispatcher", ("alltoall", "allgather", "flex"), "rlc takes {}")
 
 
-def fp8_format(v: Any) -> str:
-    if v in ("e4m3", "hybrid"):
-        return str(v)
-    raise Unmappable(f"fp8 format {v!r}: rlc takes e4m3 or hybrid")
+fp8_format = one_of("fp8 format", ("e4m3", "hybrid"), "rlc takes {}")
 
 
-def fp8_recipe(v: Any) -> str:
-    if v in ("tensorwise", "delayed", "blockwise", "mxfp8"):
-        return str(v)
-    raise Unmappable(f"fp8_recipe {v!r}: rlc takes tensorwise, delayed, blockwise or mxfp8")
+fp8_recipe = one_of("fp8_recipe", ("tensorwise", "delayed", "blockwise", "mxfp8"), "rlc takes {}")
 
 
 _PACKING = {
@@ -128,10 +132,7 @@ _PACKING = {
 }
 
 
-def kl_type(v: Any) -> str:
-    if v in ("k1", "k2", "k3"):
-        return str(v)
-    raise Unmappable(f"reference_policy_kl_type {v!r}: rlc's loss.kl_estimator is k1, k2 or k3")
+kl_type = one_of("reference_policy_kl_type", ("k1", "k2", "k3"), "rlc's loss.kl_estimator is {}")
 
 
 def packing_algorithm(v: Any) -> str:
@@ -141,22 +142,13 @@ def packing_algorithm(v: Any) -> str:
         raise Unmappable(f"packing algorithm {v!r}: rlc takes {', '.join(sorted(set(_PACKING.values())))}") from None
 
 
-def kv_cache_mode(v: Any) -> str:
-    if v in ("persist", "offload", "recompute"):
-        return str(v)
-    raise Unmappable(f"kv_cache_management_mode {v!r}: rlc runs persist, offload or recompute")
+kv_cache_mode = one_of("kv_cache_management_mode", ("persist", "offload", "recompute"), "rlc runs {}")
 
 
-def refit_backend(v: Any) -> str:
-    if v in ("nccl", "gloo"):
-        return str(v)
-    raise Unmappable(f"refit_backend {v!r}: rlc's swap runs nccl or gloo")
+refit_backend = one_of("refit_backend", ("nccl", "gloo"), "rlc's swap runs {}")
 
 
-def transformer_impl(v: Any) -> str:
-    if v in ("transformer_engine", "inference_optimized"):
-        return str(v)
-    raise Unmappable(f"transformer_impl {v!r}: rlc builds transformer_engine or inference_optimized layers")
+transformer_impl = one_of("transformer_impl", ("transformer_engine", "inference_optimized"), "rlc builds {} layers")
 
 
 def gib_to_bytes(v: Any) -> int:
