@@ -44,6 +44,7 @@ from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix,
                                          last_stage_loss, train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
+from rlc.compiler.planner.vllm_kv import kv_bytes_per_token
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib, gib_bytes
 from rlc.compiler.planner.refit_math import (FP8_RELOAD_COPY_HALVES, buffer_math, kept_buffer_items, refit_facts,
                                              reload_copy_halves, wire_tensor)
@@ -385,6 +386,33 @@ def _generate_phase(plan: MemoryPlan, s: _PlanInputs) -> None:
     if used is not None and used > limit:
         plan.checks["generate_total"] = Check("generate_total", False, limit, used,
                                               f"generation needs {used:.2f} GiB of {limit:.2f} GiB")
+    request = _one_request_check(s, util * limit if kv_bytes is None else None)
+    if request is not None:
+        plan.checks["generate_kv_request"] = request
+
+
+def _one_request_check(s: _PlanInputs, budget_gib: Optional[float]) -> Optional[Check]:
+    """vLLM's KV cache holds one request of ``max_model_len`` tokens: at least the KV bytes of that request
+    (:func:`~rlc.compiler.planner.vllm_kv.kv_bytes_per_token`, a lower bound) against at most what vLLM can give its
+    cache (``kv_cache_memory_bytes``, else the budget ``budget_gib`` less the weights: an upper bound, activations
+    not taken off). None when a fact is missing or the KV cache is not sized this way."""
+    per_token = kv_bytes_per_token(s.recipe, s.facts)
+    if per_token is None:
+        return None
+    kv_bytes = s.recipe.generation.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        have, where = int(kv_bytes) / GIB, f"generation.kv_cache_memory_bytes {int(kv_bytes) / GIB:.2f} GiB"
+    elif budget_gib is not None and s.v_weights is not None:
+        have = budget_gib - s.v_weights / GIB
+        where = (f"gpu_memory_utilization {float(s.recipe.generation.gpu_memory_utilization):g} × {s.limit:.2f} GiB "
+                 f"less the weight shard {s.v_weights / GIB:.2f} GiB = {have:.2f} GiB at most")
+    else:
+        return None
+    tokens = s.recipe.generation.max_model_len
+    need = tokens * per_token / GIB
+    return Check("generate_kv_request", need <= have, have, need,
+                 f"one request of generation.max_model_len {tokens} tokens needs {need:.2f} GiB of vLLM KV cache per "
+                 f"GPU ({per_token} bytes a token at least), and {where}")
 
 
 def _train_checks(plan: MemoryPlan, s: _PlanInputs) -> None:

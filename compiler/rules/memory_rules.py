@@ -200,6 +200,35 @@ def generation_fits(ctx: Context) -> None:
             ctx.error(check.text, "generation.gpu_memory_utilization", hint=hint)
 
 
+@rule("RLC229", "vLLM's KV cache must hold one request of max_model_len tokens", severities=("error",),
+      needs=("plan",),
+      rationale="vLLM refuses to start when its KV cache cannot hold one request as long as max_model_len: the "
+                "cache is what gpu_memory_utilization leaves beside the weights and the profiled activations (or "
+                "kv_cache_memory_bytes). The plan counts at least what one such request takes per GPU (the layers "
+                "that keep every token: 2 × KV heads on the rank × head dim, or the latent and rotary key of "
+                "multi-latent attention, in the cache's dtype) against at most what the cache can get (the budget "
+                "less the weight shard, the activations not taken off), so it fires only where vLLM cannot start. "
+                "Long-context recipes meet it when they raise max_model_len without more memory or more tensor "
+                "parallelism.",
+      seed="vLLM 0.22 vllm/v1/core/kv_cache_utils.py ('To serve at least one request with the model's max seq len "
+           "(...), (... GiB KV cache is needed, which is larger than the available KV cache memory').",
+      fixes="Raise generation.gpu_memory_utilization (or kv_cache_memory_bytes), shard the KV heads over more vLLM "
+            "tensor parallelism, or lower generation.max_model_len.")
+def kv_cache_holds_a_request(ctx: Context) -> None:
+    check = ctx.plan.checks.get("generate_kv_request")
+    if check is None or check.ok is not False or check.need_gib is None or check.have_gib is None:
+        return
+    r = ctx.recipe
+    per_token = check.need_gib / r.generation.max_model_len  # GiB a token
+    fits = max(0, int(check.have_gib / per_token)) if per_token > 0 else 0
+    key = "generation.kv_cache_memory_bytes" if r.generation.kv_cache_memory_bytes is not None else \
+        "generation.gpu_memory_utilization"
+    ctx.error(f"vLLM's KV cache cannot hold one request: {check.text}; vLLM refuses to start ('To serve at least "
+              "one request with the model's max seq len')", key,
+              hint=f"lower generation.max_model_len to at most {fits}, give the KV cache at least "
+                   f"{check.need_gib - check.have_gib:.2f} GiB more per GPU, or raise parallelism.generation.tp")
+
+
 @rule("RLC215", "the train step must fit (parameters, grads, optimizer state, vLLM asleep)",
       severities=("error", "warning"), needs=("plan",),
       rationale="Megatron holds bf16 params and grads and, with the distributed optimizer, 12 bytes per "

@@ -78,7 +78,8 @@ def test_plan_predicts_free_memory_at_refit_on_the_mtp_stage(result):
     # vLLM 0.22 (the GPU host's): the after-sleep residue growth reported for MoE models is planned too
     assert {k: c.ok for k, c in plan.checks.items()} == {"generate_fit": True, "train_fit": True,
                                                          "train_late_fit": True, "logprob_fit": True,
-                                                         "logprob_late_fit": True, "buffer": True, "stack": True}
+                                                         "logprob_late_fit": True, "buffer": True, "stack": True,
+                                                         "generate_kv_request": True}
     assert "free at refit" in plan.to_text()
 
 
