@@ -153,6 +153,19 @@ def packed_sequence(m: re.Match, lines: list[str], i: int) -> Values:
     return out
 
 
+def kv_one_request(m: re.Match, lines: list[str], i: int) -> Values:
+    """vLLM's KV cache smaller than one request of max_model_len: the length, and the cache as the message gives it
+    (tokens it holds in vLLM's older message, GiB needed and available in vLLM >= 0.8's)."""
+    found = {k: v for k, v in m.groupdict().items() if v is not None}
+    out: dict[str, Any] = {"max_model_len": int(found.get("max_len") or found["max_len2"])}
+    if "kv_tokens" in found:
+        out["kv_cache_tokens"] = int(found["kv_tokens"])
+    for key in ("need", "have"):
+        if key in found:
+            out[f"{key}_gib"] = float(found[key])
+    return out
+
+
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:
     return {}
 

@@ -283,6 +283,19 @@ PATTERNS: tuple[Pattern, ...] = (
         ("verl #953 / #1108 (DAPO dynamic sampling)",),
         hints=('max_num_gen_batches',)),
     Pattern(
+        "vllm-kv-one-request", "RLC229", "vLLM's KV cache cannot hold one request of max_model_len tokens",
+        _rx(r"max seq len \((?P<max_len>[0-9]+)\) is larger than the maximum number of tokens that can be stored in "
+            r"KV cache \((?P<kv_tokens>[0-9]+)\)|To serve at least one request with the model's max seq len "
+            r"\((?P<max_len2>[0-9]+)\), \((?P<need>[0-9.]+) GiB KV cache is needed, which is larger than the "
+            r"available KV cache memory \((?P<have>[0-9.]+) GiB\)"),
+        x.kv_one_request,
+        "raise generation.gpu_memory_utilization (or kv_cache_memory_bytes), shard the KV heads over more vLLM "
+        "tensor parallelism, or lower generation.max_model_len; RLC229 checks it before submission",
+        ("vLLM 0.22 vllm/v1/core/kv_cache_utils.py ('To serve at least one request with the model's max seq len'); "
+         "OpenRLHF #336 and vllm-project/vllm #2418 ('The model's max seq len (...) is larger than the maximum "
+         "number of tokens that can be stored in KV cache')",),
+        hints=("stored in kv cache", "to serve at least one request")),
+    Pattern(
         "packed-sequence-too-long", "RLC315", "a sequence longer than a packed micro batch's token budget",
         _rx(r"Sequence length (?P<tokens>[0-9]+) exceeds bin capacity (?P<budget>[0-9]+)|sequence length of "
             r"(?P<tokens2>[0-9]+), however max microbatch size is (?P<budget2>[0-9]+) tokens|a sequence of "

@@ -80,6 +80,8 @@ EXPECTED = {
     "megatron_kv_pool.log": ("mcore-kv-pool", "RLC406", {}),
     "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
                                          {"tokens": 51204, "budget_tokens": 49152}),
+    "openrlhf_kv_cache_max_seq_len.log": ("vllm-kv-one-request", "RLC229",
+                                          {"max_model_len": 8192, "kv_cache_tokens": 6048}),
 }
 # logs with more than one finding: (pattern, rule) in order
 EXPECTED_MANY = {
@@ -185,3 +187,13 @@ def test_a_network_failure_is_named_as_one_during_a_weight_sync_or_not():
     # the same failure with no weight sync near it is a network failure, not a weight-sync one
     (g,) = diagnose("\n".join(line for line in sync.splitlines() if "update" not in line))
     assert g.pattern == "nccl-network" and "while syncing" not in g.summary
+
+
+def test_vllms_current_message_for_a_cache_below_one_request_reads_the_gib():
+    """vLLM 0.22's wording (vllm/v1/core/kv_cache_utils.py), next to the older one of the OpenRLHF log above."""
+    text = ("(EngineCore_DP0 pid=4121) ValueError: To serve at least one request with the model's max seq len (65536), "
+            "(8.00 GiB KV cache is needed, which is larger than the available KV cache memory (5.42 GiB). Based on the "
+            "available memory, the estimated maximum model length is 44384. Try increasing `gpu_memory_utilization`")
+    (f,) = diagnose(text)
+    assert (f.pattern, f.rule) == ("vllm-kv-one-request", "RLC229")
+    assert f.values == {"max_model_len": 65536, "need_gib": 8.0, "have_gib": 5.42}
