@@ -195,6 +195,30 @@ def kv_block_bytes(recipe: Recipe, facts: Any) -> Optional[int]:
     return dtype * 2 * layers * recipe.generation.megatron.block_size_tokens * per_rank * head_dim
 
 
+def mamba_state_bytes(recipe: Recipe, facts: Any) -> int:
+    """Bytes of Mamba state one request holds on one GPU in megatron-core's engine (0 for a model without Mamba
+    layers): per Mamba layer of the stage, the conv state ((d_inner + 2 × groups × d_state) / TP × d_conv) and the SSM
+    state (heads / TP × head dim × d_state), in the model's dtype (``MambaInferenceStateConfig.from_model``'s default,
+    what the bundled runtime builds), and again per speculative token (megatron-core 0.19 ``DynamicInferenceContext``:
+    ``mamba_states_memory_per_request``). megatron-core reserves it per KV block when it derives the request count."""
+    kinds = facts.layer_kinds if facts is not None else None
+    if not kinds:
+        return 0
+    mamba = sum(1 for mixer, _ in kinds if mixer == "mamba")
+    heads, head_dim = facts.mamba_heads, facts.mamba_head_dim
+    groups, state, conv = facts.mamba_groups, facts.mamba_state, facts.mamba_conv_kernel
+    if not mamba or None in (heads, head_dim, groups, state, conv):
+        return 0
+    g = recipe.parallelism.generation
+    tp = max(1, g.tp)
+    conv_bytes = (heads * head_dim // tp + 2 * (groups // tp) * state) * conv
+    ssm_bytes = heads // tp * head_dim * state
+    per_layer = (conv_bytes + ssm_bytes) * DTYPE_BYTES[recipe.model.dtype]
+    drafts = speculative_tokens(recipe)
+    copies = 1 + (drafts + 1 if drafts else 0)  # the intermediate states of every drafted token besides
+    return math.ceil(mamba / max(1, g.pp)) * per_layer * copies
+
+
 def speculative_tokens(recipe: Recipe) -> int:
     spec = recipe.generation.speculative_decoding
     return spec.num_speculative_tokens if spec is not None else 0
@@ -207,7 +231,11 @@ def kv_pool(recipe: Recipe, facts: Any) -> Optional[KvPool]:
     block = kv_block_bytes(recipe, facts)
     if pool is None or block is None:
         return None
-    blocks = max(2, int(pool) // block)  # megatron-core keeps at least one active block and the dummy block
+    mamba = mamba_state_bytes(recipe, facts)
+    if mamba and m.max_requests is not None:  # megatron-core sets aside the Mamba states of max_requests first
+        blocks = max(2, (int(pool) - m.max_requests * mamba) // block)
+    else:  # and otherwise reserves one request's Mamba state beside every block (none without Mamba layers)
+        blocks = max(2, int(pool) // (block + mamba))  # at least one active block and the dummy block
     per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (
         1 if speculative_tokens(recipe) else 0
     )
@@ -230,9 +258,9 @@ def pool_bytes_for(recipe: Recipe, facts: Any, requests: int) -> Optional[int]:
     per_request = math.ceil(recipe.generation.max_model_len / m.block_size_tokens) + (
         1 if speculative_tokens(recipe) else 0
     )
-    return (max(1, requests) * per_request + 1) * block
+    return (max(1, requests) * per_request + 1) * block + max(1, requests) * mamba_state_bytes(recipe, facts)
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "InferenceModel", "KvPool", "MEGATRON", "REQUEST_ROUNDER", "VLLM_ONLY", "VllmOnly",
-           "inference_model", "kv_block_bytes", "kv_pool", "layout_differences", "pool_bytes_for",
+           "inference_model", "kv_block_bytes", "kv_pool", "layout_differences", "mamba_state_bytes", "pool_bytes_for",
            "reset_router_num_groups", "speculative_tokens", "uses_megatron", "weight_sync_kind"]

@@ -352,11 +352,14 @@ PATTERNS: tuple[Pattern, ...] = (
         "mcore-kv-pool", "RLC406", "megatron-core's KV pool or token budget cannot take a request",
         _rx(r"failed to be added to the engine \((?:BlockOverflowError|TokenOverflowError|"
             r"MaxSequenceLengthOverflowError)|max_tokens \((?P<max_tokens>[0-9]+)\) must be >= max_requests "
-            r"\((?P<max_requests>[0-9]+)\)|megatron-core failed request [0-9]+"), x.nothing,
+            r"\((?P<max_requests>[0-9]+)\)|megatron-core failed request [0-9]+|Not enough memory for [0-9]+ mamba "
+            r"requests"), x.nothing,
         "raise generation.kv_cache_memory_bytes (rlc plan names the size one request needs), or set "
-        "generation.megatron.max_requests <= max_tokens",
+        "generation.megatron.max_requests <= max_tokens (and, for a hybrid model, few enough that their Mamba state "
+        "leaves room for KV blocks)",
         ("megatron-core 0.19 engines/dynamic_engine.py (_add_request) and contexts/dynamic_context.py",),
-        hints=("added to the engine", "must be >= max_requests", "megatron-core failed request")),
+        hints=("added to the engine", "must be >= max_requests", "megatron-core failed request",
+               "mamba requests")),
     Pattern(
         "mcore-flash-attention", None, "megatron-core's inference engine found no FlashAttention it accepts",
         _rx(r"flash attn verion v2\.7\.3 and above is required for dynamic batching|megatron-core's dynamic "

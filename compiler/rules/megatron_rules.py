@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlc.compiler.mcore_generation import (VLLM_ONLY, inference_model, kv_pool, pool_bytes_for,
+from rlc.compiler.mcore_generation import (VLLM_ONLY, inference_model, kv_pool, mamba_state_bytes, pool_bytes_for,
                                            reset_router_num_groups, uses_megatron, weight_sync_kind)
 from rlc.compiler.rules.engine import Context, rule
 from rlc.compiler.schema import default_at
@@ -268,7 +268,9 @@ def layer_limits(ctx: Context) -> None:
                 "block is the engine's dummy block. A pool that cannot hold one full-length request fails the "
                 "request (BlockOverflowError) at the first long rollout. The engine also asserts max_tokens >= "
                 "max_requests, and the default request count (the pool's blocks, rounded down to a multiple of 4) "
-                "can exceed the default 16384 tokens on a large pool or be 0 on a tiny one.",
+                "can exceed the default 16384 tokens on a large pool or be 0 on a tiny one. A hybrid (Mamba) "
+                "model's request also holds its Mamba state: megatron-core reserves one beside every block when it "
+                "derives the request count, and sets aside max_requests of them first when that is given.",
       seed="megatron-core 0.19 inference/contexts/dynamic_context.py (block bytes, 'max_tokens … must be >= "
            "max_requests'); engines/dynamic_engine.py (_add_request: BlockOverflowError when the request needs "
            "more blocks than the pool has).",
@@ -293,6 +295,14 @@ def kv_pool_holds_a_request(ctx: Context) -> None:
                  "generation.kv_cache_memory_bytes")
         return
     path = "generation.kv_cache_memory_bytes"
+    mamba = mamba_state_bytes(r, f)
+    asked = gen.megatron.max_requests
+    if mamba and asked is not None and asked * mamba >= pool.pool_bytes:
+        ctx.error(f"{G}.max_requests {asked} of a hybrid model hold {asked * mamba} bytes of Mamba state, all of the "
+                  f"{pool.pool_bytes}-byte pool: megatron-core asserts 'Not enough memory for {asked} mamba requests'",
+                  f"{G}.max_requests",
+                  hint=f"{path}: {asked * mamba + pool_bytes_for(r, f, 1)} or more, or fewer {G}.max_requests")
+        return
     if pool.blocks - 1 < pool.blocks_per_request:
         need = pool_bytes_for(r, f, 1)
         ctx.error(f"the KV pool of {pool.pool_bytes} bytes holds {pool.blocks} blocks of {pool.block_bytes} bytes "

@@ -245,6 +245,29 @@ def test_block_bytes_follow_megatron_cores_formula():
     assert (pool.blocks, pool.blocks_per_request, pool.full_requests) == (4096, 1, 4095)
 
 
+def test_a_hybrid_models_pool_sets_a_requests_mamba_state_beside_every_block():
+    """megatron-core 0.19 reserves one request's Mamba state (conv and SSM, per Mamba layer) beside each KV block when
+    it derives the request count, and sets aside max_requests of them first when it is given: NeMo-RL's Nemotron-3
+    Nano recipe (20 GiB pool, TP 2, max_tokens 2048) runs with 1600 requests a step, not the 27,304 the blocks alone
+    would give (which megatron-core's max_tokens >= max_requests assert would refuse)."""
+    from rlc.compiler import catalog
+    from rlc.compiler.mcore_generation import mamba_state_bytes
+
+    nano = catalog.model_facts("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", RECIPES)
+    layout = ("generation.backend=megatron", "generation.enforce_eager=true", "cluster.gpus_per_node=2",
+              "parallelism.generation.tp=2", "generation.kv_cache_memory_bytes=21474836480", f"{G}.max_tokens=2048")
+    recipe = check(VLLM_DENSE, *layout).recipe  # megatron-core derives the request count (no max_requests)
+    # 23 Mamba layers x ((64 x 64 / 2 + 2 x 8 / 2 x 128) x 4 conv + 64 / 2 x 64 x 128 SSM) x 2 B
+    assert mamba_state_bytes(recipe, nano) == 23 * ((64 * 64 // 2 + 2 * 4 * 128) * 4 + 32 * 64 * 128) * 2
+    pool = kv_pool(recipe, nano)
+    block = kv_block_bytes(recipe, nano)  # 6 attention layers x 2 x 1 KV head on the rank x 128 x 256 tokens x 2 B
+    assert block == 6 * 2 * 1 * 128 * 256 * 2
+    assert pool.blocks == (20 << 30) // (block + mamba_state_bytes(recipe, nano)) == 1601
+    assert pool.max_requests == 1600 <= pool.max_tokens
+    given = kv_pool(check(VLLM_DENSE, *layout, f"{G}.max_requests=512").recipe, nano)
+    assert given.blocks == ((20 << 30) - 512 * mamba_state_bytes(recipe, nano)) // block
+
+
 # --------------------------------------------------------------------------- RLC311: what the runtime cannot run
 
 
@@ -282,3 +305,19 @@ def test_the_documented_guard_errors_are_what_rlc_validate_prints():
     shown = [ln for i, ln in enumerate(lines) if any(r in ln for r in ("[RLC401]", "[RLC402]"))
              or (i and any(r in lines[i - 1] for r in ("[RLC401]", "[RLC402]")) and ln.startswith("    hint:"))]
     assert "\n".join(shown) == block
+
+
+def test_max_requests_whose_mamba_state_fills_the_pool_is_megatron_cores_assert(tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(VLLM_DENSE.read_text())
+    recipe["model"] = {"id": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", "dtype": "bfloat16"}
+    path = tmp_path / "nano.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    sets = ("generation.backend=megatron", "generation.enforce_eager=true", "cluster.gpus_per_node=2",
+            "parallelism.train.tp=2", "parallelism.generation.tp=2", "generation.kv_cache_memory_bytes=21474836480",
+            f"{G}.max_tokens=2048")
+    derived = [d for d in check(path, *sets).diagnostics if d.rule == "RLC406"]
+    assert [d.severity for d in derived] == ["info"] and "1600 full-length requests at once" in derived[0].message
+    [err] = [d for d in check(path, *sets, f"{G}.max_requests=2048").errors if d.rule == "RLC406"]
+    assert err.path == f"{G}.max_requests" and "Not enough memory for 2048 mamba requests" in err.message

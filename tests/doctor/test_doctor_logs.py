@@ -197,3 +197,11 @@ def test_vllms_current_message_for_a_cache_below_one_request_reads_the_gib():
     (f,) = diagnose(text)
     assert (f.pattern, f.rule) == ("vllm-kv-one-request", "RLC229")
     assert f.values == {"max_model_len": 65536, "need_gib": 8.0, "have_gib": 5.42}
+
+
+def test_a_hybrid_models_max_requests_over_its_pool_names_rlc406():
+    """megatron-core 0.19's assert when max_requests' Mamba states fill the KV pool (contexts/dynamic_context.py)."""
+    text = ("AssertionError: Not enough memory for 2048 mamba requests. Need 24.08 GB for mamba states, but total "
+            "buffer is 20.00 GB.")
+    (f,) = diagnose(text)
+    assert (f.pattern, f.rule) == ("mcore-kv-pool", "RLC406")
