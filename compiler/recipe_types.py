@@ -1184,9 +1184,10 @@ class Recipe(_Section):
     @property
     def longest_sequence(self) -> int:
         """The longest sequence a rollout can give the trainer: a prompt of at most ``data.max_prompt_length``
-        tokens (longer ones are skipped) and ``generation.sampling.max_tokens`` sampled, at most
-        :attr:`max_sequence_length`."""
-        return min(self.max_sequence_length, self.data.max_prompt_length + self.generation.sampling.max_tokens)
+        tokens (longer ones are skipped) and ``generation.sampling.max_tokens`` sampled, the two together at most
+        ``generation.max_model_len`` (the engine stops there) and :attr:`max_sequence_length`."""
+        sampled = min(self.data.max_prompt_length + self.generation.sampling.max_tokens, self.generation.max_model_len)
+        return min(self.max_sequence_length, sampled)
 
     @property
     def train_mb_tokens(self) -> int:

@@ -77,6 +77,10 @@ def test_a_budget_that_cannot_hold_the_longest_sequence_is_an_error_naming_the_p
     (err,) = [d for d in api.check(TINY, [*bounded, "training.sequence_packing.train_mb_tokens=47"]).errors
               if d.rule == "RLC315"]
     assert "(48 tokens; a prompt of data.max_prompt_length 16 + generation.sampling.max_tokens 32)" in err.message
+    # the engine stops a rollout at max_model_len, whatever the prompt and response limits add up to
+    capped = api.check(TINY, [ON, "generation.max_model_len=256", "training.max_sequence_length=512",
+                              "data.max_prompt_length=200", "generation.sampling.max_tokens=200"]).recipe
+    assert capped.longest_sequence == 256
     assert "RLC315" not in _rules(api.check(TINY, ["training.sequence_packing.train_mb_tokens=1"]))  # packing off
 
 
