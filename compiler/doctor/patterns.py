@@ -283,6 +283,15 @@ PATTERNS: tuple[Pattern, ...] = (
         ("verl #953 / #1108 (DAPO dynamic sampling)",),
         hints=('max_num_gen_batches',)),
     Pattern(
+        "vllm-no-kv-memory", "RLC214", "vLLM's budget leaves no memory for its KV cache",
+        _rx(r"No available memory for the cache blocks"), x.nothing,
+        "raise generation.gpu_memory_utilization above the weight shard and activations, shard vLLM further "
+        "(TP / EP / PP), or move the trainer's parameters off the GPU while vLLM generates "
+        "(refit.offload_params_for_generation); RLC214 checks the weight shard against the budget before submission",
+        ("vLLM 0.22 vllm/v1/core/kv_cache_utils.py ('No available memory for the cache blocks'); "
+         "vllm-project/vllm #13882 and #10439",),
+        hints=("no available memory for the cache blocks",)),
+    Pattern(
         "vllm-kv-one-request", "RLC229", "vLLM's KV cache cannot hold one request of max_model_len tokens",
         _rx(r"max seq len \((?P<max_len>[0-9]+)\) is larger than the maximum number of tokens that can be stored in "
             r"KV cache \((?P<kv_tokens>[0-9]+)\)|To serve at least one request with the model's max seq len "

@@ -80,6 +80,7 @@ EXPECTED = {
     "megatron_kv_pool.log": ("mcore-kv-pool", "RLC406", {}),
     "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
                                          {"tokens": 51204, "budget_tokens": 49152}),
+    "vllm_no_kv_memory.log": ("vllm-no-kv-memory", "RLC214", {}),
     "openrlhf_kv_cache_max_seq_len.log": ("vllm-kv-one-request", "RLC229",
                                           {"max_model_len": 8192, "kv_cache_tokens": 6048}),
 }
