@@ -166,6 +166,16 @@ def kv_one_request(m: re.Match, lines: list[str], i: int) -> Values:
     return out
 
 
+def lengths(m: re.Match, lines: list[str], i: int) -> Values:
+    """Token counts a length check named: the named groups that matched, a trailing digit (one name per alternative
+    of the regex) dropped; numbers as ints, anything else (vLLM's ``key=value`` of the derived length) as text."""
+    out: dict[str, Any] = {}
+    for key, value in m.groupdict().items():
+        if value is not None:
+            out[key.rstrip("0123456789")] = int(value) if value.isdigit() else value
+    return out
+
+
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:
     return {}
 

@@ -283,6 +283,27 @@ PATTERNS: tuple[Pattern, ...] = (
         ("verl #953 / #1108 (DAPO dynamic sampling)",),
         hints=('max_num_gen_batches',)),
     Pattern(
+        "vllm-prompt-too-long", "RLC305", "a prompt longer than vLLM's max_model_len",
+        _rx(r"The (?:decoder |encoder )?prompt \(length (?P<tokens>[0-9]+)\) (?:plus the number of requested output "
+            r"tokens \(at least 1\) )?is longer than the maximum model length of (?P<max_model_len>[0-9]+)|Input "
+            r"prompt \((?P<tokens2>[0-9]+) tokens\) is too long and exceeds limit of (?P<max_model_len2>[0-9]+)"),
+        x.lengths,
+        "data.max_prompt_length below generation.max_model_len (rlc skips longer prompts before they reach vLLM; "
+        "RLC305 checks the two), or raise max_model_len",
+        ("vLLM 0.22 vllm/v1/engine/input_processor.py ('The decoder prompt (length ...) is longer than the maximum "
+         "model length of ...'); verl #673 ('Input prompt (6768 tokens) is too long and exceeds limit of 4096')",),
+        hints=("is longer than the maximum model length", "is too long and exceeds limit of")),
+    Pattern(
+        "vllm-max-model-len-over-derived", "RLC112", "max_model_len above the model's context length",
+        _rx(r"User-specified max_model_len \((?P<max_model_len>[0-9]+)\) is greater than the derived max_model_len "
+            r"\((?P<derived>[^)]*)\)"),
+        x.lengths,
+        "generation.max_model_len at most the model's context length (RLC112 checks it against the checkpoint's "
+        "config.json), or a model.overrides rope scaling that extends it",
+        ("vLLM 0.22 vllm/config/model.py ('User-specified max_model_len (...) is greater than the derived "
+         "max_model_len'); vllm-project/vllm #3676",),
+        hints=("user-specified max_model_len",)),
+    Pattern(
         "vllm-no-kv-memory", "RLC214", "vLLM's budget leaves no memory for its KV cache",
         _rx(r"No available memory for the cache blocks"), x.nothing,
         "raise generation.gpu_memory_utilization above the weight shard and activations, shard vLLM further "

@@ -81,6 +81,9 @@ EXPECTED = {
     "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
                                          {"tokens": 51204, "budget_tokens": 49152}),
     "vllm_no_kv_memory.log": ("vllm-no-kv-memory", "RLC214", {}),
+    "verl_prompt_too_long.log": ("vllm-prompt-too-long", "RLC305", {"tokens": 6768, "max_model_len": 4096}),
+    "vllm_max_model_len_derived.log": ("vllm-max-model-len-over-derived", "RLC112",
+                                       {"max_model_len": 131072, "derived": "None=8192 in model's config.json"}),
     "openrlhf_kv_cache_max_seq_len.log": ("vllm-kv-one-request", "RLC229",
                                           {"max_model_len": 8192, "kv_cache_tokens": 6048}),
 }
@@ -206,3 +209,15 @@ def test_a_hybrid_models_max_requests_over_its_pool_names_rlc406():
             "buffer is 20.00 GB.")
     (f,) = diagnose(text)
     assert (f.pattern, f.rule) == ("mcore-kv-pool", "RLC406")
+
+
+def test_vllms_current_prompt_length_messages_name_rlc305():
+    """vLLM 0.22 (vllm/v1/engine/input_processor.py) refuses a prompt longer than max_model_len, and one exactly as
+    long (no room for one generated token)."""
+    for text, tokens in (("ValueError: The decoder prompt (length 9000) is longer than the maximum model length of "
+                          "8192. Make sure that `max_model_len` is no smaller than the number of text tokens.", 9000),
+                         ("ValueError: The decoder prompt (length 8192) plus the number of requested output tokens "
+                          "(at least 1) is longer than the maximum model length of 8192.", 8192)):
+        (f,) = diagnose(text)
+        assert (f.pattern, f.rule, f.values) == ("vllm-prompt-too-long", "RLC305",
+                                                 {"tokens": tokens, "max_model_len": 8192})
