@@ -301,7 +301,7 @@ def kv_pool_holds_a_request(ctx: Context) -> None:
         ctx.error(f"{G}.max_requests {asked} of a hybrid model hold {asked * mamba} bytes of Mamba state, all of the "
                   f"{pool.pool_bytes}-byte pool: megatron-core asserts 'Not enough memory for {asked} mamba requests'",
                   f"{G}.max_requests",
-                  hint=f"{path}: {asked * mamba + pool_bytes_for(r, f, 1)} or more, or fewer {G}.max_requests")
+                  hint=f"{path}: {asked * mamba + (pool_bytes_for(r, f, 1) or 0)} or more, or fewer {G}.max_requests")
         return
     if pool.blocks - 1 < pool.blocks_per_request:
         need = pool_bytes_for(r, f, 1)
