@@ -167,6 +167,16 @@ PATTERNS: tuple[Pattern, ...] = (
         ("rlc refit bucket planner",),
         hints=('asks for',)),
     Pattern(
+        "vllm-startup-oom", "RLC214", "vLLM ran out of memory warming up at start",
+        _rx(r"CUDA out of memory occurred when warming up (?P<what>sampler|pooler) with (?P<requests>[0-9]+) dummy "
+            r"requests"), x.lengths,
+        "leave vLLM's budget free when it starts: lower generation.gpu_memory_utilization (what else holds the GPU "
+        "then, the trainer's memory and vLLM's own, is `rlc plan`'s generate phase), or move the trainer's "
+        "parameters off the GPU while vLLM generates (refit.offload_params_for_generation)",
+        ("vLLM 0.22 vllm/v1/worker/gpu_model_runner.py ('CUDA out of memory occurred when warming up sampler with "
+         "... dummy requests'); huggingface/trl #3523 and vllm-project/vllm #14452",),
+        hints=("when warming up",)),
+    Pattern(
         "cumem-wake-oom", "RLC214", "vLLM ran out of memory waking up (cumem allocator)",
         _rx(r"CUDA Error: out of memory at \S*cumem_allocator\.cpp:[0-9]+"), x.nothing,
         "leave vLLM room to wake: lower generation.gpu_memory_utilization, keep "

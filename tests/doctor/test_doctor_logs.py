@@ -81,6 +81,7 @@ EXPECTED = {
     "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
                                          {"tokens": 51204, "budget_tokens": 49152}),
     "vllm_no_kv_memory.log": ("vllm-no-kv-memory", "RLC214", {}),
+    "vllm_sampler_warmup_oom.log": ("vllm-startup-oom", "RLC214", {"what": "sampler", "requests": 1024}),
     "verl_prompt_too_long.log": ("vllm-prompt-too-long", "RLC305", {"tokens": 6768, "max_model_len": 4096}),
     "vllm_max_model_len_derived.log": ("vllm-max-model-len-over-derived", "RLC112",
                                        {"max_model_len": 131072, "derived": "None=8192 in model's config.json"}),
