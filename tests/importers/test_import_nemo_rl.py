@@ -13,7 +13,7 @@ import yaml
 
 from rlc.compiler import api
 from rlc.compiler.cli import main
-from rlc.compiler.importers.nemo_rl import NemoRlConfigError, import_nemo_rl, load_nemo_rl_config
+from rlc.compiler.importers.nemo_rl import ImportStopped, NemoRlConfigError, import_nemo_rl, load_nemo_rl_config
 
 CONFIGS = Path(__file__).resolve().parent / "nemo_rl_configs"
 LLM = CONFIGS / "recipes" / "llm"
@@ -555,6 +555,23 @@ def test_megatron_generation_with_another_layout_is_dedicated_and_offloads_the_t
     assert got["generation.megatron.transformer_impl"] == "inference_optimized"
     # NeMo-RL moves the trainer's parameters to host memory after each swap into the dedicated model
     assert got["refit.offload_params_for_generation"] is True
+
+
+def test_megatron_inference_settings_count_where_the_config_generates_with_megatron_core():
+    """With the Megatron backend an mcore_generation_config key rlc has no setting for is read by the engine: it is
+    never assumed harmless (fp32 Mamba SSM states change the rollouts' numerics); layout and copy-service keys are
+    listed as changing nothing; with vLLM generation the whole block is NeMo-RL's unused default."""
+    key = "policy.generation.mcore_generation_config.mamba_inference_ssm_states_dtype"
+    with pytest.raises(ImportStopped) as stop:
+        import_nemo_rl(str(MCORE_GEN), overrides=[f"+{key}=float32"])
+    assert key in {u.key for u in stop.value.dropped}
+    layout = import_nemo_rl(str(MCORE_GEN), overrides=[
+        "+policy.generation.mcore_generation_config.context_parallel_size=1"])
+    (cp,) = [u for u in layout.unmapped if u.key.endswith("mcore_generation_config.context_parallel_size")]
+    assert cp.effect == "none"
+    vllm = import_nemo_rl(str(CHILD), overrides=[f"+{key}=float32"])
+    (listed,) = [u for u in vllm.unmapped if u.key == key]
+    assert listed.effect == "none"
 
 
 def test_megatron_generation_refuses_what_rlc_cannot_express():

@@ -22,6 +22,18 @@ import yaml
 DEFAULTS_FILE = Path(__file__).with_name("nemo_rl_defaults.yaml")
 EFFECTS = ("changes", "none", "default")
 
+#: megatron-core inference's settings: no effect where the config generates with vLLM (see :func:`effect_of`).
+MCORE_PREFIX = "policy.generation.mcore_generation_config."
+
+#: megatron-core inference's settings that change how fast it runs or what memory it holds, not what is sampled.
+MCORE_NO_EFFECT = {
+    "refit_backend": "the swap's copy service",
+    "kv_cache_management_mode": "the KV pool while training",
+    "expert_tensor_parallel_size": "the inference model's expert layout (rlc: the trainer's, or the inference TP "
+                                   "where it reshards)",
+    "context_parallel_size": "megatron-core inference runs without context parallelism (NeMo-RL pins it to 1)",
+}
+
 #: Key prefixes whose settings do not change what is trained, and why.
 NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("logger.", "logging"),
@@ -47,7 +59,7 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("policy.generation.refit_transport", "NeMo-RL's refit transport (rlc refits over CUDA IPC)"),
     ("policy.generation.refit_cfg.", "NeMo-RL's refit transport"),
     ("policy.generation.real_quant_export_cpu_offload", "NeMo-RL's refit staging"),
-    ("policy.generation.mcore_generation_config.", "Megatron generation (rlc generates with vLLM)"),
+    (MCORE_PREFIX, "megatron-core inference's settings, read only with policy.generation.backend: megatron"),
     ("policy.generation_batch_size", "the HF generation backend"),
     ("policy.megatron_cfg.checkpoint.", "checkpoint writing"),
     ("policy.megatron_cfg.force_reconvert_from_hf", "checkpoint conversion"),
@@ -126,10 +138,13 @@ def no_effect_reason(key: str) -> str:
     return next((why for prefix, why in NO_EFFECT if key == prefix or key.startswith(prefix)), "")
 
 
-def effect_of(key: str, value: Any, raw: Any) -> str:
-    """``default``, ``none`` or ``changes`` for a key rlc has no setting for (see the module docstring)."""
+def effect_of(key: str, value: Any, raw: Any, backend: Any = None) -> str:
+    """``default``, ``none`` or ``changes`` for a key rlc has no setting for (see the module docstring); ``backend``:
+    the config's ``policy.generation.backend`` (megatron-core inference's settings count where it is ``megatron``)."""
     if is_default(key, value, raw):
         return "default"
+    if backend == "megatron" and key.startswith(MCORE_PREFIX):  # the engine reads it: never assumed harmless
+        return "none" if key[len(MCORE_PREFIX):] in MCORE_NO_EFFECT else "changes"
     if no_effect_reason(key):
         return "none"
     return "changes"

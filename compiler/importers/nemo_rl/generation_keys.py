@@ -75,8 +75,6 @@ def vllm_kwargs(m: _Mapper) -> None:
 
 
 #: vLLM ``speculative_config`` options with a key under ``generation.speculative_decoding``.
-
-
 _SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
@@ -128,8 +126,6 @@ def vllm_precision(m: _Mapper) -> None:
 
 
 #: NeMo-RL's FP8-rollout options (vllm_cfg) with the value that means "nothing special".
-
-
 _FP8_DEFAULTS = {"use_deep_gemm": False, "num_first_layers_in_bf16": 0, "num_last_layers_in_bf16": 0,
                  "pow2_activation_scaling_factors": False, "quantization_ignored_layer_kws": []}
 
@@ -170,16 +166,12 @@ def vllm_fp8(m: _Mapper) -> None:
 
 
 #: ``mcore_generation_config`` layout keys -> (the trainer's key, the rlc generation key).
-
-
 MCORE_LAYOUT = {"tensor_model_parallel_size": "parallelism.generation.tp",
                 "pipeline_model_parallel_size": "parallelism.generation.pp",
                 "expert_model_parallel_size": "parallelism.generation.ep"}
 
 
 #: ``mcore_generation_config`` keys rlc has no setting for, and why.
-
-
 MCORE_UNMAPPED = {
     "num_cuda_graphs": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
     "use_cuda_graphs_for_non_decode_steps": "rlc runs the Megatron engine eager (CUDA graphs are not captured)",
@@ -188,6 +180,7 @@ MCORE_UNMAPPED = {
     "enable_prefix_caching": "rlc runs the Megatron engine without prefix caching",
     "expose_http_server": "rlc generates in process; it serves no HTTP endpoint",
     "parsers": "rlc generates in process; it serves no HTTP endpoint",
+    "inference_grouped_gemm_backend": "megatron-core picks its grouped-GEMM kernels itself (speed)",
 }
 
 
@@ -256,7 +249,8 @@ def mcore_generation(m: _Mapper, megatron: bool) -> None:
     for key, why in MCORE_UNMAPPED.items():
         if f"{MCORE}.{key}" in m.leaves:
             m.consumed.add(f"{MCORE}.{key}")
-            m.out.unmapped.append(Unmapped(f"{MCORE}.{key}", m.leaves[f"{MCORE}.{key}"], why))
+            # engine features rlc runs without: speed and serving, not what is sampled
+            m.out.unmapped.append(Unmapped(f"{MCORE}.{key}", m.leaves[f"{MCORE}.{key}"], why, effect="none"))
     for key, target in MCORE_LAYOUT.items():
         own = f"{MCORE}.{key}"
         if m.cfg.get(own) is not None:

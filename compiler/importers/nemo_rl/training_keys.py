@@ -33,7 +33,7 @@ def classified(u: Unmapped, cfg: NemoRlConfig) -> Unmapped:
         return u
     if u.inactive:
         return dataclasses.replace(u, effect="none")
-    effect = effect_of(u.key, u.value, cfg.raw_text(u.key))
+    effect = effect_of(u.key, u.value, cfg.raw_text(u.key), cfg.get("policy.generation.backend"))
     for key, other, value, why in MOOT:
         if u.key == key and cfg.get(other) == value and effect == "changes":
             return dataclasses.replace(u, effect="none", reason=f"{u.reason}; {other} is {value!r}: {why}")
