@@ -15,17 +15,18 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from rlc.compiler.planner.parts import DTYPE_BYTES
+
 #: Families whose attention layers all keep every token (the check applies to them).
 FULL_HISTORY_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next",
                                    "deepseek_v2", "deepseek_v3", "kimi_k2", "nemotron_h", "glm4_moe"})
-#: Bytes per element of the KV cache: vLLM's ``kv_cache_dtype`` ``auto`` is the model's dtype.
-MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_cache_element_bytes(recipe: Any) -> int:
-    """Bytes per KV element: 1 with an FP8 ``kv_cache_dtype`` in ``generation.vllm_kwargs``, else the model dtype."""
+    """Bytes per KV element: 1 with an FP8 ``kv_cache_dtype`` in ``generation.vllm_kwargs``, else the model dtype
+    (vLLM's ``auto``)."""
     dtype = str((recipe.generation.vllm_kwargs or {}).get("kv_cache_dtype", "auto"))
-    return 1 if dtype.startswith("fp8") else MODEL_DTYPE_BYTES.get(recipe.model.dtype, 2)
+    return 1 if dtype.startswith("fp8") else DTYPE_BYTES.get(recipe.model.dtype, 2)
 
 
 def kv_bytes_per_token(recipe: Any, facts: Any) -> Optional[int]:

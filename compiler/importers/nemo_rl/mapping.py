@@ -11,7 +11,6 @@ means "unset" and leaves the rlc default in place.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Callable
 
@@ -46,7 +45,7 @@ from rlc.compiler.importers.nemo_rl.generation_keys import (
     vllm_kwargs,
     vllm_precision,
 )
-from rlc.compiler.recipe_types import CheckpointingSection
+from rlc.contract.ranges import schema_ranges
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
@@ -545,7 +544,7 @@ def _checkpoints_kept(m: _Mapper) -> None:
     key = "checkpointing.keep_top_k"
     if key not in m.leaves:
         return
-    most = _schema_maximum(CheckpointingSection, "keep_last")
+    most = int(schema_ranges()["checkpointing.keep_last"][0]["maximum"])
     value = m.leaves[key]
     m.consumed.add(key)
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > most):
@@ -560,12 +559,6 @@ def _checkpoints_kept(m: _Mapper) -> None:
         return
     m.put("checkpointing.keep_last", kept, (key,),
           "NeMo-RL keeps the best k by checkpointing.metric_name; rlc keeps the last k")
-
-
-def _schema_maximum(section: type, name: str) -> int:
-    """The largest value the recipe schema allows for ``section.name``."""
-    field = {f.name: f for f in dataclasses.fields(section)}[name]
-    return int(field.metadata["schema"]["maximum"])
 
 
 def _params_offload(m: _Mapper, megatron: bool, offloads: bool) -> None:
