@@ -141,39 +141,24 @@ def ray_lost(m: re.Match, lines: list[str], i: int) -> Values:
     return out
 
 
-def packed_sequence(m: re.Match, lines: list[str], i: int) -> Values:
-    """A sequence longer than a packed micro batch's token budget: its tokens, the budget (and the budget's key where
-    the message names it)."""
-    found = m.groupdict()
-    tokens = next(found[k] for k in ("tokens", "tokens2", "tokens3") if found.get(k) is not None)
-    budget = next(found[k] for k in ("budget", "budget2", "budget3") if found.get(k) is not None)
-    out: dict[str, Any] = {"tokens": int(tokens), "budget_tokens": int(budget)}
-    if found.get("key"):
-        out["key"] = m.group("key")
-    return out
-
-
-def kv_one_request(m: re.Match, lines: list[str], i: int) -> Values:
-    """vLLM's KV cache smaller than one request of max_model_len: the length, and the cache as the message gives it
-    (tokens it holds in vLLM's older message, GiB needed and available in vLLM >= 0.8's)."""
-    found = {k: v for k, v in m.groupdict().items() if v is not None}
-    out: dict[str, Any] = {"max_model_len": int(found.get("max_len") or found["max_len2"])}
-    if "kv_tokens" in found:
-        out["kv_cache_tokens"] = int(found["kv_tokens"])
-    for key in ("need", "have"):
-        if key in found:
-            out[f"{key}_gib"] = float(found[key])
-    return out
-
-
 def lengths(m: re.Match, lines: list[str], i: int) -> Values:
-    """Token counts a length check named: the named groups that matched, a trailing digit (one name per alternative
-    of the regex) dropped; numbers as ints, anything else (vLLM's ``key=value`` of the derived length) as text."""
+    """The values a length or size check named: each named group that matched, under its name less a trailing digit
+    (one name per alternative of the regex); whole numbers as ints, decimals as floats, anything else (vLLM's
+    ``key=value`` of the derived length) as text."""
     out: dict[str, Any] = {}
     for key, value in m.groupdict().items():
         if value is not None:
-            out[key.rstrip("0123456789")] = int(value) if value.isdigit() else value
+            out[key.rstrip("0123456789")] = _value(value)
     return out
+
+
+def _value(text: str) -> Any:
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:

@@ -324,11 +324,11 @@ PATTERNS: tuple[Pattern, ...] = (
         hints=("no available memory for the cache blocks",)),
     Pattern(
         "vllm-kv-one-request", "RLC229", "vLLM's KV cache cannot hold one request of max_model_len tokens",
-        _rx(r"max seq len \((?P<max_len>[0-9]+)\) is larger than the maximum number of tokens that can be stored in "
-            r"KV cache \((?P<kv_tokens>[0-9]+)\)|To serve at least one request with the model's max seq len "
-            r"\((?P<max_len2>[0-9]+)\), \((?P<need>[0-9.]+) GiB KV cache is needed, which is larger than the "
-            r"available KV cache memory \((?P<have>[0-9.]+) GiB\)"),
-        x.kv_one_request,
+        _rx(r"max seq len \((?P<max_model_len>[0-9]+)\) is larger than the maximum number of tokens that can be "
+            r"stored in KV cache \((?P<kv_cache_tokens>[0-9]+)\)|To serve at least one request with the model's max "
+            r"seq len \((?P<max_model_len2>[0-9]+)\), \((?P<need_gib>[0-9.]+) GiB KV cache is needed, which is larger "
+            r"than the available KV cache memory \((?P<have_gib>[0-9.]+) GiB\)"),
+        x.lengths,
         "raise generation.gpu_memory_utilization (or kv_cache_memory_bytes), shard the KV heads over more vLLM "
         "tensor parallelism, or lower generation.max_model_len; RLC229 checks it before submission",
         ("vLLM 0.22 vllm/v1/core/kv_cache_utils.py ('To serve at least one request with the model's max seq len'); "
@@ -337,11 +337,11 @@ PATTERNS: tuple[Pattern, ...] = (
         hints=("stored in kv cache", "to serve at least one request")),
     Pattern(
         "packed-sequence-too-long", "RLC315", "a sequence longer than a packed micro batch's token budget",
-        _rx(r"Sequence length (?P<tokens>[0-9]+) exceeds bin capacity (?P<budget>[0-9]+)|sequence length of "
-            r"(?P<tokens2>[0-9]+), however max microbatch size is (?P<budget2>[0-9]+) tokens|a sequence of "
-            r"(?P<tokens3>[0-9]+) tokens \(padded\) does not fit a packed micro batch of (?P<budget3>[0-9]+) tokens; "
-            r"raise (?P<key>[\w.]+)"),
-        x.packed_sequence,
+        _rx(r"Sequence length (?P<tokens>[0-9]+) exceeds bin capacity (?P<budget_tokens>[0-9]+)|sequence length of "
+            r"(?P<tokens2>[0-9]+), however max microbatch size is (?P<budget_tokens2>[0-9]+) tokens|a sequence of "
+            r"(?P<tokens3>[0-9]+) tokens \(padded\) does not fit a packed micro batch of (?P<budget_tokens3>[0-9]+) "
+            r"tokens; raise (?P<key>[\w.]+)"),
+        x.lengths,
         "training.sequence_packing.train_mb_tokens and logprob_mb_tokens at least the longest sequence a rollout can "
         "give, padded (RLC315 checks them before submission); or lower generation.sampling.max_tokens",
         ("NeMo-RL nemo_rl/data/packing/algorithms.py ('Sequence length ... exceeds bin capacity'); "
