@@ -1182,12 +1182,17 @@ class Recipe(_Section):
         return self.generation.max_model_len if stated is None else stated
 
     @property
+    def longest_rollout(self) -> int:
+        """The longest sample the engine can give: a prompt of at most ``data.max_prompt_length`` tokens (longer ones
+        are skipped) and ``generation.sampling.max_tokens`` sampled, the two together at most
+        ``generation.max_model_len`` (the engine stops there)."""
+        return min(self.data.max_prompt_length + self.generation.sampling.max_tokens, self.generation.max_model_len)
+
+    @property
     def longest_sequence(self) -> int:
-        """The longest sequence a rollout can give the trainer: a prompt of at most ``data.max_prompt_length``
-        tokens (longer ones are skipped) and ``generation.sampling.max_tokens`` sampled, the two together at most
-        ``generation.max_model_len`` (the engine stops there) and :attr:`max_sequence_length`."""
-        sampled = min(self.data.max_prompt_length + self.generation.sampling.max_tokens, self.generation.max_model_len)
-        return min(self.max_sequence_length, sampled)
+        """The longest sequence a rollout can give the trainer: :attr:`longest_rollout`, at most
+        :attr:`max_sequence_length`."""
+        return min(self.max_sequence_length, self.longest_rollout)
 
     @property
     def train_mb_tokens(self) -> int:

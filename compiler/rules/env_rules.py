@@ -90,7 +90,7 @@ def lengths(ctx: Context) -> None:
         ctx.info(f"max_prompt_length {prompt} + max_tokens {tokens} = {prompt + tokens} > max_model_len "
                  f"{model_len}: responses to long prompts stop at {model_len} tokens in total "
                  "(finish_reason 'length')", "generation.sampling.max_tokens")
-    longest = min(prompt + tokens, model_len)
+    longest = ctx.recipe.longest_rollout
     seq = ctx.recipe.training.max_sequence_length  # None: max_model_len, which caps the sample anyway
     if seq is not None and seq < longest:
         ctx.warning(f"training.max_sequence_length {seq} < the longest sample {longest} (prompt + response, capped "
