@@ -19,11 +19,13 @@ from typing import Any
 
 import yaml
 
+from rlc.compiler.importers.nemo_rl.config_sections import MCORE
+
 DEFAULTS_FILE = Path(__file__).with_name("nemo_rl_defaults.yaml")
 EFFECTS = ("changes", "none", "default")
 
 #: megatron-core inference's settings: no effect where the config generates with vLLM (see :func:`effect_of`).
-MCORE_PREFIX = "policy.generation.mcore_generation_config."
+MCORE_PREFIX = MCORE + "."
 
 #: megatron-core inference's settings that change how fast it runs or what memory it holds, not what is sampled.
 MCORE_NO_EFFECT = {
