@@ -101,8 +101,6 @@ ALL_CASES = ("engine", "engine-zero-copy", *GPU_CASES, "tiny")
 DEFAULT_CASES = "engine,dense-8b,moe-ep2,moe-tp2"
 H200_GIB = 139.8  # torch's total for an H200 141 GB, used when nvidia-smi cannot be asked
 ENGINE_OVERRIDES = {"load_format": "dummy", "skip_tokenizer_init": True}
-#: The full ``verify_every`` comparison holds ~3 copies of the model in host memory (128 GiB on the H200 host).
-FULL_VERIFY_MAX_BYTES = 24 * 10**9
 
 
 # --------------------------------------------------------------------------- arguments
@@ -572,40 +570,25 @@ class GpuSession:
                     pass
 
     def full_verify(self, lay: P.Layout, trainers: list, gen: Any, case: dict) -> dict:
-        """``refit.verify_every``'s check after the last refit: every trainer rank writes its per-expert export,
-        every vLLM worker compares all its parameters with vLLM's own load of it (``rlc.runtime.refit.verify``).
-        That check holds the export, a snapshot and the reference in host memory (3 x the model); for a model
-        above ``FULL_VERIFY_MAX_BYTES`` every fused expert parameter of three whole MoE layers (first, middle,
-        last: every expert) is checked the same way by reload instead."""
-        cfg = P.load_hf_config(lay.model)
-        if P.model_bytes(cfg).total > FULL_VERIFY_MAX_BYTES:
-            layers = sorted({0, int(cfg["num_hidden_layers"]) // 2, int(cfg["num_hidden_layers"]) - 1})
-            experts = int(cfg.get("num_experts") or 0)
-            hf = [f"model.layers.{n}.mlp.experts.{e}.{p}.weight" for n in layers for e in range(experts)
-                  for p in ("gate_proj", "up_proj", "down_proj")]
-            params = [f"model.layers.{n}.mlp.experts.{w}" for n in layers for w in ("w13_weight", "w2_weight")]
-            try:
-                exported = _wait([t.export_named.remote(hf) for t in trainers], "verify: export of whole layers")
-                by_device = {s["gpu_uuid"]: exported[r] for r, s in enumerate(case["setup"])}
-                reports = _wait([gen.refit_verify_tensors.remote(by_device, params)], "verify: reload in vLLM")[0]
-            except Exception as exc:
-                return {"bit_exact": False, "error": str(exc)[-1500:]}
-            ok = bool(reports) and all(r.get("bit_exact") and not r.get("missing_params") for r in reports)
-            return {"bit_exact": ok, "scope": f"every expert of layers {layers} ({len(hf)} HF tensors)",
-                    "workers": [{k: r.get(k) for k in ("params_compared", "bit_exact", "mismatches", "missing_params")}
-                                for r in reports]}
+        """``refit.verify_every``'s check after the last refit, as the runtime runs it: every trainer rank writes its
+        export in shards while every vLLM worker compares the parameters of each shard's layers with vLLM's own
+        load of it (``rlc.runtime.refit.verify_stream``): every parameter, a shard at a time in host memory."""
         export_dir = str(self.root / f"verify-{uuid.uuid4().hex[:6]}")
+        t0 = time.perf_counter()
         try:
-            _wait([t.refit_dump_export.remote(export_dir) for t in trainers], "verify: export to disk")
-            reports = _wait([gen.refit_verify.remote(export_dir)], "verify: reference load in vLLM")[0]
+            answers = _wait([t.refit_dump_export.remote(export_dir) for t in trainers]
+                            + [gen.refit_verify.remote(export_dir)], "verify: streamed export and reference load")
         except Exception as exc:
             return {"bit_exact": False, "error": str(exc)[-1500:]}
-        slim = [{k: r[k] for k in ("params_compared", "bytes_compared", "bit_exact", "mismatches", "not_loaded")
-                 if k in r} for r in reports]
+        written, reports = answers[:-1], answers[-1]
+        keys = ("params_compared", "bytes_compared", "bit_exact", "mismatches", "not_loaded", "unchecked", "shards",
+                "exported_tensors", "peak_host_bytes")
+        slim = [{k: r[k] for k in keys if k in r} for r in reports]
         for r in slim:
-            r["mismatches"] = r.get("mismatches", [])[:6]
-            r["not_loaded"] = r.get("not_loaded", [])[:6]
+            for k in ("mismatches", "not_loaded", "unchecked"):
+                r[k] = r.get(k, [])[:6]
         return {"bit_exact": bool(reports) and all(r.get("bit_exact") for r in reports), "scope": "every parameter",
+                "seconds": time.perf_counter() - t0, "written": [dataclasses.asdict(w) for w in written],
                 "workers": slim}
 
     def spot_check(self, plan_: dict, trainers: list, gen: Any, case: dict) -> dict:

@@ -427,10 +427,12 @@ class RefitSection(_Section):
         "parameters (MoE router `e_score_correction_bias`, expert bias).",
         default="auto", items={"minLength": 1}, runtime=_REFIT, runtime_type="list[str]")
     verify_every: int = key(
-        "Check refits bit for bit every N refits (0 = never). The trainer writes its export to node-local disk and "
-        "each vLLM worker compares every parameter with vLLM's own load of that file; a difference stops the run, "
-        "naming the parameters (and the mantissa bits lost when an fp32 parameter crossed in bf16). For debugging a "
-        "new model or layout: each check costs one export to disk and a CPU copy of the vLLM weights.",
+        "Check refits bit for bit every N refits (0 = never). The trainer writes its export to node-local disk in "
+        "shards of about 1 GiB, which the vLLM worker on the same GPU checks as they arrive: it compares the "
+        "parameters of each shard's layers with vLLM's own load of the shard; a difference stops the run, naming the "
+        "parameters (and the mantissa bits lost when an fp32 parameter crossed in bf16). For debugging a new model "
+        "or layout: each check costs one pass of the export through disk and, per GPU, a few shards of host memory "
+        "(with FP8 rollouts the vLLM worker gathers the whole export and two CPU copies of its weights).",
         default=0, minimum=0, maximum=1000000, runtime=_REFIT)
     transport: Literal["cuda_ipc", "shm"] = key(
         "`cuda_ipc` (colocated GPUs) or `shm` (CPU shared memory; tests only).",

@@ -142,7 +142,8 @@ class Refitted:
     @property
     def verified(self) -> bool:
         """The check ran, found no difference and compared something on every worker."""
-        return self.verify is not None and not self.mismatches and all(r["params_compared"] for r in self.verify)
+        return (self.verify is not None and not self.mismatches
+                and all(r["params_compared"] and not r.get("unchecked") for r in self.verify))
 
 
 # --------------------------------------------------------------------------- the recorder

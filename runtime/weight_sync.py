@@ -19,6 +19,7 @@ Which one runs is the compiler's decision (``refit.decisions.weight_sync`` with 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -116,11 +117,15 @@ class VllmIpcSync:
 
     def _verify(self, step: int) -> list[dict[str, Any]]:
         """``refit.verify_every``: every vLLM worker's report of its parameters against vLLM's own load of the
-        trainer's export (``rlc.runtime.refit.verify``)."""
-        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}")
+        trainer's export, which crosses in shards while both sides run (``rlc.runtime.refit.verify_stream``)."""
+        export_dir = os.path.join(tempfile.gettempdir(), f"rlc-verify-{self.session}-{step}")
         with self.timer("refit_verify"):
-            self.policy.dump_export(export_dir)
-            return self.generation.verify_refit(export_dir)
+            pending: list[workers.Pending[Any]] = [*self.policy.submit_dump_export(export_dir),
+                                                   *self.generation.submit_verify_refit(export_dir)]
+            results = workers.wait_all(pending, "refit verify")
+        with contextlib.suppress(OSError):  # empty once every reader has taken its shards
+            os.rmdir(export_dir)
+        return [r for engine in results[len(self.policy):] for r in engine]
 
     def check(self, done: Refitted) -> None:
         """A check that found a difference (or compared nothing) stops the run."""

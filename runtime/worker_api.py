@@ -254,11 +254,15 @@ class MegatronSynced:
 
 @dataclass(frozen=True)
 class ExportWritten:
-    """A trainer rank's refit export written for the bit-exact check (``refit.verify_every``)."""
+    """A trainer rank's refit export written for the bit-exact check (``refit.verify_every``), in shards that the
+    vLLM worker on the same GPU read and deleted as they came (``rlc.runtime.refit.verify_stream``)."""
 
-    path: str
+    directory: str
+    shards: int
     tensors: int
     bytes: int
+    largest_shard_bytes: int
+    seconds: float
 
 
 @dataclass(frozen=True)

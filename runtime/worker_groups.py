@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlc.runtime.worker_api import (CheckpointIO, EngineStarted, Generated, GenerationWorkerApi, MegatronSynced,
-                                    Memory, Offloaded, ParamsMoved, PolicyWorkerApi, RankCoords, RefitSent,
-                                    ReplayCheck, Slept, TrainBatch, TrainStepResult, WorkerInfo, Woke)
+from rlc.runtime.worker_api import (CheckpointIO, EngineStarted, ExportWritten, Generated, GenerationWorkerApi,
+                                    MegatronSynced, Memory, Offloaded, ParamsMoved, PolicyWorkerApi, RankCoords,
+                                    RefitSent, ReplayCheck, Slept, TrainBatch, TrainStepResult, WorkerInfo, Woke)
 from rlc.runtime import workers
 from rlc.runtime.workers import Pending, WorkerGroup
 
@@ -85,9 +85,10 @@ class PolicyGroup:
     def submit_refit_send(self) -> list[Pending[RefitSent]]:
         return self.group.submit(PolicyWorkerApi.refit_send)
 
-    def dump_export(self, export_dir: str) -> None:
-        """Every rank writes what the last refit sent (collective: the export gathers across ranks)."""
-        self.group.call(PolicyWorkerApi.refit_dump_export, export_dir)
+    def submit_dump_export(self, export_dir: str) -> list[Pending[ExportWritten]]:
+        """Every rank writes what the last refit sent, in shards the vLLM workers read meanwhile (collective: the
+        export gathers across ranks)."""
+        return self.group.submit(PolicyWorkerApi.refit_dump_export, export_dir)
 
     def save_checkpoint(self, folder: str) -> list[CheckpointIO]:
         return self.group.call(PolicyWorkerApi.save_checkpoint, folder)
@@ -157,6 +158,7 @@ class GenerationGroup:
     def submit_refit_receive(self) -> list[Pending[list[dict[str, Any]]]]:
         return self.group.submit(GenerationWorkerApi.refit_receive)
 
-    def verify_refit(self, export_dir: str) -> list[dict[str, Any]]:
-        """One bit-exact comparison report per vLLM worker (every engine's workers, in order)."""
-        return [r for engine in self.group.call(GenerationWorkerApi.refit_verify, export_dir) for r in engine]
+    def submit_verify_refit(self, export_dir: str) -> list[Pending[list[dict[str, Any]]]]:
+        """Per engine, one bit-exact comparison report per vLLM worker, against the export the trainer ranks write
+        to ``export_dir`` meanwhile."""
+        return self.group.submit(GenerationWorkerApi.refit_verify, export_dir)

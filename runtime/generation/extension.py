@@ -261,31 +261,35 @@ class RlcWorkerExtension:
             return model.load_weights(weights=self._rlc_reference(weights))
 
     def rlc_refit_verify(self, export_dir: str) -> dict[str, Any]:
-        """``refit.verify_every``: compare every parameter, bit for bit, with vLLM's own load of the
-        export the paired trainer rank wrote to ``export_dir`` (see ``rlc.runtime.refit.verify``)."""
-        import os  # noqa: PLC0415
-
+        """``refit.verify_every``: compare every parameter, bit for bit, with vLLM's own load of the export the
+        paired trainer rank writes to ``export_dir`` meanwhile, shard by shard (``rlc.runtime.refit.verify_stream``;
+        ``rlc.runtime.refit.verify`` for the comparison). bf16 engines check each shard as it arrives (host memory:
+        a shard, not the model); FP8 engines gather the shards and check once, inside vLLM's layerwise reload,
+        which processes a layer only when all its tensors are in."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.verify import compare_parameters  # noqa: PLC0415
+        from rlc.runtime.refit.verify_stream import ShardFiles, read_export_shards, verify_streamed  # noqa: PLC0415
 
         model = self.model_runner.model
         rank = self._rlc_consumer.producer_rank
-        path = os.path.join(export_dir, f"export-rank{rank}.pt")
-        exported = torch.load(path, map_location="cpu", weights_only=True)
+        shards = read_export_shards(ShardFiles(export_dir, rank))
+        fp8 = getattr(self, "_rlc_fp8_scales", None)
+        about = {"producer_rank": rank, "device_key": self._rlc_consumer.device_key, "fp8_scales": fp8}
+        if fp8 is None:
+            report = verify_streamed(model, shards, load=self._rlc_reference_load)
+            return {**about, "reference_quantizer": None, **report}
+        exported: dict[str, Any] = {}
+        for shard in shards:
+            exported.update(shard)
         refitted = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         # FP8: vLLM's own quantization of the same bf16 weights, through the refit's load path
         loaded = self._rlc_reference_load(exported.items())
         torch.cuda.synchronize()
         reference = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-        report = compare_parameters(refitted, reference, loaded=set(loaded) if isinstance(loaded, set) else None)
-        try:
-            os.remove(path)
-        except FileNotFoundError:  # another worker of a TP group paired with the same rank removed it
-            pass
-        return {"producer_rank": rank, "device_key": self._rlc_consumer.device_key,
-                "exported_tensors": len(exported), "fp8_scales": getattr(self, "_rlc_fp8_scales", None),
-                "reference_quantizer": getattr(self, "_rlc_reference_quantizer", None), **report.to_dict()}
+        whole = compare_parameters(refitted, reference, loaded=set(loaded) if isinstance(loaded, set) else None)
+        return {**about, "exported_tensors": len(exported),
+                "reference_quantizer": getattr(self, "_rlc_reference_quantizer", None), **whole.to_dict()}
 
     def rlc_refit_verify_tensors(self, exported_by_device: dict[str, dict[str, Any]],
                                  param_names: list[str]) -> dict[str, Any]:

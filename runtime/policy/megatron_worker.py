@@ -561,19 +561,18 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         return RefitSent.of(self.source.send())
 
     def refit_dump_export(self, export_dir: str) -> ExportWritten:
-        """``refit.verify_every``: write this rank's export (what the refit just sent) to
-        ``export_dir/export-rank{local rank}.pt`` for the vLLM worker on this GPU to check against.
-        Collective: every trainer rank calls it at once (the export gathers across ranks)."""
+        """``refit.verify_every``: write this rank's export (what the refit just sent) to ``export_dir`` in shards
+        for the vLLM worker on this GPU, which reads and checks each as it comes (both sides run at once;
+        ``rlc.runtime.refit.verify_stream``). Collective: every trainer rank calls it at once (the export gathers
+        across ranks)."""
+        from rlc.runtime.refit.verify_stream import ShardFiles, write_export_shards  # noqa: PLC0415
+
         if self.source is None:
             raise RuntimeError("refit_dump_export before refit_prepare")
         self._params_back()
-        tensors = {n: t.detach().cpu().clone() for n, t in self.source.export()}
-        os.makedirs(export_dir, exist_ok=True)
-        path = os.path.join(export_dir, f"export-rank{self.source.local_rank}.pt")
-        torch.save(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return ExportWritten(path=path, tensors=len(tensors),
-                             bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+        w = write_export_shards(ShardFiles(export_dir, self.source.local_rank), self.source.export())
+        return ExportWritten(directory=export_dir, shards=w.shards, tensors=w.tensors, bytes=w.bytes,
+                             largest_shard_bytes=w.largest_shard_bytes, seconds=w.seconds)
 
     def export_named(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The exported HF tensors (CPU copies), for tests; ``names`` filters."""

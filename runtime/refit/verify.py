@@ -1,8 +1,9 @@
 """Bit-for-bit check of a refit (``refit.verify_every``): did vLLM get exactly the trainer's weights?
 
 The reference is independent of the refit engine: the trainer rank writes its export (the same
-``export_hf_weights`` stream a refit packs) to a local file with ``torch.save``, which keeps every
-dtype and bit. The vLLM worker on the same GPU snapshots all of its parameters, loads that file
+``export_hf_weights`` stream a refit packs) to local files with ``torch.save``, which keeps every
+dtype and bit, in shards that the vLLM worker on the same GPU reads as they come
+(``rlc.runtime.refit.verify_stream``). The worker snapshots the parameters a shard touches, loads the shard
 through vLLM's own ``load_weights`` (the path a checkpoint load takes: same fusing, same tensor-parallel
 slicing) and compares each parameter with its snapshot. Equal everywhere means the engine delivered
 every tensor, under the right name, with the right slicing metadata and dtype; anything else is named
@@ -56,10 +57,13 @@ class VerifyReport:
     mismatches: list[ParamMismatch] = field(default_factory=list)
     #: Names the reference load did not touch (no exported tensor maps to them): not verifiable.
     not_loaded: list[str] = field(default_factory=list)
+    #: Names the reference load wrote that the check had not snapshotted (a shard of the streamed check wrote
+    #: outside the layers it names): not compared, so the check cannot call the refit bit-exact.
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def bit_exact(self) -> bool:
-        return not self.mismatches and self.params_compared > 0
+        return not self.mismatches and not self.unchecked and self.params_compared > 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -125,9 +129,16 @@ def verify_error_text(step: int, reports: list[dict[str, Any]]) -> str:
             how = (f"rounded to bf16, {m['mantissa_bits_lost']} mantissa bits lost" if m["rounded_to_bf16"]
                    else f"max |diff| {m['max_abs_diff']:.3g}")
             lines.append(f"  worker {i}: {m['name']} ({m['dtype']}, {m['elements_differing']} elements): {how}")
+    unchecked = sorted({n for r in reports for n in r.get("unchecked", [])})
+    if unchecked:
+        lines.append(f"  {len(unchecked)} parameter(s) written by the reference load outside the layer the check "
+                     f"snapshotted, not compared: {', '.join(unchecked[:6])}")
     if any(m["rounded_to_bf16"] for r in reports for m in r["mismatches"]):
         lines.append("fix: an fp32 parameter crossed the refit in bf16; list it in refit.fp32_params "
                      "(auto does so for router biases the model keeps in fp32)")
+    elif unchecked and not any(r["mismatches"] for r in reports):
+        lines.append("fix: this model's loader writes a layer's tensors into another layer's parameters, which the "
+                     "streamed check cannot follow; report the model and its parameter names")
     else:
         lines.append("fix: check refit.per_rank_ipc_metadata and refit.dedupe_mtp_embedding (auto decides "
                      "both from the layout); report the parameters above if they are on")

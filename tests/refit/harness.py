@@ -657,9 +657,11 @@ class TinyDenseEngine(torch.nn.Module):
                 continue
             module, _, leaf = name.rpartition(".")
             module, _, proj = module.rpartition(".")
+            target = name
             if proj in _STACKED:
                 fused, shard = _STACKED[proj]
-                param = self.params[f"{module}.{fused}.{leaf}"]
+                target = f"{module}.{fused}.{leaf}"
+                param = self.params[target]
                 if isinstance(shard, str):
                     size, offset = self.sizes[shard], self.offsets[shard]
                 else:
@@ -680,8 +682,12 @@ class TinyDenseEngine(torch.nn.Module):
                     param.data.copy_(w.narrow(0, r * rows, rows))
                 else:
                     param.data.copy_(w)
-            loaded.add(name)
+            loaded.add(target)  # as vLLM's loaders: the parameter names written
         return loaded
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Dotted names, as vLLM's model has them (torch modules cannot register a dotted name)."""
+        return iter(self.params.items())
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
@@ -734,3 +740,58 @@ def dense_consumer_main(job: dict[str, Any]) -> dict[str, Any]:
     finally:
         if consumer is not None:
             consumer.close()
+
+
+def export_writer_main(job: dict[str, Any]) -> dict[str, Any]:
+    """A trainer rank's side of the streamed ``refit.verify_every`` check: write :func:`dense_export` in shards
+    (``job['fail_after']``: the export stream raises after that many tensors)."""
+    from dataclasses import asdict
+
+    from rlc.runtime.refit.verify_stream import ShardFiles, write_export_shards
+
+    _, stream = dense_export(job.get("step", 0), job["layers"])
+
+    def export():
+        for n, item in enumerate(stream):
+            if n == job.get("fail_after"):
+                raise RuntimeError("the export stopped: a gather failed on another rank")
+            yield item
+
+    try:
+        written = write_export_shards(ShardFiles(job["dir"], 0), export(), shard_bytes=job["shard_bytes"],
+                                      max_pending=job.get("max_pending", 2), wait_s=job.get("wait_s", 20.0))
+        return {"ok": True, **asdict(written)}
+    except BaseException as e:
+        return _error(e)
+
+
+def verify_reader_main(job: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM worker's side: a :class:`TinyDenseEngine` holding the refit of ``job['step']`` (then changed as
+    ``job`` asks: ``flip`` a bit of a parameter, ``round_bias`` a layer's fp32 bias to bf16, ``foreign``: its loader
+    also reports writing a parameter of another layer) checks the writer's shards as they come."""
+    from rlc.runtime.refit.verify_stream import ShardFiles, read_export_shards, verify_streamed
+
+    layers = job["layers"]
+    engine = TinyDenseEngine(layers)
+    _, stream = dense_export(job.get("step", 0), layers)
+    engine.load_weights(stream)  # what a correct refit leaves
+    with torch.no_grad():
+        if job.get("flip"):
+            engine.params[job["flip"]].data.view(torch.int16).view(-1)[3] ^= 1
+        if job.get("round_bias") is not None:
+            bias = engine.params[f"model.layers.{job['round_bias']}.mlp.router_bias"]
+            bias.data.copy_(bias.data.to(torch.bfloat16).to(torch.float32))
+
+    def load(items: list[tuple[str, torch.Tensor]]) -> set[str]:
+        written = engine.load_weights(items)
+        if job.get("foreign") and any(".layers.1." in n for n, _ in items):
+            written.add(job["foreign"])
+        return written
+
+    try:
+        report = verify_streamed(engine, read_export_shards(ShardFiles(job["dir"], 0), wait_s=job.get("wait_s", 20.0)),
+                                 load=load)
+        model_bytes = sum(p.numel() * p.element_size() for p in engine.params.values())
+        return {"ok": True, "report": report, "model_bytes": model_bytes, "left": sorted(os.listdir(job["dir"]))}
+    except BaseException as e:
+        return _error(e)

@@ -276,6 +276,46 @@ def test_the_vllm_workers_direct_copies_reach_the_run_metrics(tmp_path):
     assert "refit/replayed_tensors" not in plain.logged[-1]
 
 
+def _verify_report(**extra: Any) -> dict[str, Any]:
+    return {"params_compared": 3, "bytes_compared": 96, "fp32_params": [], "mismatches": [], "not_loaded": [],
+            "unchecked": [], "bit_exact": True, **extra}
+
+
+def test_vllm_checks_a_refit_with_the_export_and_the_reference_load_running_at_once(tmp_path, monkeypatch):
+    """``refit.verify_every`` on vLLM: the trainer ranks write their export in shards while the vLLM workers read
+    them (both submitted before either is waited for), into a folder of that refit's own."""
+    waits: list[list[str]] = []
+
+    def wait_all(pending: list, what: str) -> list:
+        waits.append([p.group.role for p in pending])
+        return [p.ref for p in pending]
+
+    monkeypatch.setattr(W, "wait_all", wait_all)
+    run = FakeRun(_cfg(tmp_path, "vllm", refit={"verify_every": 2}), [], [])
+    dirs: list[tuple[str, str]] = []
+    run.policy_answers["refit_dump_export"] = lambda rank, d: (dirs.append(("policy", d)), None)[1]
+    run._generation.group.actors[0].answers["refit_verify"] = lambda rank, d: (dirs.append(("generation", d)),
+                                                                              [_verify_report()])[1]
+    initial, step1, step2 = _steps(run)
+    check = ["policy.refit_dump_export", "generation.refit_verify"]
+    assert initial[-2:] == check and step2[-2:] == check and not set(check) & set(step1)  # refits 0 and 2
+    assert ["policy", "generation"] in waits  # one wait for both sides
+    assert [d for _, d in dirs[:2]] == [dirs[0][1]] * 2 and dirs[0][1] != dirs[2][1]
+    assert run.logged[-1]["refit/verify_mismatches"] == 0
+
+
+def test_vllm_check_that_could_not_compare_a_parameter_stops_the_run(tmp_path):
+    run = FakeRun(_cfg(tmp_path, "vllm", refit={"verify_every": 1}), [], [])
+    run.policy_answers["refit_dump_export"] = None
+    unchecked = "model.layers.3.mlp.experts.w13_weight"
+    run._generation.group.actors[0].answers["refit_verify"] = [_verify_report(unchecked=[unchecked],
+                                                                              bit_exact=False)]
+    with pytest.raises(RefitVerifyError) as info:
+        run.refit(0)
+    assert unchecked in str(info.value) and "not compared" in str(info.value)
+    assert "writes a layer's tensors into another layer's parameters" in str(info.value)
+
+
 def test_megatron_shared_moves_nothing_and_releases_before_the_logprob_pass(tmp_path):
     log: list = []
     verify: list[bool] = []
