@@ -43,6 +43,7 @@ from rlc.compiler.planner.host import host_plan
 from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
                                          last_stage_loss, train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
+from rlc.compiler.planner.verify_host import verify_check_items
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
 from rlc.compiler.planner.vllm_kv import kv_bytes_per_token
 from rlc.compiler.planner.plan import GIB, Check, Fix, Item, MemoryPlan, Phase, RefitMath, gib, gib_bytes
@@ -429,12 +430,18 @@ def _train_checks(plan: MemoryPlan, s: _PlanInputs) -> None:
 
 
 def _host_memory(plan: MemoryPlan, s: _PlanInputs) -> None:
-    """Host memory per node: pinned copies, offloaded state, routing replay's host buffers."""
+    """Host memory per node: pinned copies, offloaded state, routing replay's host buffers, the refit check."""
     recipe = s.recipe
     replay = replay_memory(recipe, s.facts, max((f["layers"] for f in s.figs), default=0), s.tl,
                            train_microbatch_tokens(recipe, s.tl))
+    extra: dict[str, list[Item]] = {}
+    if replay is not None:
+        extra = {phase: list(items) for phase, items in replay_host_items(replay, recipe, s.table).items()}
+    check = verify_check_items(recipe, s.facts, s.v_weights, s.bpp)
+    if check and "refit" in s.table:
+        extra.setdefault("refit", []).extend(check)
     plan.host = host_plan(recipe, s.figs, s.v_weights, vllm_host_copy(recipe, s.facts), s.table, s.gpu,
-                          extra=replay_host_items(replay, recipe, s.table) if replay is not None else None)
+                          extra=extra or None)
 
 
 @dataclass(frozen=True)

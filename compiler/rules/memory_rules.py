@@ -10,6 +10,7 @@ from rlc.compiler.planner.memory import DRAFTER_LABEL, VLLM_SHARD_LABEL
 from rlc.compiler.planner.refit_math import KEPT_BUFFERS_LABEL
 from rlc.compiler.planner.residency import KV_KEPT_AWAKE, KV_WOKEN_DURING_TRANSFER
 from rlc.compiler.planner.plan import GIB
+from rlc.compiler.planner.verify_host import LABEL as VERIFY_CHECK_LABEL
 from rlc.compiler.rules.engine import Context, rule
 
 
@@ -363,12 +364,15 @@ def calibration_fallback(ctx: Context) -> None:
                 "offload_optimizer_for_refit moves gradients and Adam moments (and the fp32 master weights with the "
                 "precision-aware optimizer) there for the refit. On a node that is the per-GPU figure times the GPUs "
                 "per node; above Ray's memory-monitor threshold (95 % of host memory by default) Ray kills workers. "
-                "Level 2 discards the weights instead: the refit re-sends every weight anyway.",
+                "Level 2 discards the weights instead: the refit re-sends every weight anyway. refit.verify_every's "
+                "check adds its host memory to the refit phase: a few shards per GPU with bf16 rollouts, the whole "
+                "export and two copies of vLLM's weights per GPU with FP8 rollouts.",
       seed="vime #191: GLM-4.5-Air on 16 × GB200, sleep level 1 peaked at 841 of 882 GB host memory (95 %) and Ray "
            "killed the job; level 2 peaked at ~520 GB. NeMo-RL PR #2523: Nemotron-Super ran out of CPU memory on a "
            "cluster with ~50 GB less host memory per node until sleep level 2.",
       fixes="refit.sleep_level: 2 (frees the weight copy); set cluster.host_memory_gib to the nodes' real memory; "
-            "or fewer GPUs per node / larger vLLM sharding. (Info: with training.offload_copies_gradients the plan "
+            "or fewer GPUs per node / larger vLLM sharding; refit.verify_every: 0 where the check is what fills it. "
+            "(Info: with training.offload_copies_gradients the plan "
             "counts gradient copies the bundled runtime does not make, and says how much.)")
 def host_memory(ctx: Context) -> None:
     host = ctx.plan.host
@@ -387,12 +391,22 @@ def host_memory(ctx: Context) -> None:
     if host.ok:
         return
     copy = host.item_gib("vLLM weight copy (sleep level 1)")
+    check = host.item_gib(VERIFY_CHECK_LABEL)
     parts = ", ".join(f"{i.label} {i.gib:.0f}" for i in host.items if i.gib)
     level_2 = bool(copy) and not ctx.recipe.generation.drafts_with_mtp  # level 2 discards the MTP drafter (RLC314)
-    path = "refit.sleep_level" if level_2 else "cluster.host_memory_gib"
-    hint = (f"sleep_level: 2 frees the {copy:.0f} GiB weight copy per node (then {host.used_gib - copy:.0f} GiB)"
-            if level_2 else "set cluster.host_memory_gib to the nodes' real memory, or use fewer GPUs per node"
-            + ("; sleep level 2 would discard the MTP drafter's weights (RLC314)" if copy else ""))
+    over = host.used_gib - host.limit_gib
+    if check >= over and check >= copy:
+        path = "refit.verify_every"
+        hint = (f"the bit-exact check takes {check:.0f} GiB per node"
+                + (" (FP8 rollouts gather the whole export on every GPU)" if ctx.recipe.generation.precision == "fp8"
+                   else "") + "; run it on a smaller model or layout, or set refit.verify_every: 0")
+    elif level_2:
+        path = "refit.sleep_level"
+        hint = f"sleep_level: 2 frees the {copy:.0f} GiB weight copy per node (then {host.used_gib - copy:.0f} GiB)"
+    else:
+        path = "cluster.host_memory_gib"
+        hint = ("set cluster.host_memory_gib to the nodes' real memory, or use fewer GPUs per node"
+                + ("; sleep level 2 would discard the MTP drafter's weights (RLC314)" if copy else ""))
     ctx.error(f"host memory per node in the {host.phase} phase: {host.used_gib:.0f} GiB ({parts}) > "
               f"{host.limit_gib:.0f} GiB, Ray's 95 % memory-monitor threshold of {host.node_gib:.0f} GiB "
               f"({host.node_source})", path, hint=hint)

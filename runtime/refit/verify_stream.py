@@ -10,7 +10,8 @@ load is unchanged on both sides). A parameter the reference load wrote outside t
 be compared: it is reported as ``unchecked`` and the check fails. The writer's failure reaches the reader as a file
 (``.failed``) at once; either side gives up after ``wait_s`` without progress from the other.
 
-Disk holds at most ``max_pending`` shards, host memory about two shards per side. Pure torch and files here
+Disk holds at most ``max_pending`` shards; host memory is ``rlc.contract.verify_check.streamed_check_host_bytes``
+(the compiler's host plan counts it). Pure torch and files here
 (CPU-tested across processes); the workers' sides are ``rlc.runtime.policy.megatron_worker.refit_dump_export`` and
 ``rlc.runtime.generation.extension.rlc_refit_verify``.
 """
@@ -18,33 +19,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from rlc.contract.verify_check import MAX_PENDING, SHARD_BYTES, layer_of
 from rlc.runtime.refit.errors import RefitError
 from rlc.runtime.refit.verify import ParamMismatch, VerifyReport, compare_parameters
 
-#: A decoder layer's index in an HF or vLLM parameter name (``model.layers.7.mlp...``, ``backbone.layers.7...``).
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-#: Defaults: shards of ~1 GiB, at most two on disk, 10 minutes without progress from the other side.
-SHARD_BYTES = 1 << 30
-MAX_PENDING = 2
+#: How long either side waits for the other's next shard (or for room on disk) before it gives up.
 WAIT_S = 600.0
 
 
 class ExportStreamError(RefitError):
     """The trainer's export and the vLLM worker's check lost each other (a side failed, stalled or left files)."""
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a parameter belongs to (None: embedding, final norm, LM head and the like)."""
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

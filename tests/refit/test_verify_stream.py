@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from rlc.runtime.refit.verify_stream import (ExportStreamError, ShardFiles, layer_of, read_export_shards,
+from rlc.contract.verify_check import layer_of
+from rlc.runtime.refit.verify_stream import (ExportStreamError, ShardFiles, read_export_shards,
                                              verify_streamed, write_export_shards)
 from tests.refit import harness as H
 
