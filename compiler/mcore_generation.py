@@ -198,9 +198,10 @@ def kv_block_bytes(recipe: Recipe, facts: Any) -> Optional[int]:
 def mamba_state_bytes(recipe: Recipe, facts: Any) -> int:
     """Bytes of Mamba state one request holds on one GPU in megatron-core's engine (0 for a model without Mamba
     layers): per Mamba layer of the stage, the conv state ((d_inner + 2 × groups × d_state) / TP × d_conv) and the SSM
-    state (heads / TP × head dim × d_state), in the model's dtype (``MambaInferenceStateConfig.from_model``'s default,
-    what the bundled runtime builds), and again per speculative token (megatron-core 0.19 ``DynamicInferenceContext``:
-    ``mamba_states_memory_per_request``). megatron-core reserves it per KV block when it derives the request count."""
+    state (heads / TP × head dim × d_state), each in its ``generation.megatron.mamba_*_states_dtype`` (``auto``: the
+    model's dtype, ``MambaInferenceStateConfig.from_model``'s default), and again per speculative token (megatron-core
+    0.19 ``DynamicInferenceContext``: ``mamba_states_memory_per_request``). megatron-core reserves it per KV block
+    when it derives the request count."""
     kinds = facts.layer_kinds if facts is not None else None
     if not kinds:
         return 0
@@ -213,10 +214,21 @@ def mamba_state_bytes(recipe: Recipe, facts: Any) -> int:
     tp = max(1, g.tp)
     conv_bytes = (heads * head_dim // tp + 2 * (groups // tp) * state) * conv
     ssm_bytes = heads // tp * head_dim * state
-    per_layer = (conv_bytes + ssm_bytes) * DTYPE_BYTES[recipe.model.dtype]
+    m = recipe.generation.megatron
+    per_layer = (conv_bytes * mamba_state_dtype_bytes(recipe, m.mamba_conv_states_dtype)
+                 + ssm_bytes * mamba_state_dtype_bytes(recipe, m.mamba_ssm_states_dtype))
     drafts = speculative_tokens(recipe)
     copies = 1 + (drafts + 1 if drafts else 0)  # the intermediate states of every drafted token besides
     return math.ceil(mamba / max(1, g.pp)) * per_layer * copies
+
+
+#: ``generation.megatron.mamba_*_states_dtype`` values other than ``auto`` -> ``DTYPE_BYTES`` keys.
+MAMBA_STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def mamba_state_dtype_bytes(recipe: Recipe, setting: str) -> int:
+    """Bytes per element of a Mamba state kept in ``setting`` (``auto``: the model's dtype)."""
+    return DTYPE_BYTES[recipe.model.dtype if setting == "auto" else MAMBA_STATE_DTYPES[setting]]
 
 
 def speculative_tokens(recipe: Recipe) -> int:
@@ -262,5 +274,6 @@ def pool_bytes_for(recipe: Recipe, facts: Any, requests: int) -> Optional[int]:
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "InferenceModel", "KvPool", "MEGATRON", "REQUEST_ROUNDER", "VLLM_ONLY", "VllmOnly",
-           "inference_model", "kv_block_bytes", "kv_pool", "layout_differences", "mamba_state_bytes", "pool_bytes_for",
+           "inference_model", "kv_block_bytes", "kv_pool", "layout_differences", "mamba_state_bytes",
+           "mamba_state_dtype_bytes", "pool_bytes_for",
            "reset_router_num_groups", "speculative_tokens", "uses_megatron", "weight_sync_kind"]

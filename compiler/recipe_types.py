@@ -598,6 +598,17 @@ class MegatronGenerationSection(_Section):
         "for its dedicated model only; `fp32` lets a trainer that routes in fp64 generate with megatron-core's "
         "inference-optimized MoE layers, which run an fp32 router only.",
         default="auto", runtime=_ENGINE)
+    mamba_ssm_states_dtype: Literal["auto", "fp32", "bf16", "fp16"] = key(
+        "dtype of the per-request Mamba SSM state megatron-core's engine keeps for a hybrid model "
+        "(`MambaInferenceStateConfig.ssm_states_dtype`). `auto`: the model's dtype (megatron-core's default). `fp32` "
+        "keeps the recurrent state at full precision through long rollouts, as NeMo-RL's Nemotron-3 Nano recipes "
+        "ask (`mamba_inference_ssm_states_dtype: float32`); it doubles the SSM state's share of the pool, which the "
+        "plan counts.",
+        default="auto", runtime=_ENGINE)
+    mamba_conv_states_dtype: Literal["auto", "fp32", "bf16", "fp16"] = key(
+        "dtype of the per-request Mamba convolution state (`MambaInferenceStateConfig.conv_states_dtype`). `auto`: "
+        "the model's dtype.",
+        default="auto", runtime=_ENGINE)
     kv_cache: Literal["recompute", "offload", "persist"] = key(
         "What happens to the KV pool (`generation.kv_cache_memory_bytes`) while the trainer runs (megatron-core "
         "`KVCacheManagementMode`). `recompute`: freed after each rollout and allocated again for the next; "

@@ -242,6 +242,17 @@ class MegatronGenerationConfig(Declared):
     router_dtype: Literal["auto", "fp32", "fp64"] = runtime_key(_ENGINE, recipe="generation.megatron.router_dtype")
     """Router computation dtype of the generating model (megatron-core `moe_router_dtype`). `auto`: the
     trainer's (`training.moe.router_dtype`)."""
+    mamba_ssm_states_dtype: Literal["auto", "fp32", "bf16", "fp16"] = runtime_key(
+        _ENGINE, recipe="generation.megatron.mamba_ssm_states_dtype")
+    """dtype of the per-request Mamba SSM state megatron-core's engine keeps for a hybrid model
+    (`MambaInferenceStateConfig.ssm_states_dtype`). `auto`: the model's dtype (megatron-core's default).
+    `fp32` keeps the recurrent state at full precision through long rollouts, as NeMo-RL's Nemotron-3 Nano
+    recipes ask (`mamba_inference_ssm_states_dtype: float32`); it doubles the SSM state's share of the pool,
+    which the plan counts."""
+    mamba_conv_states_dtype: Literal["auto", "fp32", "bf16", "fp16"] = runtime_key(
+        _ENGINE, recipe="generation.megatron.mamba_conv_states_dtype")
+    """dtype of the per-request Mamba convolution state (`MambaInferenceStateConfig.conv_states_dtype`).
+    `auto`: the model's dtype."""
     kv_cache: Literal["recompute", "offload", "persist"] = runtime_key(
         _ENGINE, recipe="generation.megatron.kv_cache")
     """What happens to the KV pool (`generation.kv_cache_memory_bytes`) while the trainer runs (megatron-core

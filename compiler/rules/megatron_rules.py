@@ -221,6 +221,12 @@ def layer_limits(ctx: Context) -> None:
         ctx.error(f"generation.megatron.router_dtype {r.generation.megatron.router_dtype}: {f.model_id} has no MoE "
                   "router (a dense model), and a router dtype of its own would only build a dedicated inference model",
                   f"{G}.router_dtype", hint=f"{G}.router_dtype: auto")
+    if not any(mixer == "mamba" for mixer, _ in kinds):
+        for key in ("mamba_ssm_states_dtype", "mamba_conv_states_dtype"):
+            value = getattr(r.generation.megatron, key)
+            if value != "auto":
+                ctx.error(f"generation.megatron.{key} {value}: {f.model_id} has no Mamba layers, so the engine keeps "
+                          "no Mamba state and the setting changes nothing", f"{G}.{key}", hint=f"{G}.{key}: auto")
     if inference_model(r).transformer_impl != "inference_optimized":
         return
     path = f"{G}.transformer_impl"

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
-from rlc.runtime.generation.megatron_sampling import (group_samples, inference_config_kwargs, parse_request,
-                                                      sampling_params_kwargs)
+from rlc.runtime.generation.megatron_sampling import (group_samples, inference_config_kwargs, mamba_state_dtypes,
+                                                      parse_request, sampling_params_kwargs)
 from rlc.runtime.generation.reshard_plan import Grid, ReshardLayout
 from rlc.runtime.worker_api import Sample
 
@@ -129,7 +129,8 @@ def build_engine(gen_model: Any, cfg: RuntimeConfig, tokenizer: Any, *, pg_colle
     kwargs["kv_cache_management_mode"] = KVCacheManagementMode(kwargs["kv_cache_management_mode"])
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
-    mamba = MambaInferenceStateConfig.from_model(gen_model)
+    states = {k: None if name is None else getattr(torch, name) for k, name in mamba_state_dtypes(cfg).items()}
+    mamba = MambaInferenceStateConfig.from_model(gen_model, **states)
     if mamba is not None:
         kwargs["mamba_inference_state_config"] = mamba
     config = get_model_config(gen_model)

@@ -32,6 +32,20 @@ class MegatronRequestFailed(RuntimeError):
     """The engine failed a request (it did not fit the KV pool, the token budget or the sequence length)."""
 
 
+#: ``generation.megatron.mamba_*_states_dtype`` -> the torch dtype's attribute name (``auto``: the model's dtype).
+_STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def mamba_state_dtypes(cfg: RuntimeConfig) -> dict[str, str | None]:
+    """``MambaInferenceStateConfig.from_model``'s ``conv_states_dtype`` / ``ssm_states_dtype`` as torch attribute
+    names, None where megatron-core's default (the model's dtype) applies."""
+    m = cfg.generation.megatron
+    if m is None:
+        raise ValueError("generation.megatron is missing: runtime.yaml was compiled for the vLLM backend")
+    return {"conv_states_dtype": _STATE_DTYPES.get(m.mamba_conv_states_dtype),
+            "ssm_states_dtype": _STATE_DTYPES.get(m.mamba_ssm_states_dtype)}
+
+
 def inference_config_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``InferenceConfig`` for ``runtime.yaml`` ``cfg`` (the KV management
     mode as its string value; the worker turns it into ``KVCacheManagementMode``)."""
@@ -158,4 +172,4 @@ class TokenizerAdapter:
 
 
 __all__ = ["MegatronRequestFailed", "MegatronSamplingError", "TokenizerAdapter", "group_samples",
-           "inference_config_kwargs", "parse_request", "sampling_params_kwargs"]
+           "inference_config_kwargs", "mamba_state_dtypes", "parse_request", "sampling_params_kwargs"]

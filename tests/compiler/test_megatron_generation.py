@@ -268,6 +268,29 @@ def test_a_hybrid_models_pool_sets_a_requests_mamba_state_beside_every_block():
     assert given.blocks == ((20 << 30) - 512 * mamba_state_bytes(recipe, nano)) // block
 
 
+def test_fp32_mamba_states_take_their_bytes_in_the_pool_and_need_a_hybrid_model():
+    """``generation.megatron.mamba_ssm_states_dtype: fp32`` (NeMo-RL's Nemotron-3 Nano recipes) doubles the SSM state
+    megatron-core sets beside every KV block: fewer requests fit the same pool. On a model without Mamba layers the
+    setting changes nothing and is refused."""
+    from rlc.compiler import catalog
+    from rlc.compiler.mcore_generation import mamba_state_bytes
+
+    nano = catalog.model_facts("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", RECIPES)
+    layout = ("generation.backend=megatron", "generation.enforce_eager=true", "cluster.gpus_per_node=2",
+              "parallelism.generation.tp=2", "generation.kv_cache_memory_bytes=21474836480", f"{G}.max_tokens=2048")
+    conv, ssm = 23 * (64 * 64 // 2 + 2 * 4 * 128) * 4, 23 * 32 * 64 * 128  # elements per request on the rank
+    auto = check(VLLM_DENSE, *layout).recipe
+    fp32 = check(VLLM_DENSE, *layout, f"{G}.mamba_ssm_states_dtype=fp32").recipe
+    both = check(VLLM_DENSE, *layout, f"{G}.mamba_ssm_states_dtype=fp32", f"{G}.mamba_conv_states_dtype=fp32").recipe
+    assert mamba_state_bytes(auto, nano) == (conv + ssm) * 2
+    assert mamba_state_bytes(fp32, nano) == conv * 2 + ssm * 4
+    assert mamba_state_bytes(both, nano) == (conv + ssm) * 4
+    block = kv_block_bytes(fp32, nano)
+    assert kv_pool(fp32, nano).blocks == (20 << 30) // (block + conv * 2 + ssm * 4) < kv_pool(auto, nano).blocks
+    dense = check(DENSE, f"{G}.mamba_ssm_states_dtype=fp32")
+    assert (f"{G}.mamba_ssm_states_dtype", "RLC405") in [(p, r) for p, r, _ in found(dense, "error")]
+
+
 # --------------------------------------------------------------------------- RLC311: what the runtime cannot run
 
 

@@ -559,9 +559,10 @@ def test_megatron_generation_with_another_layout_is_dedicated_and_offloads_the_t
 
 def test_megatron_inference_settings_count_where_the_config_generates_with_megatron_core():
     """With the Megatron backend an mcore_generation_config key rlc has no setting for is read by the engine: it is
-    never assumed harmless (fp32 Mamba SSM states change the rollouts' numerics); layout and copy-service keys are
-    listed as changing nothing; with vLLM generation the whole block is NeMo-RL's unused default."""
-    key = "policy.generation.mcore_generation_config.mamba_inference_ssm_states_dtype"
+    never assumed harmless (a training-side key merged over the inference model's can change the rollouts'
+    numerics); layout and copy-service keys are listed as changing nothing; with vLLM generation the whole block is
+    NeMo-RL's unused default."""
+    key = "policy.generation.mcore_generation_config.attention_softmax_in_fp32"
     with pytest.raises(ImportStopped) as stop:
         import_nemo_rl(str(MCORE_GEN), overrides=[f"+{key}=float32"])
     assert key in {u.key for u in stop.value.dropped}
@@ -572,6 +573,22 @@ def test_megatron_inference_settings_count_where_the_config_generates_with_megat
     vllm = import_nemo_rl(str(CHILD), overrides=[f"+{key}=float32"])
     (listed,) = [u for u in vllm.unmapped if u.key == key]
     assert listed.effect == "none"
+
+
+@pytest.mark.parametrize("value, rlc", [("float32", "fp32"), ("torch.bfloat16", "bf16"), ("fp16", "fp16")])
+def test_mamba_state_dtypes_map_to_the_engine_settings(value, rlc):
+    """``mamba_inference_{ssm,conv}_states_dtype`` (NeMo-RL's Nemotron-3 Nano recipes: float32 SSM states) set the
+    engine's Mamba state dtypes; a dtype torch has no short name for here is refused, naming the key."""
+    prefix = "policy.generation.mcore_generation_config.mamba_inference"
+    imported = import_nemo_rl(str(MCORE_GEN), overrides=[f"+{prefix}_ssm_states_dtype={value}",
+                                                         f"+{prefix}_conv_states_dtype={value}"])
+    got = mapped(imported)
+    assert got["generation.megatron.mamba_ssm_states_dtype"] == rlc
+    assert got["generation.megatron.mamba_conv_states_dtype"] == rlc
+    with pytest.raises(ImportStopped) as stop:
+        import_nemo_rl(str(MCORE_GEN), overrides=[f"+{prefix}_ssm_states_dtype=int8"])
+    (u,) = stop.value.dropped
+    assert u.key == f"{prefix}_ssm_states_dtype" and "not one of float32, bfloat16, float16" in u.reason
 
 
 def test_megatron_generation_refuses_what_rlc_cannot_express():

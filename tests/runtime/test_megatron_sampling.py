@@ -28,7 +28,8 @@ def _cfg(**megatron):
     cfg = load_runtime_config(ROOT / "tests" / "gpu" / "tiny_runtime.yaml")
     m = MegatronGenerationConfig(**{**dict(mode="shared", transformer_impl="transformer_engine", kv_cache="recompute",
                                            block_size_tokens=64, max_tokens=None, max_requests=None,
-                                           refit_backend="nccl", reset_router_num_groups=False, router_dtype="auto"),
+                                           refit_backend="nccl", reset_router_num_groups=False, router_dtype="auto",
+                                           mamba_ssm_states_dtype="auto", mamba_conv_states_dtype="auto"),
                                         **megatron})
     return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="megatron", megatron=m,
                                                                    kv_cache_memory_bytes=3 << 27))
@@ -140,3 +141,16 @@ def test_tokenizer_adapter_speaks_megatrons_interface(tmp_path):
     assert adapter.eod == EOS_ID and adapter.vocab_size > 10
     assert adapter.tokenize("3+4=") == char_ids("3+4=", add_bos=False)
     assert adapter.detokenize(char_ids("3+4=", add_bos=False) + [EOS_ID]) == "3+4="
+
+
+def test_mamba_state_dtypes_reach_megatron_cores_state_config():
+    """``generation.megatron.mamba_*_states_dtype`` -> ``MambaInferenceStateConfig.from_model``'s dtypes (None:
+    megatron-core's default, the model's dtype)."""
+    import torch
+
+    from rlc.runtime.generation.megatron_sampling import mamba_state_dtypes
+
+    assert mamba_state_dtypes(_cfg()) == {"conv_states_dtype": None, "ssm_states_dtype": None}
+    got = mamba_state_dtypes(_cfg(mamba_ssm_states_dtype="fp32", mamba_conv_states_dtype="bf16"))
+    assert got == {"conv_states_dtype": "bfloat16", "ssm_states_dtype": "float32"}
+    assert getattr(torch, got["ssm_states_dtype"]) is torch.float32

@@ -208,7 +208,8 @@ def _cfg(tmp_path: Path, backend: str, **megatron: Any) -> Any:
         mcfg = MegatronGenerationConfig(mode=megatron.pop("mode", "shared"), transformer_impl="transformer_engine",
                                         kv_cache="recompute", block_size_tokens=64, max_tokens=None,
                                         max_requests=None, refit_backend="nccl", reset_router_num_groups=False,
-                                        router_dtype="auto")
+                                        router_dtype="auto", mamba_ssm_states_dtype="auto",
+                                        mamba_conv_states_dtype="auto")
         cfg = dataclasses.replace(cfg, generation=dataclasses.replace(
             cfg.generation, backend="megatron", megatron=mcfg, kv_cache_memory_bytes=1 << 26))
     refit = megatron.pop("refit", {})

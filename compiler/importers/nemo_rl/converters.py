@@ -64,6 +64,18 @@ def dtype(v: Any) -> str:
         raise Unmappable(f"precision {v!r} is not one of bfloat16, float16, float32") from None
 
 
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def state_dtype(v: Any) -> str:
+    """A Mamba state dtype (``float32``, ``torch.float32``, ``bf16`` ...) as rlc writes it (``fp32``, ``bf16``,
+    ``fp16``); NeMo-RL resolves the string to a torch dtype."""
+    try:
+        return _SHORT_DTYPES[_DTYPES[str(v).lower().removeprefix("torch.")]]
+    except KeyError:
+        raise Unmappable(f"Mamba state dtype {v!r} is not one of float32, bfloat16, float16") from None
+
+
 def optimizer_name(v: Any) -> str:
     if str(v).lower() in ("adam", "adamw"):
         return "adam"

@@ -18,6 +18,7 @@ from rlc.compiler.importers.nemo_rl.converters import (
     positive_int,
     refit_backend,
     router_dtype,
+    state_dtype,
     transformer_impl,
 )
 from rlc.compiler.importers.nemo_rl.results import Unmappable, Unmapped
@@ -227,6 +228,9 @@ def mcore_generation(m: _Mapper, megatron: bool) -> None:
     m.take(f"{MCORE}.transformer_impl", "generation.megatron.transformer_impl", transformer_impl)
     m.take(f"{MCORE}.max_model_len", "generation.max_model_len", positive_int)
     _inference_router_dtype(m, megatron)
+    for state in ("ssm", "conv"):  # NeMo-RL sets them on the engine's MambaInferenceStateConfig (hybrid models)
+        m.take(f"{MCORE}.mamba_inference_{state}_states_dtype", f"generation.megatron.mamba_{state}_states_dtype",
+               state_dtype)
     recompute = "grpo.async_grpo.recompute_kv_cache_after_weight_updates"
     if m.cfg.get(recompute) is True:
         m.take(recompute, "generation.megatron.kv_cache", lambda v: "recompute",
