@@ -269,19 +269,22 @@ class RlcWorkerExtension:
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.verify import compare_parameters  # noqa: PLC0415
-        from rlc.runtime.refit.verify_stream import ShardFiles, read_export_shards, verify_streamed  # noqa: PLC0415
+        from rlc.runtime.refit.verify_stream import ShardFiles, check_streamed, read_export_shards  # noqa: PLC0415
 
         model = self.model_runner.model
         rank = self._rlc_consumer.producer_rank
-        shards = read_export_shards(ShardFiles(export_dir, rank))
+        files = ShardFiles(export_dir, rank)
         fp8 = getattr(self, "_rlc_fp8_scales", None)
         about = {"producer_rank": rank, "device_key": self._rlc_consumer.device_key, "fp8_scales": fp8}
         if fp8 is None:
-            report = verify_streamed(model, shards, load=self._rlc_reference_load)
-            return {**about, "reference_quantizer": None, **report}
+            return {**about, "reference_quantizer": None, **check_streamed(model, files, self._rlc_reference_load)}
         exported: dict[str, Any] = {}
-        for shard in shards:
-            exported.update(shard)
+        try:
+            for shard in read_export_shards(files):
+                exported.update(shard)
+        except BaseException as exc:
+            files.tell_writer(exc)
+            raise
         refitted = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         # FP8: vLLM's own quantization of the same bf16 weights, through the refit's load path
         loaded = self._rlc_reference_load(exported.items())

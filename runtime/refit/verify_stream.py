@@ -7,8 +7,8 @@ worker on the same GPU reads each shard as it arrives, deletes it, snapshots the
 touches, loads the shard through vLLM's own ``load_weights`` and compares those parameters with their snapshot
 (:func:`verify_streamed`). A parameter whose sources span two shards is compared after each (the part a shard did not
 load is unchanged on both sides). A parameter the reference load wrote outside the layers the shard names could not
-be compared: it is reported as ``unchecked`` and the check fails. The writer's failure reaches the reader as a file
-(``.failed``) at once; either side gives up after ``wait_s`` without progress from the other.
+be compared: it is reported as ``unchecked`` and the check fails. Either side's failure reaches the other as a file
+(``.failed``, ``.reader-failed``) at once; either side gives up after ``wait_s`` without progress from the other.
 
 Disk holds at most ``max_pending`` shards; host memory is ``rlc.contract.verify_check.streamed_check_host_bytes``
 (the compiler's host plan counts it). Pure torch and files here
@@ -55,6 +55,19 @@ class ShardFiles:
     def failed(self) -> str:
         return os.path.join(self.directory, f"export-rank{self.rank}.failed")
 
+    @property
+    def reader_failed(self) -> str:
+        return os.path.join(self.directory, f"export-rank{self.rank}.reader-failed")
+
+    def tell_writer(self, exc: BaseException) -> None:
+        """The reader's failure, for the writer (which stops waiting for room at once instead of after its wait)."""
+        message = f"{type(exc).__name__}: {exc}"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            _atomic_write(self.reader_failed, lambda p: _write_text(p, message))
+        except OSError:
+            pass
+
     def pending(self) -> int:
         prefix = f"export-rank{self.rank}-"
         try:
@@ -97,6 +110,10 @@ def write_export_shards(files: ShardFiles, tensors: Iterable[tuple[str, torch.Te
         nonlocal shard, held, index, largest, most
         deadline = time.monotonic() + wait_s
         while files.pending() >= max_pending:
+            if os.path.exists(files.reader_failed):
+                with open(files.reader_failed, encoding="utf-8") as f:
+                    raise ExportStreamError(f"refit.verify_every: the vLLM worker paired with trainer rank "
+                                            f"{files.rank} stopped checking after {index} shard(s): {f.read()}")
             if time.monotonic() > deadline:
                 raise ExportStreamError(
                     f"refit.verify_every: the vLLM worker paired with trainer rank {files.rank} read no export shard "
@@ -127,11 +144,12 @@ def write_export_shards(files: ShardFiles, tensors: Iterable[tuple[str, torch.Te
         _atomic_write(files.done, lambda p: _write_text(p, json.dumps({"shards": index, "tensors": count})))
         return written
     except BaseException as exc:
-        message = f"{type(exc).__name__}: {exc}"
-        try:
-            _atomic_write(files.failed, lambda p: _write_text(p, message))
-        except OSError:
-            pass
+        if not isinstance(exc, ExportStreamError) or not os.path.exists(files.reader_failed):
+            message = f"{type(exc).__name__}: {exc}"
+            try:
+                _atomic_write(files.failed, lambda p: _write_text(p, message))
+            except OSError:
+                pass
         raise
 
 
@@ -246,3 +264,14 @@ def verify_streamed(model: Any, shards: Iterable[dict[str, torch.Tensor]],
                          not_loaded=not_loaded, unchecked=sorted(tally.unchecked))
     return {**final.to_dict(), "shards": tally.shards, "exported_tensors": tally.tensors,
             "peak_host_bytes": tally.peak_host_bytes}
+
+
+def check_streamed(model: Any, files: ShardFiles, load: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+                   *, wait_s: float = WAIT_S) -> dict[str, Any]:
+    """The vLLM worker's side of the check: :func:`verify_streamed` over :func:`read_export_shards`; a failure on
+    this side is left for the writer (:meth:`ShardFiles.tell_writer`) before it is raised."""
+    try:
+        return verify_streamed(model, read_export_shards(files, wait_s=wait_s), load=load)
+    except BaseException as exc:
+        files.tell_writer(exc)
+        raise

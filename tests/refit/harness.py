@@ -768,8 +768,9 @@ def export_writer_main(job: dict[str, Any]) -> dict[str, Any]:
 def verify_reader_main(job: dict[str, Any]) -> dict[str, Any]:
     """The vLLM worker's side: a :class:`TinyDenseEngine` holding the refit of ``job['step']`` (then changed as
     ``job`` asks: ``flip`` a bit of a parameter, ``round_bias`` a layer's fp32 bias to bf16, ``foreign``: its loader
-    also reports writing a parameter of another layer) checks the writer's shards as they come."""
-    from rlc.runtime.refit.verify_stream import ShardFiles, read_export_shards, verify_streamed
+    also reports writing a parameter of another layer; ``fail_at_layer``: its loader raises there) checks the writer's
+    shards as they come."""
+    from rlc.runtime.refit.verify_stream import ShardFiles, check_streamed
 
     layers = job["layers"]
     engine = TinyDenseEngine(layers)
@@ -783,14 +784,15 @@ def verify_reader_main(job: dict[str, Any]) -> dict[str, Any]:
             bias.data.copy_(bias.data.to(torch.bfloat16).to(torch.float32))
 
     def load(items: list[tuple[str, torch.Tensor]]) -> set[str]:
+        if job.get("fail_at_layer") is not None and any(f".layers.{job['fail_at_layer']}." in n for n, _ in items):
+            raise RuntimeError("vLLM's weight loader raised")
         written = engine.load_weights(items)
         if job.get("foreign") and any(".layers.1." in n for n, _ in items):
             written.add(job["foreign"])
         return written
 
     try:
-        report = verify_streamed(engine, read_export_shards(ShardFiles(job["dir"], 0), wait_s=job.get("wait_s", 20.0)),
-                                 load=load)
+        report = check_streamed(engine, ShardFiles(job["dir"], 0), load, wait_s=job.get("wait_s", 20.0))
         model_bytes = sum(p.numel() * p.element_size() for p in engine.params.values())
         return {"ok": True, "report": report, "model_bytes": model_bytes, "left": sorted(os.listdir(job["dir"]))}
     except BaseException as e:

@@ -96,6 +96,19 @@ def test_the_exports_failure_reaches_the_reader_at_once(pool, tmp_path):
     assert time.monotonic() - t0 < 20  # not after the reader's 30 s wait
 
 
+def test_the_readers_failure_reaches_the_writer_at_once(pool, tmp_path):
+    """The vLLM worker's loader raises on layer 2: the trainer rank, waiting for room on disk (one shard at a time
+    here), stops with the worker's reason instead of after its 30 s wait."""
+    t0 = time.monotonic()
+    written, read = _check(pool, tmp_path, writer={"max_pending": 1, "wait_s": 30},
+                           reader={"fail_at_layer": 2, "wait_s": 30})
+    assert not read["ok"] and "vLLM's weight loader raised" in read["error"]
+    assert not written["ok"] and written["error_type"] == "ExportStreamError"
+    assert "stopped checking after" in written["error"] and "vLLM's weight loader raised" in written["error"]
+    assert time.monotonic() - t0 < 20
+    assert not os.path.exists(ShardFiles(str(tmp_path / "verify"), 0).failed)  # the writer did not fail on its own
+
+
 def test_a_writer_without_a_reader_stops_with_the_reason(tmp_path):
     files = ShardFiles(str(tmp_path), 0)
     _, stream = H.dense_export(0, 4)
