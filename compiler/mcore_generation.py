@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rlc.compiler.recipe_types import Recipe
+from rlc.contract.mamba_states import MAMBA_STATE_DTYPES
 
 MEGATRON = "megatron"
 #: megatron-core ``DynamicInferenceContext.REQUEST_ROUNDER``: the default request count is a multiple of it.
@@ -220,10 +221,6 @@ def mamba_state_bytes(recipe: Recipe, facts: Any) -> int:
     drafts = speculative_tokens(recipe)
     copies = 1 + (drafts + 1 if drafts else 0)  # the intermediate states of every drafted token besides
     return math.ceil(mamba / max(1, g.pp)) * per_layer * copies
-
-
-#: ``generation.megatron.mamba_*_states_dtype`` values other than ``auto`` -> ``DTYPE_BYTES`` keys.
-MAMBA_STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def mamba_state_dtype_bytes(recipe: Recipe, setting: str) -> int:

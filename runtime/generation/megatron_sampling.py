@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
+from rlc.contract.mamba_states import MAMBA_STATE_DTYPES
 from rlc.runtime.generation.sampling import logprobs_mode
 from rlc.runtime.worker_api import Sample
 
@@ -32,18 +33,14 @@ class MegatronRequestFailed(RuntimeError):
     """The engine failed a request (it did not fit the KV pool, the token budget or the sequence length)."""
 
 
-#: ``generation.megatron.mamba_*_states_dtype`` -> the torch dtype's attribute name (``auto``: the model's dtype).
-_STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def mamba_state_dtypes(cfg: RuntimeConfig) -> dict[str, str | None]:
     """``MambaInferenceStateConfig.from_model``'s ``conv_states_dtype`` / ``ssm_states_dtype`` as torch attribute
     names, None where megatron-core's default (the model's dtype) applies."""
     m = cfg.generation.megatron
     if m is None:
         raise ValueError("generation.megatron is missing: runtime.yaml was compiled for the vLLM backend")
-    return {"conv_states_dtype": _STATE_DTYPES.get(m.mamba_conv_states_dtype),
-            "ssm_states_dtype": _STATE_DTYPES.get(m.mamba_ssm_states_dtype)}
+    return {"conv_states_dtype": MAMBA_STATE_DTYPES.get(m.mamba_conv_states_dtype),
+            "ssm_states_dtype": MAMBA_STATE_DTYPES.get(m.mamba_ssm_states_dtype)}
 
 
 def inference_config_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
