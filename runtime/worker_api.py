@@ -262,6 +262,8 @@ class ExportWritten:
     tensors: int
     bytes: int
     largest_shard_bytes: int
+    #: The most shard files on disk at once (the writer's own count, at most ``max_pending`` + the one it adds).
+    most_pending: int
     seconds: float
 
 

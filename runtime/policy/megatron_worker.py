@@ -570,9 +570,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         if self.source is None:
             raise RuntimeError("refit_dump_export before refit_prepare")
         self._params_back()
-        w = write_export_shards(ShardFiles(export_dir, self.source.local_rank), self.source.export())
-        return ExportWritten(directory=export_dir, shards=w.shards, tensors=w.tensors, bytes=w.bytes,
-                             largest_shard_bytes=w.largest_shard_bytes, seconds=w.seconds)
+        return write_export_shards(ShardFiles(export_dir, self.source.local_rank), self.source.export())
 
     def export_named(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The exported HF tensors (CPU copies), for tests; ``names`` filters."""

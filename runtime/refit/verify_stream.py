@@ -27,6 +27,7 @@ import torch
 
 from rlc.contract.verify_check import MAX_PENDING, SHARD_BYTES, layer_of
 from rlc.runtime.refit.errors import RefitError
+from rlc.runtime.worker_api import ExportWritten
 from rlc.runtime.refit.verify import ParamMismatch, VerifyReport, compare_parameters
 
 #: How long either side waits for the other's next shard (or for room on disk) before it gives up.
@@ -76,19 +77,6 @@ class ShardFiles:
             return 0
 
 
-@dataclass(frozen=True)
-class ShardsWritten:
-    """What a trainer rank wrote for one check."""
-
-    shards: int
-    tensors: int
-    bytes: int
-    largest_shard_bytes: int
-    #: The most shard files on disk at once (the writer's own count, at most ``max_pending`` + the one it adds).
-    most_pending: int
-    seconds: float
-
-
 def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     write(path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -96,7 +84,7 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 def write_export_shards(files: ShardFiles, tensors: Iterable[tuple[str, torch.Tensor]], *,
                         shard_bytes: int = SHARD_BYTES, max_pending: int = MAX_PENDING, wait_s: float = WAIT_S,
-                        poll_s: float = 0.005) -> ShardsWritten:
+                        poll_s: float = 0.005) -> ExportWritten:
     """Write ``tensors`` (the export stream, any device) as CPU shard files, cut where the layer changes once a shard
     holds ``shard_bytes``; blocks while ``max_pending`` shards wait for the reader. A failure (of the stream too)
     leaves ``files.failed`` with its message for the reader, then raises."""
@@ -139,8 +127,8 @@ def write_export_shards(files: ShardFiles, tensors: Iterable[tuple[str, torch.Te
             last_layer = layer
         if shard:
             flush()
-        written = ShardsWritten(shards=index, tensors=count, bytes=total, largest_shard_bytes=largest,
-                                most_pending=most, seconds=time.perf_counter() - t0)
+        written = ExportWritten(directory=files.directory, shards=index, tensors=count, bytes=total,
+                                largest_shard_bytes=largest, most_pending=most, seconds=time.perf_counter() - t0)
         _atomic_write(files.done, lambda p: _write_text(p, json.dumps({"shards": index, "tensors": count})))
         return written
     except BaseException as exc:
