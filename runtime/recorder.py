@@ -141,9 +141,9 @@ class Refitted:
 
     @property
     def verified(self) -> bool:
-        """The check ran, found no difference and compared something on every worker."""
-        return (self.verify is not None and not self.mismatches
-                and all(r["params_compared"] and not r.get("unchecked") for r in self.verify))
+        """The check ran and every worker's report is bit-exact (no difference, nothing left uncompared, something
+        compared: ``rlc.runtime.refit.verify.VerifyReport.bit_exact``)."""
+        return self.verify is not None and all(r.get("bit_exact", False) for r in self.verify)
 
 
 # --------------------------------------------------------------------------- the recorder
