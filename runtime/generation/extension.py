@@ -269,7 +269,7 @@ class RlcWorkerExtension:
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.verify import compare_parameters  # noqa: PLC0415
-        from rlc.runtime.refit.verify_stream import ShardFiles, check_streamed, read_export_shards  # noqa: PLC0415
+        from rlc.runtime.refit.verify_stream import ShardFiles, check_streamed, gather_export_shards  # noqa: PLC0415
 
         model = self.model_runner.model
         rank = self._rlc_consumer.producer_rank
@@ -278,13 +278,7 @@ class RlcWorkerExtension:
         about = {"producer_rank": rank, "device_key": self._rlc_consumer.device_key, "fp8_scales": fp8}
         if fp8 is None:
             return {**about, "reference_quantizer": None, **check_streamed(model, files, self._rlc_reference_load)}
-        exported: dict[str, Any] = {}
-        try:
-            for shard in read_export_shards(files):
-                exported.update(shard)
-        except BaseException as exc:
-            files.tell_writer(exc)
-            raise
+        exported = gather_export_shards(files)
         refitted = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         # FP8: vLLM's own quantization of the same bf16 weights, through the refit's load path
         loaded = self._rlc_reference_load(exported.items())

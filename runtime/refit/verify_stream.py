@@ -223,8 +223,7 @@ def verify_streamed(model: Any, shards: Iterable[dict[str, torch.Tensor]],
         by_layer.setdefault(layer_of(name), []).append(name)
     tally = _Tally(compared={}, mismatches={}, fp32=set(), loaded=set(), unchecked=set())
     for shard in shards:
-        names = [n for key in sorted({layer_of(n) for n in shard}, key=lambda k: -1 if k is None else k)
-                 for n in by_layer.get(key, [])]
+        names = [n for key in {layer_of(n) for n in shard} for n in by_layer.get(key, [])]
         with torch.no_grad():
             refitted = {n: params[n].detach().to("cpu", copy=True) for n in names}
             items = list(shard.items())
@@ -252,6 +251,19 @@ def verify_streamed(model: Any, shards: Iterable[dict[str, torch.Tensor]],
                          not_loaded=not_loaded, unchecked=sorted(tally.unchecked))
     return {**final.to_dict(), "shards": tally.shards, "exported_tensors": tally.tensors,
             "peak_host_bytes": tally.peak_host_bytes}
+
+
+def gather_export_shards(files: ShardFiles, *, wait_s: float = WAIT_S) -> dict[str, torch.Tensor]:
+    """Every shard of the export in one dict (FP8 engines, whose reload needs whole layers and checks once); a
+    failure on this side is left for the writer before it is raised."""
+    exported: dict[str, torch.Tensor] = {}
+    try:
+        for shard in read_export_shards(files, wait_s=wait_s):
+            exported.update(shard)
+    except BaseException as exc:
+        files.tell_writer(exc)
+        raise
+    return exported
 
 
 def check_streamed(model: Any, files: ShardFiles, load: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlc.contract.verify_check import layer_of
-from rlc.runtime.refit.verify_stream import (ExportStreamError, ShardFiles, read_export_shards,
+from rlc.runtime.refit.verify_stream import (ExportStreamError, ShardFiles, gather_export_shards, read_export_shards,
                                              verify_streamed, write_export_shards)
 from tests.refit import harness as H
 
@@ -151,3 +151,16 @@ def test_a_loader_that_names_nothing_still_compares_the_shards_layers():
     report = verify_streamed(engine, [dict(stream)], load=lambda items: (engine.load_weights(items), None)[1])
     assert [m["name"] for m in report["mismatches"]] == ["model.layers.1.self_attn.o_proj.weight"]
     assert report["not_loaded"] == [] and report["params_compared"] == len(engine.params)
+
+
+def test_an_fp8_engine_gathers_every_shard_and_a_gathering_failure_reaches_the_writer(tmp_path):
+    files = ShardFiles(str(tmp_path / "ok"), 0)
+    write_export_shards(files, H.dense_export(0, 4)[1], shard_bytes=1, max_pending=1 << 20)
+    exported = gather_export_shards(files, wait_s=5)
+    want = dict(H.dense_export(0, 4)[1])
+    assert exported.keys() == want.keys() and all(torch.equal(exported[n], want[n]) for n in want)
+    assert os.listdir(files.directory) == []
+    stalled = ShardFiles(str(tmp_path / "stalled"), 0)
+    with pytest.raises(ExportStreamError):
+        gather_export_shards(stalled, wait_s=0.2)
+    assert os.path.exists(stalled.reader_failed)
