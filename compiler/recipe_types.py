@@ -497,17 +497,21 @@ class SamplingSection(_Section):
         "Sampling temperature (GRPO needs > 0).",
         default=1.0, exclusive_minimum=0, maximum=10, runtime=EXPERIMENT)
     top_p: float = key(
-        "Nucleus sampling threshold.",
+        "Nucleus sampling threshold (1.0 = off): after the temperature, min-p and top-k, keep the most likely tokens "
+        "until their probability reaches this mass. The rollout engine reports logprobs of the truncated "
+        "distribution, and the trainer scores each sampled token under the same cuts of its own logits (the KL "
+        "penalty compares full distributions).",
         default=1.0, exclusive_minimum=0, maximum=1, runtime=EXPERIMENT)
     top_k: int = key(
-        "Top-k sampling (-1 = off).",
+        "Top-k sampling (-1 = off): keep the k most likely tokens after the temperature and min-p; the trainer "
+        "scores under the same cut (see `top_p`).",
         default=-1, minimum=-1, maximum=1048576, runtime=EXPERIMENT)
     min_p: float = key(
         "Min-p sampling (vLLM `min_p`; 0 = off): after the temperature, drop every token less likely than this "
         "fraction of the most likely one. Keeps high-temperature rollouts coherent without a fixed top-k/top-p "
-        "cut. Like `top_p` it samples from a truncated distribution, which vLLM's logprobs then describe; the "
-        "trainer scores the full one, so gen-KL and `loss.importance_sampling_correction` see the difference. "
-        "The Megatron engine has no min-p (`generation.backend: megatron` refuses it).",
+        "cut. Like `top_p` it samples from a truncated distribution, which vLLM's logprobs then describe, and the "
+        "trainer scores under the same cut. The Megatron engine has no min-p (`generation.backend: megatron` "
+        "refuses it).",
         default=0.0, minimum=0, maximum=1, runtime=EXPERIMENT)
     max_tokens: int = key(
         "Maximum generated tokens per sample.",

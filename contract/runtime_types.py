@@ -299,9 +299,11 @@ class SamplingConfig(Declared):
     temperature: float = runtime_key(EXPERIMENT, recipe="generation.sampling.temperature")
     """Sampling temperature (GRPO needs > 0)."""
     top_p: float = runtime_key(EXPERIMENT, recipe="generation.sampling.top_p")
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold (1.0 = off): after the temperature, min-p and top-k, keep the most likely
+    tokens until their probability reaches this mass."""
     top_k: int = runtime_key(EXPERIMENT, recipe="generation.sampling.top_k")
-    """Top-k sampling (-1 = off)."""
+    """Top-k sampling (-1 = off): keep the k most likely tokens after the temperature and min-p; the trainer
+    scores under the same cut (see `top_p`)."""
     min_p: float = runtime_key(EXPERIMENT, recipe="generation.sampling.min_p")
     """Min-p sampling (vLLM `min_p`; 0 = off): after the temperature, drop every token less likely than this
     fraction of the most likely one."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlc.contract.runtime_config import RuntimeConfig, RuntimeConfigError, runtime_config_to_dict
+from rlc.contract.sampling_truncation import Truncation
 from rlc.contract.sequence_packing import padded_row_multiple
 from rlc.runtime import checkpoint as ckpt
 from rlc.runtime import workers as W
@@ -223,7 +224,9 @@ class GrpoRun:
                 batch = dataclasses.replace(
                     batch, ref_logprobs=self.gather_output(self.policy.compute_ref_logprobs(self._put(batch))))
         replay = self.check_router_replay(step) if self.cfg.training.router_replay.enabled else None
-        return Scored(batch, gen_kl_metrics(batch.gen_logprobs, old, batch.mask), replay, self.policy.memory())
+        truncated = Truncation.of(self.cfg.generation.sampling).active  # both sides scored under the engine's cuts
+        return Scored(batch, gen_kl_metrics(batch.gen_logprobs, old, batch.mask, truncated=truncated), replay,
+                      self.policy.memory())
 
     def check_gen_kl(self, step: int, scored: Scored) -> None:
         """``grpo.max_gen_kl``: the engines sampled from other weights than the trainer's; the step's metrics are

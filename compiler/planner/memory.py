@@ -40,8 +40,8 @@ from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, RE
                                         _layout_dict, _megatron_bytes, _missing, _stage_figures, nvls_items,
                                         train_state_items)
 from rlc.compiler.planner.host import host_plan
-from rlc.compiler.planner.passes import (logits_bytes, logits_note, logprob_fix, logprob_microbatch_tokens,
-                                         last_stage_loss, train_microbatch_tokens)
+from rlc.compiler.planner.passes import (last_stage_loss, logits_bytes, logits_copies, logits_note, logprob_fix,
+                                         logprob_microbatch_tokens, train_microbatch_tokens)
 from rlc.compiler.planner.pinned_copy import pinned_copy_bytes, vllm_stage_tensors
 from rlc.compiler.planner.verify_host import verify_check_items
 from rlc.compiler.planner.replay import gpu_item as replay_gpu_item, host_items as replay_host_items, replay_memory
@@ -567,7 +567,8 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Se
     if facts.vocab is None:
         return
     tokens, how = logprob_microbatch_tokens(recipe, tl)
-    logits = logits_bytes(tokens, facts.vocab, tl.tp)
+    copies = logits_copies(recipe, loss=False)
+    logits = logits_bytes(tokens, facts.vocab, tl.tp, copies)
     last = max(f["stage"] for f in figs)
 
     def stage_bytes(f: dict[str, Any]) -> tuple[dict[str, int], int]:
@@ -582,7 +583,7 @@ def _logprob_phase(plan: MemoryPlan, recipe: Recipe, facts: ModelFacts, figs: Se
                                                                              vllm_nvls, limit)
     if worst["stage"] == last:
         items.append(Item("fp32 logits of the logprob pass", gib(logits), "megatron", "params",
-                          logits_note(how, facts.vocab, tl.tp)))
+                          logits_note(how, facts.vocab, tl.tp, copies)))
     title = "reference logprob pass (vLLM asleep)" if "reference" in held else "logprob pass (vLLM asleep)"
     phase = Phase("logprob", title, tuple(items), limit, stage=worst["stage"], note="other activations not modelled")
     plan.phases["logprob"] = phase

@@ -13,20 +13,34 @@ from rlc.compiler.model import ModelFacts
 from rlc.compiler.planner.layout import TrainLayout
 from rlc.compiler.planner.plan import GIB, Fix, Item, gib
 from rlc.compiler.recipe_types import Recipe
+from rlc.contract.sampling_truncation import Truncation
 from rlc.contract.sequence_packing import pad_multiples, round_up
 
 LOGITS_COPIES = 2  # the fp32 logits and the copy the logprob (or the loss's log-softmax) takes
+#: With truncated sampling (min-p, top-k, top-p) the rows each TP rank receives to cut, beside the logits and the
+#: kept distribution it saves (``rlc.runtime.policy.truncated_logprobs``).
+TRUNCATION_COPIES = 1
 FP32_BYTES = 4
 
 
-def logits_bytes(tokens: int, vocab: int, tp: int) -> int:
-    """The fp32 logits of ``tokens`` tokens over the vocabulary (split over TP), with the copy the logprob (or the
-    loss's log-softmax) takes: the largest activation of the logprob and loss passes (bytes, one GPU)."""
-    return LOGITS_COPIES * tokens * vocab * FP32_BYTES // tp
+def logits_copies(recipe: Recipe, *, loss: bool) -> int:
+    """The fp32 copies of the logits a logprob pass (``loss`` False) or the loss (True) holds at its peak: the logits
+    and their log-softmax; with truncated sampling also the rows each TP rank cuts, and in a loss with a KL penalty
+    the untruncated log-softmax of the KL term (the reference policy is compared under the full distribution)."""
+    if not Truncation.of(recipe.generation.sampling).active:
+        return LOGITS_COPIES
+    return LOGITS_COPIES + TRUNCATION_COPIES + (1 if loss and recipe.loss.kl_penalty > 0 else 0)
 
 
-def logits_note(how: str, vocab: int, tp: int) -> str:
-    return f"{LOGITS_COPIES} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
+def logits_bytes(tokens: int, vocab: int, tp: int, copies: int = LOGITS_COPIES) -> int:
+    """The fp32 logits of ``tokens`` tokens over the vocabulary (split over TP), with the copies the logprob (or the
+    loss's log-softmax) takes (:func:`logits_copies`): the largest activation of the logprob and loss passes
+    (bytes, one GPU)."""
+    return copies * tokens * vocab * FP32_BYTES // tp
+
+
+def logits_note(how: str, vocab: int, tp: int, copies: int = LOGITS_COPIES) -> str:
+    return f"{copies} × {how} × {vocab} vocab / TP{tp} × {FP32_BYTES} B"
 
 
 #: The label of the loss's logits in a train phase (both generation backends' plans).
@@ -42,7 +56,9 @@ def loss_logits_bytes(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_bl
         return None
     if tokens is None:
         tokens, _ = train_microbatch_tokens(recipe, tl)
-    return logits_bytes(tokens, facts.vocab, tl.tp) * (1 + _trained_mtp_blocks(recipe, mtp_blocks))
+    mtp = _trained_mtp_blocks(recipe, mtp_blocks)  # an MTP block's loss scores the full distribution
+    return (logits_bytes(tokens, facts.vocab, tl.tp, logits_copies(recipe, loss=True))
+            + mtp * logits_bytes(tokens, facts.vocab, tl.tp))
 
 
 def loss_logits_item(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blocks: int = 0) -> Optional[Item]:
@@ -53,7 +69,8 @@ def loss_logits_item(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, mtp_blo
         return None
     mtp = _trained_mtp_blocks(recipe, mtp_blocks)
     return Item(LOSS_LOGITS_LABEL, gib(loss), "megatron", "params",
-                logits_note(how, facts.vocab, tl.tp) + (f" (+ {mtp} MTP block(s)' own)" if mtp else ""))
+                logits_note(how, facts.vocab, tl.tp, logits_copies(recipe, loss=True))
+                + (f" (+ {mtp} MTP block(s)' own)" if mtp else ""))
 
 
 def last_stage_loss(recipe: Recipe, facts: ModelFacts, tl: TrainLayout,
@@ -251,5 +268,6 @@ def forward_working_set(recipe: Recipe, facts: ModelFacts, tl: TrainLayout, stag
     return int(max(_layer_bytes(facts, tl, k) for k in kinds) * tokens * scale)
 
 
-__all__ = ["FP32_BYTES", "LOGITS_COPIES", "TrainActivations", "forward_working_set", "logits_bytes", "logits_note",
+__all__ = ["FP32_BYTES", "LOGITS_COPIES", "TRUNCATION_COPIES", "logits_copies",
+           "TrainActivations", "forward_working_set", "logits_bytes", "logits_note",
            "logprob_fix", "logprob_microbatch_tokens", "pad", "train_activations", "train_microbatch_tokens"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 from rlc.compiler.rules.engine import Context, rule
+from rlc.contract.sampling_truncation import Truncation
 
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
 
@@ -38,20 +39,29 @@ def multiplier(ctx: Context) -> None:
                   "grpo.dynamic_sampling.batch_multiplier", hint="enable dynamic_sampling or set batch_multiplier: 1")
 
 
-@rule("RLC303", "truncated sampling makes vLLM's logprobs differ from the trainer's", severities=("warning",),
-      rationale="With top_p < 1 or top_k > 0 vLLM samples from a renormalised, truncated distribution and reports "
-                "its logprobs; the trainer scores the same tokens under the full distribution. The importance "
-                "ratios are then biased and the gen-KL guard (grpo.max_gen_kl) can trip on correct weights.",
-      seed="GRPO/PPO practice; rlc's max_gen_kl guard compares the two logprobs after every refit.",
-      fixes="Use top_p: 1.0 and top_k: -1 for rollouts.")
+@rule("RLC303", "truncated sampling: the trainer scores each sampled token under the engine's cuts",
+      severities=("info",),
+      rationale="With min_p > 0, top_k > 0 or top_p < 1 the rollout engine samples from a renormalised, truncated "
+                "distribution and reports the sampled token's logprob under it. rlc's trainer applies the same cuts "
+                "to its own logits (in the same order: min-p, top-k, top-p), so the policy ratio, the importance "
+                "weights and the gen-KL guard compare logprobs of one distribution; the KL penalty compares the "
+                "policy and the reference under the full distribution. A sampled token that the trainer's cut "
+                "leaves out (its logits differ from the engine's in the last bits and the token sat at the edge) "
+                "leaves the policy term and is counted (truncation_miss_fraction, gen_truncation_miss_fraction). "
+                "Each TP rank cuts whole vocabulary rows, and the plan counts the extra copy of the logits.",
+      seed="NeMo-RL logits_sampling_utils.py (apply_top_k_top_p in the training logprobs, -inf tokens masked); "
+           "vLLM v1 Sampler (temperature, min-p, then top-k/top-p; processed_logprobs).",
+      fixes="Nothing to fix; top_p: 1.0, top_k: -1 and min_p: 0 sample and score the full distribution.")
 def truncation(ctx: Context) -> None:
     s = ctx.recipe.generation.sampling
-    if s.top_p < 1.0:
-        ctx.warning(f"top_p {s.top_p} truncates sampling: vLLM and trainer logprobs will disagree",
-                    "generation.sampling.top_p", hint="top_p: 1.0")
-    if s.top_k > 0:
-        ctx.warning(f"top_k {s.top_k} truncates sampling: vLLM and trainer logprobs will disagree",
-                    "generation.sampling.top_k", hint="top_k: -1")
+    cut = Truncation.of(s)
+    if not cut.active:
+        return
+    key = ("generation.sampling.min_p" if cut.min_p > 0 else "generation.sampling.top_k" if cut.top_k > 0
+           else "generation.sampling.top_p")
+    full = " and the KL penalty's reference under the full distribution" if ctx.recipe.loss.kl_penalty > 0 else ""
+    ctx.info(f"sampling truncated ({cut.describe()}): the trainer scores each sampled token under the same cuts"
+             f"{full}", key)
 
 
 @rule("RLC304", "low sampling temperature starves GRPO of signal", severities=("warning",),

@@ -3,7 +3,8 @@
 ``sampling_kwargs`` maps ``generation.sampling`` to ``vllm.SamplingParams`` keyword arguments; the
 sampled token's logprob is always requested (``logprobs=0``) because the trainer compares it with its
 own (gen-KL). ``logprobs_mode`` makes vLLM report logprobs of the distribution it actually samples
-from when a temperature is set (the trainer divides its logits by the same temperature).
+from when a temperature or a cut (min-p, top-k, top-p) is set (the trainer divides its logits by the same
+temperature and applies the same cuts).
 ``parse_request_output`` turns one ``RequestOutput`` into plain data that crosses Ray cheaply.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rlc.contract.runtime_config import SamplingConfig
+from rlc.contract.sampling_truncation import Truncation
 from rlc.runtime.worker_api import Sample
 
 
@@ -39,12 +41,7 @@ def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | Non
 def logprobs_mode(sampling: SamplingConfig) -> str:
     """``raw_logprobs`` at temperature 1 without top-p/top-k/min-p, else ``processed_logprobs`` (the
     distribution vLLM samples from after each of them)."""
-    plain = (
-        float(sampling.temperature) == 1.0
-        and float(sampling.top_p) >= 1.0
-        and not (sampling.top_k and sampling.top_k > 0)
-        and not float(getattr(sampling, "min_p", 0.0)) > 0
-    )
+    plain = float(sampling.temperature) == 1.0 and not Truncation.of(sampling).active
     return "raw_logprobs" if plain else "processed_logprobs"
 
 

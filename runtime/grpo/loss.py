@@ -132,6 +132,8 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     gen_logprobs: torch.Tensor | None = None,
     normalizer: float | None = None,
+    truncated: bool = False,
+    kl_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss (a scalar to ``backward()``) and its metrics (plain floats).
 
@@ -145,6 +147,12 @@ def grpo_loss(
     (in logprobs, old or reference logprobs, or per-token advantages) changes neither the loss nor
     the gradient.
 
+    ``truncated``: the rollouts sampled from a truncated distribution (min-p, top-k, top-p) and ``logprobs`` /
+    ``old_logprobs`` are the trainer's under the same cuts. A sampled token the trainer's cuts leave out (``-inf``
+    in either) leaves the policy term (metric ``truncation_miss_fraction``; it still counts in ``normalizer``, as
+    in NeMo-RL). ``kl_logprobs``: the policy's logprobs under the full distribution for the KL term, whose
+    reference logprobs are the full distribution's (default ``logprobs``).
+
     Metrics: ``loss/policy``, ``loss/kl_ref`` (when penalised), ``clip_fraction`` (tokens whose
     gradient the clip removed) with its ``clip_low_fraction`` / ``clip_high_fraction`` split,
     ``dual_clip_fraction`` (tokens capped by ``loss.clip_ratio_c``), ``approx_kl`` (k3 estimate of
@@ -157,7 +165,10 @@ def grpo_loss(
         # exp(new - old) in bf16 rounds ratios near 1 by ~0.4%: comparable to the clip range
         logprobs = logprobs.float()
     dtype = logprobs.dtype
-    keep = mask > 0
+    valid = mask > 0
+    keep = valid
+    if truncated:
+        keep = valid & torch.isfinite(logprobs.detach()) & torch.isfinite(old_logprobs.detach())
     m = keep.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     new = torch.where(keep, logprobs, zero)
@@ -183,9 +194,11 @@ def grpo_loss(
     if cfg.kl_penalty > 0:
         if ref_logprobs is None:
             raise ValueError("grpo_loss: loss.kl_penalty > 0 needs ref_logprobs (the reference model's logprobs)")
-        ref = torch.where(keep, ref_logprobs.detach().to(dtype), zero)
-        kl = kl_estimate(new, ref, cfg.kl_estimator)
-        kl_loss = _reduce(kl, m, cfg.token_level, normalizer)
+        kl_new = new if kl_logprobs is None else torch.where(valid, kl_logprobs.to(dtype), zero)
+        kl_keep = keep if kl_logprobs is None else valid
+        ref = torch.where(kl_keep, ref_logprobs.detach().to(dtype), zero)
+        kl = kl_estimate(kl_new, ref, cfg.kl_estimator)
+        kl_loss = _reduce(kl, kl_keep.to(dtype), cfg.token_level, normalizer)
         loss = loss + cfg.kl_penalty * kl_loss
         metrics["loss/kl_ref"] = kl_loss.item()
 
@@ -213,6 +226,8 @@ def grpo_loss(
                 "num_tokens": n.item(),
             }
         )
+        if truncated:
+            metrics["truncation_miss_fraction"] = ((valid & ~keep).sum() / valid.sum().clamp(min=1)).item()
     return loss, metrics
 
 
@@ -257,14 +272,26 @@ def _k3_mean(d: torch.Tensor) -> float:
     return (k3.sum() / d.numel()).item()
 
 
-def gen_kl_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """``gen_kl`` plus the mean and max absolute logprob difference on the masked tokens."""
+def gen_kl_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                   truncated: bool = False) -> dict[str, float]:
+    """``gen_kl`` plus the mean and max absolute logprob difference on the masked tokens.
+
+    ``truncated``: the engine sampled under min-p / top-k / top-p cuts and ``train_logprobs`` are the trainer's under
+    the same cuts; a token the trainer's cuts leave out (``-inf``) is left out of the three and counted in
+    ``gen_truncation_miss_fraction`` (the policy loss leaves it out too). Without truncation a ``-inf`` counts, and
+    makes the gen-KL infinite: it means the trainer gives a sampled token no probability at all."""
     d = _generated_difference(gen_logprobs, train_logprobs, mask)
+    out: dict[str, float] = {}
+    if truncated:
+        finite = torch.isfinite(d)
+        out["gen_truncation_miss_fraction"] = (1.0 - finite.double().mean().item()) if d.numel() else 0.0
+        d = d[finite]
     diff = d.abs()
     return {
         "gen_kl": _k3_mean(d) if d.numel() else 0.0,
         "gen_logprob_abs_diff_mean": diff.mean().item() if diff.numel() else 0.0,
         "gen_logprob_abs_diff_max": diff.max().item() if diff.numel() else 0.0,
+        **out,
     }
 
 

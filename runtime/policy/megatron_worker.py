@@ -27,6 +27,7 @@ import torch
 
 from rlc.contract.files import parse_json, read_text_capped
 from rlc.contract.runtime_config import runtime_config_from_dict
+from rlc.contract.sampling_truncation import Truncation
 from rlc.contract.sequence_packing import pad_multiples
 from rlc.runtime.gc_heap import freeze_heap
 from rlc.runtime.policy import batches as B
@@ -42,32 +43,47 @@ if TYPE_CHECKING:
     from rlc.runtime.policy.router_replay import ReplayRouters
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logprob of ``tokens[:, j+1]`` under ``logits[:, j]`` (vocab-parallel over TP): ``[b, L-1]``."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
+def _scored(logits: torch.Tensor, targets: torch.Tensor, truncation: Truncation | None) -> torch.Tensor:
+    """Logprob of each target under fp32 ``logits`` ``[..., V/TP]`` (vocab-parallel over TP), shaped as ``targets``:
+    under the rollout engine's cuts when ``truncation`` applies (``rlc.runtime.policy.truncated_logprobs``)."""
+    if truncation is None or not truncation.active:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
 
+        return -vocab_parallel_cross_entropy(logits.contiguous(), targets.contiguous())
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    from rlc.runtime.policy.truncated_logprobs import truncated_logprobs  # noqa: PLC0415
+
+    flat = truncated_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), truncation,
+                              ps.get_tensor_model_parallel_group())
+    return flat.view(targets.shape)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                   truncation: Truncation | None = None) -> torch.Tensor:
+    """Logprob of ``tokens[:, j+1]`` under ``logits[:, j]`` (vocab-parallel over TP): ``[b, L-1]``; with
+    ``truncation``, under the rollout engine's cuts (``-inf`` where they leave the token out)."""
     lg = logits[:, :-1, :].float()
     if temperature != 1.0:
         lg = lg / temperature
-    return -vocab_parallel_cross_entropy(lg.contiguous(), tokens[:, 1:].contiguous())
+    return _scored(lg, tokens[:, 1:], truncation)
 
 
-def packed_token_logprobs(logits: torch.Tensor, mb: dict, temperature: float, cp_group: Any = None) -> torch.Tensor:
+def packed_token_logprobs(logits: torch.Tensor, mb: dict, temperature: float, cp_group: Any = None,
+                          truncation: Truncation | None = None) -> torch.Tensor:
     """Logprobs of a packed micro batch (``rlc.runtime.policy.packing``) in the rollout layout ``[k, L-1]``.
 
     ``logits`` ``[1, T/CP, V/TP]`` are this rank's share of the packed row; each position is scored
     against its label (the next token of the same sequence), the CP ranks' scores are gathered into
     packed order, and :func:`~rlc.runtime.policy.packing.unpack` puts them back per row.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
-
     from rlc.runtime.policy.packing import gather_context_parallel, unpack  # noqa: PLC0415
 
     lg = logits.float()
     if temperature != 1.0:
         lg = lg / temperature
     dev = lg.device
-    lp = -vocab_parallel_cross_entropy(lg.contiguous(), mb["labels"].to(dev).contiguous())[0]
+    lp = _scored(lg, mb["labels"].to(dev), truncation)[0]
     if "cp_restore" in mb:
         lp = gather_context_parallel(lp, cp_group)[mb["cp_restore"].to(dev)]
     return unpack(lp, mb["unpack_index"].to(dev), mb["unpack_valid"].to(dev))
@@ -291,8 +307,9 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         return [{**mb, "seq_length": b.total} for mb, b in zip(mbs, bins)]
 
     @torch.no_grad()
-    def _logprobs(self, model: list, batch: dict) -> torch.Tensor | None:
-        """Trainer logprobs ``[n_local, L-1]`` of this DP shard (on output ranks; None elsewhere)."""
+    def _logprobs(self, model: list, batch: dict, truncation: Truncation | None) -> torch.Tensor | None:
+        """Trainer logprobs ``[n_local, L-1]`` of this DP shard (on output ranks; None elsewhere), under the rollout
+        engine's cuts with ``truncation``."""
         temperature = self.cfg.generation.sampling.temperature
         if self._packing():
             from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -304,13 +321,14 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
 
             def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
                 n = mb["num_real"]
-                return mb["rows"][:n], packed_token_logprobs(output_tensor, mb, temperature, cp_group)[:n].float().cpu()
+                lp = packed_token_logprobs(output_tensor, mb, temperature, cp_group, truncation)
+                return mb["rows"][:n], lp[:n].float().cpu()
         else:
             shard = B.dp_shard(batch, self.coords["dp_rank"], self.coords["dp_size"])
             mbs = B.microbatches(shard, self.cfg.training.logprob_batch_size)
 
             def lp_fn(mb, tokens, output_tensor, non_loss_data=True):
-                return token_logprobs(output_tensor, tokens, temperature)[: mb["num_real"]].float().cpu()
+                return token_logprobs(output_tensor, tokens, temperature, truncation)[: mb["num_real"]].float().cpu()
 
         for m in model:
             m.eval()
@@ -334,17 +352,19 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         return result
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs)."""
+        """Logprobs of the current policy on the batch's tokens (the GRPO "old" logprobs), under the distribution
+        the rollout engine sampled from (its min-p, top-k and top-p cuts)."""
         self._params_back()
-        return self._logprobs(self.pm.model, batch.tensors())
+        return self._logprobs(self.pm.model, batch.tensors(), Truncation.of(self.cfg.generation.sampling))
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """Logprobs of the frozen reference policy (the KL penalty's); with ``training.offload_reference_policy``
+        """Logprobs of the frozen reference policy (the KL penalty's) under the full distribution, as the KL term
+        compares them (with truncated sampling too); with ``training.offload_reference_policy``
         its weights come from host memory for this pass and leave the GPU after it."""
         if self.pm.ref_model is None:
             raise RuntimeError("compute_ref_logprobs: loss.kl_penalty is 0, there is no reference model")
         with self._reference_on_gpu():
-            return self._logprobs(self.pm.ref_model, batch.tensors())
+            return self._logprobs(self.pm.ref_model, batch.tensors(), None)
 
     @contextmanager
     def _reference_on_gpu(self) -> Iterator[None]:
@@ -447,6 +467,9 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         shard = B.dp_shard(rows, dp_rank, dp)
         slices = B.optimizer_step_slices(n, cfg.training.global_batch_size, dp)
         temperature = cfg.generation.sampling.temperature
+        truncation = Truncation.of(cfg.generation.sampling)
+        # the KL term compares the reference's full distribution with the policy's full distribution
+        full_for_kl = truncation.active and cfg.loss.kl_penalty > 0
         packing = self._packing()
         cp_group = ps.get_context_parallel_group() if cfg.train_parallel.cp > 1 else None
         loss_sums: dict[str, float] = {}
@@ -472,16 +495,19 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
             scale = len(mbs) * dp
 
             def loss_fn(mb, tokens, output_tensor):
-                if "cu_seqlens" in mb:
-                    lp = packed_token_logprobs(output_tensor, mb, temperature, cp_group)
-                else:
-                    lp = token_logprobs(output_tensor, tokens, temperature)
+                def scored(cut: Truncation | None) -> torch.Tensor:
+                    if "cu_seqlens" in mb:
+                        return packed_token_logprobs(output_tensor, mb, temperature, cp_group, cut)
+                    return token_logprobs(output_tensor, tokens, temperature, cut)
+
+                lp = scored(truncation)
                 dev = lp.device
                 ref = mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None
                 loss, metrics = grpo_loss(
                     lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), cfg.loss,
                     ref_logprobs=ref, normalizer=normalizer,  # noqa: B023
                     gen_logprobs=mb["gen_logprobs"].to(dev) if cfg.loss.importance_sampling_correction else None,
+                    truncated=truncation.active, kl_logprobs=scored(None) if full_for_kl else None,
                 )
                 return loss * scale, metrics  # noqa: B023
 

@@ -378,14 +378,14 @@ def test_lint_reports_a_parents_finding_once_not_once_per_child(tmp_path):
     config = REPO / "rlc" / "recipes" / "models" / "tiny-qwen3" / "config.json"
     (tmp_path / "parent.yaml").write_text(
         f"version: 1\nextends: {base}\nmodel: {{config: {config}}}\n"
-        "generation: {sampling: {top_p: 0.9}}\n")  # a warning (RLC303) placed in the parent
+        "generation: {sampling: {temperature: 0.2}}\n")  # a warning (RLC304) placed in the parent
     for name in ("a", "b", "c"):
         (tmp_path / f"{name}.yaml").write_text(f"version: 1\nextends: parent.yaml\nname: run-{name}\n")
     r = run_rlc("lint", str(tmp_path))
     assert r.code == 0, r.both
-    assert r.out.count("generation.sampling.top_p: warning: top_p 0.9") == 1, r.out
+    assert r.out.count("generation.sampling.temperature: warning: temperature 0.2") == 1, r.out
     # ... and that one line names every recipe that met it (it is in the parent's file)
-    line = next(x for x in r.out.splitlines() if "top_p 0.9" in x)
+    line = next(x for x in r.out.splitlines() if "temperature 0.2" in x)
     assert line.startswith(f"{tmp_path / 'parent.yaml'}:4:") and all(
         str(tmp_path / f"{n}.yaml") in line for n in "abc"), line
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait bench_timeline refit_scale refit_fast grpo grpo_awake grpo_direct grpo_zero_copy grpo_overlap grpo_resident grpo_kv_asleep kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait bench_timeline refit_scale refit_fast grpo grpo_awake grpo_direct grpo_truncated grpo_zero_copy grpo_overlap grpo_resident grpo_kv_asleep kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -128,6 +128,10 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
       run_stage grpo_direct 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grpo-direct \
         --out "$OUT/grpo_direct" --steps "${GRPO_STEPS:-100}" --timeout "${GRPO_TIMEOUT:-380}" \
         --set refit.direct_export=true --set refit.replay_load=true --set refit.verify_every=25 ;;
+    grpo_truncated)  # the tiny run sampling with min-p, top-k and top-p: the trainer scores under the same cuts
+      run_stage grpo_truncated 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grpo-truncated \
+        --out "$OUT/grpo_truncated" --steps "${GRPO_STEPS:-100}" --timeout "${GRPO_TIMEOUT:-380}" \
+        --set generation.sampling.min_p=0.01 --set generation.sampling.top_k=10 --set generation.sampling.top_p=0.9 ;;
     grpo_zero_copy)  # the same with refit.zero_copy_views (vLLM reads the trainer's views in place)
       run_stage grpo_zero_copy 570 python3 "$REPO"/tests/gpu/test_grpo_learning.py --root /tmp/rlc-grpo-zero-copy \
         --out "$OUT/grpo_zero_copy" --steps "${GRPO_STEPS:-100}" --timeout "${GRPO_TIMEOUT:-380}" \

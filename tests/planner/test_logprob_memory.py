@@ -132,3 +132,21 @@ def test_with_sequence_packing_the_logprob_budget_bounds_the_logits_and_is_the_f
     assert fixed.plan.checks["logprob_fit"].ok and "RLC222" not in {d.rule for d in fixed.diagnostics}
     assert _check("training.sequence_packing.enabled=true", f"{key}={fix.value + 4096}").plan.checks[
         "logprob_fit"].ok is False
+
+
+def test_truncated_sampling_adds_a_copy_of_the_logits_and_the_kl_term_another():
+    """With min-p / top-k / top-p each TP rank receives whole vocabulary rows to cut beside the logits and the kept
+    distribution (one more copy in both passes); a KL penalty's term scores the full distribution too (one more in the
+    loss only)."""
+    from rlc.compiler.planner.passes import LOSS_LOGITS_LABEL
+
+    base = _check().plan
+    cut = _check("generation.sampling.top_p=0.9").plan
+    assert _item(cut.phases["logprob"], LOGITS) == pytest.approx(1.5 * _item(base.phases["logprob"], LOGITS))
+    assert "3 × " in next(i.note for i in cut.phases["logprob"].items if i.label == LOGITS)
+    loss = _item(base.phases["train"], LOSS_LOGITS_LABEL)
+    assert _item(cut.phases["train"], LOSS_LOGITS_LABEL) == pytest.approx(1.5 * loss)
+    with_kl = _check("generation.sampling.min_p=0.05", "loss.kl_penalty=0.01").plan
+    assert _item(with_kl.phases["train"], LOSS_LOGITS_LABEL) == pytest.approx(2 * loss)
+    assert _item(_check("generation.sampling.top_k=-1", "generation.sampling.top_p=1.0").plan.phases["logprob"],
+                 LOGITS) == pytest.approx(_item(base.phases["logprob"], LOGITS))

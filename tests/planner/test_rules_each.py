@@ -78,13 +78,21 @@ def test_batch_hint_offers_distinct_multiples(base_recipe, qwen397, gbs, micro, 
 
 @pytest.mark.parametrize("changes,rule_id", [
     (dict(training__optimizer_cpu_offload=True), "RLC205"),
-    (dict(generation__sampling__top_p=0.9), "RLC303"),
     (dict(generation__sampling__temperature=0.2), "RLC304"),
     (dict(refit__transport="shm"), "RLC207"),
     (dict(training__max_sequence_length=4096), "RLC305"),
 ])
 def test_warning_rules(base_recipe, qwen397, changes, rule_id):
     assert fired(run(with_changes(base_recipe, **changes), qwen397), rule_id, "warning")
+
+
+def test_truncated_sampling_is_told_not_warned(base_recipe, qwen397):
+    """The trainer scores the sampled tokens under the engine's cuts: an info naming them, no warning."""
+    result = run(with_changes(base_recipe, generation__sampling__top_p=0.9, generation__sampling__top_k=50), qwen397)
+    (info,) = fired(result, "RLC303")
+    assert info.severity == "info" and info.path == "generation.sampling.top_k"
+    assert "top_k 50, top_p 0.9" in info.message and "same cuts" in info.message
+    assert not fired(run(base_recipe, qwen397), "RLC303")
 
 
 def test_cpu_offload_warning_quotes_the_planned_extra(base_recipe, qwen397):

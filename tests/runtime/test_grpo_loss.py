@@ -306,3 +306,49 @@ def test_importance_sampling_correction_needs_the_engine_logprobs() -> None:
     lp = torch.zeros(1, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="gen_logprobs"):
         grpo_loss(lp, lp, torch.ones(1, dtype=torch.float64), torch.ones(1, 2), cfg(is_correction=True))
+
+
+def test_truncated_tokens_the_trainer_cut_leaves_out_leave_the_policy_term() -> None:
+    """Under min-p / top-k / top-p a sampled token the trainer's cut leaves out is -inf in its logprobs: without
+    ``truncated`` such a token enters with a ratio clamped at ``max_log_ratio``; with it the token leaves the policy
+    term (no gradient, counted) and the other tokens' loss and gradient are those of the batch without it, under
+    the same normaliser."""
+    new = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.9, 0.3, 0.2]], dtype=torch.float64))
+    old = new.detach().clone() + 0.05
+    old[0, 1] = float("-inf")  # outside the cut when the old logprobs were taken
+    new_cut = new.clone()
+    new_cut[1, 2] = float("-inf")  # outside it now
+    adv, mask = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
+    broken, _ = grpo_loss(new_cut, old, adv, mask, cfg(), normalizer=6.0)
+    loss, metrics, grad = _grad(new_cut, old, adv, mask, cfg(), truncated=True, normalizer=6.0)
+    kept = mask.clone()
+    kept[0, 1] = kept[1, 2] = 0
+    want, _, want_grad = _grad(new, torch.where(kept > 0, old, new), adv, kept, cfg(), normalizer=6.0)
+    assert loss.item() == pytest.approx(want.item()) and broken.item() != pytest.approx(want.item())
+    assert torch.equal(grad, want_grad) and grad[0, 1] == 0 and grad[1, 2] == 0
+    assert metrics["truncation_miss_fraction"] == pytest.approx(2 / 6) and metrics["num_tokens"] == 4
+
+
+def test_the_kl_term_compares_full_distributions_under_truncation() -> None:
+    """``kl_logprobs`` (the policy under the full distribution) meet the reference's full-distribution logprobs at
+    every valid token, a token outside the cut included; the policy term keeps the truncated logprobs."""
+    full = torch.log(torch.tensor([[0.5, 0.25, 0.1]], dtype=torch.float64)).requires_grad_(True)
+    cut = torch.log(torch.tensor([[0.6, 0.4, 0.0]], dtype=torch.float64))  # the 0.1 token is outside the cut
+    ref = full.detach() - 0.1
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    loss, metrics = grpo_loss(cut, cut, adv, mask, cfg(kl=0.5, est="k1"), ref_logprobs=ref, truncated=True,
+                              kl_logprobs=full)
+    assert metrics["loss/kl_ref"] == pytest.approx(0.1)  # k1 = logprobs - ref at all three tokens
+    loss.backward()
+    assert full.grad is not None and torch.allclose(full.grad, torch.full((1, 3), 0.5 / 3, dtype=torch.float64))
+
+
+def test_gen_kl_leaves_out_tokens_outside_the_trainers_cut_only_when_truncated() -> None:
+    gen = torch.log(torch.tensor([[0.5, 0.25, 0.2]], dtype=torch.float64))
+    train = gen.clone()
+    train[0, 2] = float("-inf")
+    mask = torch.ones(1, 3)
+    assert gen_kl_metrics(gen, train, mask)["gen_kl"] == float("inf")
+    cut = gen_kl_metrics(gen, train, mask, truncated=True)
+    assert cut["gen_kl"] == 0.0 and cut["gen_logprob_abs_diff_max"] == 0.0
+    assert cut["gen_truncation_miss_fraction"] == pytest.approx(1 / 3)

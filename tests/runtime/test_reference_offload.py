@@ -181,7 +181,7 @@ def test_a_failing_pass_still_frees_the_reference():
     worker._pm = PolicyModel(bridge=None, provider=None, model=[], optimizer=None, ddp_config=None,
                              ref_model=[ref], ref_host=host)
 
-    def broken(model, batch):
+    def broken(model, batch, truncation):
         assert host.device_bytes == host.nbytes
         raise RuntimeError("CUDA out of memory")
 
