@@ -54,6 +54,11 @@ RECIPES = {
         REWARD_SHAPING | {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
     "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": REWARD_SHAPING,
     "grpo-nanov3-30BA3B-4n4g-megatron_colocated_reshard.yaml": set(),
+    "grpo-nemotron3-super-120BA12B-16n8g-megatron.yaml": set(),
+    "grpo-nemotron3-super-120BA12B-8n4g-megatron.yaml": set(),
+    # rlc applies no chat template (data.prompt_template), so the template's switches have nothing to reach
+    "grpo-nemotron3-super-120BA12B-16n4g-megatron-qa-bf16-300step.yaml":
+        {"policy.tokenizer.chat_template_kwargs.enable_thinking"},
 }
 
 
@@ -197,3 +202,55 @@ def test_the_colocated_reshard_recipe_validates_with_its_own_inference_router(tm
                                         "policy.generation.mcore_generation_config.expert_model_parallel_size=8"])
     assert "generation.megatron.router_dtype" not in mapped(shared)
     assert "policy.generation.mcore_generation_config.moe_router_dtype" in shared.mapping.implied
+
+
+SUPER = LLM / "grpo-nemotron3-super-120BA12B-16n8g-megatron.yaml"
+SUPER_QA = LLM / "grpo-nemotron3-super-120BA12B-16n4g-megatron-qa-bf16-300step.yaml"
+
+
+def test_nemotron3_super_megatron_options_and_prefix_caching_are_carried():
+    """Megatron model options NeMo-RL sets on the provider (the expert-bias router, the repeated MTP layer, detached
+    MTP heads) pass through unchanged, and vllm_cfg.enable_prefix_caching reaches vllm.LLM: they used to stop the
+    import as losses."""
+    got = mapped(import_nemo_rl(str(SUPER)))
+    kwargs = {k.split(".", 2)[2]: v for k, v in got.items() if k.startswith("training.megatron_kwargs.")}
+    assert kwargs["moe_router_enable_expert_bias"] is True and kwargs["moe_router_bias_update_rate"] == 0.001
+    assert kwargs["mtp_use_repeated_layer"] is True and kwargs["mtp_detach_heads"] is True
+    assert got["generation.vllm_kwargs"]["enable_prefix_caching"] is False
+    assert got["generation.vllm_kwargs"]["mamba_cache_mode"] == "align"
+    caching_on = mapped(import_nemo_rl(str(BASE), ["++policy.generation.vllm_cfg.enable_prefix_caching=null"]))
+    assert "enable_prefix_caching" not in caching_on.get("generation.vllm_kwargs", {})
+
+
+def test_nemo_rls_refit_buffers_and_vllm_executor_in_its_vllm_workers_change_nothing():
+    imported = import_nemo_rl(str(LLM / "grpo-nemotron3-super-120BA12B-8n4g-megatron.yaml"))
+    listed = {u.key: u for u in imported.unmapped}
+    for name in ("NRL_REFIT_BUFFER_MEMORY_RATIO", "NRL_REFIT_NUM_BUFFERS"):
+        u = listed[f"policy.generation.vllm_cfg.env_vars.{name}"]
+        assert u.effect == "none" and "refit buffers" in u.reason
+    qa = {u.key: u for u in import_nemo_rl(str(SUPER_QA), accept_loss=True).unmapped}
+    assert qa["policy.generation.vllm_cfg.env_vars.VLLM_USE_RAY_V2_EXECUTOR_BACKEND"].effect == "none"
+    assert qa["policy.generation.real_quant"].effect == "none"  # no quantisation config
+
+
+def test_the_qa_run_keeps_top_p_tis_and_its_constant_weight_decay():
+    imported = import_nemo_rl(str(SUPER_QA), accept_loss=True)
+    got = mapped(imported)
+    assert got["generation.sampling.top_p"] == 0.95
+    assert got["loss.importance_sampling_correction"] is True and got["loss.importance_sampling_cap"] == 2.0
+    assert got["training.optimizer.weight_decay"] == 0.1
+    implied = imported.mapping.implied
+    assert "importance_sampling_cap" in implied["loss_fn.truncated_importance_sampling_type"]
+    for end in ("start", "end"):
+        assert "constant weight decay" in implied[f"policy.megatron_cfg.scheduler.{end}_weight_decay"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (("loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio_min=0.5"),
+     "loss_fn.truncated_importance_sampling_type"),
+    (("loss_fn.truncated_importance_sampling_ratio_min=0.5",), "loss_fn.truncated_importance_sampling_type"),
+    (("policy.megatron_cfg.scheduler.weight_decay_incr_style=linear",
+      "policy.megatron_cfg.scheduler.start_weight_decay=0.0"), "policy.megatron_cfg.scheduler.start_weight_decay"),
+])
+def test_importance_sampling_and_weight_decay_schedules_rlc_cannot_run_stop_the_import(overrides, key):
+    assert key in dropped(SUPER_QA, overrides)

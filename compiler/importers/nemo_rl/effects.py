@@ -61,6 +61,10 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("policy.generation.refit_transport", "NeMo-RL's refit transport (rlc refits over CUDA IPC)"),
     ("policy.generation.refit_cfg.", "NeMo-RL's refit transport"),
     ("policy.generation.real_quant_export_cpu_offload", "NeMo-RL's refit staging"),
+    ("policy.generation.vllm_cfg.env_vars.NRL_REFIT_", "NeMo-RL's refit buffers in its vLLM workers (rlc sizes its "
+     "own: refit.buffer_memory_ratio, refit.buffer_gb)"),
+    ("policy.generation.vllm_cfg.env_vars.VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "the Ray executor NeMo-RL runs vLLM's "
+     "workers with (rlc runs one vLLM engine per GPU in its own actor)"),
     (MCORE_PREFIX, "megatron-core inference's settings, read only with policy.generation.backend: megatron"),
     ("policy.generation_batch_size", "the HF generation backend"),
     ("policy.megatron_cfg.checkpoint.", "checkpoint writing"),
@@ -106,6 +110,8 @@ MOOT: tuple[tuple[str, str, Any, str], ...] = (
      "a constant schedule does not decay"),
     ("policy.megatron_cfg.scheduler.lr_warmup_init", "policy.megatron_cfg.scheduler.lr_warmup_iters", 0,
      "no warm-up"),
+    ("policy.generation.real_quant", "policy.generation.quant_cfg", None, "no quantisation config: the rollouts are "
+     "not quantised"),
 )
 
 

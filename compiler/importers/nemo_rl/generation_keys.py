@@ -69,6 +69,12 @@ def vllm_kwargs(m: _Mapper) -> None:
             node = node.setdefault(part, {})
         node[path[-1]] = value
         sources.append(key)
+    caching = "policy.generation.vllm_cfg.enable_prefix_caching"  # NeMo-RL hands it to vllm.LLM (null: on)
+    if caching in m.leaves:
+        m.consume(caching, why="null: vLLM's default (prefix caching on)")
+        if m.leaves[caching] is not None and "enable_prefix_caching" not in block:
+            block["enable_prefix_caching"] = m.leaves[caching]
+            sources.append(caching)
     if block:
         m.put("generation.vllm_kwargs", block, tuple(sources), "handed to vllm.LLM unchanged")
     if speculative:

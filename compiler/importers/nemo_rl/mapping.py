@@ -170,7 +170,8 @@ DTENSOR: tuple[Rule, ...] = (
 # unchanged (training.megatron_kwargs).
 MEGATRON_PASS_THROUGH = ("apply_rope_fusion", "bias_activation_fusion", "moe_permute_fusion", "defer_fp32_logits",
                          "moe_shared_expert_overlap", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
-                         "moe_aux_loss_coeff", "moe_grouped_gemm")
+                         "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_router_enable_expert_bias",
+                         "mtp_use_repeated_layer", "mtp_detach_heads")
 
 # NeMo-RL env vars with an rlc key of their own (NeMo-RL reads them in its refit code).
 ENV_KEYS = {"NRL_REFIT_BUFFER_MEMORY_RATIO": ("refit.buffer_memory_ratio", number)}
@@ -275,10 +276,11 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
         vllm_kwargs(m)
     _batch_multiplier(m)
     _lengths(m)
-    _truncated_sampling(m)
     if mcore:
         mcore_generation(m, megatron)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
+    _weight_decay_schedule(m)
+    _truncated_importance_sampling_type(m)
     _reward(m)
     _prompt_files(m)
     _data(m)
@@ -441,6 +443,30 @@ def _lengths(m: _Mapper) -> None:
     m.put("generation.sampling.max_tokens", new, (k_new,) if k_new in m.leaves else src_len, note_tokens)
 
 
+def _truncated_importance_sampling_type(m: _Mapper) -> None:
+    """``loss_fn.truncated_importance_sampling_type: tis`` without a lower bound clamps each importance weight to
+    ``[0, truncated_importance_sampling_ratio]``: rlc's ``loss.importance_sampling_cap`` (``min(weight, cap)``).
+    ``icepop`` and ``seq-mask-tis`` (tokens or sequences dropped outside the bounds) and a lower bound stay
+    unmapped."""
+    key = "loss_fn.truncated_importance_sampling_type"
+    if m.leaves.get(key) == "tis" and not m.cfg.get("loss_fn.truncated_importance_sampling_ratio_min"):
+        m.consume(key, why="clamps the importance weights at truncated_importance_sampling_ratio, as "
+                           "loss.importance_sampling_cap does")
+
+
+def _weight_decay_schedule(m: _Mapper) -> None:
+    """Megatron's scheduler with ``weight_decay_incr_style: constant`` applies ``end_weight_decay`` (it asserts the
+    start equals it): where both equal ``optimizer.weight_decay`` (mapped to ``training.optimizer.weight_decay``),
+    writing them out changes nothing. Other schedules stay unmapped (rlc's weight decay is constant)."""
+    sched, wd = f"{M}.scheduler", m.cfg.get(f"{M}.optimizer.weight_decay")
+    if m.cfg.get(f"{sched}.weight_decay_incr_style", "constant") != "constant" or wd is None:
+        return
+    keys = [k for k in (f"{sched}.start_weight_decay", f"{sched}.end_weight_decay") if k in m.leaves]
+    if keys and all(m.leaves[k] == wd for k in keys):
+        m.consume(*keys, f"{sched}.weight_decay_incr_style",
+                  why=f"a constant weight decay equal to {M}.optimizer.weight_decay ({wd:g})")
+
+
 def _env_vars(m: _Mapper, prefix: str) -> None:
     env = m.cfg.get(prefix)
     if not isinstance(env, dict):
@@ -519,22 +545,6 @@ def _non_colocated(m: _Mapper) -> None:
                        "false); rlc generates on the trainer's GPUs only, so the recipe keeps colocated: false and "
                        f"rlc validate refuses it (RLC207): {sets} plans the trainer's share with generation "
                        "colocated")
-
-
-def _truncated_sampling(m: _Mapper) -> None:
-    """With top-p or top-k NeMo-RL's trainer scores each token under the same truncated distribution vLLM sampled
-    it from (``nemo_rl/algorithms/logits_sampling_utils.py``); rlc's trainer scores it under the full one (RLC303
-    warns about it): a note, so the difference in the importance ratios is said where the config is imported."""
-    top_p, top_k_value = m.cfg.get("policy.generation.top_p"), m.cfg.get("policy.generation.top_k")
-    truncated = []
-    if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p < 1:
-        truncated.append(f"top_p {top_p:g}")
-    if isinstance(top_k_value, int) and not isinstance(top_k_value, bool) and top_k_value > 0:
-        truncated.append(f"top_k {top_k_value}")
-    if truncated:
-        m.out.notes.append(f"NeMo-RL samples with {' and '.join(truncated)} and its trainer scores each token under "
-                           "the same truncated distribution; rlc samples alike but its trainer scores the tokens "
-                           "under the full distribution, so the importance ratios differ (RLC303)")
 
 
 def _checkpoints_kept(m: _Mapper) -> None:
