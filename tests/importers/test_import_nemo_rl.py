@@ -500,13 +500,15 @@ def test_nemo_rl_fp8_rollouts_map_to_block_scales_and_its_vllm_patches_are_liste
         "++policy.generation.vllm_cfg.num_first_layers_in_bf16=0",
         "++policy.generation.vllm_cfg.quantization_ignored_layer_kws=[a_proj,b_proj]",
         "++policy.megatron_cfg.fp8_cfg={enabled: true, fp8: e4m3, fp8_recipe: blockwise, fp8_param: false}",
-    ], accept_loss=True)  # use_deep_gemm and the ignored layers have no rlc equivalent
+    ], accept_loss=True)  # the ignored layers have no rlc equivalent
     got = mapped(imported)
     assert (got["generation.precision"], got["generation.fp8.scales"], got["generation.fp8.pow2_scales"]) == \
         ("fp8", "block", True)
     assert (got["training.fp8.enabled"], got["training.fp8.recipe"]) == (True, "blockwise")
     unmapped = {u.key: u.reason for u in imported.mapping.unmapped}
-    assert "DeepGEMM" in unmapped["policy.generation.vllm_cfg.use_deep_gemm"]
+    # use_deep_gemm is the environment NeMo-RL sets in vLLM's workers (it used to be listed as a loss)
+    assert (got["cluster.env.VLLM_USE_DEEP_GEMM"], got["cluster.env.VLLM_USE_DEEP_GEMM_E8M0"]) == ("1", "0")
+    assert "policy.generation.vllm_cfg.use_deep_gemm" not in unmapped
     assert "routers" in unmapped["policy.generation.vllm_cfg.quantization_ignored_layer_kws"]
     assert "policy.generation.vllm_cfg.num_first_layers_in_bf16" in imported.mapping.implied
     plain = import_nemo_rl(str(CHILD), ["++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true"])

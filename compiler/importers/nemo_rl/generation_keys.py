@@ -137,9 +137,12 @@ _FP8_DEFAULTS = {"use_deep_gemm": False, "num_first_layers_in_bf16": 0, "num_las
                  "pow2_activation_scaling_factors": False, "quantization_ignored_layer_kws": []}
 
 
+#: What NeMo-RL's ``use_deep_gemm`` sets in its vLLM workers' environment (``nemo_rl/models/generation/vllm/
+#: quantization/fp8.py``): DeepGEMM's block-FP8 GEMMs, scales not rounded to powers of two.
+_DEEP_GEMM_ENV = {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+
 _FP8_UNMAPPED = {
-    "use_deep_gemm": "vLLM picks its block-FP8 GEMM kernels itself (DeepGEMM when installed); set VLLM_USE_DEEP_GEMM "
-                     "in cluster.env to force it",
+    "use_deep_gemm": "not a boolean (true sets VLLM_USE_DEEP_GEMM in cluster.env)",
     "num_first_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
     "num_last_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
     "pow2_activation_scaling_factors": "a NeMo-RL patch of vLLM's activation quantization; rlc runs vLLM's own",
@@ -167,6 +170,11 @@ def vllm_fp8(m: _Mapper) -> None:
         value = m.leaves[source]
         if value is None or value == default or (isinstance(default, list) and not value):
             m.consume(source, why=f"{value!r}: the FP8 engine's default")
+        elif key == "use_deep_gemm" and value is True:
+            m.consumed.add(source)
+            for name, setting in _DEEP_GEMM_ENV.items():
+                m.put(f"cluster.env.{name}", setting, (source,), "NeMo-RL sets it in vLLM's workers for DeepGEMM; "
+                      "rlc for every task")
         else:
             m.consumed.add(source)
             m.out.unmapped.append(Unmapped(source, value, _FP8_UNMAPPED[key]))
