@@ -602,6 +602,17 @@ class LossConfig(Declared):
     kl_estimator: Literal["k1", "k2", "k3"] = runtime_key(EXPERIMENT, recipe="loss.kl_estimator")
     """Estimator of KL(policy ‖ reference) for the penalty (Schulman's k1 = log-ratio, k2 = squared log-ratio
     / 2, k3 = unbiased low-variance, non-negative)."""
+    kl_weighting: Literal["none", "sampling", "on_policy"] = runtime_key(EXPERIMENT, recipe="loss.kl_weighting")
+    """How each token's KL estimate is weighted before it is averaged. `none`: as it is (the estimator's own
+    gradient; verl's KL loss). `sampling`: by exp(logπ − sg(logπ)), of value 1, so the gradient also has the
+    score-function term KL·∇logπ of drawing the tokens from the policy being trained (NeMo-RL since its PR
+    #2506; arXiv 2506.09477). `on_policy`: by exp(logπ − log π_engine), the importance weight from the rollout
+    engine's distribution that sampled the tokens to the trainer's, with the same score-function term (NeMo-RL
+    `use_on_policy_kl_approximation`)."""
+    kl_clamp: float | None = runtime_key(EXPERIMENT, recipe="loss.kl_clamp")
+    """Bound on each token's weighted KL term, ±`kl_clamp` (NeMo-RL `kl_output_clamp_value`, 10 by default): a
+    token the reference finds far less likely than the policy cannot dominate the penalty, and a clamped token
+    has no KL gradient. null: no bound."""
     token_level: bool = runtime_key(EXPERIMENT, recipe="loss.token_level")
     """Average the loss over all tokens of the batch (true) or per sequence first (false)."""
     clip_ratio_c: float | None = runtime_key(EXPERIMENT, recipe="loss.clip_ratio_c")

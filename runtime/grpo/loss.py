@@ -17,7 +17,10 @@ loss of a token with a negative advantage whose ratio ran far above 1.
 
 KL penalty (``loss.kl_penalty > 0``), per token, towards the reference policy, with
 ``d = ref_logprobs - logprobs``: k1 = ``-d``, k2 = ``d**2 / 2``, k3 = ``exp(d) - d - 1`` (Schulman's
-estimators of KL(pi || ref) from samples of pi; k3 is unbiased and non-negative).
+estimators of KL(pi || ref) from samples of pi; k3 is unbiased and non-negative), weighted by
+``loss.kl_weighting`` (``sampling``: ``exp(logprobs - sg(logprobs))``, value 1, whose gradient adds the
+score-function term ``k · ∇logprobs``; ``on_policy``: ``exp(logprobs - gen_logprobs)``) and bounded by
+``loss.kl_clamp``.
 
 Reduction: ``loss.token_level`` averages over every token of the batch (sum / token count);
 otherwise each sequence is averaged over its tokens first, then sequences are averaged. Under
@@ -29,6 +32,7 @@ global-batch mean instead of a mean of means.
 from __future__ import annotations
 
 import torch
+from rlc.contract.kl_term import KL_LOG_RATIO_BOUND
 from rlc.contract.runtime_config import LossConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -43,7 +47,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         return 0.5 * d * d
     if estimator == "k3":
         # clamp the exponent: a huge d only makes the penalty infinite, not more informative
-        return torch.exp(d.clamp(max=20.0)) - d - 1.0
+        return torch.exp(d.clamp(max=KL_LOG_RATIO_BOUND)) - d - 1.0
     raise ValueError(f"loss.kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
@@ -122,6 +126,26 @@ def policy_loss_per_token(
     return per_token, clip_active, dual_active
 
 
+def _kl_weight(logprobs: torch.Tensor, ref: torch.Tensor, gen_logprobs: torch.Tensor | None, keep: torch.Tensor,
+               cfg: LossConfig) -> torch.Tensor:
+    """The per-token weight of the KL estimate (``loss.kl_weighting``): ``exp(logπ − sg(logπ))`` (``sampling``) or
+    ``exp(logπ − log π_engine)`` (``on_policy``), both differentiable in ``logprobs`` so the KL's gradient gets the
+    score-function term of sampling from the policy; detached where |log(ref / policy)| exceeds
+    :data:`~rlc.contract.kl_term.KL_LOG_RATIO_BOUND`, and 0 where it is not finite (as NeMo-RL's ``calculate_kl``)."""
+    if cfg.kl_weighting == "on_policy":
+        if gen_logprobs is None:
+            raise ValueError("grpo_loss: loss.kl_weighting on_policy needs gen_logprobs (the rollout engine's "
+                             "logprobs of the sampled tokens)")
+        gen = torch.where(keep, gen_logprobs.detach().to(logprobs.dtype), torch.zeros_like(logprobs))
+        weight = torch.exp((logprobs - gen).clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+    elif cfg.kl_weighting == "sampling":
+        weight = torch.exp(logprobs - logprobs.detach())
+    else:
+        raise ValueError(f"loss.kl_weighting: {cfg.kl_weighting!r} is not one of none, sampling, on_policy")
+    weight = torch.where((ref - logprobs).detach().abs() <= KL_LOG_RATIO_BOUND, weight, weight.detach())
+    return torch.nan_to_num(weight, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -198,6 +222,10 @@ def grpo_loss(
         kl_keep = keep if kl_logprobs is None else valid
         ref = torch.where(kl_keep, ref_logprobs.detach().to(dtype), zero)
         kl = kl_estimate(kl_new, ref, cfg.kl_estimator)
+        if cfg.kl_weighting != "none":
+            kl = kl * _kl_weight(kl_new, ref, gen_logprobs, kl_keep, cfg)
+        if cfg.kl_clamp is not None:
+            kl = kl.clamp(-cfg.kl_clamp, cfg.kl_clamp)
         kl_loss = _reduce(kl, kl_keep.to(dtype), cfg.token_level, normalizer)
         loss = loss + cfg.kl_penalty * kl_loss
         metrics["loss/kl_ref"] = kl_loss.item()

@@ -470,6 +470,9 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
         truncation = Truncation.of(cfg.generation.sampling)
         # the KL term compares the reference's full distribution with the policy's full distribution
         full_for_kl = truncation.active and cfg.loss.kl_penalty > 0
+        # the engine's logprobs weigh the policy term (importance sampling) or the KL term (on-policy weighting)
+        needs_gen = cfg.loss.importance_sampling_correction or (
+            cfg.loss.kl_penalty > 0 and cfg.loss.kl_weighting == "on_policy")
         packing = self._packing()
         cp_group = ps.get_context_parallel_group() if cfg.train_parallel.cp > 1 else None
         loss_sums: dict[str, float] = {}
@@ -506,7 +509,7 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                 loss, metrics = grpo_loss(
                     lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), cfg.loss,
                     ref_logprobs=ref, normalizer=normalizer,  # noqa: B023
-                    gen_logprobs=mb["gen_logprobs"].to(dev) if cfg.loss.importance_sampling_correction else None,
+                    gen_logprobs=mb["gen_logprobs"].to(dev) if needs_gen else None,
                     truncated=truncation.active, kl_logprobs=scored(None) if full_for_kl else None,
                 )
                 return loss * scale, metrics  # noqa: B023

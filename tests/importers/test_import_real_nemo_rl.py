@@ -13,6 +13,7 @@ import yaml
 
 from rlc.compiler.cli import main
 from rlc.compiler.importers.nemo_rl import ImportStopped, import_nemo_rl
+from rlc.compiler.importers.nemo_rl.effects import no_effect_reason
 
 REAL = Path(__file__).resolve().parent / "nemo_rl_real" / "examples"
 CONFIGS = REAL / "configs"
@@ -49,7 +50,7 @@ RECIPES = {
     "grpo-llama3.2-1b-instruct-1n8g-megatron.yaml": set(),
     "grpo-qwen3-30ba3b-8n8g-megatron.yaml": set(),
     "grpo-qwen3.5-9b-1n8g-megatron.yaml": set(),
-    "grpo-dapomath17k-dsv3-megatron.yaml": {"loss_fn.use_on_policy_kl_approximation"},
+    "grpo-dapomath17k-dsv3-megatron.yaml": set(),
     "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml":
         REWARD_SHAPING | {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
     "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": REWARD_SHAPING,
@@ -227,7 +228,7 @@ def test_nemo_rls_refit_buffers_and_vllm_executor_in_its_vllm_workers_change_not
     listed = {u.key: u for u in imported.unmapped}
     for name in ("NRL_REFIT_BUFFER_MEMORY_RATIO", "NRL_REFIT_NUM_BUFFERS"):
         u = listed[f"policy.generation.vllm_cfg.env_vars.{name}"]
-        assert u.effect == "none" and "refit buffers" in u.reason
+        assert u.effect == "none" and "refit buffers" in no_effect_reason(u.key)
     qa = {u.key: u for u in import_nemo_rl(str(SUPER_QA), accept_loss=True).unmapped}
     assert qa["policy.generation.vllm_cfg.env_vars.VLLM_USE_RAY_V2_EXECUTOR_BACKEND"].effect == "none"
     assert qa["policy.generation.real_quant"].effect == "none"  # no quantisation config
@@ -254,3 +255,21 @@ def test_the_qa_run_keeps_top_p_tis_and_its_constant_weight_decay():
 ])
 def test_importance_sampling_and_weight_decay_schedules_rlc_cannot_run_stop_the_import(overrides, key):
     assert key in dropped(SUPER_QA, overrides)
+
+
+def test_nemo_rls_kl_term_is_carried_weighted_and_clamped():
+    """NeMo-RL weights each token's KL so its gradient includes sampling from the policy (NeMo-RL #2506), on-policy
+    with use_on_policy_kl_approximation, and clamps the term at kl_output_clamp_value (10): a recipe without them
+    trained with another KL gradient."""
+    base = import_nemo_rl(str(BASE))
+    got = mapped(base)
+    assert got["loss.kl_penalty"] == 0.01 and got["loss.kl_weighting"] == "sampling" and got["loss.kl_clamp"] == 10.0
+    assert "20" in base.mapping.implied["loss_fn.kl_input_clamp_value"]
+    dsv3 = mapped(import_nemo_rl(str(LLM / "grpo-dapomath17k-dsv3-megatron.yaml")))
+    assert dsv3["loss.kl_weighting"] == "on_policy"
+    unbounded = mapped(import_nemo_rl(str(BASE), ["loss_fn.kl_output_clamp_value=null"]))
+    assert "loss.kl_clamp" not in unbounded
+    off = import_nemo_rl(str(BASE), ["loss_fn.reference_policy_kl_penalty=0", "loss_fn.kl_input_clamp_value=5"])
+    assert "loss.kl_weighting" not in mapped(off) and "no KL penalty" in off.mapping.implied[
+        "loss_fn.kl_input_clamp_value"]
+    assert dropped(BASE, ("loss_fn.kl_input_clamp_value=5",)) == {"loss_fn.kl_input_clamp_value"}

@@ -21,11 +21,11 @@ from rlc.runtime.grpo.loss import (  # noqa: E402
 
 
 def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True, clip_c=None, max_log_ratio=20.0,
-        is_correction=False, is_cap=2.0) -> LossConfig:
+        is_correction=False, is_cap=2.0, kl_weighting="none", kl_clamp=None) -> LossConfig:
     return LossConfig(
         ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level,
         clip_ratio_c=clip_c, max_log_ratio=max_log_ratio, importance_sampling_correction=is_correction,
-        importance_sampling_cap=is_cap,
+        importance_sampling_cap=is_cap, kl_weighting=kl_weighting, kl_clamp=kl_clamp,
     )
 
 
@@ -352,3 +352,44 @@ def test_gen_kl_leaves_out_tokens_outside_the_trainers_cut_only_when_truncated()
     cut = gen_kl_metrics(gen, train, mask, truncated=True)
     assert cut["gen_kl"] == 0.0 and cut["gen_logprob_abs_diff_max"] == 0.0
     assert cut["gen_truncation_miss_fraction"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("weighting", ["sampling", "on_policy"])
+def test_kl_weighting_adds_the_score_function_term_to_the_kl_gradient(weighting) -> None:
+    """NeMo-RL's own check of its KL backward (NeMo-RL #2506), on the same numbers: the KL term's gradient is
+    ``beta · w · (k3 + ∂k3/∂logπ) / N``, with ``w`` 1 (``sampling``) or exp(logπ − log π_engine) (``on_policy``);
+    without weighting it is ``beta · ∂k3/∂logπ / N``."""
+    curr = torch.tensor([[-1.2, -0.7]], dtype=torch.float64)
+    prev = torch.tensor([[-1.0, -0.8]], dtype=torch.float64)
+    gen = torch.tensor([[-1.5, -0.4]], dtype=torch.float64)
+    ref = torch.tensor([[-0.9, -1.1]], dtype=torch.float64)
+    adv, mask, beta = torch.tensor([[0.4, -0.2]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), 0.3
+
+    def grad(kl: float, weighting: str) -> torch.Tensor:
+        return _grad(curr, prev, adv, mask, cfg(kl=kl, kl_weighting=weighting), ref_logprobs=ref,
+                     gen_logprobs=gen)[2]
+
+    log_ratio = ref - curr
+    k3, dk3 = torch.exp(log_ratio) - 1 - log_ratio, 1 - torch.exp(log_ratio)
+    weight = torch.exp(curr - gen) if weighting == "on_policy" else torch.ones_like(curr)
+    torch.testing.assert_close(grad(beta, weighting) - grad(0.0, weighting), beta * weight * (k3 + dk3) / 2)
+    torch.testing.assert_close(grad(beta, "none") - grad(0.0, "none"), beta * dk3 / 2)
+    _, metrics = grpo_loss(curr, prev, adv, mask, cfg(kl=beta, kl_weighting="sampling"), ref_logprobs=ref)
+    assert metrics["loss/kl_ref"] == pytest.approx(k3.mean().item())  # the value is the estimate's
+
+
+def test_kl_clamp_bounds_each_token_and_stops_its_gradient() -> None:
+    curr = torch.tensor([[-0.1, -0.2]], dtype=torch.float64)
+    ref = torch.tensor([[-0.1, -14.0]], dtype=torch.float64)  # k3 of the second token ≈ 12.8
+    mask, adv = torch.ones(1, 2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    _, metrics, g = _grad(curr, curr, adv, mask, cfg(kl=1.0, kl_clamp=10.0), ref_logprobs=ref)
+    assert metrics["loss/kl_ref"] == pytest.approx((0.0 + 10.0) / 2)
+    assert g[0, 1] == 0.0
+    _, free, _ = _grad(curr, curr, adv, mask, cfg(kl=1.0), ref_logprobs=ref)
+    assert free["loss/kl_ref"] > 6.0
+
+
+def test_on_policy_kl_weighting_needs_the_engine_logprobs() -> None:
+    x = torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="kl_weighting on_policy needs gen_logprobs"):
+        grpo_loss(x, x, torch.zeros(1), torch.ones(1, 2), cfg(kl=0.1, kl_weighting="on_policy"), ref_logprobs=x)

@@ -45,6 +45,7 @@ from rlc.compiler.importers.nemo_rl.generation_keys import (
     vllm_kwargs,
     vllm_precision,
 )
+from rlc.contract.kl_term import KL_LOG_RATIO_BOUND
 from rlc.contract.ranges import schema_ranges
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
@@ -288,6 +289,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _buffer_exclusive(m)
     _params_offload(m, megatron, offloads=not mcore or (megatron and mcore_dedicated(m)))
     _reference_policy(m)
+    _kl_term(m)
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
         m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
@@ -601,6 +603,30 @@ def _reference_policy(m: _Mapper) -> None:
         return
     m.put("training.offload_reference_policy", True, (key,),
           "NeMo-RL keeps the reference policy in host memory and swaps it in for its logprob pass")
+
+
+def _kl_term(m: _Mapper) -> None:
+    """NeMo-RL's KL term (``ClippedPGLossFn``): each token's estimate is weighted by ``exp(logπ − sg(logπ))``, whose
+    gradient adds the score-function term of sampling from the policy (NeMo-RL #2506), or with
+    ``use_on_policy_kl_approximation`` by ``exp(logπ − log π_generation)``, then clamped at
+    ``kl_output_clamp_value``; its log-ratio is clamped at ``kl_input_clamp_value``, which rlc holds at 20. Without a
+    KL penalty none of them is read."""
+    penalty = m.cfg.get("loss_fn.reference_policy_kl_penalty")
+    keys = [f"loss_fn.{k}" for k in ("use_on_policy_kl_approximation", "kl_output_clamp_value", "kl_input_clamp_value")]
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or penalty <= 0:
+        m.consume(*keys, why="no KL penalty (loss_fn.reference_policy_kl_penalty is 0)")
+        return
+    approx, output_clamp, input_clamp = (m.cfg.get(k) for k in keys)
+    m.put("loss.kl_weighting", "on_policy" if approx is True else "sampling",
+          tuple(k for k in keys[:1] if k in m.leaves) + ("loss_fn.reference_policy_kl_penalty",),
+          "NeMo-RL weights the KL term so its gradient includes sampling from the policy (NeMo-RL #2506)")
+    m.consumed.add(keys[0])
+    if output_clamp is not None:
+        m.take(keys[1], "loss.kl_clamp", number)
+    else:
+        m.consume(keys[1], why="null: no bound on the KL term (loss.kl_clamp null)")
+    if input_clamp is None or input_clamp == KL_LOG_RATIO_BOUND:
+        m.consume(keys[2], why=f"rlc bounds the KL's log-ratio at {KL_LOG_RATIO_BOUND:g} (beyond it no gradient)")
 
 
 def _logprob_chunks(m: _Mapper) -> None:
