@@ -948,6 +948,56 @@ class DynamicSamplingSection(_Section):
         default=1, minimum=1, maximum=1000, runtime=EXPERIMENT)
 
 
+@section(runtime="RewardScalingConfig")
+class RewardScalingSection(_Section):
+    """A linear map of the rewards before anything else reads them (NeMo-RL `grpo.reward_scaling`): each reward is
+    clamped to [`source_min`, `source_max`] and mapped onto [`target_min`, `target_max`]; e.g. a 0/1 verifier becomes
+    −1/+1 with `target_min: -1`."""
+
+    enabled: bool = key(
+        "Turn the scaling on.",
+        default=False, runtime=EXPERIMENT)
+    source_min: float = key(
+        "Low end of the reward function's range (lower rewards are clamped to it).",
+        default=0.0, minimum=-1000000, maximum=1000000, runtime=EXPERIMENT)
+    source_max: float = key(
+        "High end of the reward function's range (higher rewards are clamped to it).",
+        default=1.0, minimum=-1000000, maximum=1000000, runtime=EXPERIMENT)
+    target_min: float = key(
+        "What `source_min` becomes.",
+        default=0.0, minimum=-1000000, maximum=1000000, runtime=EXPERIMENT)
+    target_max: float = key(
+        "What `source_max` becomes.",
+        default=1.0, minimum=-1000000, maximum=1000000, runtime=EXPERIMENT)
+
+
+@section(runtime="RewardShapingConfig")
+class RewardShapingSection(_Section):
+    """Length penalties added to the (scaled) rewards (NeMo-RL `grpo.reward_shaping`). DAPO's soft overlong
+    punishment (arXiv 2503.14476): a response longer than `max_response_length − overlong_buffer_length` tokens loses
+    `overlong_buffer_penalty` × (its excess ÷ `overlong_buffer_length`). Or, with `stop_properly_penalty_coef`, the
+    reward of a response cut at the token limit is multiplied by it instead. Dynamic sampling keeps or drops a group
+    by its rewards before the penalty, and with dynamic sampling the advantages are divided by that spread too, as
+    NeMo-RL does; the baseline is the penalised rewards' mean."""
+
+    enabled: bool = key(
+        "Turn the shaping on.",
+        default=False, runtime=EXPERIMENT)
+    overlong_buffer_length: int = key(
+        "Tokens before `max_response_length` over which the penalty grows from 0 to `overlong_buffer_penalty`.",
+        default=128, minimum=1, maximum=16777216, runtime=EXPERIMENT)
+    overlong_buffer_penalty: float = key(
+        "Penalty at `max_response_length` tokens (it keeps growing beyond).",
+        default=1.0, minimum=0, maximum=1000000, runtime=EXPERIMENT)
+    max_response_length: Optional[int] = key(
+        "The length the penalty is measured against; null: `generation.sampling.max_tokens`.",
+        default=None, minimum=1, maximum=16777216, runtime=EXPERIMENT)
+    stop_properly_penalty_coef: Optional[float] = key(
+        "Multiply the reward of a response that hit the token limit (finish reason `length`) by this, in [0, 1], "
+        "instead of the overlong penalty; null: the overlong penalty.",
+        default=None, minimum=0, maximum=1, runtime=EXPERIMENT)
+
+
 @section(runtime="GrpoConfig")
 class GrpoSection(_Section):
     """The GRPO algorithm."""
@@ -971,6 +1021,8 @@ class GrpoSection(_Section):
         "`normalize_advantages: false`; see `normalize_advantages` for the two together).",
         default=False, runtime=EXPERIMENT)
     dynamic_sampling: DynamicSamplingSection
+    reward_scaling: RewardScalingSection
+    reward_shaping: RewardShapingSection
     max_gen_kl: float = key(
         "Stop the run when the KL between vLLM's sampling logprobs and the trainer's logprobs on the generated "
         "tokens exceeds this (0 = never). Catches wrong or stale weights after refit.",

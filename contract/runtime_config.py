@@ -43,6 +43,8 @@ from rlc.contract.runtime_types import (
     RayConfig,
     RefitConfig,
     RewardConfig,
+    RewardScalingConfig,
+    RewardShapingConfig,
     RouterReplayConfig,
     RuntimeConfig,
     SamplingConfig,
@@ -109,7 +111,8 @@ def load_runtime_config(path: str | Path) -> RuntimeConfig:
 __all__ = ["READING", "CheckpointConfig", "ClusterConfig", "DataConfig", "DynamicSamplingConfig", "Fp8RolloutConfig",
            "Fp8TrainingConfig", "GenerationConfig", "GenerationParallelConfig", "GrpoConfig", "LRScheduleConfig",
            "LoggingConfig", "LossConfig", "MegatronGenerationConfig", "ModelConfig", "MoeConfig", "OptimizerConfig",
-           "RayConfig", "RefitConfig", "RewardConfig", "RouterReplayConfig", "RuntimeConfig", "RuntimeConfigError",
+           "RayConfig", "RefitConfig", "RewardConfig", "RewardScalingConfig", "RewardShapingConfig",
+           "RouterReplayConfig", "RuntimeConfig", "RuntimeConfigError",
            "SamplingConfig", "SequencePackingConfig", "SpeculativeDecodingConfig", "TrainParallelConfig",
            "TrainingConfig", "load_runtime_config", "runtime_config_from_dict", "runtime_config_to_dict",
            "section_from_dict", "vllm_speculative_config"]

@@ -566,6 +566,42 @@ class DynamicSamplingConfig(Declared):
 
 
 @section
+class RewardScalingConfig(Declared):
+    """A linear map of the rewards before anything else reads them (NeMo-RL `grpo.reward_scaling`): each
+    reward is clamped to [`source_min`, `source_max`] and mapped onto [`target_min`, `target_max`]; e.g. a 0/1
+    verifier becomes −1/+1 with `target_min: -1`."""
+
+    enabled: bool = runtime_key(EXPERIMENT, recipe="grpo.reward_scaling.enabled")
+    """Turn the scaling on."""
+    source_min: float = runtime_key(EXPERIMENT, recipe="grpo.reward_scaling.source_min")
+    """Low end of the reward function's range (lower rewards are clamped to it)."""
+    source_max: float = runtime_key(EXPERIMENT, recipe="grpo.reward_scaling.source_max")
+    """High end of the reward function's range (higher rewards are clamped to it)."""
+    target_min: float = runtime_key(EXPERIMENT, recipe="grpo.reward_scaling.target_min")
+    """What `source_min` becomes."""
+    target_max: float = runtime_key(EXPERIMENT, recipe="grpo.reward_scaling.target_max")
+    """What `source_max` becomes."""
+
+
+@section
+class RewardShapingConfig(Declared):
+    """Length penalties added to the (scaled) rewards (NeMo-RL `grpo.reward_shaping`)."""
+
+    enabled: bool = runtime_key(EXPERIMENT, recipe="grpo.reward_shaping.enabled")
+    """Turn the shaping on."""
+    overlong_buffer_length: int = runtime_key(EXPERIMENT, recipe="grpo.reward_shaping.overlong_buffer_length")
+    """Tokens before `max_response_length` over which the penalty grows from 0 to `overlong_buffer_penalty`."""
+    overlong_buffer_penalty: float = runtime_key(EXPERIMENT, recipe="grpo.reward_shaping.overlong_buffer_penalty")
+    """Penalty at `max_response_length` tokens (it keeps growing beyond)."""
+    max_response_length: int | None = runtime_key(EXPERIMENT, recipe="grpo.reward_shaping.max_response_length")
+    """The length the penalty is measured against; null: `generation.sampling.max_tokens`."""
+    stop_properly_penalty_coef: float | None = runtime_key(
+        EXPERIMENT, recipe="grpo.reward_shaping.stop_properly_penalty_coef")
+    """Multiply the reward of a response that hit the token limit (finish reason `length`) by this, in [0, 1],
+    instead of the overlong penalty; null: the overlong penalty."""
+
+
+@section
 class GrpoConfig(Declared):
     """The GRPO algorithm."""
 
@@ -582,6 +618,12 @@ class GrpoConfig(Declared):
     `normalize_advantages: false`; see `normalize_advantages` for the two together)."""
     dynamic_sampling: DynamicSamplingConfig = runtime_key(None, recipe="grpo.dynamic_sampling")
     """Drop groups whose rewards are all equal and generate more until the step is full."""
+    reward_scaling: RewardScalingConfig = runtime_key(None, recipe="grpo.reward_scaling")
+    """A linear map of the rewards before anything else reads them (NeMo-RL `grpo.reward_scaling`): each
+    reward is clamped to [`source_min`, `source_max`] and mapped onto [`target_min`, `target_max`]; e.g. a 0/1
+    verifier becomes −1/+1 with `target_min: -1`."""
+    reward_shaping: RewardShapingConfig = runtime_key(None, recipe="grpo.reward_shaping")
+    """Length penalties added to the (scaled) rewards (NeMo-RL `grpo.reward_shaping`)."""
     max_gen_kl: float = runtime_key(restart("when the run stops"), recipe="grpo.max_gen_kl")
     """Stop the run when the KL between vLLM's sampling logprobs and the trainer's logprobs on the generated
     tokens exceeds this (0 = never). Catches wrong or stale weights after refit."""
@@ -749,6 +791,6 @@ class RuntimeConfig(Declared):
 __all__ = ["CheckpointConfig", "ClusterConfig", "DataConfig", "DynamicSamplingConfig", "Fp8RolloutConfig",
            "Fp8TrainingConfig", "GenerationConfig", "GenerationParallelConfig", "GrpoConfig",
            "LRScheduleConfig", "LoggingConfig", "LossConfig", "MegatronGenerationConfig", "ModelConfig",
-           "MoeConfig", "OptimizerConfig", "RayConfig", "RefitConfig", "RewardConfig", "RouterReplayConfig",
-           "RuntimeConfig", "SamplingConfig", "SequencePackingConfig", "SpeculativeDecodingConfig",
-           "TrainParallelConfig", "TrainingConfig"]
+           "MoeConfig", "OptimizerConfig", "RayConfig", "RefitConfig", "RewardConfig", "RewardScalingConfig",
+           "RewardShapingConfig", "RouterReplayConfig", "RuntimeConfig", "SamplingConfig",
+           "SequencePackingConfig", "SpeculativeDecodingConfig", "TrainParallelConfig", "TrainingConfig"]

@@ -31,6 +31,7 @@ from rlc.runtime.generation.reshard_plan import prompt_chunks
 from rlc.runtime.generation.vllm_worker import VllmGenerationWorker
 from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config
 from rlc.runtime.grpo.dynamic_sampling import DynamicSampler
+from rlc.runtime.grpo.reward_shaping import scale_rewards, shape_rewards
 from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn
 from rlc.runtime.metrics import MetricsLogger, PhaseTimer
 from rlc.runtime.overrides import load_with_overrides
@@ -120,8 +121,9 @@ class GrpoRun:
                 rollout = record.add(self.rollout(step))  # prompts -> n generations each -> rewards
                 record.add(self.release_generation(step))  # the engines give their memory to the trainer
                 record.add(self.onload_trainer_params())
-                advantages = group_advantages(rollout.rewards, leave_one_out=g.leave_one_out,
-                                              normalize=g.normalize_advantages)
+                advantages = group_advantages(  # baseline on the shaped rewards; with dynamic sampling the
+                    rollout.shaped_rewards, leave_one_out=g.leave_one_out, normalize=g.normalize_advantages,
+                    spread=rollout.rewards if g.dynamic_sampling.enabled else None)  # spread before the shaping
                 packed = record.add(self.pack(rollout, advantages.tolist()))
                 scored = record.add(self.trainer_logprobs(step, packed.batch))  # old (+ reference) logprobs
                 self.check_gen_kl(step, scored)  # the engines sampled from the weights being trained
@@ -162,10 +164,13 @@ class GrpoRun:
             results = self.backend.generate([(e, c) for e, c in chunks if c], n)
         samples = [s for r in results for s in r.samples]
         groups = []
+        g, max_tokens = self.cfg.grpo, self.cfg.generation.sampling.max_tokens
         for prompt, pids, gens in zip(prompts, ids, samples):
-            rewards = self.scorer.score([prompt.prompt] * len(gens), [s.text for s in gens],
-                                        [prompt.answer] * len(gens))
-            groups.append(Group(prompt, pids, gens, rewards))
+            rewards = scale_rewards(self.scorer.score([prompt.prompt] * len(gens), [s.text for s in gens],
+                                                      [prompt.answer] * len(gens)), g.reward_scaling)
+            shaped = shape_rewards(rewards, [len(s.token_ids) for s in gens], [s.finish_reason for s in gens],
+                                   g.reward_shaping, max_tokens)
+            groups.append(Group(prompt, pids, gens, rewards, shaped))
         return groups
 
     def release_generation(self, step: int) -> Released:

@@ -38,12 +38,14 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Group:
-    """One prompt and its generations, with their rewards."""
+    """One prompt and its generations, with their rewards (scaled, as dynamic sampling and the metrics read them) and
+    their shaped rewards (the advantages' baseline; the same list without ``grpo.reward_shaping``)."""
 
     sample: Any  # rlc.runtime.grpo.data.PromptSample
     prompt_ids: list[int]
     generations: list[Sample]
     rewards: list[float]
+    shaped_rewards: list[float]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Rollout:
     @property
     def rewards(self) -> list[list[float]]:
         return [g.rewards for g in self.groups]
+
+    @property
+    def shaped_rewards(self) -> list[list[float]]:
+        return [g.shaped_rewards for g in self.groups]
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,9 @@ class Recorder:
 
         m = self.metrics
         m.update(reward_metrics(r.rewards))
+        if r.shaped_rewards != r.rewards:  # grpo.reward_shaping changed some
+            shaped = [x for row in r.shaped_rewards for x in row]
+            m["reward/shaped_mean"] = sum(shaped) / max(len(shaped), 1)
         m.update(r.scorer_metrics)
         m.update(r.sampling_metrics)
         m["throughput/generated_tokens"] = r.generated_tokens

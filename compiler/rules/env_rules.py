@@ -116,3 +116,30 @@ def lengths(ctx: Context) -> None:
 def gen_kl(ctx: Context) -> None:
     if ctx.recipe.grpo.max_gen_kl == 0:
         ctx.info("max_gen_kl: 0 turns off the check that catches wrong weights after refit", "grpo.max_gen_kl")
+
+
+@rule("RLC307", "the overlong penalty must start where responses can reach", severities=("error", "warning"),
+      rationale="DAPO's overlong penalty (grpo.reward_shaping) starts at max_response_length − overlong_buffer_length "
+                "tokens (max_response_length null: generation.sampling.max_tokens). At or below zero every response is "
+                "penalised by its whole length, which drowns the task reward; beyond generation.sampling.max_tokens "
+                "no response can reach it and the shaping does nothing (NeMo-RL measures against "
+                "max_total_sequence_length, which rlc splits between prompt and response).",
+      seed="DAPO (arXiv 2503.14476) soft overlong punishment; NeMo-RL apply_reward_shaping.",
+      fixes="Set grpo.reward_shaping.max_response_length to generation.sampling.max_tokens (or null) and the buffer "
+            "below it.")
+def overlong_penalty_reach(ctx: Context) -> None:
+    shaping, tokens = ctx.recipe.grpo.reward_shaping, ctx.recipe.generation.sampling.max_tokens
+    if not shaping.enabled or shaping.stop_properly_penalty_coef is not None:
+        return
+    limit = shaping.max_response_length if shaping.max_response_length is not None else tokens
+    start = limit - shaping.overlong_buffer_length
+    path = "grpo.reward_shaping.overlong_buffer_length"
+    if start <= 0:
+        ctx.error(f"overlong_buffer_length {shaping.overlong_buffer_length} ≥ the response limit {limit}: every "
+                  "response is penalised from its first token", path,
+                  hint=f"{path}: below {limit} (DAPO uses a quarter of the limit)")
+    elif start >= tokens:
+        ctx.warning(f"the overlong penalty starts at {start} tokens (max_response_length {limit} − buffer "
+                    f"{shaping.overlong_buffer_length}), but responses stop at generation.sampling.max_tokens "
+                    f"{tokens}: it never applies", "grpo.reward_shaping.max_response_length",
+                    hint=f"grpo.reward_shaping.max_response_length: {tokens} (or null)")

@@ -63,13 +63,19 @@ def group_advantages(
     leave_one_out: bool,
     normalize: bool,
     eps: float = DEFAULT_EPS,
+    spread: torch.Tensor | Sequence[Sequence[float]] | None = None,
 ) -> torch.Tensor:
     """Advantages ``[num_prompts, generations_per_prompt]`` (float32) for grouped rewards.
 
     ``leave_one_out`` needs at least two generations per prompt; ``normalize`` divides by the group's
-    unbiased std plus ``eps`` (a single-generation group has no std and gets zero advantage).
+    unbiased std plus ``eps`` (a single-generation group has no std and gets zero advantage). ``spread``: the
+    rewards whose std divides and whose agreement zeroes a group (default ``rewards``): with reward shaping and
+    dynamic sampling the rewards before the shaping, as NeMo-RL takes them (``grpo.reward_shaping``).
     """
     r = _check_groups(rewards)
+    s = r if spread is None else _check_groups(spread)
+    if s.shape != r.shape:
+        raise ValueError(f"spread {tuple(s.shape)} must have the rewards' shape {tuple(r.shape)}")
     num_prompts, g = r.shape
     if num_prompts == 0:
         return torch.zeros((0, g), dtype=torch.float32)
@@ -85,9 +91,9 @@ def group_advantages(
         baseline = mean
     adv = r - baseline
     if normalize:
-        std = r.std(dim=1, keepdim=True, unbiased=True) if g > 1 else torch.zeros_like(mean)
+        std = s.std(dim=1, keepdim=True, unbiased=True) if g > 1 else torch.zeros_like(mean)
         adv = adv / (std + eps)
-    adv = torch.where(group_has_signal(r)[:, None], adv, torch.zeros_like(adv))
+    adv = torch.where(group_has_signal(s)[:, None], adv, torch.zeros_like(adv))
     return adv.to(torch.float32)
 
 

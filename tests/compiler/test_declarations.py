@@ -75,7 +75,7 @@ def test_every_key_of_a_section_the_runtime_reads_is_classified():
             if not holds_section and not isinstance(meta.get("runtime"), Policy):
                 unclassified.append(f"{path}.{name}" if path else name)
     assert unclassified == []
-    assert len(_runtime_sections()) == 26
+    assert len(_runtime_sections()) == 28
 
 
 def test_every_runtime_yaml_key_is_part_of_the_experiment_or_free_to_change_with_a_reason():

@@ -147,7 +147,7 @@ def test_unmapped_keys_are_on_screen_and_in_the_recipe(tmp_path):
             assert f"  {u.key}: " not in stdout and f"#   {u.key}: " not in text, u.key
         else:
             assert f"  {u.key}: " in stdout and f"#   {u.key}: " in text, u.key
-    assert "grpo.reward_shaping.max_response_length: 8192" in text
+    assert "grpo.val_period: 20" in text
     defaults = [u for u in imported.unmapped if u.effect == "default" and not u.inactive]
     assert defaults and f"{len(defaults)} more NeMo-RL key(s) keep NeMo-RL's defaults" in stdout
 

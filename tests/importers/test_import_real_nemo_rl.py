@@ -42,9 +42,6 @@ def dropped(path: Path, overrides: tuple[str, ...] = ()) -> set[str]:
     return set()
 
 
-REWARD_SHAPING = {"grpo.reward_shaping.enabled", "grpo.reward_shaping.overlong_buffer_length",
-                  "grpo.reward_shaping.max_response_length", "grpo.reward_scaling.enabled",
-                  "grpo.reward_scaling.target_min"}
 #: What each real Megatron recipe sets that changes the experiment and rlc cannot express.
 RECIPES = {
     "grpo-llama3.2-1b-instruct-1n8g-megatron.yaml": set(),
@@ -52,8 +49,8 @@ RECIPES = {
     "grpo-qwen3.5-9b-1n8g-megatron.yaml": set(),
     "grpo-dapomath17k-dsv3-megatron.yaml": set(),
     "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml":
-        REWARD_SHAPING | {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
-    "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": REWARD_SHAPING,
+        {"policy.quant_cfg", "policy.generation.quant_cfg", "policy.generation.real_quant"},
+    "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml": set(),
     "grpo-nanov3-30BA3B-4n4g-megatron_colocated_reshard.yaml": set(),
     "grpo-nemotron3-super-120BA12B-16n8g-megatron.yaml": set(),
     "grpo-nemotron3-super-120BA12B-8n4g-megatron.yaml": set(),
@@ -161,10 +158,10 @@ def test_prompt_file_becomes_the_prompt_template_and_a_missing_one_stops_the_imp
         "data.default.system_prompt_file"}
 
 
-def test_nvfp4_rollouts_dapo_reward_shaping_and_yarn_overrides_stop_the_import():
+def test_nvfp4_rollouts_and_yarn_overrides_stop_the_import():
     assert {"policy.generation.quant_cfg", "policy.generation.real_quant"} <= \
         dropped(LLM / "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml")
-    assert dropped(BASE, ("grpo.reward_shaping.enabled=true",)) == {"grpo.reward_shaping.enabled"}
+    assert dropped(BASE, ("grpo.reward_shaping.enabled=true",)) == set()  # DAPO's overlong penalty is mapped
     yarn = ("++policy.hf_config_overrides.rope_scaling={rope_type: yarn, factor: 4.0, "
             "original_max_position_embeddings: 32768}",)
     assert {k for k in dropped(BASE, yarn)} == {"policy.hf_config_overrides.rope_scaling.rope_type",
@@ -273,3 +270,16 @@ def test_nemo_rls_kl_term_is_carried_weighted_and_clamped():
     assert "loss.kl_weighting" not in mapped(off) and "no KL penalty" in off.mapping.implied[
         "loss_fn.kl_input_clamp_value"]
     assert dropped(BASE, ("loss_fn.kl_input_clamp_value=5",)) == {"loss_fn.kl_input_clamp_value"}
+
+
+def test_dapo_reward_scaling_and_overlong_shaping_are_mapped():
+    """The Qwen3.5-397B-A17B v2 recipe scales its 0/1 rewards onto −1/+1 and shapes them with DAPO's overlong penalty
+    (a 1024-token buffer before 8192): both used to stop the import."""
+    got = mapped(import_nemo_rl(str(LLM / "grpo-qwen3.5-397ba17b-32n8g-megatron.v2.yaml")))
+    assert (got["grpo.reward_scaling.enabled"], got["grpo.reward_scaling.target_min"]) == (True, -1.0)
+    assert (got["grpo.reward_shaping.enabled"], got["grpo.reward_shaping.overlong_buffer_length"],
+            got["grpo.reward_shaping.max_response_length"]) == (True, 1024, 8192)
+    assert "grpo.reward_shaping.stop_properly_penalty_coef" not in got  # null: the overlong penalty
+    base = import_nemo_rl(str(BASE))
+    assert not any(k.startswith("grpo.reward_s") for k in mapped(base))
+    assert "the block is off" in base.mapping.implied["grpo.reward_shaping.overlong_buffer_length"]

@@ -86,6 +86,22 @@ def test_warning_rules(base_recipe, qwen397, changes, rule_id):
     assert fired(run(with_changes(base_recipe, **changes), qwen397), rule_id, "warning")
 
 
+@pytest.mark.parametrize("changes,severity,path,words", [
+    (dict(grpo__reward_shaping__overlong_buffer_length=4096, generation__sampling__max_tokens=4096), "error",
+     "grpo.reward_shaping.overlong_buffer_length", ["every response is penalised"]),
+    (dict(grpo__reward_shaping__max_response_length=8192, grpo__reward_shaping__overlong_buffer_length=1024,
+          generation__sampling__max_tokens=6144), "warning", "grpo.reward_shaping.max_response_length",
+     ["starts at 7168 tokens", "max_tokens 6144", "never applies"]),
+])
+def test_overlong_penalty_that_cannot_work_is_named(base_recipe, qwen397, changes, severity, path, words):
+    result = run(with_changes(base_recipe, grpo__reward_shaping__enabled=True, **changes), qwen397)
+    (d,) = fired(result, "RLC307")
+    assert d.severity == severity and d.path == path and all(w in d.message for w in words)
+    fine = with_changes(base_recipe, grpo__reward_shaping__enabled=True, generation__sampling__max_tokens=4096,
+                        grpo__reward_shaping__overlong_buffer_length=1024)
+    assert not fired(run(fine, qwen397), "RLC307")
+
+
 def test_truncated_sampling_is_told_not_warned(base_recipe, qwen397):
     """The trainer scores the sampled tokens under the engine's cuts: an info naming them, no warning."""
     result = run(with_changes(base_recipe, generation__sampling__top_p=0.9, generation__sampling__top_k=50), qwen397)

@@ -90,7 +90,7 @@ class RecordingRun(GrpoRun):
     def rollout(self, step: int) -> Rollout:
         self.log.append("rollout")
         sample = Sample(token_ids=[3], logprobs=[-0.1], text="3", finish_reason="stop")
-        return Rollout(groups=[Group(None, [1, 2], [sample, sample], [0.0, 1.0])], generated_tokens=2,
+        return Rollout(groups=[Group(None, [1, 2], [sample, sample], [0.0, 1.0], [0.0, 1.0])], generated_tokens=2,
                        generate_seconds=0.1, scorer_metrics={}, sampling_metrics={}, memory=MEM)
 
     def release_generation(self, step: int) -> Released:

@@ -123,7 +123,8 @@ def test_reward_metrics() -> None:
 
 
 def test_advantages_from_config() -> None:
-    from rlc.contract.runtime_config import DynamicSamplingConfig, GrpoConfig
+    from rlc.contract.runtime_config import (DynamicSamplingConfig, GrpoConfig, RewardScalingConfig,
+                                         RewardShapingConfig)
 
     grpo = GrpoConfig(
         prompts_per_step=1,
@@ -132,6 +133,10 @@ def test_advantages_from_config() -> None:
         normalize_advantages=False,
         leave_one_out=True,
         dynamic_sampling=DynamicSamplingConfig(enabled=False, max_gen_batches=1, batch_multiplier=1.0),
+        reward_scaling=RewardScalingConfig(enabled=False, source_min=0.0, source_max=1.0, target_min=0.0,
+                                           target_max=1.0),
+        reward_shaping=RewardShapingConfig(enabled=False, overlong_buffer_length=128, overlong_buffer_penalty=1.0,
+                                           max_response_length=None, stop_properly_penalty_coef=None),
         max_gen_kl=0.0,
         seed=0,
     )

@@ -6,7 +6,8 @@ import math
 import re
 
 import pytest
-from rlc.contract.runtime_config import DynamicSamplingConfig, GrpoConfig
+from rlc.contract.runtime_config import (DynamicSamplingConfig, GrpoConfig, RewardScalingConfig,
+                                         RewardShapingConfig)
 from rlc.runtime.grpo.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
 
 
@@ -37,6 +38,10 @@ def test_from_config_and_batch_size() -> None:
         normalize_advantages=True,
         leave_one_out=False,
         dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=5, batch_multiplier=1.5),
+        reward_scaling=RewardScalingConfig(enabled=False, source_min=0.0, source_max=1.0, target_min=0.0,
+                                           target_max=1.0),
+        reward_shaping=RewardShapingConfig(enabled=False, overlong_buffer_length=128, overlong_buffer_penalty=1.0,
+                                           max_response_length=None, stop_properly_penalty_coef=None),
         max_gen_kl=0.01,
         seed=0,
     )

@@ -290,6 +290,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     _params_offload(m, megatron, offloads=not mcore or (megatron and mcore_dedicated(m)))
     _reference_policy(m)
     _kl_term(m)
+    _reward_transforms(m)
     _logprob_chunks(m)
     if cfg.get("policy.generation.colocated.enabled", True) is not False:
         m.inactive("policy.generation.colocated.resources", "only used when generation is not colocated")
@@ -603,6 +604,27 @@ def _reference_policy(m: _Mapper) -> None:
         return
     m.put("training.offload_reference_policy", True, (key,),
           "NeMo-RL keeps the reference policy in host memory and swaps it in for its logprob pass")
+
+
+#: NeMo-RL's reward blocks and their numeric keys (rlc's keys have the same names under the same block).
+_REWARD_BLOCKS = {
+    "grpo.reward_scaling": {"source_min": number, "source_max": number, "target_min": number, "target_max": number},
+    "grpo.reward_shaping": {"overlong_buffer_length": positive_int, "overlong_buffer_penalty": number,
+                            "max_response_length": positive_int, "stop_properly_penalty_coef": number},
+}
+
+
+def _reward_transforms(m: _Mapper) -> None:
+    """``grpo.reward_scaling`` and ``grpo.reward_shaping`` (DAPO's overlong penalty, or the stop-properly coefficient)
+    map key for key where NeMo-RL turns them on; turned off, their keys change nothing."""
+    for block, keys in _REWARD_BLOCKS.items():
+        switch = f"{block}.enabled"
+        if m.cfg.get(switch) is not True:
+            m.consume(switch, *(f"{block}.{k}" for k in keys), why=f"{switch} is false: the block is off")
+            continue
+        m.take(switch, switch, boolean)
+        for key, convert in keys.items():
+            m.take(f"{block}.{key}", f"{block}.{key}", convert)
 
 
 def _kl_term(m: _Mapper) -> None:
