@@ -297,47 +297,29 @@ def test_cp_needs_sequences_cut_into_two_chunks_per_rank():
         P.cp_partition_indices((0, 6), 2, 0)
 
 
-def _cp_worker(rank: int, world: int, port: int, lengths: list[int], out) -> None:
+def _cp_worker(rank: int, world: int, lengths: list[int]) -> tuple[float, list[float]]:
     """One CP rank: its share of a packed row's per-position values, gathered and unpacked, a loss that is
     the same on every rank, and the gradient of the rank's own share."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        bin_ = P.layout_bin(list(range(len(lengths))), lengths, pad_multiples(tp=1, sequence_parallel=False, cp=world))
-        whole = torch.linspace(-1.0, 1.0, bin_.total, dtype=torch.float64)
-        local = whole[P.cp_partition_indices(bin_.cu_seqlens, world, rank)].clone().requires_grad_(True)
-        packed = P.gather_context_parallel(local, dist.group.WORLD)[P.cp_restore_index(bin_.cu_seqlens, world)]
-        index, valid = P.unpack_index(bin_, max(lengths) - 1)
-        loss = (P.unpack(packed, index, valid) ** 2).sum()
-        loss.backward()
-        out.put((rank, loss.item(), local.grad.tolist()))
-    finally:
-        dist.destroy_process_group()
+    bin_ = P.layout_bin(list(range(len(lengths))), lengths, pad_multiples(tp=1, sequence_parallel=False, cp=world))
+    whole = torch.linspace(-1.0, 1.0, bin_.total, dtype=torch.float64)
+    local = whole[P.cp_partition_indices(bin_.cu_seqlens, world, rank)].clone().requires_grad_(True)
+    packed = P.gather_context_parallel(local, dist.group.WORLD)[P.cp_restore_index(bin_.cu_seqlens, world)]
+    index, valid = P.unpack_index(bin_, max(lengths) - 1)
+    loss = (P.unpack(packed, index, valid) ** 2).sum()
+    loss.backward()
+    assert local.grad is not None
+    return loss.item(), local.grad.tolist()
 
 
-def test_cp_gather_backward_gives_each_rank_the_gradient_of_its_own_positions():
+def test_cp_gather_backward_gives_each_rank_the_gradient_of_its_own_positions(tmp_path):
     """Two gloo ranks: the loss on the gathered row is the same on both, and the gradients of the two
     shares, put back in packed order, are the gradient of the same loss computed on the whole row."""
-    import multiprocessing
-    import socket
+    from tests.gloo_ranks import run_ranks
 
     lengths = [9, 4, 15]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_cp_worker, args=(r, 2, port, lengths, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    out = {}
-    for _ in procs:
-        rank, value, grad_list = queue.get(timeout=120)
-        out[rank] = (value, grad_list)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
+    out = run_ranks(_cp_worker, 2, tmp_path, lengths)
     bin_ = P.layout_bin([0, 1, 2], lengths, pad_multiples(tp=1, sequence_parallel=False, cp=2))
     whole = torch.linspace(-1.0, 1.0, bin_.total, dtype=torch.float64).requires_grad_(True)
     index, valid = P.unpack_index(bin_, max(lengths) - 1)

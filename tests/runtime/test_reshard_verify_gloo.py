@@ -6,12 +6,14 @@ left in bf16 each fail with the tensor named. The tensors carry megatron-core's 
 (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, ``allreduce``) as plain values."""
 from __future__ import annotations
 
-import multiprocessing
-import socket
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tests.gloo_ranks import run_ranks
 
 WORLD = 2
 FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
@@ -66,52 +68,34 @@ def _ep1_inference(fault: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, port: int, case: str, fault: str, queue) -> None:
+def _worker(rank: int, world: int, case: str, fault: str) -> tuple[dict, list]:
     import torch.distributed as dist
 
     from rlc.runtime.generation.reshard_verify import expected_inference_tensors, gathered_training_tensors
     from rlc.runtime.refit.verify import compare_parameters
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        both = dist.new_group([0, 1])
-        singles = [dist.new_group([r]) for r in range(WORLD)]  # every rank creates every group, in one order
-        mine = singles[rank]
-        if case == "tp":
-            train_pg = SimpleNamespace(tp=both, ep=mine, expt_tp=mine)
-            train, inference, experts = _tp2_train(rank), _tp1_inference(fault), None
-        else:
-            train_pg = SimpleNamespace(tp=mine, ep=both, expt_tp=mine)
-            train, inference, experts = _ep2_train(rank), _ep1_inference(fault), 8
-        infer_pg = SimpleNamespace(tp=mine, ep=mine, expt_tp=mine)
-        cfg = SimpleNamespace(num_moe_experts=experts)
-        whole = gathered_training_tensors(SimpleNamespace(pg_collection=train_pg, config=cfg), train)
-        expected, unmatched = expected_inference_tensors(SimpleNamespace(pg_collection=infer_pg, config=cfg),
-                                                         inference, whole)
-        report = compare_parameters(inference, expected)
-        queue.put((rank, report.to_dict(), unmatched))
-    finally:
-        dist.destroy_process_group()
+    both = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in one order
+    mine = singles[rank]
+    if case == "tp":
+        train_pg = SimpleNamespace(tp=both, ep=mine, expt_tp=mine)
+        train, inference, experts = _tp2_train(rank), _tp1_inference(fault), None
+    else:
+        train_pg = SimpleNamespace(tp=mine, ep=both, expt_tp=mine)
+        train, inference, experts = _ep2_train(rank), _ep1_inference(fault), 8
+    infer_pg = SimpleNamespace(tp=mine, ep=mine, expt_tp=mine)
+    cfg = SimpleNamespace(num_moe_experts=experts)
+    whole = gathered_training_tensors(SimpleNamespace(pg_collection=train_pg, config=cfg), train)
+    expected, unmatched = expected_inference_tensors(SimpleNamespace(pg_collection=infer_pg, config=cfg),
+                                                     inference, whole)
+    return compare_parameters(inference, expected).to_dict(), unmatched
 
 
 def _run(case: str, fault: str = "") -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, case, fault, queue)) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    out = {}
-    for _ in procs:
-        rank, report, unmatched = queue.get(timeout=120)
-        assert unmatched == []
-        out[rank] = report
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    return [out[r] for r in range(WORLD)]
+    with tempfile.TemporaryDirectory() as rendezvous:
+        out = run_ranks(_worker, WORLD, Path(rendezvous), case, fault)
+    assert all(unmatched == [] for _, unmatched in out)
+    return [report for report, _ in out]
 
 
 def _bad(reports: list[dict]) -> list[list[str]]:

@@ -4,13 +4,12 @@ through a masked log-softmax, and the same numbers from a vocabulary split over 
 (rows padded to a multiple of the ranks, chunked rows)."""
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 from rlc.contract.sampling_truncation import Truncation
 from rlc.runtime.policy import truncated_logprobs as T
+from tests.gloo_ranks import run_ranks
 
 ROWS, VOCAB = 7, 48
 CASES = [Truncation(top_p=0.9), Truncation(top_k=5), Truncation(top_k=12, top_p=0.8), Truncation(min_p=0.1),
@@ -109,44 +108,28 @@ def test_bad_shapes_are_named():
         T.truncated_logprobs(torch.zeros(7), torch.zeros(7, dtype=torch.long), Truncation(top_k=2))
 
 
-def _rank(rank: int, world: int, init: str, t: Truncation, queue) -> None:
+def _rank(rank: int, world: int, t: Truncation) -> tuple[torch.Tensor, torch.Tensor]:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        T.CHUNK_ROWS = 2
-        logits, target = logits_and_targets()
-        width = VOCAB // world
-        x = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
-        lp = T.truncated_logprobs(x, target, t, group=dist.group.WORLD)
-        weights = torch.arange(1.0, ROWS + 1)
-        torch.where(torch.isfinite(lp), lp * weights, torch.zeros_like(lp)).sum().backward()
-        queue.put((rank, lp.detach(), x.grad))
-    finally:
-        dist.destroy_process_group()
+    T.CHUNK_ROWS = 2
+    logits, target = logits_and_targets()
+    width = VOCAB // world
+    x = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+    lp = T.truncated_logprobs(x, target, t, group=dist.group.WORLD)
+    weights = torch.arange(1.0, ROWS + 1)
+    torch.where(torch.isfinite(lp), lp * weights, torch.zeros_like(lp)).sum().backward()
+    assert x.grad is not None
+    return lp.detach(), x.grad
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocabulary_split_over_ranks_gives_the_same_logprobs_and_gradients(world: int, tmp_path):
     t = Truncation(min_p=0.02, top_k=20, top_p=0.8)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(r, world, init, t, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in procs:
-        rank, lp, grad = queue.get(timeout=120)
-        got[rank] = (lp, grad)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_rank, world, tmp_path, t)
     logits, target = logits_and_targets()
     want_lp, want_grad = reference(logits, target, t)
     width = VOCAB // world
-    for rank, (lp, grad) in got.items():
+    for rank, (lp, grad) in enumerate(got):
         assert torch.equal(torch.isfinite(lp), torch.isfinite(want_lp))
         torch.testing.assert_close(lp[torch.isfinite(lp)], want_lp[torch.isfinite(want_lp)])
         torch.testing.assert_close(grad, want_grad[:, rank * width:(rank + 1) * width])
