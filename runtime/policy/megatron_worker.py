@@ -503,6 +503,8 @@ class MegatronPolicyWorker(MegatronGenerationMixin):
                         return packed_token_logprobs(output_tensor, mb, temperature, cp_group, cut)
                     return token_logprobs(output_tensor, tokens, temperature, cut)
 
+                # the cut first: megatron-core's vocab_parallel_cross_entropy (the full distribution's, for the KL
+                # term) rewrites fp32 logits in place, and the cut reads them
                 lp = scored(truncation)
                 dev = lp.device
                 ref = mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None
