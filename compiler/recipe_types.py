@@ -1109,6 +1109,20 @@ class DataSection(_Section):
     prompt_template: str = key(
         "Template applied to each prompt; `{prompt}` is replaced by the prompt text.",
         default="{prompt}", pattern="\\{prompt\\}", runtime=EXPERIMENT)
+    chat_template: Optional[str] = key(
+        "How a prompt becomes the model's input. null: the text of `prompt_template` as it is, tokenized with the "
+        "tokenizer's special tokens (a base model's completion). `default`: the tokenizer's own chat template, "
+        "with `system_prompt` (if any) and the text as the user's turn, and the assistant's turn opened "
+        "(`add_generation_prompt`), tokenized without adding special tokens, as NeMo-RL's math data processor "
+        "does. Any other text: that Jinja chat template, used the same way.",
+        default=None, min_length=1, runtime=EXPERIMENT)
+    chat_template_kwargs: Mapping[str, Any] = key(
+        "Keyword arguments of the chat template (`apply_chat_template`), e.g. `enable_thinking: false` for Qwen3's "
+        "(NeMo-RL `policy.tokenizer.chat_template_kwargs`). Needs `chat_template`.",
+        default={}, runtime=EXPERIMENT, runtime_default=dict)
+    system_prompt: Optional[str] = key(
+        "A system turn before every prompt. Needs `chat_template`.",
+        default=None, min_length=1, runtime=EXPERIMENT)
     max_prompt_length: int = key(
         "Prompts longer than this many tokens are skipped.",
         default=1024, minimum=1, maximum=16777216, runtime=EXPERIMENT)

@@ -685,10 +685,21 @@ class DataConfig(Declared):
     """JSONL field holding the reference answer given to the reward."""
     prompt_template: str = runtime_key(EXPERIMENT, recipe="data.prompt_template")
     """Template applied to each prompt; `{prompt}` is replaced by the prompt text."""
+    chat_template: str | None = runtime_key(EXPERIMENT, recipe="data.chat_template")
+    """How a prompt becomes the model's input. null: the text of `prompt_template` as it is, tokenized with
+    the tokenizer's special tokens (a base model's completion). `default`: the tokenizer's own chat template,
+    with `system_prompt` (if any) and the text as the user's turn, and the assistant's turn opened
+    (`add_generation_prompt`), tokenized without adding special tokens, as NeMo-RL's math data processor does."""
+    system_prompt: str | None = runtime_key(EXPERIMENT, recipe="data.system_prompt")
+    """A system turn before every prompt. Needs `chat_template`."""
     max_prompt_length: int = runtime_key(EXPERIMENT, recipe="data.max_prompt_length")
     """Prompts longer than this many tokens are skipped."""
     shuffle: bool = runtime_key(EXPERIMENT, recipe="data.shuffle")
     """Shuffle prompts each epoch (seeded by grpo.seed)."""
+    chat_template_kwargs: dict[str, Any] = runtime_key(
+        EXPERIMENT, recipe="data.chat_template_kwargs", default_factory=dict)
+    """Keyword arguments of the chat template (`apply_chat_template`), e.g. `enable_thinking: false` for
+    Qwen3's (NeMo-RL `policy.tokenizer.chat_template_kwargs`). Needs `chat_template`."""
 
 
 @section

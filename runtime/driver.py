@@ -31,6 +31,7 @@ from rlc.runtime.generation.reshard_plan import prompt_chunks
 from rlc.runtime.generation.vllm_worker import VllmGenerationWorker
 from rlc.runtime.grpo.data import PromptCursor, load_prompts_from_config
 from rlc.runtime.grpo.dynamic_sampling import DynamicSampler
+from rlc.runtime.grpo.chat_prompt import PromptEncoder
 from rlc.runtime.grpo.reward_shaping import scale_rewards, shape_rewards
 from rlc.runtime.grpo.rewards import RewardScorer, make_reward_fn
 from rlc.runtime.metrics import MetricsLogger, PhaseTimer
@@ -74,6 +75,7 @@ class GrpoRun:
         self.pad_id = 0
         # Set by start_workers(), before any phase runs:
         self.tokenizer: Any
+        self.prompt_encoder: PromptEncoder
         self.scorer: RewardScorer
         self.cursor: PromptCursor
         self.pg: Any  # the Ray placement group
@@ -393,9 +395,10 @@ class GrpoRun:
                                                        trust_remote_code=self.cfg.model.trust_remote_code)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.prompt_encoder = PromptEncoder(self.tokenizer, self.cfg.data)  # data.chat_template checked here
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+        return self.prompt_encoder(text)
 
     def total_optimizer_steps(self) -> int:
         n = self.cfg.grpo.prompts_per_step * self.cfg.grpo.generations_per_prompt

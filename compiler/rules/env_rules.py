@@ -143,3 +143,20 @@ def overlong_penalty_reach(ctx: Context) -> None:
                     f"{shaping.overlong_buffer_length}), but responses stop at generation.sampling.max_tokens "
                     f"{tokens}: it never applies", "grpo.reward_shaping.max_response_length",
                     hint=f"grpo.reward_shaping.max_response_length: {tokens} (or null)")
+
+
+@rule("RLC308", "a system prompt or chat-template arguments need a chat template", severities=("error",),
+      rationale="data.system_prompt is a turn of the conversation the chat template renders, and "
+                "data.chat_template_kwargs are that template's arguments; with data.chat_template null the prompt "
+                "text goes to the tokenizer as it is, and the runtime refuses to start rather than drop them.",
+      seed="NeMo-RL math_hf_data_processor (system prompt and user turn through apply_chat_template, with "
+           "policy.tokenizer.chat_template_kwargs).",
+      fixes="Set data.chat_template: default (the tokenizer's) or a Jinja template, or drop the key.")
+def chat_template_needed(ctx: Context) -> None:
+    d = ctx.recipe.data
+    if d.chat_template is not None:
+        return
+    for key, value in (("system_prompt", d.system_prompt), ("chat_template_kwargs", d.chat_template_kwargs)):
+        if value:
+            ctx.error(f"data.{key} is set but data.chat_template is null: nothing renders it", f"data.{key}",
+                      hint="data.chat_template: default")

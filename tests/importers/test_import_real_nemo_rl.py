@@ -54,9 +54,7 @@ RECIPES = {
     "grpo-nanov3-30BA3B-4n4g-megatron_colocated_reshard.yaml": set(),
     "grpo-nemotron3-super-120BA12B-16n8g-megatron.yaml": set(),
     "grpo-nemotron3-super-120BA12B-8n4g-megatron.yaml": set(),
-    # rlc applies no chat template (data.prompt_template), so the template's switches have nothing to reach
-    "grpo-nemotron3-super-120BA12B-16n4g-megatron-qa-bf16-300step.yaml":
-        {"policy.tokenizer.chat_template_kwargs.enable_thinking"},
+    "grpo-nemotron3-super-120BA12B-16n4g-megatron-qa-bf16-300step.yaml": set(),
 }
 
 
@@ -67,7 +65,7 @@ def test_the_base_configs_import_whole_with_their_defaults_counted(path):
     defaults = [u for u in imported.unmapped if u.effect == "default" and not u.inactive]
     listed = [u for u in imported.unmapped if u.effect == "none" and not u.inactive]
     # ~190 keys at NeMo-RL's defaults, summarised; the few left are listed with why they change nothing
-    assert len(defaults) > 150 and len(listed) < 35
+    assert len(defaults) > 140 and len(listed) < 35
     assert all(u.reason for u in listed)
     got = mapped(imported)
     assert got["loss.kl_estimator"] == "k3" and got["grpo.leave_one_out"] is True
@@ -154,8 +152,9 @@ def test_prompt_file_becomes_the_prompt_template_and_a_missing_one_stops_the_imp
     # the fix the message names resolves it
     fixed = import_nemo_rl(str(lone), sets=['data.prompt_template="{prompt} Answer"'])
     assert fixed.data["data"]["prompt_template"] == "{prompt} Answer" and fixed.dropped == []
-    assert dropped(BASE, ("data.default.system_prompt_file=examples/prompts/cot.txt",)) == {
-        "data.default.system_prompt_file"}
+    # a system prompt file becomes data.system_prompt, the conversation's first turn (it used to stop the import)
+    system = import_nemo_rl(str(BASE), ["data.default.system_prompt_file=examples/prompts/cot.txt"])
+    assert mapped(system)["data.system_prompt"] == COT and system.dropped == []
 
 
 def test_nvfp4_rollouts_and_yarn_overrides_stop_the_import():
@@ -283,3 +282,33 @@ def test_dapo_reward_scaling_and_overlong_shaping_are_mapped():
     base = import_nemo_rl(str(BASE))
     assert not any(k.startswith("grpo.reward_s") for k in mapped(base))
     assert "the block is off" in base.mapping.implied["grpo.reward_shaping.overlong_buffer_length"]
+
+
+def test_the_math_processors_chat_template_and_its_arguments_are_carried():
+    """NeMo-RL's math data processor renders each prompt with the tokenizer's chat template (the assistant's turn
+    opened, no special tokens added): data.chat_template default, the template's arguments (Nemotron-3-Super's QA run
+    turns thinking off) and NeMo-RL's passthrough template for chat_template null. The import used to note the
+    difference and leave the markup to the user."""
+    base = mapped(import_nemo_rl(str(BASE)))
+    assert base["data.chat_template"] == "default" and "data.chat_template_kwargs" not in base
+    qa = mapped(import_nemo_rl(str(SUPER_QA)))
+    assert qa["data.chat_template_kwargs"] == {"enable_thinking": False}
+    passthrough = mapped(import_nemo_rl(str(BASE), ["++policy.tokenizer.chat_template=null"]))
+    assert passthrough["data.chat_template"] == "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    custom = mapped(import_nemo_rl(str(BASE), ["++policy.tokenizer.chat_template='{{ messages[0].content }}'"]))
+    assert custom["data.chat_template"] == "{{ messages[0].content }}"
+    other = import_nemo_rl(str(BASE), ["data.default.processor=helpsteer3_data_processor",
+                                       "++policy.tokenizer.chat_template_kwargs={enable_thinking: true}"],
+                           accept_loss=True)
+    assert "data.chat_template" not in mapped(other)
+    assert "policy.tokenizer.chat_template_kwargs.enable_thinking" in {u.key for u in other.dropped}
+
+
+def test_vllm_workers_environment_reaches_vllm_and_nothing_else_is_assumed():
+    """vllm_cfg.env_vars are set in NeMo-RL's vLLM workers: vLLM's own variables go to cluster.env (the trainer reads
+    none of them); another variable would reach the trainer too in rlc, so it stays a listed loss."""
+    imported = import_nemo_rl(str(BASE), ["++policy.generation.vllm_cfg.env_vars={VLLM_USE_FLASHINFER_MOE_FP16: '0', "
+                                          "NCCL_P2P_DISABLE: '1'}"], accept_loss=True)
+    assert mapped(imported)["cluster.env.VLLM_USE_FLASHINFER_MOE_FP16"] == "0"
+    assert "cluster.env.NCCL_P2P_DISABLE" not in mapped(imported)
+    assert {u.key for u in imported.dropped} == {"policy.generation.vllm_cfg.env_vars.NCCL_P2P_DISABLE"}

@@ -102,6 +102,15 @@ def test_overlong_penalty_that_cannot_work_is_named(base_recipe, qwen397, change
     assert not fired(run(fine, qwen397), "RLC307")
 
 
+@pytest.mark.parametrize("changes,path", [(dict(data__system_prompt="Be brief."), "data.system_prompt"),
+                                          (dict(data__chat_template_kwargs={"enable_thinking": False}),
+                                           "data.chat_template_kwargs")])
+def test_chat_settings_without_a_chat_template_are_refused(base_recipe, qwen397, changes, path):
+    (d,) = fired(run(with_changes(base_recipe, **changes), qwen397), "RLC308", "error")
+    assert d.path == path and d.hint == "data.chat_template: default"
+    assert not fired(run(with_changes(base_recipe, data__chat_template="default", **changes), qwen397), "RLC308")
+
+
 def test_truncated_sampling_is_told_not_warned(base_recipe, qwen397):
     """The trainer scores the sampled tokens under the engine's cuts: an info naming them, no warning."""
     result = run(with_changes(base_recipe, generation__sampling__top_p=0.9, generation__sampling__top_k=50), qwen397)

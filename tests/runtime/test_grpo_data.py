@@ -46,6 +46,8 @@ def test_load_from_config(gsm: Path) -> None:
         prompt_key="question",
         answer_key="answer",
         prompt_template="{prompt}",
+        chat_template=None,
+        system_prompt=None,
         max_prompt_length=0,
         shuffle=True,
     )

@@ -45,6 +45,7 @@ from rlc.compiler.importers.nemo_rl.generation_keys import (
     vllm_kwargs,
     vllm_precision,
 )
+from rlc.compiler.importers.nemo_rl.effects import no_effect_reason
 from rlc.contract.kl_term import KL_LOG_RATIO_BOUND
 from rlc.contract.ranges import schema_ranges
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
@@ -280,6 +281,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     if mcore:
         mcore_generation(m, megatron)
     _env_vars(m, f"{M}.env_vars" if megatron else f"{D}.env_vars")
+    _vllm_env_vars(m)
     _weight_decay_schedule(m)
     _truncated_importance_sampling_type(m)
     _reward(m)
@@ -468,6 +470,24 @@ def _weight_decay_schedule(m: _Mapper) -> None:
     if keys and all(m.leaves[k] == wd for k in keys):
         m.consume(*keys, f"{sched}.weight_decay_incr_style",
                   why=f"a constant weight decay equal to {M}.optimizer.weight_decay ({wd:g})")
+
+
+def _vllm_env_vars(m: _Mapper) -> None:
+    """``vllm_cfg.env_vars``: NeMo-RL sets them in its vLLM workers. vLLM's own (``VLLM_*``) go to ``cluster.env``
+    (the trainer reads none of them); NeMo-RL's refit-buffer and vLLM-executor variables change nothing
+    (:mod:`.effects`); any other stays unmapped, since in ``cluster.env`` it would reach the trainer too."""
+    prefix = f"{VLLM_CFG}.env_vars"
+    env = m.cfg.get(prefix)
+    if not isinstance(env, dict):
+        return
+    for name, value in env.items():
+        key = f"{prefix}.{name}"
+        if value is None or not str(name).startswith("VLLM_") or no_effect_reason(key):
+            continue  # null, or listed with why (changes nothing, or reaches more than vLLM in rlc)
+        m.consumed.add(key)
+        text = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
+                                                      else str(value))
+        m.put(f"cluster.env.{name}", text, (key,), "NeMo-RL sets it in vLLM's workers; rlc for every task")
 
 
 def _env_vars(m: _Mapper, prefix: str) -> None:

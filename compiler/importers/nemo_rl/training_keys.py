@@ -188,15 +188,86 @@ def prompt_files(m: _Mapper) -> None:
                                            effect="changes"))
             continue
         m.put("data.prompt_template", template, (k,), f"the text of {found} (NeMo-RL's '{{}}' is rlc's '{{prompt}}')")
-    processors = sorted({str(m.leaves[k]) for k in m.leaves if k.startswith("data.") and k.endswith(".processor")
-                         and m.leaves[k] is not None})
-    if processors:
-        m.out.notes.append(f"NeMo-RL's data processor ({', '.join(processors)}) puts each prompt into the tokenizer's "
-                           "chat template; rlc sends the text of data.prompt_template as it is: write the chat markup "
-                           "into data.prompt_template if the run needs it")
-    for k in [k for k in m.leaves if k.startswith("data.") and k.endswith(".system_prompt_file")]:
+    chat_template(m)
+
+
+#: NeMo-RL's data processors that put each prompt into the tokenizer's chat template (nemo_rl/data/processors.py).
+_CHAT_PROCESSORS = ("math_hf_data_processor", "math_data_processor")
+#: NeMo-RL's template for ``policy.tokenizer.chat_template: null``
+#: (``COMMON_CHAT_TEMPLATES.passthrough_prompt_response``): the turns' text, no markup, no special tokens.
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def _chat_template_value(m: _Mapper) -> tuple[Optional[str], tuple[str, ...], str]:
+    """``data.chat_template`` for NeMo-RL's ``policy.tokenizer.chat_template`` (absent or ``default``: the tokenizer's;
+    null: NeMo-RL's passthrough; a ``.jinja`` path: its text; other text: itself), its sources and a note; None with a
+    reason in the note where a file cannot be read."""
+    key = "policy.tokenizer.chat_template"
+    if key not in m.leaves:
+        return "default", (), "NeMo-RL's data processor renders each prompt with the tokenizer's chat template"
+    m.consumed.add(key)
+    value = m.leaves[key]
+    if value is None:
+        return PASSTHROUGH_TEMPLATE, (key,), "null: NeMo-RL's passthrough template (the text, no special tokens)"
+    text = str(value)
+    if text.lower() == "default":
+        return "default", (key,), "the tokenizer's chat template"
+    if not text.endswith(".jinja"):
+        return text, (key,), "NeMo-RL's custom chat template"
+    found = _find(text, list(m.cfg.files))
+    if found is None:
+        return None, (key,), "NeMo-RL renders every prompt with this template file, which the import did not find"
+    try:
+        return read_text_capped(found), (key,), f"the text of {found}"
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return None, (key,), f"{found}: {getattr(exc, 'strerror', None) or exc}"
+
+
+def chat_template(m: _Mapper) -> None:
+    """NeMo-RL's math data processors render each prompt (after its system prompt, if any) with the tokenizer's chat
+    template, the assistant's turn opened, and tokenize it without adding special tokens: ``data.chat_template`` and
+    ``data.system_prompt`` say the same, ``policy.tokenizer.chat_template_kwargs`` are the template's arguments.
+    ``math_data_processor`` renders a system prompt as a conversation of its own, which rlc does not."""
+    processors = {str(m.leaves[k]) for k in m.leaves
+                  if k.startswith("data.") and k.endswith(".processor") and m.leaves[k] is not None}
+    systems = {k: m.leaves[k] for k in m.leaves if k.startswith("data.") and k.endswith(".system_prompt_file")}
+    kwargs_key = "policy.tokenizer.chat_template_kwargs"
+    if not processors or not processors <= set(_CHAT_PROCESSORS):
+        for k in [*systems, *(k for k in m.leaves if k.startswith(kwargs_key + "."))]:
+            if m.leaves.get(k) is not None:
+                m.consumed.add(k)
+                m.out.unmapped.append(Unmapped(k, m.leaves[k], "rlc renders prompts with a chat template as NeMo-RL's "
+                                               "math data processors do; this config's processor "
+                                               f"({', '.join(sorted(processors)) or 'none'}) is not one of them"))
+        return
+    template, sources, note = _chat_template_value(m)
+    if template is None:
+        m.out.unmapped.append(Unmapped(sources[0], m.leaves[sources[0]], note, effect="changes"))
+        return
+    m.put("data.chat_template", template, sources or tuple(sorted(k for k in m.leaves if k.endswith(".processor"))),
+          note)
+    kwargs_leaves = tuple(k for k in m.leaves if k == kwargs_key or k.startswith(kwargs_key + "."))
+    kwargs = m.cfg.get(kwargs_key)
+    if isinstance(kwargs, dict) and kwargs:
+        m.consumed.update(kwargs_leaves)
+        m.put("data.chat_template_kwargs", dict(kwargs), kwargs_leaves, "the chat template's arguments")
+    else:
+        m.consume(*kwargs_leaves, why="null: the template's defaults")
+    active = {k: v for k, v in systems.items() if v is not None}
+    m.consume(*[k for k in systems if systems[k] is None], why="null: no system prompt")
+    if len({str(v) for v in active.values()}) > 1 or ("math_data_processor" in processors and active):
+        why = ("datasets with different system prompts: rlc has one data.system_prompt" if len(set(active.values())) > 1
+               else "math_data_processor renders the system prompt as a conversation of its own; rlc renders one "
+                    "conversation")
+        for k, v in active.items():
+            m.consumed.add(k)
+            m.out.unmapped.append(Unmapped(k, v, why, effect="changes"))
+        return
+    for k, v in active.items():
         m.consumed.add(k)
-        if m.leaves[k] is None:
-            m.out.implied[k] = "null: no system prompt"
-        else:
-            m.out.unmapped.append(Unmapped(k, m.leaves[k], "rlc sends no system prompt", effect="changes"))
+        found = _find(str(v), list(m.cfg.files))
+        if found is None:
+            m.out.unmapped.append(Unmapped(k, v, "NeMo-RL opens every conversation with this system prompt, which the "
+                                           "import did not find", effect="changes"))
+            continue
+        m.put("data.system_prompt", read_text_capped(found), (k,), f"the text of {found}")
