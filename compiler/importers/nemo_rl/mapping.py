@@ -472,6 +472,11 @@ def _weight_decay_schedule(m: _Mapper) -> None:
                   why=f"a constant weight decay equal to {M}.optimizer.weight_decay ({wd:g})")
 
 
+def _env_text(value: Any) -> str:
+    """An environment variable's text for a YAML value (booleans as ``true`` / ``false``)."""
+    return value if isinstance(value, str) else "true" if value is True else "false" if value is False else str(value)
+
+
 def _vllm_env_vars(m: _Mapper) -> None:
     """``vllm_cfg.env_vars``: NeMo-RL sets them in its vLLM workers. vLLM's own (``VLLM_*``) go to ``cluster.env``
     (the trainer reads none of them); NeMo-RL's refit-buffer and vLLM-executor variables change nothing
@@ -485,8 +490,7 @@ def _vllm_env_vars(m: _Mapper) -> None:
         if value is None or not str(name).startswith("VLLM_") or no_effect_reason(key):
             continue  # null, or listed with why (changes nothing, or reaches more than vLLM in rlc)
         m.consumed.add(key)
-        text = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
-                                                      else str(value))
+        text = _env_text(value)
         m.put(f"cluster.env.{name}", text, (key,), "NeMo-RL sets it in vLLM's workers; rlc for every task")
 
 
@@ -509,8 +513,7 @@ def _env_vars(m: _Mapper, prefix: str) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
             m.out.unmapped.append(Unmapped(key, value, "not a valid environment variable name"))
             continue
-        text = value if isinstance(value, str) else ("true" if value is True else "false" if value is False
-                                                      else str(value))
+        text = _env_text(value)
         if name == "PYTORCH_CUDA_ALLOC_CONF" and EXPANDABLE_SEGMENTS.search(text):
             # NeMo-RL gives it to the Megatron workers only; cluster.env reaches vLLM too, whose
             # sleep-mode pool cannot use expandable segments (RLC301 would reject the recipe).
