@@ -255,8 +255,9 @@ def chat_template(m: _Mapper) -> None:
         m.consume(*kwargs_leaves, why="null: the template's defaults")
     active = {k: v for k, v in systems.items() if v is not None}
     m.consume(*[k for k in systems if systems[k] is None], why="null: no system prompt")
-    if len({str(v) for v in active.values()}) > 1 or ("math_data_processor" in processors and active):
-        why = ("datasets with different system prompts: rlc has one data.system_prompt" if len(set(active.values())) > 1
+    several = len({str(v) for v in active.values()}) > 1
+    if several or ("math_data_processor" in processors and active):
+        why = ("datasets with different system prompts: rlc has one data.system_prompt" if several
                else "math_data_processor renders the system prompt as a conversation of its own; rlc renders one "
                     "conversation")
         for k, v in active.items():
@@ -270,4 +271,8 @@ def chat_template(m: _Mapper) -> None:
             m.out.unmapped.append(Unmapped(k, v, "NeMo-RL opens every conversation with this system prompt, which the "
                                            "import did not find", effect="changes"))
             continue
-        m.put("data.system_prompt", read_text_capped(found), (k,), f"the text of {found}")
+        try:
+            m.put("data.system_prompt", read_text_capped(found), (k,), f"the text of {found}")
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            m.out.unmapped.append(Unmapped(k, v, f"{found}: {getattr(exc, 'strerror', None) or exc}",
+                                           effect="changes"))
