@@ -606,7 +606,7 @@ def run_variant(name: str, v: Variant, *, seed: int, steps: int, prompts: int, g
                           token_level=True,
                           clip_ratio_c=None, max_log_ratio=20.0, importance_sampling_correction=False,
                           importance_sampling_cap=2.0, kl_weighting="none",
-                          kl_clamp=None)  # the recipes' resolved loss section
+                          kl_clamp=None, force_on_policy_ratio=False)  # the recipes' resolved loss section
     samples = [PromptSample(i, ex["prompt"], ex["answer"], f"toy:{i}") for i, ex in enumerate(toy.examples(4096, 0))]
     cursor = PromptCursor(samples, seed=seed, shuffle=True)
     gen = torch.Generator().manual_seed(seed)

@@ -1080,6 +1080,12 @@ class LossSection(_Section):
         "Bound on |log(new/old)| before the importance ratio is exponentiated, so a token whose logprobs diverged "
         "cannot overflow the ratio to inf (verl clamps at 20).",
         default=20.0, exclusive_minimum=0, maximum=80, runtime=EXPERIMENT)
+    force_on_policy_ratio: bool = key(
+        "Take the policy ratio as exactly 1, exp(logπ − sg(logπ)), instead of against the logprobs of the policy "
+        "before the update (NeMo-RL `force_on_policy_ratio`): with one optimizer step per GRPO step the two differ "
+        "only by the numerics of two passes, and no clip applies. Needs `training.global_batch_size` = "
+        "`grpo.prompts_per_step` × `grpo.generations_per_prompt` (RLC309).",
+        default=False, runtime=EXPERIMENT)
     importance_sampling_correction: bool = key(
         "Weight each token's policy loss by the truncated importance ratio between the trainer's and the rollout "
         "engine's probability of the sampled token, min(exp(trainer − vLLM logprob), `importance_sampling_cap`), "

@@ -663,6 +663,10 @@ class LossConfig(Declared):
     max_log_ratio: float = runtime_key(EXPERIMENT, recipe="loss.max_log_ratio")
     """Bound on |log(new/old)| before the importance ratio is exponentiated, so a token whose logprobs
     diverged cannot overflow the ratio to inf (verl clamps at 20)."""
+    force_on_policy_ratio: bool = runtime_key(EXPERIMENT, recipe="loss.force_on_policy_ratio")
+    """Take the policy ratio as exactly 1, exp(logπ − sg(logπ)), instead of against the logprobs of the policy
+    before the update (NeMo-RL `force_on_policy_ratio`): with one optimizer step per GRPO step the two differ
+    only by the numerics of two passes, and no clip applies."""
     importance_sampling_correction: bool = runtime_key(EXPERIMENT, recipe="loss.importance_sampling_correction")
     """Weight each token's policy loss by the truncated importance ratio between the trainer's and the rollout
     engine's probability of the sampled token, min(exp(trainer − vLLM logprob), `importance_sampling_cap`),

@@ -160,3 +160,21 @@ def chat_template_needed(ctx: Context) -> None:
         if value:
             ctx.error(f"data.{key} is set but data.chat_template is null: nothing renders it", f"data.{key}",
                       hint="data.chat_template: default")
+
+
+@rule("RLC309", "a ratio forced to 1 needs one optimizer step per GRPO step", severities=("error",),
+      rationale="loss.force_on_policy_ratio takes the policy ratio as exactly 1, which is only what the clipped loss "
+                "would compute when every sample is trained on in one optimizer step, from the weights that scored "
+                "it: with several optimizer steps per GRPO step the later ones train a policy that already moved, and "
+                "the forced ratio hides it from the clip.",
+      seed="NeMo-RL grpo.py (force_on_policy_ratio requires train_global_batch_size == num_prompts_per_step * "
+           "num_generations_per_prompt).",
+      fixes="Set training.global_batch_size to grpo.prompts_per_step × grpo.generations_per_prompt, or "
+            "loss.force_on_policy_ratio: false.")
+def forced_ratio_one_step(ctx: Context) -> None:
+    r = ctx.recipe
+    samples = r.grpo.prompts_per_step * r.grpo.generations_per_prompt
+    if r.loss.force_on_policy_ratio and r.training.global_batch_size != samples:
+        ctx.error(f"loss.force_on_policy_ratio with training.global_batch_size {r.training.global_batch_size}: a GRPO "
+                  f"step of {samples} samples takes several optimizer steps, and the later ones see a moved policy",
+                  "loss.force_on_policy_ratio", hint=f"training.global_batch_size: {samples}")

@@ -196,7 +196,8 @@ def grpo_loss(
     m = keep.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     new = torch.where(keep, logprobs, zero)
-    old = torch.where(keep, old_logprobs.detach().to(dtype), zero)
+    # loss.force_on_policy_ratio: the ratio is exactly 1 and its gradient the policy's own
+    old = new.detach() if cfg.force_on_policy_ratio else torch.where(keep, old_logprobs.detach().to(dtype), zero)
     adv = torch.where(keep, adv.detach().to(dtype), zero)
     log_ratio = new - old
     per_token, clip_active, dual_active = policy_loss_per_token(log_ratio, adv, cfg)

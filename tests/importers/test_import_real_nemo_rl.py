@@ -312,3 +312,8 @@ def test_vllm_workers_environment_reaches_vllm_and_nothing_else_is_assumed():
     assert mapped(imported)["cluster.env.VLLM_USE_FLASHINFER_MOE_FP16"] == "0"
     assert "cluster.env.NCCL_P2P_DISABLE" not in mapped(imported)
     assert {u.key for u in imported.dropped} == {"policy.generation.vllm_cfg.env_vars.NCCL_P2P_DISABLE"}
+
+
+def test_a_forced_on_policy_ratio_is_mapped():
+    got = mapped(import_nemo_rl(str(BASE), ["loss_fn.force_on_policy_ratio=true"]))
+    assert got["loss.force_on_policy_ratio"] is True  # used to stop the import

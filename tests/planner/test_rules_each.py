@@ -111,6 +111,15 @@ def test_chat_settings_without_a_chat_template_are_refused(base_recipe, qwen397,
     assert not fired(run(with_changes(base_recipe, data__chat_template="default", **changes), qwen397), "RLC308")
 
 
+def test_a_forced_ratio_needs_one_optimizer_step_per_grpo_step(base_recipe, qwen397):
+    samples = base_recipe.grpo.prompts_per_step * base_recipe.grpo.generations_per_prompt
+    one_step = with_changes(base_recipe, loss__force_on_policy_ratio=True, training__global_batch_size=samples)
+    assert not fired(run(one_step, qwen397), "RLC309")
+    several = with_changes(base_recipe, loss__force_on_policy_ratio=True, training__global_batch_size=samples // 2)
+    (d,) = fired(run(several, qwen397), "RLC309", "error")
+    assert d.hint == f"training.global_batch_size: {samples}"
+
+
 def test_truncated_sampling_is_told_not_warned(base_recipe, qwen397):
     """The trainer scores the sampled tokens under the engine's cuts: an info naming them, no warning."""
     result = run(with_changes(base_recipe, generation__sampling__top_p=0.9, generation__sampling__top_k=50), qwen397)

@@ -21,11 +21,11 @@ from rlc.runtime.grpo.loss import (  # noqa: E402
 
 
 def cfg(low=0.2, high=0.28, kl=0.0, est="k3", token_level=True, clip_c=None, max_log_ratio=20.0,
-        is_correction=False, is_cap=2.0, kl_weighting="none", kl_clamp=None) -> LossConfig:
+        is_correction=False, is_cap=2.0, kl_weighting="none", kl_clamp=None, force=False) -> LossConfig:
     return LossConfig(
         ratio_clip_low=low, ratio_clip_high=high, kl_penalty=kl, kl_estimator=est, token_level=token_level,
         clip_ratio_c=clip_c, max_log_ratio=max_log_ratio, importance_sampling_correction=is_correction,
-        importance_sampling_cap=is_cap, kl_weighting=kl_weighting, kl_clamp=kl_clamp,
+        importance_sampling_cap=is_cap, kl_weighting=kl_weighting, kl_clamp=kl_clamp, force_on_policy_ratio=force,
     )
 
 
@@ -393,3 +393,17 @@ def test_on_policy_kl_weighting_needs_the_engine_logprobs() -> None:
     x = torch.zeros(1, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="kl_weighting on_policy needs gen_logprobs"):
         grpo_loss(x, x, torch.zeros(1), torch.ones(1, 2), cfg(kl=0.1, kl_weighting="on_policy"), ref_logprobs=x)
+
+
+def test_a_forced_ratio_is_one_whatever_the_old_logprobs_say() -> None:
+    """``loss.force_on_policy_ratio``: the loss and gradient of the on-policy case (old = new) even where the old
+    logprobs sit outside the clip range; without it those tokens are clipped."""
+    new = torch.log(torch.tensor([[0.5, 0.25, 0.1]], dtype=torch.float64))
+    old = new - torch.tensor([[0.0, 0.5, -0.5]], dtype=torch.float64)
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    forced, fm, fg = _grad(new, old, adv, mask, cfg(force=True))
+    on_policy, _, og = _grad(new, new, adv, mask, cfg())
+    assert forced.item() == pytest.approx(on_policy.item()) and torch.equal(fg, og)
+    assert fm["clip_fraction"] == 0.0 and fm["ratio_max"] == 1.0
+    _, clipped, _ = _grad(new, old, adv, mask, cfg())
+    assert clipped["clip_fraction"] > 0

@@ -213,7 +213,7 @@ def loss_config(c: dict) -> LossConfig:
         ratio_clip_low=c["low"], ratio_clip_high=c["high"], kl_penalty=c["kl"], kl_estimator=c["estimator"],
         token_level=c["token_level"], clip_ratio_c=c["clip_c"], max_log_ratio=c["max_log_ratio"],
         importance_sampling_correction=c["is_cap"] is not None, importance_sampling_cap=c["is_cap"] or 2.0,
-        kl_weighting="none", kl_clamp=None,
+        kl_weighting="none", kl_clamp=None, force_on_policy_ratio=False,
     )
 
 

@@ -103,6 +103,7 @@ DIRECT: tuple[Rule, ...] = (
     ("loss_fn.ratio_clip_min", "loss.ratio_clip_low", number, ""),
     ("loss_fn.ratio_clip_max", "loss.ratio_clip_high", number, ""),
     ("loss_fn.token_level_loss", "loss.token_level", boolean, ""),
+    ("loss_fn.force_on_policy_ratio", "loss.force_on_policy_ratio", boolean, "the policy ratio taken as exactly 1"),
     ("checkpointing.enabled", "checkpointing.enabled", boolean, ""),
     ("checkpointing.checkpoint_dir", "checkpointing.dir", str, ""),
     ("checkpointing.save_period", "checkpointing.every_steps", positive_int, ""),
