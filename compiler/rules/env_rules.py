@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 
 from rlc.compiler.rules.engine import Context, rule
+from rlc.contract.chat_template import TOKENIZER_TEMPLATE
+from rlc.contract.reward_shaping import overlong_window
 from rlc.contract.sampling_truncation import Truncation
 
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
@@ -131,8 +133,7 @@ def overlong_penalty_reach(ctx: Context) -> None:
     shaping, tokens = ctx.recipe.grpo.reward_shaping, ctx.recipe.generation.sampling.max_tokens
     if not shaping.enabled or shaping.stop_properly_penalty_coef is not None:
         return
-    limit = shaping.max_response_length if shaping.max_response_length is not None else tokens
-    start = limit - shaping.overlong_buffer_length
+    start, limit = overlong_window(shaping, tokens)
     path = "grpo.reward_shaping.overlong_buffer_length"
     if start <= 0:
         ctx.error(f"overlong_buffer_length {shaping.overlong_buffer_length} ≥ the response limit {limit}: every "
@@ -159,7 +160,7 @@ def chat_template_needed(ctx: Context) -> None:
     for key, value in (("system_prompt", d.system_prompt), ("chat_template_kwargs", d.chat_template_kwargs)):
         if value:
             ctx.error(f"data.{key} is set but data.chat_template is null: nothing renders it", f"data.{key}",
-                      hint="data.chat_template: default")
+                      hint=f"data.chat_template: {TOKENIZER_TEMPLATE}")
 
 
 @rule("RLC309", "a ratio forced to 1 needs one optimizer step per GRPO step", severities=("error",),

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from rlc.contract.runtime_config import RuntimeConfig, SamplingConfig
 from rlc.contract.mamba_states import MAMBA_STATE_DTYPES
+from rlc.contract.sampling_truncation import Truncation
 from rlc.runtime.generation.sampling import logprobs_mode
 from rlc.runtime.worker_api import Sample
 
@@ -77,12 +78,12 @@ def inference_config_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
 
 def sampling_params_kwargs(sampling: SamplingConfig, eos_token_id: int | None) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``SamplingParams`` for ``generation.sampling``."""
-    top_k = int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else 0
-    top_p = float(sampling.top_p) if float(sampling.top_p) < 1.0 else 0.0
+    cut = Truncation.of(sampling)
+    top_k, top_p = cut.top_k, cut.top_p if cut.top_p < 1.0 else 0.0  # megatron-core's "off" is 0 for both
     if top_k and top_p:
         raise MegatronSamplingError(f"generation.sampling top_k {top_k} with top_p {top_p}: megatron-core's sampler "
                                     "refuses both at once; recompile with one of them off")
-    if float(getattr(sampling, "min_p", 0.0)) > 0:
+    if cut.min_p > 0:
         raise MegatronSamplingError(f"generation.sampling.min_p {sampling.min_p}: megatron-core's sampler has "
                                     "temperature, top-k and top-p only; recompile with min_p: 0 (or the vLLM backend)")
     if list(sampling.stop) or list(getattr(sampling, "stop_token_ids", ())):

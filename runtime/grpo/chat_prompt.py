@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlc.contract.chat_template import TOKENIZER_TEMPLATE
 from rlc.contract.runtime_config import DataConfig
-
-#: ``data.chat_template`` value that names the tokenizer's own template.
-TOKENIZER_TEMPLATE = "default"
 
 
 class ChatTemplateError(ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlc.contract.reward_shaping import overlong_window
 from rlc.contract.runtime_config import RewardScalingConfig, RewardShapingConfig
 
 
@@ -28,8 +29,8 @@ def scale_rewards(rewards: Sequence[float], cfg: RewardScalingConfig) -> list[fl
 def overlong_penalty(length: int, cfg: RewardShapingConfig, max_tokens: int) -> float:
     """DAPO's soft overlong punishment of a response of ``length`` tokens (≤ 0): ``−penalty × excess ÷ buffer`` past
     ``max_response_length − overlong_buffer_length`` (``max_response_length`` null: ``max_tokens``)."""
-    limit = int(cfg.max_response_length) if cfg.max_response_length is not None else int(max_tokens)
-    excess = int(length) - (limit - int(cfg.overlong_buffer_length))
+    start, _ = overlong_window(cfg, max_tokens)
+    excess = int(length) - start
     return min(-excess / int(cfg.overlong_buffer_length) * float(cfg.overlong_buffer_penalty), 0.0)
 
 

@@ -104,7 +104,7 @@ class _TruncatedLogprob(torch.autograd.Function):
             probs[lo:lo + CHUNK_ROWS] = logp.exp_()
         del mine
         ctx.save_for_backward(probs, my_target, torch.isfinite(logprob))
-        ctx.tp, ctx.group, ctx.rows = tp, group, rows
+        ctx.tp, ctx.rank, ctx.group, ctx.rows = tp, rank, group, rows
         if tp == 1:
             return logprob[:rows]
         gathered = logprob.new_empty(tp * n)
@@ -114,8 +114,7 @@ class _TruncatedLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         probs, my_target, kept = ctx.saved_tensors
-        tp, group, rows = ctx.tp, ctx.group, ctx.rows
-        _, rank = _tp(group)
+        tp, rank, group, rows = ctx.tp, ctx.rank, ctx.group, ctx.rows
         n = probs.shape[0]
         g = torch.zeros(tp * n, dtype=probs.dtype, device=probs.device)
         g[:rows] = grad

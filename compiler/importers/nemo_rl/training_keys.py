@@ -15,6 +15,7 @@ from rlc.compiler.importers.nemo_rl.effects import MOOT, effect_of, is_default
 from rlc.compiler.importers.nemo_rl.results import Unmappable, Unmapped
 from rlc.compiler import catalog
 from rlc.compiler.files import read_text_capped
+from rlc.contract.chat_template import TOKENIZER_TEMPLATE
 
 if TYPE_CHECKING:
     from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
@@ -174,21 +175,34 @@ def prompt_files(m: _Mapper) -> None:
         return
     for k in active:
         m.consumed.add(k)
-        name = str(m.leaves[k])
-        found = _find(name, list(m.cfg.files))
-        if found is None:
-            m.out.unmapped.append(Unmapped(k, name, "NeMo-RL formats every prompt with this file, which the import "
-                                           "did not find (run it from the NeMo-RL checkout, or --set "
-                                           "data.prompt_template='...{prompt}...')", effect="changes"))
+        read = _file_text(m, k, "NeMo-RL formats every prompt with this file, which the import did not find (run it "
+                                "from the NeMo-RL checkout, or --set data.prompt_template='...{prompt}...')")
+        if read is None:
             continue
+        text, found = read
         try:
-            template = _nemo_rl_template(read_text_capped(found))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            m.out.unmapped.append(Unmapped(k, name, f"{found}: {getattr(exc, 'strerror', None) or exc}",
-                                           effect="changes"))
+            template = _nemo_rl_template(text)
+        except ValueError as exc:
+            m.out.unmapped.append(Unmapped(k, m.leaves[k], f"{found}: {exc}", effect="changes"))
             continue
         m.put("data.prompt_template", template, (k,), f"the text of {found} (NeMo-RL's '{{}}' is rlc's '{{prompt}}')")
     chat_template(m)
+
+
+def _file_text(m: _Mapper, key: str, missing: str) -> Optional[tuple[str, Path]]:
+    """``(text, path)`` of the file NeMo-RL's ``key`` names (found as NeMo-RL would: :func:`_find`), or None with the
+    key listed as dropped: ``missing`` where the file is not found, the error where it cannot be read."""
+    name = str(m.leaves[key])
+    found = _find(name, list(m.cfg.files))
+    if found is None:
+        m.out.unmapped.append(Unmapped(key, m.leaves[key], missing, effect="changes"))
+        return None
+    try:
+        return read_text_capped(found), found
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        m.out.unmapped.append(Unmapped(key, m.leaves[key], f"{found}: {getattr(exc, 'strerror', None) or exc}",
+                                       effect="changes"))
+        return None
 
 
 #: NeMo-RL's data processors that put each prompt into the tokenizer's chat template (nemo_rl/data/processors.py).
@@ -200,27 +214,22 @@ PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% 
 
 def _chat_template_value(m: _Mapper) -> tuple[Optional[str], tuple[str, ...], str]:
     """``data.chat_template`` for NeMo-RL's ``policy.tokenizer.chat_template`` (absent or ``default``: the tokenizer's;
-    null: NeMo-RL's passthrough; a ``.jinja`` path: its text; other text: itself), its sources and a note; None with a
-    reason in the note where a file cannot be read."""
+    null: NeMo-RL's passthrough; a ``.jinja`` path: its text; other text: itself), its sources and a note; None where
+    a template file cannot be read (listed as dropped)."""
     key = "policy.tokenizer.chat_template"
     if key not in m.leaves:
-        return "default", (), "NeMo-RL's data processor renders each prompt with the tokenizer's chat template"
+        return TOKENIZER_TEMPLATE, (), "NeMo-RL's data processor renders each prompt with the tokenizer's chat template"
     m.consumed.add(key)
     value = m.leaves[key]
     if value is None:
         return PASSTHROUGH_TEMPLATE, (key,), "null: NeMo-RL's passthrough template (the text, no special tokens)"
     text = str(value)
-    if text.lower() == "default":
-        return "default", (key,), "the tokenizer's chat template"
+    if text.lower() == "default":  # NeMo-RL's word for the tokenizer's own template
+        return TOKENIZER_TEMPLATE, (key,), "the tokenizer's chat template"
     if not text.endswith(".jinja"):
         return text, (key,), "NeMo-RL's custom chat template"
-    found = _find(text, list(m.cfg.files))
-    if found is None:
-        return None, (key,), "NeMo-RL renders every prompt with this template file, which the import did not find"
-    try:
-        return read_text_capped(found), (key,), f"the text of {found}"
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return None, (key,), f"{found}: {getattr(exc, 'strerror', None) or exc}"
+    read = _file_text(m, key, "NeMo-RL renders every prompt with this template file, which the import did not find")
+    return (None, (key,), "") if read is None else (read[0], (key,), f"the text of {read[1]}")
 
 
 def chat_template(m: _Mapper) -> None:
@@ -242,7 +251,6 @@ def chat_template(m: _Mapper) -> None:
         return
     template, sources, note = _chat_template_value(m)
     if template is None:
-        m.out.unmapped.append(Unmapped(sources[0], m.leaves[sources[0]], note, effect="changes"))
         return
     m.put("data.chat_template", template, sources or tuple(sorted(k for k in m.leaves if k.endswith(".processor"))),
           note)
@@ -264,15 +272,9 @@ def chat_template(m: _Mapper) -> None:
             m.consumed.add(k)
             m.out.unmapped.append(Unmapped(k, v, why, effect="changes"))
         return
-    for k, v in active.items():
+    for k in active:
         m.consumed.add(k)
-        found = _find(str(v), list(m.cfg.files))
-        if found is None:
-            m.out.unmapped.append(Unmapped(k, v, "NeMo-RL opens every conversation with this system prompt, which the "
-                                           "import did not find", effect="changes"))
-            continue
-        try:
-            m.put("data.system_prompt", read_text_capped(found), (k,), f"the text of {found}")
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            m.out.unmapped.append(Unmapped(k, v, f"{found}: {getattr(exc, 'strerror', None) or exc}",
-                                           effect="changes"))
+        read = _file_text(m, k, "NeMo-RL opens every conversation with this system prompt, which the import did not "
+                                "find")
+        if read is not None:
+            m.put("data.system_prompt", read[0], (k,), f"the text of {read[1]}")
