@@ -18,17 +18,17 @@ from rlc.runtime.worker_api import Sample
 
 def sampling_kwargs(sampling: SamplingConfig, n: int, *, eos_token_id: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``SamplingParams`` (``n`` generations per prompt)."""
+    cut = Truncation.of(sampling)
     kw: dict[str, Any] = {
         "n": int(n),
         "temperature": float(sampling.temperature),
-        "top_p": float(sampling.top_p),
-        "top_k": int(sampling.top_k) if sampling.top_k and sampling.top_k > 0 else -1,
+        "top_p": cut.top_p,
+        "top_k": cut.top_k or -1,  # vLLM's "off" is -1
         "max_tokens": int(sampling.max_tokens),
         "logprobs": 0,
     }
-    min_p = float(getattr(sampling, "min_p", 0.0))
-    if min_p > 0:
-        kw["min_p"] = min_p
+    if cut.min_p > 0:
+        kw["min_p"] = cut.min_p
     if sampling.stop:
         kw["stop"] = list(sampling.stop)
     stop_ids = [int(eos_token_id)] if eos_token_id is not None else []
