@@ -100,12 +100,17 @@ class ModelSection(_Section):
         "the parent; or absolute). Overrides the catalog, and is how models outside the catalog are planned.",
         min_length=1, runtime=COMPILER)
     overrides: Mapping[str, Any] = key(
-        "HF `config.json` keys to add to (or replace in) the model's architecture facts, e.g. `{tie_word_embeddings: "
-        "false}` when no source states a fact the planner needs (RLC216), or a `rope_scaling` mapping. Applied on "
-        "top of the config rlc read (the checkpoint's, the catalog entry, or `config`); every override is named in "
-        "the plan.",
+        "HF `config.json` keys to add to (or replace in) the model's config, as if the checkpoint's `config.json` "
+        "said them: the planner's facts and the model the job builds (the trainer, the reference policy and the "
+        "rollout engine) both read the config with them. E.g. a YaRN `rope_scaling` mapping, "
+        "`router_aux_loss_coef: 0.0`, `{tie_word_embeddings: false}` when no source states a fact the planner "
+        "needs (RLC216), or `num_nextn_predict_layers: 0` / `mtp_num_hidden_layers: 0` to build the trainer "
+        "without MTP blocks (vLLM's MTP drafter still loads the checkpoint's). A mapping merges into the config's "
+        "mapping of the same key (`text_config: {router_aux_loss_coef: 0.0}` changes one key), and a config that "
+        "nests `text_config` gets every other key there too. Applied on top of the config rlc read (the "
+        "checkpoint's, the catalog entry, or `config`); every override is named in the plan.",
         default={}, values={"type": ["string", "number", "integer", "boolean", "array", "object", "null"]},
-        property_names="^[A-Za-z_][A-Za-z0-9_]*$", runtime=COMPILER)
+        property_names="^[A-Za-z_][A-Za-z0-9_]*$", runtime=EXPERIMENT)
     checkpoint: Optional[str] = key(
         "HF checkpoint directory the job loads (config.json + safetensors), as seen inside the container, or a Hub "
         "id. Defaults to `id` (only useful when the container has the model cached). rlc reads the model's facts "

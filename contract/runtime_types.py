@@ -28,6 +28,10 @@ class ModelConfig(Declared):
 
     name: str = runtime_key(EXPERIMENT, recipe="model.id")
     """Hugging Face model id (e.g. `Qwen/Qwen3.5-397B-A17B`) or a catalog name."""
+    overrides: dict[str, Any] = runtime_key(EXPERIMENT, recipe="model.overrides")
+    """HF `config.json` keys to add to (or replace in) the model's config, as if the checkpoint's
+    `config.json` said them: the planner's facts and the model the job builds (the trainer, the reference
+    policy and the rollout engine) both read the config with them."""
     checkpoint: str = runtime_key(EXPERIMENT, recipe="model.checkpoint")
     """HF checkpoint directory the job loads (config.json + safetensors), as seen inside the container, or a
     Hub id."""

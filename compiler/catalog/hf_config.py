@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from rlc.compiler.catalog.context import context_length
 from rlc.compiler.model import Fp32Param, LayerKind, ModelFacts
+from rlc.contract.model_overrides import MTP_COUNT_KEYS, MTP_HIDDEN_KEY, NEXTN_KEY  # noqa: F401  (re-exported)
 
 ROUTER_BIAS = Fp32Param(
     pattern="*e_score_correction_bias*",
@@ -28,11 +29,6 @@ MEGATRON_EXPERT_BIAS = Fp32Param(
     why="Megatron name of the same router bias (SkyRL #1816)",
 )
 
-#: The config keys that state how many MTP blocks a checkpoint has. Recipes set one to 0 in
-#: ``model.overrides`` to build the trainer without MTP (NeMo-RL ``mtp_num_layers: 0``).
-NEXTN_KEY = "num_nextn_predict_layers"  # DeepSeek-V3, GLM-4.5, Nemotron-H
-MTP_HIDDEN_KEY = "mtp_num_hidden_layers"  # Qwen3.5, Qwen3-Next
-MTP_COUNT_KEYS = (NEXTN_KEY, MTP_HIDDEN_KEY)
 
 _FACT_FIELDS = ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "tied_embeddings",
                 "num_experts", "experts_per_tok", "moe_intermediate", "shared_expert_intermediate",

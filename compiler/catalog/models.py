@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from rlc.compiler.catalog.errors import CatalogError
-from rlc.compiler.catalog.hf_config import MTP_COUNT_KEYS, ConfigFormatError, facts_from_config
+from rlc.compiler.catalog.hf_config import ConfigFormatError, facts_from_config
+from rlc.contract.model_overrides import apply_overrides, engine_overrides
 from rlc.compiler.catalog.sources import fetch_from_hub, find_local_config, hub_ids
 from rlc.compiler.files import JsonError, parse_json, read_text_capped
 from rlc.compiler.model import ModelFacts
@@ -119,16 +120,13 @@ def _provenance(cfg: Mapping[str, Any]) -> str:
 
 
 def _with_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg`` with ``model.overrides`` applied (to ``text_config`` too when the config nests one)."""
+    """``cfg`` with ``model.overrides`` applied (:func:`rlc.contract.model_overrides.apply_overrides`, the
+    runtime's reading too); a key an override states is no longer absent."""
     if not overrides:
         return cfg
-    out = dict(cfg)
-    out.update(overrides)
-    if isinstance(cfg.get("text_config"), dict):
-        out["text_config"] = {**cfg["text_config"], **overrides}
-    absent = [a for a in (cfg.get("_absent") or []) if a not in overrides]
+    out = apply_overrides(cfg, overrides)
     if "_absent" in cfg:
-        out["_absent"] = absent
+        out["_absent"] = [a for a in (cfg.get("_absent") or []) if a not in overrides]
     return out
 
 
@@ -155,9 +153,9 @@ def _facts(raw: dict[str, Any], overrides: dict[str, Any], facts_id: str, source
     """Facts of ``raw`` with ``model.overrides`` applied; the MTP count vLLM's drafter loads stays the
     checkpoint's when an override builds the trainer without MTP."""
     # vLLM's MTP drafter loads the checkpoint's MTP blocks even when an override builds the trainer without them
-    checkpoint_overrides = {k: v for k, v in overrides.items() if k not in MTP_COUNT_KEYS}
+    checkpoint_overrides = engine_overrides(overrides)
     facts = facts_from_config(_with_overrides(raw, overrides), facts_id, source)
-    if len(checkpoint_overrides) < len(overrides):
+    if checkpoint_overrides != dict(overrides):
         checkpoint = facts_from_config(_with_overrides(raw, checkpoint_overrides), facts_id, source)
         facts = dataclasses.replace(facts, checkpoint_mtp_num_layers=checkpoint.mtp_num_layers)
     return facts

@@ -10,16 +10,22 @@ the engine is a DeepSeek-V3-style FP8 checkpoint (vLLM ``Fp8Config`` with ``weig
 started from random weights (``load_format: dummy``): the refit's first transfer writes the trainer's
 quantized weights and their scales. With ``scales: tensor`` vLLM's online ``fp8_per_tensor`` quantizes the
 checkpoint (and every refit's bf16 weights) as it loads them. Both keep the MoE routers unquantized.
+
+``model.overrides`` (all but the MTP block counts, which build the trainer only) reach vLLM as ``hf_overrides``:
+:class:`rlc.runtime.model_config.EngineConfig`, the checkpoint's ``config.json`` with them, read as the trainer reads
+it; the FP8 engine's quantization config and ``generation.vllm_kwargs.hf_overrides`` are set on it afterwards.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from rlc.contract.engine_options import VLLM_OWNED
 from rlc.contract.fp8 import BLOCK, ROUTER_IGNORE_REGEX, router_ignore_prefixes
+from rlc.contract.model_overrides import engine_overrides
 from rlc.contract.runtime_config import RuntimeConfig, vllm_speculative_config
 from rlc.runtime.generation.sampling import logprobs_mode
+from rlc.runtime.model_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,13 @@ def engine_kwargs(cfg: RuntimeConfig, engine_index: int, *, distributed: bool) -
                          "recompile the bundle without it")
     kwargs.update(fp8)
     kwargs.update(passed)
+    if engine_overrides(cfg.model.overrides):
+        extra = kwargs.pop("hf_overrides", None) or {}
+        if not isinstance(extra, Mapping):
+            raise ValueError("generation.vllm_kwargs.hf_overrides: with model.overrides the engine's config is the "
+                             "checkpoint's config.json with them, and further hf_overrides must be a mapping; put "
+                             "the keys under model.overrides instead")
+        kwargs["hf_overrides"] = EngineConfig(cfg.model.checkpoint, cfg.model.overrides, extra)
     return kwargs
 
 

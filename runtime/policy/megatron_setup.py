@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from rlc.contract.runtime_config import RuntimeConfig, TrainParallelConfig
+from rlc.runtime.model_config import overridden_config
 from rlc.runtime.policy.host_weights import HostWeights
 from rlc.runtime.policy.provider_options import apply_provider_settings, ddp_settings, optimizer_settings
 
@@ -95,6 +96,19 @@ def make_provider(bridge: Any, cfg: RuntimeConfig, *, load_weights: bool = True)
     return provider
 
 
+def apply_model_overrides(bridge: Any, cfg: RuntimeConfig) -> None:
+    """``model.overrides`` on the Bridge's HF config, before a model provider is made from it: the trainer, the
+    reference policy and the Megatron generation backend are built from the checkpoint's ``config.json`` with
+    them (:func:`rlc.runtime.model_config.overridden_config`), as the plan and vLLM read it."""
+    if not cfg.model.overrides:
+        return
+    hf = bridge.hf_pretrained
+    if hasattr(hf, "to_dict"):  # a bare config (``AutoBridge.from_hf_config``)
+        bridge.hf_pretrained = overridden_config(hf, cfg.model.checkpoint, cfg.model.overrides)
+    else:
+        hf.config = overridden_config(hf.config, cfg.model.checkpoint, cfg.model.overrides)
+
+
 @dataclass
 class PolicyModel:
     """What a policy worker trains."""
@@ -127,6 +141,7 @@ def build_policy(cfg: RuntimeConfig, *, bridge: Any = None) -> PolicyModel:
         bridge = AutoBridge.from_hf_pretrained(
             cfg.model.checkpoint, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=dtype
         )
+    apply_model_overrides(bridge, cfg)
     provider = make_provider(bridge, cfg, load_weights=load_weights)
     ref_model, ref_host = None, None
     if cfg.loss.kl_penalty > 0 and t.offload_reference_policy:

@@ -157,16 +157,25 @@ def test_prompt_file_becomes_the_prompt_template_and_a_missing_one_stops_the_imp
     assert mapped(system)["data.system_prompt"] == COT and system.dropped == []
 
 
-def test_nvfp4_rollouts_and_yarn_overrides_stop_the_import():
+def test_nvfp4_rollouts_stop_the_import():
     assert {"policy.generation.quant_cfg", "policy.generation.real_quant"} <= \
         dropped(LLM / "grpo-qwen3-8b-base-dapo-2n8g-long-megatron-qa-nvfp4-w4a16.yaml")
     assert dropped(BASE, ("grpo.reward_shaping.enabled=true",)) == set()  # DAPO's overlong penalty is mapped
+
+
+def test_hf_config_overrides_become_model_overrides():
+    """NeMo-RL builds the trainer and vLLM from the checkpoint's config with ``policy.hf_config_overrides``; rlc's
+    ``model.overrides`` does the same, so a YaRN ``rope_scaling`` or a nested ``text_config`` entry is mapped."""
     yarn = ("++policy.hf_config_overrides.rope_scaling={rope_type: yarn, factor: 4.0, "
-            "original_max_position_embeddings: 32768}",)
-    assert {k for k in dropped(BASE, yarn)} == {"policy.hf_config_overrides.rope_scaling.rope_type",
-                                               "policy.hf_config_overrides.rope_scaling.factor",
-                                               "policy.hf_config_overrides.rope_scaling."
-                                               "original_max_position_embeddings"}
+            "original_max_position_embeddings: 32768}",
+            "++policy.hf_config_overrides.text_config={router_aux_loss_coef: 0.0}")
+    assert dropped(BASE, yarn) == set()
+    got = mapped(import_nemo_rl(str(BASE), list(yarn)))
+    assert got["model.overrides.rope_scaling"] == {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32768}
+    assert got["model.overrides.text_config"] == {"router_aux_loss_coef": 0.0}
+    real = mapped(import_nemo_rl(str(LLM / "grpo-qwen2.5-1.5B-4n8g-megatron-yarn-256k.yaml")))
+    assert real["model.overrides.rope_scaling"]["rope_type"] == "yarn"
     # a disabled block changes nothing, whatever its other keys say
     assert dropped(BASE, ("grpo.reward_shaping.overlong_buffer_length=4096",)) == set()
 

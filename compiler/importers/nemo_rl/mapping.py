@@ -51,6 +51,7 @@ from rlc.contract.ranges import schema_ranges
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
+from rlc.compiler.importers.nemo_rl.training_keys import hf_config_overrides as _hf_config_overrides
 from rlc.compiler.importers.nemo_rl.training_keys import mtp_layers as _mtp_layers
 from rlc.compiler.importers.nemo_rl.training_keys import prompt_files as _prompt_files
 
@@ -270,6 +271,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
         _grad_reduce_in_fp32(m)
         _pass_through(m, [f"{M}.{k}" for k in MEGATRON_PASS_THROUGH], "training.megatron_kwargs",
                       "set on the Megatron-Bridge model provider unchanged")
+    _hf_config_overrides(m)
     _packing(m)
     _tokenizer(m)
     if not mcore:

@@ -133,6 +133,27 @@ def mtp_layers(m: _Mapper) -> None:
           f"the trainer builds {value} MTP block(s) (the checkpoint has {have})")
 
 
+HF_CONFIG_OVERRIDES = "policy.hf_config_overrides"
+
+
+def hf_config_overrides(m: _Mapper) -> None:
+    """``policy.hf_config_overrides`` -> ``model.overrides``, one key per top-level entry: NeMo-RL builds the
+    trainer (Megatron-Bridge) and vLLM from the checkpoint's config with them, as rlc does (a YaRN
+    ``rope_scaling``, ``router_aux_loss_coef: 0.0``, a nested ``text_config`` entry merged into the checkpoint's)."""
+    if m.leaves.get(HF_CONFIG_OVERRIDES) == {}:
+        m.consume(HF_CONFIG_OVERRIDES, why="empty: the checkpoint's config as it is")
+        return
+    prefix = HF_CONFIG_OVERRIDES + "."
+    entries: dict[str, list[str]] = {}
+    for key in m.leaves:
+        if key.startswith(prefix):
+            entries.setdefault(key[len(prefix):].split(".", 1)[0], []).append(key)
+    for entry, keys in entries.items():
+        m.consumed.update(keys)
+        m.put(f"model.overrides.{entry}", m.cfg.get(f"{HF_CONFIG_OVERRIDES}.{entry}"), tuple(keys),
+              "the trainer and vLLM read the checkpoint's config with it")
+
+
 def _nemo_rl_template(text: str) -> str:
     """NeMo-RL's prompt template (``str.format`` with one positional field, the problem) as rlc's
     ``data.prompt_template`` (the field named ``prompt``). ``Unmappable`` for other fields."""
