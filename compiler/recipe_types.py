@@ -578,6 +578,15 @@ class Fp8RolloutSection(_Section):
         "Round block scales up to powers of two (vLLM's `use_ue8m0`; NeMo-RL `pow2_weight_scaling_factors`). Block "
         "scales only.",
         default=False, runtime=EXPERIMENT)
+    keep_bf16: tuple[str, ...] = key(
+        "Name fragments of the layers the FP8 engine keeps in `model.dtype` (NeMo-RL "
+        "`vllm_cfg.quantization_ignored_layer_kws`): every linear layer (or MoE experts module) whose checkpoint "
+        "module name contains one of them, e.g. `model.layers.0.mlp.down_proj` for `mlp` or `down_proj`, is built "
+        "unquantized by vLLM and sent unquantized by the refit. For layers whose shapes do not fit 128×128 blocks "
+        "or that lose too much in FP8. A fragment must cover every part vLLM fuses into one layer (q/k/v, "
+        "gate/up): vLLM refuses a fused layer whose parts differ in precision. The embedding, the LM head, the "
+        "norms and the MoE routers stay in `model.dtype` without it.",
+        default=[], unique_items=True, items={"minLength": 1}, runtime=EXPERIMENT)
 
 
 @section(runtime="MegatronGenerationConfig")

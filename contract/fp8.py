@@ -10,10 +10,15 @@ scale per 128 × 128 block (the last row and column of blocks may be ragged). Th
 the norms, the MoE routers (``mlp.gate``), the MTP ``eh_proj`` and every bias stay in ``model.dtype``.
 With ``scales: tensor`` nothing is quantized on the trainer: vLLM quantizes the bf16 weights as it loads
 them, so the wire carries ``model.dtype``.
+
+``generation.fp8.keep_bf16`` (NeMo-RL ``quantization_ignored_layer_kws``) names fragments of module names whose
+layers stay in ``model.dtype`` on both sides (:func:`kept`): the trainer does not quantize them and vLLM builds
+them unquantized (its ``ignored_layers`` with block scales, ``ignore`` patterns with tensor scales).
 """
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional, Sequence
 
 #: Rows x columns of one scale block (DeepSeek-V3 / vLLM ``weight_block_size``).
@@ -37,9 +42,22 @@ QUANTIZED_PROJECTIONS: frozenset[str] = frozenset({
 ROUTER_LEAF = "gate"
 
 
-def block_quantized(name: str, ndim: int) -> bool:
-    """Whether the refit sends HF tensor ``name`` (with ``ndim`` dimensions) as FP8 + block scales."""
-    if ndim != 2 or not name.endswith(".weight"):
+def module_of(name: str) -> str:
+    """The module an HF parameter ``name`` belongs to (``X.weight`` -> ``X``)."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def kept(name: str, keep: Sequence[str]) -> bool:
+    """Whether HF parameter ``name`` belongs to a layer ``generation.fp8.keep_bf16`` keeps in the model dtype:
+    its module name contains one of the fragments ``keep``."""
+    module = module_of(name)
+    return any(fragment in module for fragment in keep)
+
+
+def block_quantized(name: str, ndim: int, keep: Sequence[str] = ()) -> bool:
+    """Whether the refit sends HF tensor ``name`` (with ``ndim`` dimensions) as FP8 + block scales (``keep``:
+    ``generation.fp8.keep_bf16``)."""
+    if ndim != 2 or not name.endswith(".weight") or kept(name, keep):
         return False
     module = name[: -len(".weight")]
     return module.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS
@@ -56,22 +74,24 @@ def block_scale_shape(shape: Sequence[int], block: tuple[int, int] = BLOCK) -> t
     return (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
-def wire_bytes(name: str, shape: Sequence[int], bytes_per_param: int, scales: Optional[str]) -> int:
+def wire_bytes(name: str, shape: Sequence[int], bytes_per_param: int, scales: Optional[str],
+               keep: Sequence[str] = ()) -> int:
     """Bytes the refit moves for exported tensor ``name`` of ``shape`` (weight plus its scales).
 
     ``scales``: ``"block"`` when the trainer quantizes (FP8 rollouts with block scales), else ``None`` /
-    ``"tensor"`` (the tensor travels in the export dtype, ``bytes_per_param``)."""
+    ``"tensor"`` (the tensor travels in the export dtype, ``bytes_per_param``); ``keep``:
+    ``generation.fp8.keep_bf16``."""
     numel = math.prod(int(d) for d in shape)
-    if scales == "block" and block_quantized(name, len(shape)):
+    if scales == "block" and block_quantized(name, len(shape), keep):
         rows, cols = block_scale_shape(shape)
         return numel * FP8_BYTES + rows * cols * SCALE_BYTES
     return numel * bytes_per_param
 
 
 def largest_wire_tensor(tensors: Sequence[tuple[str, tuple[int, ...]]], bytes_per_param: int,
-                        scales: Optional[str]) -> tuple[str, int]:
+                        scales: Optional[str], keep: Sequence[str] = ()) -> tuple[str, int]:
     """``(name, bytes)`` of the largest single tensor on the wire (a scale tensor is never the largest)."""
-    sized = [(n, wire_bytes(n, s, bytes_per_param, scales)) for n, s in tensors]
+    sized = [(n, wire_bytes(n, s, bytes_per_param, scales, keep)) for n, s in tensors]
     return max(sized, key=lambda t: t[1])
 
 
@@ -85,6 +105,11 @@ def router_ignore_prefixes(num_layers: int) -> list[str]:
 ROUTER_IGNORE_REGEX = r"re:.*\.mlp\.gate$"
 
 
+def keep_regexes(keep: Sequence[str]) -> list[str]:
+    """``generation.fp8.keep_bf16`` as vLLM's online quantization's ``ignore`` patterns (one per fragment)."""
+    return [f"re:.*{re.escape(fragment)}.*" for fragment in keep]
+
+
 __all__ = ["BLOCK", "FP8_BYTES", "QUANTIZED_PROJECTIONS", "ROUTER_IGNORE_REGEX", "ROUTER_LEAF", "SCALE_BYTES",
-           "SCALE_SUFFIX", "block_quantized", "block_scale_shape", "largest_wire_tensor", "router_ignore_prefixes",
-           "scale_name", "wire_bytes"]
+           "SCALE_SUFFIX", "block_quantized", "block_scale_shape", "keep_regexes", "kept", "largest_wire_tensor",
+           "module_of", "router_ignore_prefixes", "scale_name", "wire_bytes"]

@@ -294,6 +294,11 @@ class Fp8RolloutConfig(Declared):
     pow2_scales: bool = runtime_key(EXPERIMENT, recipe="generation.fp8.pow2_scales")
     """Round block scales up to powers of two (vLLM's `use_ue8m0`; NeMo-RL `pow2_weight_scaling_factors`).
     Block scales only."""
+    keep_bf16: list[str] = runtime_key(EXPERIMENT, recipe="generation.fp8.keep_bf16")
+    """Name fragments of the layers the FP8 engine keeps in `model.dtype` (NeMo-RL
+    `vllm_cfg.quantization_ignored_layer_kws`): every linear layer (or MoE experts module) whose checkpoint
+    module name contains one of them, e.g. `model.layers.0.mlp.down_proj` for `mlp` or `down_proj`, is built
+    unquantized by vLLM and sent unquantized by the refit."""
 
 
 @section

@@ -78,4 +78,28 @@ def _set_as_vllm_does(target: Any, updates: Mapping[str, Any], *, top: bool = Fa
             setattr(target, key, value)
 
 
-__all__ = ["EngineConfig", "checkpoint_config_json", "overridden_config"]
+def checkpoint_config(checkpoint: str, overrides: Mapping[str, Any], *, trust_remote_code: bool = False) -> Any:
+    """The Transformers config the rollout engine reads: the checkpoint's, with the engine's overrides."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    loaded = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    return overridden_config(loaded, checkpoint, engine_overrides(overrides))
+
+
+def parameter_names(config: Any, *, trust_remote_code: bool = False) -> list[str]:
+    """The parameter names of the model ``config`` describes, as its checkpoint names them: the model class of its
+    ``architectures`` built on the meta device (no memory, no weights)."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    with torch.device("meta"):
+        if cls is not None:
+            model = cls._from_config(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return [name for name, _ in model.named_parameters()]
+
+
+__all__ = ["EngineConfig", "checkpoint_config", "checkpoint_config_json", "overridden_config", "parameter_names"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from rlc.compiler.planner.fp8_keep import component_fully_kept
 from rlc.compiler.planner.layout import generation_layout
 from rlc.contract.fp8 import BLOCK
 
@@ -24,7 +25,7 @@ def _kv_rows(kv_heads: int, head_dim: int, tp: int) -> int:
     return (kv_heads // tp if kv_heads >= tp else 1) * head_dim
 
 
-def block_alignment_problems(facts: Any, tp: int, ep: int) -> list[str]:
+def block_alignment_problems(facts: Any, tp: int, ep: int, keep: tuple[str, ...] = ()) -> list[str]:
     """Why 128×128 block scales quantized per HF tensor would not be what vLLM holds on a ``tp``-way engine
     (``ep`` > 1: vLLM's expert parallelism, experts not split by TP); empty when every quantized projection's
     shard on a vLLM rank starts and ends on a block boundary (the last block of a tensor may be ragged).
@@ -32,14 +33,17 @@ def block_alignment_problems(facts: Any, tp: int, ep: int) -> list[str]:
     These are vLLM's own conditions for a block-quantized checkpoint (``validate_fp8_block_shape``, and
     ``Fp8MoEMethod.create_weights`` for experts): a fused q/k/v or gate/up parameter, or a tensor-parallel
     slice, that starts inside a block would mix two tensors' blocks under one scale.
+
+    ``keep`` (``generation.fp8.keep_bf16``): components whose modules it names stay in the model dtype on both sides
+    (:func:`rlc.compiler.planner.fp8_keep.component_fully_kept`), so their shapes do not matter.
     """
     out: list[str] = []
     kinds = facts.layer_kinds or ()
-    mixers = {m for m, _ in kinds if m}
+    mixers = {m for m, _ in kinds if m and not component_fully_kept("attention" if m == "full_attention" else m, keep)}
     other = sorted(mixers - {"full_attention", "mla"})
     if other:
         out.append(f"the model has {', '.join(other)} layers, whose projections the trainer does not quantize")
-    if facts.is_moe and facts.expert_export == "stacked":
+    if facts.is_moe and facts.expert_export == "stacked" and not component_fully_kept("routed_experts", keep):
         out.append("Megatron-Bridge exports the routed experts as one stacked tensor per projection; block "
                    "scales are sent per expert")
 
@@ -67,14 +71,15 @@ def block_alignment_problems(facts: Any, tp: int, ep: int) -> list[str]:
                  _shard(facts.heads * (facts.qk_nope_head_dim + facts.v_head_dim), tp))
             need(f"o_proj columns per vLLM rank (TP {tp})", _shard(facts.heads * facts.v_head_dim, tp), BLOCK_K)
     mlps = {m for _, m in kinds if m}
-    for width, what in ((facts.dense_intermediate if "dense" in mlps else None, "MLP"),
-                        (facts.shared_expert_intermediate or None, "shared expert")):
+    dense_kept, shared_kept = component_fully_kept("dense_mlp", keep), component_fully_kept("shared_experts", keep)
+    for width, what in ((facts.dense_intermediate if "dense" in mlps and not dense_kept else None, "MLP"),
+                        (None if shared_kept else facts.shared_expert_intermediate or None, "shared expert")):
         if width:
             per = _shard(width, tp)
             need(f"{what} gate_proj rows per vLLM rank (fused gate/up, TP {tp})", per)
             if split:
                 need(f"{what} down_proj columns per vLLM rank (TP {tp})", per, BLOCK_K)
-    if "moe" in mlps and facts.moe_intermediate:
+    if "moe" in mlps and facts.moe_intermediate and not component_fully_kept("routed_experts", keep):
         experts_tp = 1 if ep > 1 else tp
         per = _shard(facts.moe_intermediate, experts_tp)
         need(f"expert intermediate width per vLLM rank ({'EP' if ep > 1 else f'TP {tp}'})", per)
@@ -93,7 +98,7 @@ def fp8_scales(recipe: "Recipe", facts: Any) -> tuple[Optional[str], str]:
     if facts is None:
         return "tensor", "auto: the model's shapes are unknown, so vLLM quantizes as it loads"
     gl = generation_layout(recipe)
-    problems = block_alignment_problems(facts, gl.tp, gl.ep)
+    problems = block_alignment_problems(facts, gl.tp, gl.ep, tuple(gen.fp8.keep_bf16))
     if problems:
         return "tensor", ("auto: block scales do not fit this layout (" + problems[0] + "), so vLLM quantizes "
                           "per tensor as it loads")

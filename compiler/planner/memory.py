@@ -34,6 +34,7 @@ from rlc.contract import refit_buffer
 from rlc.compiler.model import ModelFacts
 from rlc.compiler.recipe_types import Recipe, with_value
 from rlc.compiler.planner.calibration import Calibration, calibration_for
+from rlc.compiler.planner.fp8_keep import kept_share
 from rlc.compiler.planner.layout import GenerationLayout, TrainLayout, generation_layout, train_layout
 from rlc.compiler.planner.mcore_memory import plan_megatron_generation
 from rlc.compiler.planner.parts import (DTYPE_BYTES, HELD_LABELS, HELD_NOTES, REFERENCE_NOTE,
@@ -103,14 +104,18 @@ def _megatron_items(held: dict[str, int], ctx: Sequence[Item], generating: bool 
 # --------------------------------------------------------------------------- vLLM
 
 
-def _vllm_shard_bytes(shard: StageShard, precision: str, bpp: int) -> int:
+def _vllm_shard_bytes(shard: StageShard, precision: str, bpp: int, kept: float = 0.0) -> int:
     """vLLM's weight bytes on one GPU of a stage. FP8 generation stores the linear layers (attention,
     MLP, experts) in 1 byte; the embedding and ``lm_head`` stay in the model dtype (vLLM's Fp8Config
     quantizes LinearBase and FusedMoE layers; VocabParallelEmbedding / ParallelLMHead keep the
-    unquantized method), as do the norms and the MoE router, which are not counted apart (small)."""
+    unquantized method), as do the norms and the MoE router, which are not counted apart (small).
+    ``kept``: the share of the linear weights ``generation.fp8.keep_bf16`` keeps in the model dtype
+    (:func:`rlc.compiler.planner.fp8_keep.kept_share`), counted as spread over the GPUs as the linear weights are."""
     if precision != "fp8":
         return shard.params * bpp
-    return shard.linear_params * 1 + shard.vocab_params * bpp
+    linear = shard.linear_params
+    kept_params = int(round(linear * kept))
+    return (linear - kept_params) * 1 + kept_params * bpp + shard.vocab_params * bpp
 
 
 DRAFTER_LABEL = "vLLM MTP drafter (speculative decoding)"
@@ -144,24 +149,27 @@ def vllm_weights(recipe: Recipe, facts: ModelFacts) -> tuple[Optional[VllmWeight
     if plain is None:
         return None, "vLLM weight shard: needs " + _missing(facts)
     blocks = drafter_blocks(recipe, facts)
+    kept = kept_share(recipe, facts)
     with_drafter = vllm_stage_shards(facts, gl, blocks) if blocks else plain
     if blocks is None or with_drafter is None:
         missing = "the checkpoint's MTP layer count" if blocks is None else "the MTP layer kinds"
-        shard = max(_vllm_shard_bytes(s, recipe.generation.precision, bpp) for s in plain)
+        shard = max(_vllm_shard_bytes(s, recipe.generation.precision, bpp, kept) for s in plain)
         return VllmWeights(shard, 0, 0), f"{DRAFTER_LABEL}: needs {missing}"
     worst = max(
         range(len(with_drafter)),
-        key=lambda i: _vllm_shard_bytes(with_drafter[i], recipe.generation.precision, bpp),
+        key=lambda i: _vllm_shard_bytes(with_drafter[i], recipe.generation.precision, bpp, kept),
     )
-    shard = _vllm_shard_bytes(plain[worst], recipe.generation.precision, bpp)
-    total = _vllm_shard_bytes(with_drafter[worst], recipe.generation.precision, bpp)
+    shard = _vllm_shard_bytes(plain[worst], recipe.generation.precision, bpp, kept)
+    total = _vllm_shard_bytes(with_drafter[worst], recipe.generation.precision, bpp, kept)
     return VllmWeights(shard, total - shard, with_drafter[worst].mtp_blocks), None
 
 
 def vllm_host_copy(recipe: Recipe, facts: ModelFacts) -> Optional[int]:
     """Host bytes of sleep level 1's weight copy on vLLM's worst GPU: each allocation of its weight pool
     in a pinned block rounded up to a power of two (``pinned_copy.py``); ``None`` when the shard is unknown."""
-    return _host_copy(facts, generation_layout(recipe), drafter_blocks(recipe, facts), recipe.generation.precision,
+    # layers kept in the model dtype (generation.fp8.keep_bf16) are counted as if every linear layer were kept
+    precision = "auto" if kept_share(recipe, facts) else recipe.generation.precision
+    return _host_copy(facts, generation_layout(recipe), drafter_blocks(recipe, facts), precision,
                       DTYPE_BYTES[recipe.model.dtype])
 
 

@@ -75,7 +75,7 @@ def wire_tensor(recipe: Recipe, facts: ModelFacts, bpp: int) -> Optional[tuple[s
     shapes = facts.export_tensor_shapes()
     if not shapes:
         return None
-    return fp8_contract.largest_wire_tensor(shapes, bpp, scales)
+    return fp8_contract.largest_wire_tensor(shapes, bpp, scales, recipe.generation.fp8.keep_bf16)
 
 
 def refit_facts(recipe: Recipe, facts: ModelFacts) -> ModelFacts:

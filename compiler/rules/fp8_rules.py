@@ -31,7 +31,7 @@ def fp8_rollouts(ctx: Context) -> None:
         return
     scales, reason = fp8_scales(ctx.recipe, ctx.facts)
     gl = generation_layout(ctx.recipe)
-    problems = block_alignment_problems(ctx.facts, gl.tp, gl.ep)
+    problems = block_alignment_problems(ctx.facts, gl.tp, gl.ep, tuple(gen.fp8.keep_bf16))
     if gen.fp8.scales == "block" and problems:
         ctx.error("128×128 block scales need every quantized projection 128-aligned on each vLLM rank: "
                   + "; ".join(problems), "generation.fp8.scales",

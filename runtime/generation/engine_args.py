@@ -9,7 +9,9 @@ FP8 rollouts (``generation.precision: fp8``, :func:`fp8_engine_kwargs`): with ``
 the engine is a DeepSeek-V3-style FP8 checkpoint (vLLM ``Fp8Config`` with ``weight_block_size: [128, 128]``)
 started from random weights (``load_format: dummy``): the refit's first transfer writes the trainer's
 quantized weights and their scales. With ``scales: tensor`` vLLM's online ``fp8_per_tensor`` quantizes the
-checkpoint (and every refit's bf16 weights) as it loads them. Both keep the MoE routers unquantized.
+checkpoint (and every refit's bf16 weights) as it loads them. Both keep the MoE routers unquantized, and the
+layers ``generation.fp8.keep_bf16`` names: by their checkpoint module names in ``ignored_layers`` (block scales; the
+names of the model's parameters, built on the meta device from its config) or as ``ignore`` patterns (tensor scales).
 
 ``model.overrides`` (all but the MTP block counts, which build the trainer only) reach vLLM as ``hf_overrides``:
 :class:`rlc.runtime.model_config.EngineConfig`, the checkpoint's ``config.json`` with them, read as the trainer reads
@@ -21,11 +23,11 @@ import logging
 from typing import Any, Mapping
 
 from rlc.contract.engine_options import VLLM_OWNED
-from rlc.contract.fp8 import BLOCK, ROUTER_IGNORE_REGEX, router_ignore_prefixes
+from rlc.contract.fp8 import BLOCK, ROUTER_IGNORE_REGEX, keep_regexes, kept, module_of, router_ignore_prefixes
 from rlc.contract.model_overrides import engine_overrides
 from rlc.contract.runtime_config import RuntimeConfig, vllm_speculative_config
 from rlc.runtime.generation.sampling import logprobs_mode
-from rlc.runtime.model_config import EngineConfig
+from rlc.runtime.model_config import EngineConfig, checkpoint_config, parameter_names
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +97,10 @@ def fp8_engine_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
         return {}
     if gen.precision != "fp8":
         raise ValueError(f"generation.precision={gen.precision!r}: expected auto or fp8")
+    keep = list(gen.fp8.keep_bf16)
     if gen.fp8.scales == "tensor":
-        return {"quantization": "fp8_per_tensor", "quantization_config": {"ignore": [ROUTER_IGNORE_REGEX]}}
+        return {"quantization": "fp8_per_tensor",
+                "quantization_config": {"ignore": [ROUTER_IGNORE_REGEX, *keep_regexes(keep)]}}
     if gen.fp8.scales != "block":
         raise ValueError(f"generation.fp8.scales={gen.fp8.scales!r}: expected block or tensor")
     if cfg.model.num_layers is None:
@@ -110,9 +114,19 @@ def fp8_engine_kwargs(cfg: RuntimeConfig) -> dict[str, Any]:
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
             "weight_block_size": list(BLOCK),
-            "ignored_layers": router_ignore_prefixes(layers),
+            "ignored_layers": router_ignore_prefixes(layers) + kept_modules(cfg, keep),
         }},
     }
+
+
+def kept_modules(cfg: RuntimeConfig, keep: list[str]) -> list[str]:
+    """The checkpoint's module names that ``generation.fp8.keep_bf16`` names (vLLM's ``Fp8Config`` takes exact
+    names in ``ignored_layers``): the modules of the parameters of the model its config describes."""
+    if not keep:
+        return []
+    config = checkpoint_config(cfg.model.checkpoint, cfg.model.overrides, trust_remote_code=cfg.model.trust_remote_code)
+    names = parameter_names(config, trust_remote_code=cfg.model.trust_remote_code)
+    return sorted({module_of(name) for name in names if kept(name, keep)})
 
 
 def check_vllm_version(planned: str, installed: str) -> str | None:

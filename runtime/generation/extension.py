@@ -59,14 +59,16 @@ class RlcWorkerExtension:
 
     def rlc_refit_prepare(self, session: str, transport: str, timeout_s: float = 600.0,
                           fp8_scales: str | None = None, fp8_pow2: bool = False,
-                          fused: bool = False, replay: bool = False, wake_kv: bool = False) -> dict[str, Any]:
+                          fused: bool = False, replay: bool = False, wake_kv: bool = False,
+                          fp8_keep: list[str] | None = None) -> dict[str, Any]:
         """Pair with the trainer rank on this GPU (it calls ``RefitProducer.prepare`` concurrently).
 
         ``fp8_scales`` / ``fp8_pow2``: ``generation.fp8`` of an FP8 engine (None: bf16 rollouts). With ``block``
         the trainer's quantized names are checked against the modules vLLM holds in FP8 before any transfer.
         ``fused``: ``refit.fused_transfer`` (direct copies into the fused expert parameters; bf16 engines).
         ``replay``: ``refit.replay_load`` (the first refit's copies recorded, replayed at every later one; bf16).
-        ``wake_kv``: ``refit.wake_kv_during_transfer`` (the KV cache's bytes are announced to the trainer)."""
+        ``wake_kv``: ``refit.wake_kv_during_transfer`` (the KV cache's bytes are announced to the trainer).
+        ``fp8_keep``: ``generation.fp8.keep_bf16``, the layers the FP8 engine and the trainer keep unquantized."""
         import torch  # noqa: PLC0415
 
         from rlc.runtime.refit.consumer import RefitConsumer  # noqa: PLC0415 - torch and zmq: vLLM's workers have them
@@ -80,6 +82,7 @@ class RlcWorkerExtension:
         specs = consumer.prepare(mapped_during_refit=kv_bytes)
         self._rlc_fp8_scales = fp8_scales
         self._rlc_fp8_pow2 = fp8_pow2
+        self._rlc_fp8_keep = tuple(fp8_keep or ())
         self._rlc_fused = bool(fused) and fp8_scales is None
         self._rlc_routes = None  # built at the first refit after this pairing
         self._rlc_replay = bf16_switch_applies("replay_load", bool(replay), "fp8" if fp8_scales else "bf16")[0]
@@ -244,7 +247,7 @@ class RlcWorkerExtension:
         self._rlc_reference_quantizer = quantize.source
         device = torch.device("cuda", torch.cuda.current_device())
         for name, tensor in exported:
-            if block_quantized(name, tensor.dim()):
+            if block_quantized(name, tensor.dim(), getattr(self, "_rlc_fp8_keep", ())):
                 with torch.no_grad():
                     q, s = quantize(tensor.to(device))
                 yield name, q

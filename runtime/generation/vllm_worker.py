@@ -230,7 +230,8 @@ class VllmGenerationWorker:
                                                                   fp8, gen.fp8.pow2_scales,
                                                                   self.cfg.refit.fused_transfer,
                                                                   self.cfg.refit.replay_load,
-                                                                  self._wakes_kv_in_refit))
+                                                                  self._wakes_kv_in_refit,
+                                                                  list(gen.fp8.keep_bf16)))
 
     @property
     def _wakes_kv_in_refit(self) -> bool:

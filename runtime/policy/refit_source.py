@@ -161,6 +161,7 @@ class RefitSource:
         gen = cfg.generation
         self.block_fp8 = gen.precision == "fp8" and gen.fp8.scales == "block"
         self.quantizer: Any = None
+        self.keep_bf16 = tuple(gen.fp8.keep_bf16)  # layers the FP8 engine keeps in the model dtype
         if self.block_fp8:
             from rlc.runtime.refit.fp8 import block_quantizer  # noqa: PLC0415
 
@@ -230,7 +231,7 @@ class RefitSource:
         if self.block_fp8:
             from rlc.runtime.refit.fp8 import quantized_specs  # noqa: PLC0415
 
-            specs = quantized_specs(specs)
+            specs = quantized_specs(specs, self.keep_bf16)
         return specs
 
     def _plan_direct(self, finder: Any, tasks: list, specs: list) -> list:
@@ -281,7 +282,7 @@ class RefitSource:
         if self.block_fp8:
             from rlc.runtime.refit.fp8 import quantize_export  # noqa: PLC0415
 
-            return quantize_export(self.export(), self.quantizer)
+            return quantize_export(self.export(), self.quantizer, keep=self.keep_bf16)
         if self.fused is None and self.direct is None:
             return self.export()
         tasks = self.direct.bridge_tasks if self.direct is not None else self.fused.bridge_tasks

@@ -135,12 +135,13 @@ def block_quantizer(pow2: bool, *, use_vllm: bool = True) -> BlockQuantizer:
 # --------------------------------------------------------------------------- what the trainer sends
 
 
-def quantized_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+def quantized_specs(specs: Sequence[TensorSpec], keep: Sequence[str] = ()) -> list[TensorSpec]:
     """The export list after block quantization: each quantized ``X.weight`` becomes ``X.weight`` in
-    float8_e4m3fn followed by ``X.weight_scale_inv`` (fp32, one per block); the rest is unchanged."""
+    float8_e4m3fn followed by ``X.weight_scale_inv`` (fp32, one per block); the rest (and the layers ``keep``,
+    ``generation.fp8.keep_bf16``, names) is unchanged."""
     out: list[TensorSpec] = []
     for s in specs:
-        if block_quantized(s.name, len(s.shape)):
+        if block_quantized(s.name, len(s.shape), keep):
             out.append(TensorSpec(s.name, s.shape, "float8_e4m3fn"))
             out.append(TensorSpec(scale_name(s.name), block_scale_shape(s.shape), "float32"))
         else:
@@ -149,8 +150,9 @@ def quantized_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
 
 
 def quantize_export(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantize,
-                    group_bytes: int = GROUP_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Block-quantize an export stream in its order (:func:`quantized_specs` is the list it yields).
+                    group_bytes: int = GROUP_BYTES, keep: Sequence[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Block-quantize an export stream in its order (:func:`quantized_specs` with the same ``keep`` is the list it
+    yields).
 
     Consecutive quantized weights of one shape whose rows are whole blocks (one MoE layer's experts) are
     quantized in one call on their row-wise concatenation, up to ``group_bytes``: no block spans two of
@@ -181,7 +183,7 @@ def quantize_export(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quanti
         group, group_nbytes = [], 0
 
     for name, t in named:
-        if not block_quantized(name, t.dim()):
+        if not block_quantized(name, t.dim(), keep):
             yield from flush()
             yield name, t
             continue
@@ -247,8 +249,8 @@ class LayoutCheck:
             parts.append(f"the trainer quantizes weights of {len(self.sent_fp8_to_bf16)} module(s) vLLM keeps in "
                          f"bf16, e.g. {', '.join(self.sent_fp8_to_bf16[:4])}")
         return ("FP8 refit layout: " + "; ".join(parts) + ". The quantized projections are those of "
-                "rlc.contract.fp8.QUANTIZED_PROJECTIONS; generation.fp8.scales: tensor lets vLLM quantize "
-                "whatever it holds in FP8")
+                "rlc.contract.fp8.QUANTIZED_PROJECTIONS less the layers generation.fp8.keep_bf16 names; "
+                "generation.fp8.scales: tensor lets vLLM quantize whatever it holds in FP8")
 
 
 def check_layout(wire_names: Iterable[str], fp8_modules: Iterable[str], modules: Iterable[str],

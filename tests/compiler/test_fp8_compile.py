@@ -103,7 +103,7 @@ def test_fp8_rollouts_and_fp8_param_gather_are_no_longer_runtime_gaps(tmp_path):
 
     build_bundle(result, tmp_path / "bundle")
     written = yaml.safe_load((tmp_path / "bundle" / "runtime.yaml").read_text(encoding="utf-8"))
-    assert written["generation"]["fp8"] == {"scales": "tensor", "pow2_scales": False}
+    assert written["generation"]["fp8"] == {"scales": "tensor", "pow2_scales": False, "keep_bf16": []}
     assert written["training"]["fp8"]["param_gather"] is True
 
 
@@ -211,3 +211,73 @@ def test_fp8_plans_hold_the_largest_wire_tensor_and_the_reload_copies(tmp_path):
     assert (
         "wire_largest" in fp8.to_json()["refit"] and "wire_largest" not in check(recipe=recipe).plan.to_json()["refit"]
     )
+
+
+# ------------------------------------------------------------------ layers kept in the model dtype
+
+
+def test_kept_layers_stay_bf16_on_the_wire_in_vllms_weights_and_engine_arguments(tmp_path):
+    from rlc.compiler.planner.memory import vllm_weights
+
+    recipe = aligned_tiny(tmp_path)
+    plain_check = check("generation.precision=fp8", recipe=recipe)
+    kept_check = check("generation.precision=fp8", "generation.fp8.keep_bf16=[mlp]", recipe=recipe)
+    plain, kept = plain_check.plan, kept_check.plan
+    # the largest tensor on the wire is gate_proj, now sent as it is
+    assert (kept.refit.wire_largest_name, kept.refit.wire_largest) == ("model.layers.0.mlp.gate_proj.weight",
+                                                                      384 * 128 * 2)
+    assert plain.refit.wire_largest == 384 * 128 + 3 * 4
+
+    # per layer the MLP's 3 x 384 x 128 weights are kept in bf16 (one more byte each) beside the attention's
+    # q/k/v/o (head_dim 64: 256 + 128 + 128 rows and 256 columns of 128)
+    mlp = 2 * 3 * 384 * 128
+    got = vllm_weights(kept_check.recipe, kept_check.facts)[0].shard - vllm_weights(plain_check.recipe,
+                                                                                   plain_check.facts)[0].shard
+    assert mlp <= got <= 1.01 * mlp  # the share is applied to the shard's linear weights, norms included
+    cfg = runtime("generation.precision=fp8", "generation.fp8.keep_bf16=[mlp]", recipe=recipe)
+    assert cfg.generation.fp8.keep_bf16 == ["mlp"]
+    tensor = runtime("generation.precision=fp8", "generation.fp8.scales=tensor",
+                     "generation.fp8.keep_bf16=[mlp, o_proj]")
+    assert engine_kwargs(tensor, 0, distributed=False)["quantization_config"]["ignore"] == [
+        ROUTER_IGNORE_REGEX, r"re:.*mlp.*", r"re:.*o_proj.*"]
+
+
+def test_block_scales_fit_once_the_misaligned_or_unquantized_layers_are_kept():
+    qwen35 = facts("Qwen/Qwen3.5-35B-A3B")
+    assert any("linear_attention" in p for p in block_alignment_problems(qwen35, 1, 1))
+    # NeMo-RL's Qwen3.5 list keeps part of the linear attention: the rest would still be FP8 in vLLM
+    partial = ("linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "visual")
+    assert any("linear_attention" in p for p in block_alignment_problems(qwen35, 1, 1, partial))
+    whole = block_alignment_problems(qwen35, 1, 1, ("linear_attn", "experts"))
+    assert not any("linear_attention" in p or "stacked" in p for p in whole), whole
+    # the tiny model's 64-row k_proj stops block scales unless the attention is kept
+    tiny = check("generation.precision=fp8", "generation.fp8.scales=block")
+    assert errors(tiny, "RLC330")
+    kept = check("generation.precision=fp8", "generation.fp8.scales=block",
+                 "generation.fp8.keep_bf16=[q_proj, k_proj, v_proj, o_proj]")
+    assert not errors(kept, "RLC330"), [d.message for d in kept.errors]
+
+
+def test_kept_share_counts_whole_components_by_checkpoint_names():
+    from rlc.compiler.planner.fp8_keep import component_fully_kept, component_kept
+
+    assert component_kept("mla", ("a_proj", "b_proj")) and not component_fully_kept("mla", ("a_proj", "b_proj"))
+    assert component_fully_kept("attention", ("self_attn",)) and component_fully_kept("routed_experts", ("experts",))
+    assert not component_kept("dense_mlp", ("visual",)) and not component_kept("attention", ())
+
+
+def test_block_scales_name_the_kept_modules_as_the_checkpoint_does(tmp_path):
+    pytest.importorskip("transformers")
+    recipe = aligned_tiny(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text(encoding="utf-8")).items()
+              if not k.startswith("_")}
+    (ckpt / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    cfg = runtime("generation.precision=fp8", "generation.fp8.keep_bf16=[mlp.down_proj, self_attn]",
+                  f"model.checkpoint={ckpt}", recipe=recipe)
+    ignored = engine_kwargs(cfg, 0, distributed=False)["hf_overrides"]["quantization_config"]["ignored_layers"]
+    kept = [name for name in ignored if not name.endswith(".mlp.gate")]  # the routers' names come first
+    assert kept == sorted(f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "mlp.down_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "self_attn.q_norm", "self_attn.k_norm"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-host runner (device tool), from the repo root:
-#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait bench_timeline refit_scale refit_fast grpo grpo_awake grpo_direct grpo_truncated grpo_zero_copy grpo_overlap grpo_resident grpo_kv_asleep kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload model_overrides moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_train)
+#   bash tests/gpu/host_run.sh STAGE_DIR STAGE...   (stages: env flash_attn_probe refit bench bench_zero_copy bench_buckets bench_tensors bench_host_wait bench_timeline refit_scale refit_fast grpo grpo_awake grpo_direct grpo_truncated grpo_zero_copy grpo_overlap grpo_resident grpo_kv_asleep kv_wake grpo_smoke engine_options grad_bf16 param_offload moe_sleep specdec host_copy ref_offload model_overrides moe1 r3 two_gpu packing packing_cp2 packing_smoke packed_rope packed_mla prod_dense prod_moe mcore_shared mcore_moe mcore_dedicated mcore_vs_vllm mcore_reshard_tp mcore_reshard_ep moe2 fp8_refit fp8_refit_moe fp8_grpo fp8_grpo_block fp8_keep fp8_train)
 # ref_offload: REF_OFFLOAD_SKIP_DRIVER=1 runs only the worker checks (about 1.5 of its ~4 minutes).
 # mcore_*: generation.backend megatron (MCORE_STEPS, MCORE_DEDICATED_STEPS, MCORE_COMPARE_STEPS); each starts with a
 #   preflight that fails in seconds when the stack has no FlashAttention megatron-core's dynamic batching accepts.
@@ -181,6 +181,8 @@ import rlc.runtime.driver, rlc.runtime.refit; print(\"rlc ok\")"' ;;
     ref_offload)  # training.offload_reference_policy: swapped vs resident reference logprobs, memory vs the plan
       run_stage ref_offload 420 python3 "$REPO"/tests/gpu/test_ref_offload.py --root /tmp/rlc-ref-offload \
         --out "$OUT/ref_offload" ${REF_OFFLOAD_SKIP_DRIVER:+--skip-driver} ;;
+    fp8_keep)  # generation.fp8.keep_bf16: the named layers bf16 in the FP8 engine (block and tensor scales) and on the wire
+      run_stage fp8_keep 300 python3 "$REPO"/tests/gpu/test_fp8_keep.py --root /tmp/rlc-fp8-keep --out "$OUT/fp8_keep" ;;
     model_overrides)  # model.overrides build the trainer and vLLM alike (RoPE base; MTP blocks in Bridge's provider)
       run_stage model_overrides 300 python3 "$REPO"/tests/gpu/test_model_overrides.py --root /tmp/rlc-model-overrides \
         --out "$OUT/model_overrides" ;;

@@ -493,14 +493,16 @@ def test_logprob_chunking_is_listed_with_what_bounds_the_logits_instead():
 
 def test_nemo_rl_fp8_rollouts_map_to_block_scales_and_its_vllm_patches_are_listed():
     """NeMo-RL's FP8 rollouts (grpo_math_8B_megatron_fp8.yaml, the Moonlight / DeepSeek-V3 FP8 recipes) are
-    128x128 block scales; its vLLM patches have no rlc equivalent and are listed unless left at defaults."""
+    128x128 block scales, the layers it keeps in bf16 generation.fp8.keep_bf16; its vLLM patches have no rlc
+    equivalent and are listed unless left at defaults."""
     imported = import_nemo_rl(str(CHILD), [
         "++policy.generation.vllm_cfg.precision=fp8", "++policy.generation.vllm_cfg.use_deep_gemm=true",
         "++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
         "++policy.generation.vllm_cfg.num_first_layers_in_bf16=0",
         "++policy.generation.vllm_cfg.quantization_ignored_layer_kws=[a_proj,b_proj]",
         "++policy.megatron_cfg.fp8_cfg={enabled: true, fp8: e4m3, fp8_recipe: blockwise, fp8_param: false}",
-    ], accept_loss=True)  # the ignored layers have no rlc equivalent
+    ])
+    assert imported.dropped == []  # the layers kept in bf16 are generation.fp8.keep_bf16
     got = mapped(imported)
     assert (got["generation.precision"], got["generation.fp8.scales"], got["generation.fp8.pow2_scales"]) == \
         ("fp8", "block", True)
@@ -509,7 +511,8 @@ def test_nemo_rl_fp8_rollouts_map_to_block_scales_and_its_vllm_patches_are_liste
     # use_deep_gemm is the environment NeMo-RL sets in vLLM's workers (it used to be listed as a loss)
     assert (got["cluster.env.VLLM_USE_DEEP_GEMM"], got["cluster.env.VLLM_USE_DEEP_GEMM_E8M0"]) == ("1", "0")
     assert "policy.generation.vllm_cfg.use_deep_gemm" not in unmapped
-    assert "routers" in unmapped["policy.generation.vllm_cfg.quantization_ignored_layer_kws"]
+    assert got["generation.fp8.keep_bf16"] == ["a_proj", "b_proj"]
+    assert "policy.generation.vllm_cfg.quantization_ignored_layer_kws" not in unmapped
     assert "policy.generation.vllm_cfg.num_first_layers_in_bf16" in imported.mapping.implied
     plain = import_nemo_rl(str(CHILD), ["++policy.generation.vllm_cfg.pow2_weight_scaling_factors=true"])
     assert "generation.fp8.pow2_scales" not in mapped(plain)  # bf16 rollouts: FP8 options are not read

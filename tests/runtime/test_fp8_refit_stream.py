@@ -102,3 +102,15 @@ def test_a_loader_that_keeps_tensors_needs_the_bucket_copies():
     with pytest.raises(RefitLeakError, match="still referenced"):
         refit(keep=True, copy_buckets=False, steps=1)
     refit(keep=False, copy_buckets=False, steps=1)  # a loader that copies is fine without them
+
+
+def test_kept_layers_travel_unquantized_and_the_list_says_so():
+    keep = ("mlp.experts",)
+    specs = {s.name: s for s in quantized_specs([TensorSpec.from_tensor(n, t) for n, t in export(0)], keep)}
+    sent = dict(quantize_export(iter(export(0)), quantize_blocks, keep=keep))
+    expert = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert specs[expert].dtype == "bfloat16" and sent[expert].dtype == torch.bfloat16
+    assert expert + SCALE_SUFFIX not in specs and expert + SCALE_SUFFIX not in sent
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert specs[q].dtype == "float8_e4m3fn" and sent[q].dtype == torch.float8_e4m3fn
+    assert list(specs) == list(sent)  # the announced list is the stream's

@@ -146,8 +146,6 @@ _FP8_UNMAPPED = {
     "num_first_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
     "num_last_layers_in_bf16": "rlc keeps only the embedding, LM head, norms and routers in bf16",
     "pow2_activation_scaling_factors": "a NeMo-RL patch of vLLM's activation quantization; rlc runs vLLM's own",
-    "quantization_ignored_layer_kws": "rlc keeps only the embedding, LM head, norms and routers in bf16; "
-                                      "generation.fp8.scales: tensor lets vLLM quantize layers of any shape",
 }
 
 
@@ -170,6 +168,10 @@ def vllm_fp8(m: _Mapper) -> None:
         value = m.leaves[source]
         if value is None or value == default or (isinstance(default, list) and not value):
             m.consume(source, why=f"{value!r}: the FP8 engine's default")
+        elif key == "quantization_ignored_layer_kws" and isinstance(value, list):
+            m.consumed.add(source)
+            m.put("generation.fp8.keep_bf16", [str(v) for v in value], (source,),
+                  "the layers whose module names contain one stay in bf16 on both sides")
         elif key == "use_deep_gemm" and value is True:
             m.consumed.add(source)
             for name, setting in _DEEP_GEMM_ENV.items():
