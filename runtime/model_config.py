@@ -9,9 +9,12 @@ not update, while reading a ``config.json`` derives them as the model's own load
 
 vLLM gets the config through ``hf_overrides`` as :class:`EngineConfig`, a picklable callable (vLLM's engine
 process rebuilds its configuration from it), without the MTP block counts: its MTP drafter loads the checkpoint's.
+:func:`parameter_names` lists the parameters of the model that config describes, as the checkpoint names them
+(the FP8 engine's ``ignored_layers`` for ``generation.fp8.keep_bf16``).
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -55,7 +58,8 @@ class EngineConfig:
         self.extra = dict(extra or {})
 
     def __call__(self, config: Any) -> Any:
-        out = type(config).from_dict(dict(self.config))
+        # a copy each call: vLLM calls it more than once, and a config's reader may take nested mappings apart
+        out = type(config).from_dict(copy.deepcopy(self.config))
         _set_as_vllm_does(out, self.extra, top=True)
         return out
 

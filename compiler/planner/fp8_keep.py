@@ -50,19 +50,25 @@ COMPONENT_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
 NOT_QUANTIZED = ("norms", "moe_router")
 
 
-def _named(module: str, keep: tuple[str, ...]) -> bool:
-    return kept(f"model.layers.0.{module}.weight", keep)
+#: A layer index no fragment names: what a fragment matches in every layer.
+ANY_LAYER = "#"
+
+
+def _named(module: str, keep: tuple[str, ...], layer: str) -> bool:
+    return kept(f"model.layers.{layer}.{module}.weight", keep)
 
 
 def component_kept(component: str, keep: tuple[str, ...]) -> bool:
-    """Whether a fragment of ``keep`` names any module of ``component`` (memory: the component counts as kept)."""
-    return any(_named(m, keep) for family in COMPONENT_MODULES.get(component, ()) for m in family)
+    """Whether a fragment of ``keep`` names any module of ``component`` in any layer (memory: the component counts
+    as kept in every layer, so a fragment naming one layer, e.g. ``layers.0.``, counts for all)."""
+    return any(_named(m, keep, layer) for family in COMPONENT_MODULES.get(component, ()) for m in family
+               for layer in (ANY_LAYER, "0"))
 
 
 def component_fully_kept(component: str, keep: tuple[str, ...]) -> bool:
-    """Whether ``keep`` names every module of ``component`` in one naming family (its shapes then do not matter
-    to block scales: nothing of it is quantized)."""
-    return any(all(_named(m, keep) for m in family) for family in COMPONENT_MODULES.get(component, ()))
+    """Whether ``keep`` names every module of ``component`` in one naming family, in every layer (its shapes then
+    do not matter to block scales: nothing of it is quantized)."""
+    return any(all(_named(m, keep, ANY_LAYER) for m in family) for family in COMPONENT_MODULES.get(component, ()))
 
 
 def kept_share(recipe: "Recipe", facts: "ModelFacts") -> float:

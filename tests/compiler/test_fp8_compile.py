@@ -264,6 +264,8 @@ def test_kept_share_counts_whole_components_by_checkpoint_names():
     assert component_kept("mla", ("a_proj", "b_proj")) and not component_fully_kept("mla", ("a_proj", "b_proj"))
     assert component_fully_kept("attention", ("self_attn",)) and component_fully_kept("routed_experts", ("experts",))
     assert not component_kept("dense_mlp", ("visual",)) and not component_kept("attention", ())
+    # a fragment naming one layer counts that component as kept (memory) but exempts nothing from the alignment
+    assert component_kept("dense_mlp", ("layers.0.",)) and not component_fully_kept("dense_mlp", ("layers.0.",))
 
 
 def test_block_scales_name_the_kept_modules_as_the_checkpoint_does(tmp_path):
