@@ -186,6 +186,12 @@ def test_settings_that_change_nothing_are_listed_not_stopped():
     listed = {u.key: u for u in imported.unmapped if u.effect == "none"}
     assert {"logger.wandb_enabled", "grpo.val_period", "policy.megatron_cfg.empty_unused_memory_level"} <= set(listed)
     assert imported.dropped == []
+    # the Megatron trainer's logprob kernel and attention backend: speed and memory, the same values
+    kernels = import_nemo_rl(str(MEGATRON_BASE), ["++policy.megatron_cfg.use_fused_linear_logprobs=true",
+                                                  "++policy.megatron_cfg.attention_backend=flash"])
+    active = {u.key: u.effect for u in kernels.unmapped if not u.inactive}
+    assert active["policy.megatron_cfg.use_fused_linear_logprobs"] == "none"
+    assert active["policy.megatron_cfg.attention_backend"] == "none" and kernels.dropped == []
 
 
 def test_the_colocated_reshard_recipe_validates_with_its_own_inference_router(tmp_path):

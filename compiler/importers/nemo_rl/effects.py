@@ -74,6 +74,11 @@ NO_EFFECT: tuple[tuple[str, str], ...] = (
     ("policy.megatron_cfg.use_gloo_process_groups", "process-group backend"),
     ("policy.megatron_cfg.pipeline_dtype", "follows policy.precision (model.dtype)"),
     ("policy.megatron_cfg.cuda_graph_", "training CUDA graphs (speed)"),
+    ("policy.megatron_cfg.use_fused_linear_logprobs", "how the logprobs are computed: a chunked kernel from the "
+     "hidden states, the same values without the full logits in memory (rlc materializes them, and its plan counts "
+     "them)"),
+    ("policy.megatron_cfg.fused_linear_logprobs_chunk_size", "the fused logprob kernel's chunk (memory)"),
+    ("policy.megatron_cfg.attention_backend", "Transformer Engine's attention kernel (speed)"),
     ("policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "CPU-offload overlap (speed)"),
     ("policy.megatron_cfg.optimizer.bf16", "follows policy.precision (model.dtype)"),
     ("policy.megatron_cfg.optimizer.fp16", "follows policy.precision (model.dtype)"),
