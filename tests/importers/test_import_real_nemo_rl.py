@@ -332,3 +332,17 @@ def test_vllm_workers_environment_reaches_vllm_and_nothing_else_is_assumed():
 def test_a_forced_on_policy_ratio_is_mapped():
     got = mapped(import_nemo_rl(str(BASE), ["loss_fn.force_on_policy_ratio=true"]))
     assert got["loss.force_on_policy_ratio"] is True  # used to stop the import
+
+
+def test_freezing_the_vision_tower_is_listed_and_freezing_the_language_model_stops_the_import():
+    """Qwen3.5's FP8 recipes freeze the vision tower and its projection: with text prompts they get no gradient, so
+    rlc lists the keys instead of stopping; freezing the language model would train nothing rlc trains."""
+    path = LLM / "grpo-qwen3.5-9b-1n8g-megatron.yaml"
+    freeze = "++policy.megatron_cfg.freeze_config={freeze_vision_model: true, freeze_vision_projection: true, " \
+             "freeze_language_model: %s}"
+    vision = import_nemo_rl(str(path), [freeze % "false"])
+    listed = {u.key: u for u in vision.unmapped}
+    assert listed["policy.megatron_cfg.freeze_config.freeze_vision_model"].effect == "none"
+    assert "no gradient" in listed["policy.megatron_cfg.freeze_config.freeze_vision_projection"].reason
+    assert vision.dropped == [] and "policy.megatron_cfg.freeze_config.freeze_language_model" in vision.mapping.implied
+    assert "policy.megatron_cfg.freeze_config.freeze_language_model" in dropped(path, (freeze % "true",))

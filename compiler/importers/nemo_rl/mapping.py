@@ -51,6 +51,7 @@ from rlc.contract.ranges import schema_ranges
 from rlc.compiler.importers.nemo_rl.results import Mapping, MappedValue, MissingKey, Unmappable, Unmapped
 from rlc.compiler.importers.nemo_rl.training_keys import activation_checkpointing as _activation_checkpointing
 from rlc.compiler.importers.nemo_rl.training_keys import classified as _classified
+from rlc.compiler.importers.nemo_rl.training_keys import freeze_config as _freeze_config
 from rlc.compiler.importers.nemo_rl.training_keys import hf_config_overrides as _hf_config_overrides
 from rlc.compiler.importers.nemo_rl.training_keys import mtp_layers as _mtp_layers
 from rlc.compiler.importers.nemo_rl.training_keys import prompt_files as _prompt_files
@@ -267,6 +268,7 @@ def map_config(cfg: NemoRlConfig) -> Mapping:
     if megatron:
         _activation_checkpointing(m)
         _mtp_layers(m)
+        _freeze_config(m)
         _fp8(m)
         _grad_reduce_in_fp32(m)
         _pass_through(m, [f"{M}.{k}" for k in MEGATRON_PASS_THROUGH], "training.megatron_kwargs",

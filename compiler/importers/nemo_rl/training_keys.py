@@ -133,6 +133,30 @@ def mtp_layers(m: _Mapper) -> None:
           f"the trainer builds {value} MTP block(s) (the checkpoint has {have})")
 
 
+FREEZE = f"{M}.freeze_config"
+#: Why freezing a vision-language checkpoint's vision parts changes nothing rlc trains.
+_VISION_FROZEN_OR_NOT = ("rlc's prompts are text, so the vision tower and its projection get no gradient and the "
+                         "language model trains the same either way; unfrozen, weight decay alone moves their "
+                         "weights (learning rate x weight decay a step)")
+
+
+def freeze_config(m: _Mapper) -> None:
+    """``policy.megatron_cfg.freeze_config`` (vision-language checkpoints, e.g. Qwen3.5): freezing the vision tower
+    or its projection changes nothing rlc trains (listed); freezing the language model would train nothing of it."""
+    for part in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model"):
+        key = f"{FREEZE}.{part}"
+        if key not in m.leaves:
+            continue
+        m.consumed.add(key)
+        value = m.leaves[key]
+        if part != "freeze_language_model":
+            m.out.unmapped.append(Unmapped(key, value, _VISION_FROZEN_OR_NOT, effect="none"))
+        elif value:
+            m.out.unmapped.append(Unmapped(key, value, "rlc trains the language model"))
+        else:
+            m.out.implied[key] = "false: the language model trains, as rlc trains it"
+
+
 HF_CONFIG_OVERRIDES = "policy.hf_config_overrides"
 
 
