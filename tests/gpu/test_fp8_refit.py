@@ -198,7 +198,7 @@ def runtime_configs(case: str, root: Path, scales: str, fp8_util: float | None,
     bf16["generation"]["enforce_eager"] = not cuda_graphs
     fp8 = copy.deepcopy(bf16)
     fp8["generation"]["precision"] = "fp8"
-    fp8["generation"]["fp8"] = {"scales": scales, "pow2_scales": False}
+    fp8["generation"]["fp8"].update(scales=scales, pow2_scales=False)
     if fp8_util is not None:
         fp8["generation"]["gpu_memory_utilization"] = fp8_util
     return model_dir, {"bf16": bf16, "fp8": fp8}
