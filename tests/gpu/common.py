@@ -73,6 +73,21 @@ def tiny_cfg_dict(root: str | Path, **overrides: Any) -> dict:
     return d
 
 
+def fresh_tiny_workspace(root: str | Path, config: dict[str, Any], prompts: int = 64) -> Path:
+    """``root`` emptied, then the tiny Qwen3 checkpoint (built-in config with ``config`` on top) in ``root/qwen3``
+    and ``prompts`` toy prompts in ``root/data/train.jsonl``, where :func:`tiny_cfg_dict` looks; returns ``root``."""
+    import shutil  # noqa: PLC0415
+
+    from rlc.runtime import toy  # noqa: PLC0415
+    from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
+
+    base = Path(root)
+    shutil.rmtree(base, ignore_errors=True)
+    build_toy_model(base / "qwen3", config=config)
+    toy.write_dataset(base / "data" / "train.jsonl", prompts, 0)
+    return base
+
+
 def write_yaml(d: dict, path: str | Path) -> Path:
     import yaml  # noqa: PLC0415
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.gpu.common import Timer, dump, gpu_available, tiny_cfg_dict
+from tests.gpu.common import Timer, dump, fresh_tiny_workspace, gpu_available, tiny_cfg_dict
 from tests.gpu.test_refit_logprobs import _batch, _compare, _refit, _sequences
 
 KEEP = ["mlp"]
@@ -57,10 +55,8 @@ def run(root: str = "/tmp/rlc-fp8-keep", out: str | None = None) -> dict:
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
     from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
-    from rlc.runtime import toy  # noqa: PLC0415
     from rlc.runtime.generation.vllm_worker import VllmGenerationWorker  # noqa: PLC0415
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
-    from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
     from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
 
     clock = Timer()
@@ -68,10 +64,7 @@ def run(root: str = "/tmp/rlc-fp8-keep", out: str | None = None) -> dict:
         import ray.cloudpickle  # noqa: PLC0415
 
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    base = Path(root)
-    shutil.rmtree(base, ignore_errors=True)
-    build_toy_model(base / "qwen3", config={"head_dim": 64})
-    toy.write_dataset(base / "data" / "train.jsonl", 64, 0)
+    base = fresh_tiny_workspace(root, {"head_dim": 64})
     res: dict = {"keep_bf16": KEEP, "goal": {"trainer_vs_vllm_mean_abs": MAX_MEAN_ABS}}
     block = tiny_cfg_dict(base, **{"generation.precision": "fp8", "generation.fp8.scales": "block",
                                    "generation.fp8.keep_bf16": KEEP, "refit.sleep_level": 2})

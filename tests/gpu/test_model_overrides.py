@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.common import Timer, dump, gpu_available, tiny_cfg_dict
+from tests.gpu.common import Timer, dump, fresh_tiny_workspace, gpu_available, tiny_cfg_dict
 from tests.gpu.test_refit_logprobs import _batch, _compare, _sequences
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,9 +100,7 @@ def run(root: str = "/tmp/rlc-model-overrides", out: str | None = None) -> dict:
     from ray.util.placement_group import placement_group  # noqa: PLC0415
 
     from rlc.contract.runtime_config import runtime_config_from_dict  # noqa: PLC0415
-    from rlc.runtime import toy  # noqa: PLC0415
     from rlc.runtime.policy.megatron_worker import MegatronPolicyWorker  # noqa: PLC0415
-    from rlc.runtime.toy_model import build_toy_model  # noqa: PLC0415
     from rlc.runtime.workers import spawn, worker_env  # noqa: PLC0415
 
     clock = Timer()
@@ -111,10 +108,7 @@ def run(root: str = "/tmp/rlc-model-overrides", out: str | None = None) -> dict:
         import ray.cloudpickle  # noqa: PLC0415
 
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    base = Path(root)
-    shutil.rmtree(base, ignore_errors=True)
-    build_toy_model(base / "qwen3", config={"initializer_range": INIT_STD})
-    toy.write_dataset(base / "data" / "train.jsonl", 64, 0)
+    base = fresh_tiny_workspace(root, {"initializer_range": INIT_STD})
     res: dict = {"goal": {"rope_theta": ROPE_THETA, "visible_max_abs": VISIBLE, "separation": SEPARATION},
                  "init_std": INIT_STD}
     plain_dict = tiny_cfg_dict(base)
