@@ -161,6 +161,15 @@ def _value(text: str) -> Any:
         return text
 
 
+def block_shape(m: re.Match, lines: list[str], i: int) -> Values:
+    """An FP8 block-scale shape failure: the width that is not a multiple of the block, and what it measures."""
+    g = m.groupdict()
+    out: dict[str, Any] = {"width": int(g.get("width") or g["width2"]), "block": int(g.get("block") or g["block2"])}
+    if g.get("what"):
+        out["what"] = g["what"]
+    return out
+
+
 def nothing(m: re.Match, lines: list[str], i: int) -> Values:
     return {}
 

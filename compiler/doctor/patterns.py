@@ -314,6 +314,19 @@ PATTERNS: tuple[Pattern, ...] = (
          "max_model_len'); vllm-project/vllm #3676",),
         hints=("user-specified max_model_len",)),
     Pattern(
+        "fp8-block-shape", "RLC330", "a layer's shape does not fit FP8 128×128 block scales",
+        _rx(r"(?:(?P<what>Weight input_size_per_partition|Weight output_partition_size|The output_size of gate's and "
+            r"up's weight|The input_size of down's weight) = (?P<width>[0-9]+) is not divisible by weight "
+            r"quantization block_[nk] = (?P<block>[0-9]+))|(?:the last dimension of `x` (?P<width2>[0-9]+) must be "
+            r"divisible by `group_size` (?P<block2>[0-9]+))"), x.block_shape,
+        "keep the layer in bf16 (generation.fp8.keep_bf16: a fragment of its module name, e.g. `visual` for a vision "
+        "tower that vLLM builds for a vision-language checkpoint), use generation.fp8.scales: tensor or auto, or a "
+        "generation TP that keeps each shard 128-aligned; RLC330 checks the decoder layers before submission",
+        ("vLLM 0.22 fp8_utils.py validate_fp8_block_shape and fp8.py Fp8MoEMethod.create_weights; NeMo-RL's Qwen3.5 "
+         "guide ('the last dimension of x 4304 must be divisible by group_size 128' from a quantized vision tower, "
+         "fixed by quantization_ignored_layer_kws: [visual])",),
+        hints=("is not divisible by weight quantization block", "must be divisible by `group_size`")),
+    Pattern(
         "vllm-no-kv-memory", "RLC214", "vLLM's budget leaves no memory for its KV cache",
         _rx(r"No available memory for the cache blocks"), x.nothing,
         "raise generation.gpu_memory_utilization above the weight shard and activations, shard vLLM further "

@@ -81,6 +81,7 @@ EXPECTED = {
     "nemo_rl_packing_bin_capacity.log": ("packed-sequence-too-long", "RLC315",
                                          {"tokens": 51204, "budget_tokens": 49152}),
     "vllm_no_kv_memory.log": ("vllm-no-kv-memory", "RLC214", {}),
+    "vllm_fp8_block_shape.log": ("fp8-block-shape", "RLC330", {"width": 4304, "block": 128}),
     "vllm_sampler_warmup_oom.log": ("vllm-startup-oom", "RLC214", {"what": "sampler", "requests": 1024}),
     "verl_prompt_too_long.log": ("vllm-prompt-too-long", "RLC305", {"tokens": 6768, "max_model_len": 4096}),
     "vllm_max_model_len_derived.log": ("vllm-max-model-len-over-derived", "RLC112",
@@ -222,3 +223,19 @@ def test_vllms_current_prompt_length_messages_name_rlc305():
         (f,) = diagnose(text)
         assert (f.pattern, f.rule, f.values) == ("vllm-prompt-too-long", "RLC305",
                                                  {"tokens": tokens, "max_model_len": 8192})
+
+
+@pytest.mark.parametrize("line, what, width", [
+    ("ValueError: Weight output_partition_size = 192 is not divisible by weight quantization block_n = 128.",
+     "Weight output_partition_size", 192),
+    ("ValueError: The input_size of down's weight = 96 is not divisible by weight quantization block_k = 128.",
+     "The input_size of down's weight", 96),
+])
+def test_vllms_block_shape_checks_name_rlc330(line, what, width):
+    """vLLM 0.22's own block-shape checks at engine start (fp8_utils.validate_fp8_block_shape, Fp8MoEMethod)."""
+    from rlc.compiler.doctor import diagnose
+
+    [finding] = diagnose(f"(VllmGenerationWorker pid=1) ERROR [core.py:708] {line}\n")
+    assert (finding.rule, finding.values["what"], finding.values["width"], finding.values["block"]) == (
+        "RLC330", what, width, 128)
+    assert "generation.fp8.keep_bf16" in finding.fix
