@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from rlc.compiler.catalog.context import context_length
 from rlc.compiler.model import Fp32Param, LayerKind, ModelFacts
-from rlc.contract.model_overrides import MTP_COUNT_KEYS, MTP_HIDDEN_KEY, NEXTN_KEY  # noqa: F401  (re-exported)
+from rlc.contract.model_overrides import MTP_HIDDEN_KEY, NEXTN_KEY
 
 ROUTER_BIAS = Fp32Param(
     pattern="*e_score_correction_bias*",

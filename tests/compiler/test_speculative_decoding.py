@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlc.compiler import api
-from rlc.compiler.catalog.hf_config import MTP_COUNT_KEYS
+from rlc.contract.model_overrides import MTP_COUNT_KEYS
 from rlc.compiler.catalog.models import model_facts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ from rlc.compiler.importers.nemo_rl.results import Unmappable, Unmapped
 from rlc.compiler import catalog
 from rlc.compiler.files import read_text_capped
 from rlc.contract.chat_template import TOKENIZER_TEMPLATE
+from rlc.contract.model_overrides import MTP_HIDDEN_KEY, NEXTN_KEY
 
 if TYPE_CHECKING:
     from rlc.compiler.importers.nemo_rl.config_loader import NemoRlConfig
@@ -88,9 +89,8 @@ def activation_checkpointing(m: _Mapper) -> None:
 
 
 #: The config.json key a model family states its MTP block count with (rlc's model.overrides key).
-_MTP_KEYS = {"qwen3_5_moe": "mtp_num_hidden_layers", "qwen3_5": "mtp_num_hidden_layers",
-             "deepseek_v3": "num_nextn_predict_layers", "glm4_moe": "num_nextn_predict_layers",
-             "nemotron_h": "num_nextn_predict_layers"}
+_MTP_KEYS = {"qwen3_5_moe": MTP_HIDDEN_KEY, "qwen3_5": MTP_HIDDEN_KEY, "deepseek_v3": NEXTN_KEY,
+             "glm4_moe": NEXTN_KEY, "nemotron_h": NEXTN_KEY}
 
 
 def _model_mtp(model_id: Any) -> tuple[Optional[int], Optional[str]]:
