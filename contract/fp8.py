@@ -59,8 +59,7 @@ def block_quantized(name: str, ndim: int, keep: Sequence[str] = ()) -> bool:
     ``generation.fp8.keep_bf16``)."""
     if ndim != 2 or not name.endswith(".weight") or kept(name, keep):
         return False
-    module = name[: -len(".weight")]
-    return module.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS
+    return module_of(name).rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS
 
 
 def scale_name(name: str) -> str:
