@@ -40,10 +40,11 @@ def block_alignment_problems(facts: Any, tp: int, ep: int, keep: tuple[str, ...]
     out: list[str] = []
     kinds = facts.layer_kinds or ()
     mixers = {m for m, _ in kinds if m and not component_fully_kept("attention" if m == "full_attention" else m, keep)}
+    experts_kept = component_fully_kept("routed_experts", keep)
     other = sorted(mixers - {"full_attention", "mla"})
     if other:
         out.append(f"the model has {', '.join(other)} layers, whose projections the trainer does not quantize")
-    if facts.is_moe and facts.expert_export == "stacked" and not component_fully_kept("routed_experts", keep):
+    if facts.is_moe and facts.expert_export == "stacked" and not experts_kept:
         out.append("Megatron-Bridge exports the routed experts as one stacked tensor per projection; block "
                    "scales are sent per expert")
 
@@ -79,7 +80,7 @@ def block_alignment_problems(facts: Any, tp: int, ep: int, keep: tuple[str, ...]
             need(f"{what} gate_proj rows per vLLM rank (fused gate/up, TP {tp})", per)
             if split:
                 need(f"{what} down_proj columns per vLLM rank (TP {tp})", per, BLOCK_K)
-    if "moe" in mlps and facts.moe_intermediate and not component_fully_kept("routed_experts", keep):
+    if "moe" in mlps and facts.moe_intermediate and not experts_kept:
         experts_tp = 1 if ep > 1 else tp
         per = _shard(facts.moe_intermediate, experts_tp)
         need(f"expert intermediate width per vLLM rank ({'EP' if ep > 1 else f'TP {tp}'})", per)
